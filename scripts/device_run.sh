@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# One GPU session's worth of checks and timings, for the lent device (see docs/perf.md).
+# Usage: bash scripts/device_run.sh STAGE [STAGE ...]
+#   env      versions, GPU, measured ceilings (bf16 matmul, device copy)
+#   peers    install carried wheels (.whl, .whl2, .whlb folders) into .site (kept while the machine is warm)
+#   test     pytest on the GPU (fp32 IEEE vs float64 recurrence, bf16 vs FLA's error)
+#   bench    tfla bench gdn: default workload, then the T sweep at B = 4
+#   quick    tfla bench gdn on the default workload only
+# Results go to $OUT (logs, CSV/JSON); the last lines printed are the summary tables.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD/.site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export FLA_FLASH_QLA=0
+
+for stage in "$@"; do
+  case "$stage" in
+    env)
+      nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/env.txt"
+      python3 - <<'EOF' 2>&1 | tee -a "$OUT/env.txt"
+import torch, triton
+from triton.testing import do_bench
+print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name(0),
+      torch.cuda.get_device_properties(0).multi_processor_count, "SMs")
+a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16); b = torch.randn_like(a)
+ms = do_bench(lambda: a @ b, warmup=25, rep=200, return_mode="median")
+print(f"ceiling: bf16 matmul 8192^3 {2 * 8192**3 / ms / 1e9:.0f} TFLOP/s")
+x = torch.empty(2**30 // 2, device="cuda", dtype=torch.bfloat16).normal_(); y = torch.empty_like(x)
+ms = do_bench(lambda: y.copy_(x), warmup=25, rep=200, return_mode="median")
+print(f"ceiling: device copy {2 * x.numel() * 2 / ms / 1e9:.0f} GB/s (read + write)")
+EOF
+      ;;
+    peers)
+      for d in .whl .whl2 .whlb; do
+        if ls $d/*.whl >/dev/null 2>&1; then
+          python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target .site $d/*.whl 2>&1 | grep -v "already exists" | tail -3
+        fi
+      done
+      python3 -c "import fla; print('fla', fla.__version__)" 2>&1 | tail -1
+      python3 -c "import flash_qla; print('flash_qla', flash_qla.__version__)" 2>&1 | tail -1
+      ;;
+    test)
+      python3 -m pytest -q -x -p no:cacheprovider -s -m "gpu" tests 2>&1 | tee "$OUT/pytest_gpu.log" | grep -E "bf16 L=|passed|failed|error" ;
+      python3 -m pytest -q -x -p no:cacheprovider -m "not gpu" tests/ops 2>&1 | tee "$OUT/pytest_all.log" | tail -3
+      ;;
+    quick)
+      python3 -m tfla bench gdn --no-progress --json "$OUT/bench_default.json" --csv "$OUT/bench_default.csv" 2>&1 | tee "$OUT/bench_default.log"
+      ;;
+    bench)
+      python3 -m tfla bench gdn --no-progress --json "$OUT/bench_default.json" --csv "$OUT/bench_default.csv" 2>&1 | tee "$OUT/bench_default.log"
+      python3 -m tfla bench gdn --no-progress --T 4096,16384,32768 --json "$OUT/bench_sweepT.json" --csv "$OUT/bench_sweepT.csv" 2>&1 | tee "$OUT/bench_sweepT.log"
+      ;;
+    *)
+      echo "unknown stage $stage" >&2; exit 2 ;;
+  esac
+done

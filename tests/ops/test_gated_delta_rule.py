@@ -1,0 +1,174 @@
+"""tfla.chunk_gated_delta_rule forward against the float64 step-by-step recurrence.
+
+Every case checks o and the final state by relative L2 per tensor; outputs are allocated NaN-poisoned
+so an unwritten tile fails. fp32 uses IEEE dots (tolerance 1e-5). fp16 runs on the CPU interpreter
+(tolerance FP16_TOL, documented in the op's README); bf16 runs only on a GPU (the interpreter
+mis-computes bf16 dots) and is held to FLA's own error on the same inputs.
+"""
+import pytest
+import torch
+
+import tfla
+from tfla.bench.inputs import as_reference, gdn_inputs, random_cu_seqlens
+from tfla.ops.gated_delta_rule import chunk_gated_delta_rule_fwd
+from tfla.ops.gated_delta_rule.reference import chunk_gated_delta_rule_ref, recurrent_gated_delta_rule_ref
+from tfla.utils.testing import assert_rel_close, rel_l2
+
+FP32_TOL = 1e-5
+FP16_TOL = 5e-3
+LN2 = 0.6931471805599453
+
+
+def _run_and_ref(device, B, T, H, HV, K, V, L, dtype=torch.float32, gate="default", h0=True, seed=0,
+                 l2norm=False, scale=None):
+    x = gdn_inputs(B, T, H, K, V, HV=HV, dtype=dtype, device=device, gate=gate, initial_state=h0, seed=seed)
+    if l2norm:  # hand the kernel unnormalised keys
+        x["k"] = (x["k"].float() * 3.0).to(dtype)
+    o, s = tfla.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], scale=scale,
+                                       initial_state=x["initial_state"], output_final_state=True,
+                                       use_qk_l2norm_in_kernel=l2norm, chunk_size=L)
+    r = as_reference({n: (t.cpu() if t is not None else None) for n, t in x.items()})
+    ro, rs = recurrent_gated_delta_rule_ref(r["q"], r["k"], r["v"], r["g"], r["beta"], scale=scale,
+                                            initial_state=r["initial_state"], output_final_state=True,
+                                            use_qk_l2norm_in_kernel=l2norm)
+    return (o, s), (ro, rs)
+
+
+# (B, T, H, HV, K, V, L): T in {1, L-1, L+1, non-multiples}, GVA, non-power-of-two head dims
+CASES = [
+    (2, 1, 2, 2, 32, 32, 64),
+    (1, 63, 1, 1, 32, 32, 64),
+    (1, 65, 1, 1, 32, 32, 64),
+    (2, 200, 2, 2, 32, 16, 64),
+    (1, 127, 1, 2, 32, 32, 128),
+    (1, 129, 2, 4, 16, 32, 128),
+    (1, 255, 1, 1, 32, 32, 256),
+    (2, 300, 1, 2, 32, 32, 256),
+    (1, 511, 1, 1, 16, 16, 512),
+    (1, 700, 1, 1, 16, 16, 512),
+    (1, 150, 1, 1, 20, 24, 128),
+    (1, 100, 2, 2, 48, 80, 64),
+]
+
+
+@pytest.mark.parametrize("B,T,H,HV,K,V,L", CASES)
+def test_fwd_fp32_matches_recurrence(device, poison_empty, B, T, H, HV, K, V, L):
+    (o, s), (ro, rs) = _run_and_ref(device, B, T, H, HV, K, V, L, seed=T + L)
+    assert o.dtype == torch.float32 and s.dtype == torch.float32
+    assert_rel_close("o", o.cpu(), ro, FP32_TOL)
+    assert_rel_close("final_state", s.cpu(), rs, FP32_TOL)
+
+
+@pytest.mark.parametrize("gate", ["weak", "strong", "zero", "mixed"])
+@pytest.mark.parametrize("L", [64, 256])
+def test_fwd_fp32_gate_regimes(device, poison_empty, gate, L):
+    (o, s), (ro, rs) = _run_and_ref(device, 1, 300, 1, 2, 32, 32, L, gate=gate, seed=11)
+    assert_rel_close("o", o.cpu(), ro, FP32_TOL)
+    assert_rel_close("final_state", s.cpu(), rs, FP32_TOL)
+
+
+@pytest.mark.parametrize("L", [64, 128])
+def test_fwd_no_initial_state_and_no_final_state(device, L):
+    x = gdn_inputs(1, 130, 1, 32, 32, dtype=torch.float32, device=device, seed=2)
+    o, s = tfla.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], chunk_size=L)
+    assert s is None
+    r = as_reference({n: (t.cpu() if t is not None else None) for n, t in x.items()})
+    ro, _ = recurrent_gated_delta_rule_ref(r["q"], r["k"], r["v"], r["g"], r["beta"])
+    assert_rel_close("o", o.cpu(), ro, FP32_TOL)
+
+
+def test_fwd_l2norm_in_kernel_and_custom_scale(device):
+    (o, s), (ro, rs) = _run_and_ref(device, 1, 100, 1, 2, 32, 32, 64, l2norm=True, scale=0.3, seed=4)
+    assert_rel_close("o", o.cpu(), ro, FP32_TOL)
+    assert_rel_close("final_state", s.cpu(), rs, FP32_TOL)
+
+
+@pytest.mark.parametrize("L", [64, 128, 256])
+def test_fwd_varlen_matches_per_sequence_runs(device, poison_empty, L):
+    T = 400
+    cu = random_cu_seqlens(T, 5, seed=L, device=device)
+    cu[1] = 1  # a length-1 sequence (sorted cuts keep the rest increasing)
+    N = cu.numel() - 1
+    x = gdn_inputs(1, T, 2, 32, 16, HV=4, dtype=torch.float32, device=device, initial_state=True,
+                   num_seqs=N, seed=L)
+    o, s = tfla.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["initial_state"],
+                                       output_final_state=True, cu_seqlens=cu, chunk_size=L)
+    r = as_reference({n: (t.cpu() if t is not None else None) for n, t in x.items()})
+    for n in range(N):
+        b0, b1 = int(cu[n]), int(cu[n + 1])
+        ro, rs = recurrent_gated_delta_rule_ref(
+            r["q"][:, b0:b1], r["k"][:, b0:b1], r["v"][:, b0:b1], r["g"][:, b0:b1], r["beta"][:, b0:b1],
+            initial_state=r["initial_state"][n:n + 1], output_final_state=True)
+        assert_rel_close(f"o[seq {n}]", o[:, b0:b1].cpu(), ro, FP32_TOL)
+        assert_rel_close(f"final_state[seq {n}]", s[n:n + 1].cpu(), rs, FP32_TOL)
+
+
+@pytest.mark.parametrize("L", [64, 256])
+def test_stages_match_chunk_reference(device, L):
+    """Each Triton stage against the chunkwise reference's intermediate (same chunk size)."""
+    x = gdn_inputs(2, 333, 1, 32, 16, HV=2, dtype=torch.float32, device=device, initial_state=True, seed=8)
+    o, s, inter = chunk_gated_delta_rule_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], 32 ** -0.5,
+                                             x["initial_state"], True, L)
+    r = as_reference({n: (t.cpu() if t is not None else None) for n, t in x.items()})
+    _, _, ri = chunk_gated_delta_rule_ref(r["q"], r["k"], r["v"], r["g"], r["beta"], initial_state=r["initial_state"],
+                                          chunk_size=L, return_intermediates=True)
+    assert_rel_close("g_cum", inter["g_cum"].cpu() * LN2, ri["g_cum"], 1e-6)
+    for name in ("w", "u", "v_new", "h"):
+        assert_rel_close(name, inter[name].cpu(), ri[name], FP32_TOL)
+
+
+def test_fwd_fp16(device, poison_empty):
+    (o, s), (ro, rs) = _run_and_ref(device, 1, 200, 1, 2, 32, 32, 128, dtype=torch.float16, seed=9)
+    assert o.dtype == torch.float16 and s.dtype == torch.float32
+    assert_rel_close("o", o.cpu(), ro, FP16_TOL)
+    assert_rel_close("final_state", s.cpu(), rs, FP16_TOL)
+
+
+def test_chunk_sizes_agree(device):
+    """Every outer chunk size computes the same function (fp32, to rounding)."""
+    x = gdn_inputs(1, 520, 1, 32, 32, dtype=torch.float32, device=device, initial_state=True, seed=12)
+    outs = [tfla.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["initial_state"],
+                                        output_final_state=True, chunk_size=L) for L in (64, 128, 256, 512)]
+    for o, s in outs[1:]:
+        assert rel_l2(o, outs[0][0]) <= FP32_TOL
+        assert rel_l2(s, outs[0][1]) <= FP32_TOL
+
+
+def test_requires_grad_raises_until_backward_exists(device):
+    x = gdn_inputs(1, 16, 1, 16, 16, dtype=torch.float32, device=device)
+    q = x["q"].clone().requires_grad_()
+    with pytest.raises(NotImplementedError, match="backward"):
+        tfla.chunk_gated_delta_rule(q, x["k"], x["v"], x["g"], x["beta"])
+    with torch.no_grad():
+        tfla.chunk_gated_delta_rule(q, x["k"], x["v"], x["g"], x["beta"])
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,T,H,HV,K,V,L", [(2, 1000, 4, 4, 128, 128, 64), (2, 1000, 2, 4, 128, 128, 256),
+                                            (1, 3000, 4, 4, 128, 128, 512), (1, 777, 2, 2, 100, 200, 128),
+                                            (1, 600, 2, 2, 256, 256, 256)])
+def test_fwd_fp32_gpu_shapes(poison_empty, B, T, H, HV, K, V, L):
+    (o, s), (ro, rs) = _run_and_ref("cuda", B, T, H, HV, K, V, L, seed=1)
+    assert_rel_close("o", o.cpu(), ro, FP32_TOL)
+    assert_rel_close("final_state", s.cpu(), rs, FP32_TOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("L", [64, 128, 256, 512])
+@pytest.mark.parametrize("gate", ["default", "strong"])
+def test_fwd_bf16_no_worse_than_fla(L, gate):
+    fla = pytest.importorskip("fla.ops.gated_delta_rule")
+    import os
+    os.environ["FLA_FLASH_QLA"] = "0"
+    x = gdn_inputs(2, 2048, 4, 128, 128, dtype=torch.bfloat16, device="cuda", gate=gate, initial_state=True, seed=L)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
+    o, s = tfla.chunk_gated_delta_rule(*args, initial_state=x["initial_state"], output_final_state=True, chunk_size=L)
+    fo, fs = fla.chunk_gated_delta_rule(*args, initial_state=x["initial_state"], output_final_state=True)
+    r = as_reference(x)
+    ro, rs = chunk_gated_delta_rule_ref(r["q"], r["k"], r["v"], r["g"], r["beta"], initial_state=r["initial_state"],
+                                        output_final_state=True, chunk_size=64)
+    e_o, e_s, f_o, f_s = rel_l2(o, ro), rel_l2(s, rs), rel_l2(fo, ro), rel_l2(fs, rs)
+    print(f"bf16 L={L} gate={gate}: tfla o {e_o:.3e} state {e_s:.3e} | FLA o {f_o:.3e} state {f_s:.3e}")
+    # "no worse" with 10% slack for rounding noise between two bf16 pipelines
+    assert e_o <= 1.1 * f_o and e_s <= 1.1 * f_s

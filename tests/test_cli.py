@@ -1,0 +1,51 @@
+"""The main job, ``tfla bench gdn``, runs end to end (CPU: through the interpreter on a tiny workload)."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tfla.cli import main
+
+
+def test_bench_gdn_small(tmp_path, capsys):
+    csv_path, json_path = tmp_path / "r.csv", tmp_path / "r.json"
+    args = ["bench", "gdn", "--T", "70,130", "--B", "1", "--H", "1", "--HV", "2", "--K", "16", "--V", "16",
+            "--chunk-sizes", "64,128", "--dtype", "fp32", "--no-progress", "--csv", str(csv_path), "--json", str(json_path)]
+    if torch.cuda.is_available():
+        args += ["--warmup", "1", "--rep", "5"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "tfla L=64" in out and "tfla L=128" in out and "Gated DeltaNet forward" in out
+    data = json.loads(json_path.read_text())
+    rows = [r for r in data["rows"] if r["impl"].startswith("tfla")]
+    assert len(rows) == 4 and all(r["status"] == "ok" and r["ms"] > 0 for r in rows)
+    assert all(r["err_o"] < 1e-5 for r in rows)
+    assert data["env"]["torch"] == torch.__version__
+    assert csv_path.read_text().startswith("impl,")
+
+
+def test_bench_refuses_wrong_kernel(monkeypatch, capsys):
+    """A kernel whose output is off is reported WRONG and not timed (and the command fails)."""
+    import tfla.bench.registry as reg
+
+    real = reg.tfla_impl
+
+    def broken(L):
+        impl = real(L)
+        fn = impl.fn
+        impl.fn = lambda x, **kw: (lambda o, s: (o * 1.01, s))(*fn(x, **kw))
+        return impl
+
+    monkeypatch.setattr(reg, "tfla_impl", broken)
+    rc = main(["bench", "gdn", "--T", "64", "--H", "1", "--K", "16", "--V", "16", "--chunk-sizes", "64",
+               "--dtype", "fp32", "--no-progress", "--impls", "tfla"])
+    assert rc == 1
+    assert "WRONG" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv", [["-m", "tfla", "bench", "gdn", "--help"]])
+def test_module_entry_point(argv):
+    r = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "--chunk-sizes" in r.stdout

@@ -1,0 +1,26 @@
+"""tfla: Tiled Flash Linear Attention kernels for linear RNNs (Triton + PyTorch autograd).
+
+Public ops are imported lazily, so ``import tfla`` does not import Triton: a CPU-only process can
+still set ``TRITON_INTERPRET=1`` after importing tfla and before the first op is used.
+"""
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+_OPS = {
+    "chunk_gated_delta_rule": "tfla.ops.gated_delta_rule",
+}
+
+__all__ = sorted(_OPS)
+
+
+def __getattr__(name: str):
+    if name in _OPS:
+        return getattr(importlib.import_module(_OPS[name]), name)
+    raise AttributeError(f"module 'tfla' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(list(globals()) + list(_OPS))

@@ -1,0 +1,3 @@
+from tfla.cli import main
+
+raise SystemExit(main())

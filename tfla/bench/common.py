@@ -1,0 +1,101 @@
+"""Measurement helpers shared by the benchmarks: timing, peak memory, errors, environment, output."""
+from __future__ import annotations
+
+import csv
+import datetime
+import importlib.metadata
+import json
+import platform
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from tfla.utils.testing import rel_l2  # noqa: F401  (re-exported for the benchmarks)
+
+
+def time_ms(fn, warmup_ms: float = 25, rep_ms: float = 100) -> float:
+    """Median time of ``fn()`` in ms: ``triton.testing.do_bench`` on CUDA; on the CPU (interpreter)
+    the median of a few wall-clock runs."""
+    if torch.cuda.is_available():
+        from triton.testing import do_bench
+
+        return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+    fn()
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def peak_mib(fn) -> float | None:
+    """Peak CUDA memory allocated during ``fn()`` above what was allocated before, in MiB."""
+    if not torch.cuda.is_available():
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del out
+    return peak / 2**20
+
+
+def git_sha() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent, timeout=5).stdout.strip() or "?"
+    except Exception:
+        return "?"
+
+
+def _ver(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "-"
+
+
+def env_info() -> dict:
+    import triton
+
+    info = {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"CPU ({platform.processor() or platform.machine()}), Triton interpreter",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "tfla": _ver("tfla"),
+        "git": git_sha(),
+        "fla-core": _ver("fla-core"),
+        "flash-qla": _ver("flash-qla"),
+        "python": platform.python_version(),
+    }
+    if torch.cuda.is_available():
+        info["sm_count"] = torch.cuda.get_device_properties(0).multi_processor_count
+    return info
+
+
+def write_rows(rows: list[dict], meta: dict, csv_path: str | None, json_path: str | None) -> None:
+    if csv_path:
+        keys = list(dict.fromkeys(k for r in rows for k in r))
+        with open(csv_path, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=keys + [f"env_{k}" for k in meta])
+            w.writeheader()
+            for r in rows:
+                w.writerow({**r, **{f"env_{k}": v for k, v in meta.items()}})
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"env": meta, "rows": rows}, f, indent=1, default=str)
+
+
+def fmt(x, spec: str = ".3f") -> str:
+    if x is None or (isinstance(x, float) and x != x):
+        return "-"
+    if isinstance(x, float):
+        return format(x, spec)
+    return str(x)

@@ -1,0 +1,191 @@
+"""``tfla bench gdn``: Gated DeltaNet forward benchmark of tfla (each chunk size) against FLA and
+FlashQLA, after a correctness check of every implementation against a float32 reference.
+
+For each workload: inputs from ``gdn_inputs`` (the tests' factory); a float32 pure-PyTorch
+chunkwise reference (``chunk_gated_delta_rule_ref``, itself tested against the step-by-step
+recurrence in float64); each implementation's o and final state compared by relative L2 and, if
+off by more than the dtype's tolerance or not finite, reported as WRONG and not timed. Then the
+median time (``triton.testing.do_bench``), TFLOP/s from ``tfla.ops.gated_delta_rule.cost``, peak
+memory above the inputs, and bytes of materialized states.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+from dataclasses import dataclass
+
+import torch
+
+from tfla.bench.common import env_info, fmt, peak_mib, rel_l2, time_ms, write_rows
+from tfla.bench.inputs import GATES, gdn_inputs
+from tfla.bench.registry import gdn_impls
+from tfla.ops.gated_delta_rule.cost import gdn_fwd_cost
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+# refuse-to-time thresholds (rel-L2 against the fp32 reference); the measured error is reported
+TOLERANCE = {"fp32": 1e-3, "fp16": 1e-2, "bf16": 2e-2}
+
+
+@dataclass(frozen=True)
+class Workload:
+    B: int
+    T: int
+    H: int
+    HV: int
+    K: int
+    V: int
+    dtype: str
+
+    def label(self) -> str:
+        gva = f" HV={self.HV}" if self.HV != self.H else ""
+        return f"B={self.B} T={self.T} H={self.H}{gva} K={self.K} V={self.V} {self.dtype}"
+
+
+def _ints(s: str) -> list[int]:
+    return [int(x) for x in str(s).split(",") if x.strip()]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    gpu = torch.cuda.is_available()
+    p.add_argument("--mode", choices=["fwd"], default="fwd",
+                   help="what to time (fwd: forward only; fwdbwd/bwd arrive with the backward pass)")
+    p.add_argument("--B", type=int, default=4 if gpu else 1, help="batch size (ignored with --tokens)")
+    p.add_argument("--T", type=str, default="8192" if gpu else "200",
+                   help="sequence length(s), comma-separated for a sweep")
+    p.add_argument("--tokens", type=int, default=None,
+                   help="constant-tokens sweep: B = tokens // T for each T (default: constant batch --B)")
+    p.add_argument("--H", type=str, default="16" if gpu else "2", help="key heads, comma-separated for a sweep")
+    p.add_argument("--HV", type=int, default=None, help="value heads (GVA when > H; default H)")
+    p.add_argument("--K", type=int, default=128 if gpu else 32)
+    p.add_argument("--V", type=int, default=128 if gpu else 32)
+    p.add_argument("--dtype", choices=list(DTYPES), default="bf16" if gpu else "fp32")
+    p.add_argument("--chunk-sizes", type=str, default="64,128,256,512", help="tfla outer chunk sizes L")
+    p.add_argument("--impls", type=str, default="tfla,fla,flashqla",
+                   help="comma-separated subset of tfla,fla,flashqla (peers only when installed)")
+    p.add_argument("--gate", choices=GATES, default="default")
+    p.add_argument("--warmup", type=float, default=25.0, help="do_bench warm-up, ms")
+    p.add_argument("--rep", type=float, default=100.0, help="do_bench repetition time, ms")
+    p.add_argument("--csv", type=str, default=None, help="write one row per run to this CSV file")
+    p.add_argument("--json", type=str, default=None, help="write rows and environment to this JSON file")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def workloads_from_args(args) -> list[Workload]:
+    out = []
+    for H in _ints(args.H):
+        HV = args.HV or H
+        for T in _ints(args.T):
+            B = max(1, args.tokens // T) if args.tokens else args.B
+            out.append(Workload(B, T, H, HV, args.K, args.V, args.dtype))
+    return out
+
+
+def _reference(x: dict):
+    from tfla.ops.gated_delta_rule.reference import chunk_gated_delta_rule_ref
+
+    f = {k: (v.float() if isinstance(v, torch.Tensor) else v) for k, v in x.items()}
+    return chunk_gated_delta_rule_ref(f["q"], f["k"], f["v"], f["g"], f["beta"], initial_state=f["initial_state"],
+                                      output_final_state=True, chunk_size=64)
+
+
+def run(args) -> tuple[list[dict], dict]:
+    from rich.progress import Progress
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    wls = workloads_from_args(args)
+    chunk_sizes = _ints(args.chunk_sizes) if "tfla" in args.impls else []
+    peers = [p for p in ("fla", "flashqla") if p in args.impls.split(",")]
+    impls, missing = gdn_impls(chunk_sizes, peers)
+    meta = env_info()
+    meta["missing_peers"] = ",".join(missing) or "-"
+    rows = []
+    with Progress(disable=args.no_progress, transient=True) as bar:
+        task = bar.add_task("gdn", total=len(wls) * len(impls))
+        for wl in wls:
+            dtype = DTYPES[wl.dtype]
+            x = gdn_inputs(wl.B, wl.T, wl.H, wl.K, wl.V, HV=wl.HV, dtype=dtype, device=device,
+                           gate=args.gate, seed=args.seed)
+            ref_o, ref_s = _reference(x)
+            for impl in impls:
+                bar.update(task, description=f"{impl.name} | {wl.label()}")
+                cost = gdn_fwd_cost(wl.B, wl.T, wl.H, wl.HV, wl.K, wl.V, impl.chunk_size,
+                                    itemsize=dtype.itemsize, state_itemsize=impl.state_itemsize)
+                row = {"impl": impl.name, "version": impl.version, "mode": args.mode, "chunk": impl.chunk_size,
+                       "B": wl.B, "T": wl.T, "H": wl.H, "HV": wl.HV, "K": wl.K, "V": wl.V, "dtype": wl.dtype,
+                       "gate": args.gate}
+                try:
+                    with torch.no_grad():
+                        o, s = impl.fn(x, output_final_state=True)
+                    row["err_o"], row["err_state"] = rel_l2(o, ref_o), rel_l2(s, ref_s)
+                    del o, s
+                except Exception as e:  # a peer that rejects this shape or machine: report, keep going
+                    row["status"] = f"error: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+                    rows.append(row)
+                    bar.advance(task)
+                    continue
+                tol = TOLERANCE[wl.dtype]
+                if not (row["err_o"] <= tol and row["err_state"] <= tol):
+                    row["status"] = f"WRONG (rel-L2 > {tol}): not timed"
+                    rows.append(row)
+                    bar.advance(task)
+                    continue
+
+                def call(impl=impl):
+                    with torch.no_grad():
+                        return impl.fn(x, output_final_state=False)
+
+                row["ms"] = time_ms(call, args.warmup, args.rep)
+                row["tflops"] = cost.flops / (row["ms"] * 1e-3) / 1e12
+                row["gbps_min"] = cost.min_bytes / (row["ms"] * 1e-3) / 1e9
+                row["peak_mib"] = peak_mib(call)
+                row["state_mib"] = cost.state_bytes / 2**20
+                row["status"] = "ok"
+                rows.append(row)
+                bar.advance(task)
+                gc.collect()
+            del x, ref_o, ref_s
+            if device == "cuda":
+                torch.cuda.empty_cache()
+    _add_speedups(rows)
+    return rows, meta
+
+
+def _add_speedups(rows: list[dict]) -> None:
+    keyf = ("B", "T", "H", "HV", "K", "V", "dtype", "mode")
+    base = {tuple(r[k] for k in keyf): r["ms"] for r in rows if r["impl"] == "fla" and "ms" in r}
+    for r in rows:
+        b = base.get(tuple(r[k] for k in keyf))
+        r["speedup_vs_fla"] = (b / r["ms"]) if (b and "ms" in r) else None
+
+
+def print_table(rows: list[dict], meta: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"Gated DeltaNet forward | {meta['device']} | torch {meta['torch']} | triton {meta['triton']}",
+              title_justify="left")
+    for col in ("impl", "workload", "ms", "TFLOP/s", "GB/s (min bytes)", "peak MiB", "state MiB",
+                "rel-L2 o", "rel-L2 state", "vs FLA", "status"):
+        t.add_column(col, justify="left" if col in ("impl", "workload", "status") else "right")
+    for r in rows:
+        wl = f"B={r['B']} T={r['T']} H={r['H']}" + (f" HV={r['HV']}" if r["HV"] != r["H"] else "") + \
+             f" K={r['K']} V={r['V']} {r['dtype']}"
+        t.add_row(r["impl"], wl, fmt(r.get("ms")), fmt(r.get("tflops"), ".1f"), fmt(r.get("gbps_min"), ".0f"),
+                  fmt(r.get("peak_mib"), ".0f"), fmt(r.get("state_mib"), ".1f"), fmt(r.get("err_o"), ".2e"),
+                  fmt(r.get("err_state"), ".2e"),
+                  (fmt(r.get("speedup_vs_fla"), ".2f") + "x") if r.get("speedup_vs_fla") else "-", r.get("status", ""))
+    console = Console(width=max(160, Console().width))
+    console.print(t)
+    if meta.get("missing_peers", "-") != "-":
+        console.print(f"not installed (skipped): {meta['missing_peers']}")
+    console.print(f"versions: fla-core {meta['fla-core']}, flash-qla {meta['flash-qla']}, tfla {meta['tfla']} "
+                  f"(git {meta['git']}), {meta['date']}")
+
+
+def main(args) -> int:
+    rows, meta = run(args)
+    write_rows(rows, meta, args.csv, args.json)
+    print_table(rows, meta)
+    bad = [r for r in rows if r["impl"].startswith("tfla") and r.get("status") != "ok"]
+    return 1 if bad else 0

@@ -1,0 +1,83 @@
+"""Input factories shared by the tests and the benchmarks.
+
+Gates follow ``shared/baselines.md``: ``g = logsigmoid(randn + 3)`` (natural log, <= 0),
+``beta = sigmoid(randn)``, keys L2-normalised. Other gate regimes exist for edge-case tests.
+Tensors are drawn in fp32 on the CPU from a seeded generator, rounded to the kernel dtype, then
+moved; ``as_reference`` upcasts those rounded values (never the originals) for a reference.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+GATES = ("default", "weak", "strong", "zero", "mixed")
+
+
+def _gate(kind: str, shape, gen) -> torch.Tensor:
+    x = torch.randn(shape, generator=gen)
+    if kind == "default":
+        return F.logsigmoid(x + 3.0)
+    if kind == "weak":  # g close to 0: long memory
+        return -1e-3 * torch.rand(shape, generator=gen)
+    if kind == "strong":  # heavy decay: e^g ~ 0.01 .. 0.5
+        return F.logsigmoid(x - 2.0) * 2.0
+    if kind == "zero":
+        return torch.zeros(shape)
+    if kind == "mixed":  # g = 0 on even value heads, strong decay on odd ones
+        g = F.logsigmoid(x - 2.0) * 2.0
+        g[..., 0::2] = 0.0
+        return g
+    raise ValueError(f"gate must be one of {GATES}, got {kind!r}")
+
+
+def gdn_inputs(
+    B: int,
+    T: int,
+    H: int,
+    K: int,
+    V: int,
+    HV: int | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str | torch.device = "cpu",
+    gate: str = "default",
+    gate_dtype: torch.dtype = torch.float32,
+    beta_dtype: torch.dtype | None = None,
+    initial_state: bool = False,
+    num_seqs: int | None = None,
+    seed: int = 0,
+) -> dict:
+    """Random inputs for ``chunk_gated_delta_rule``: dict with q, k, v, g, beta, initial_state.
+
+    ``num_seqs`` sets N for the initial state (varlen); default B. g is ``gate_dtype`` (fp32, as
+    FLA's GatedDeltaNet layer produces it), beta defaults to the kernel dtype.
+    """
+    HV = HV or H
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, H, K, generator=gen)
+    k = F.normalize(torch.randn(B, T, H, K, generator=gen), p=2, dim=-1)
+    v = torch.randn(B, T, HV, V, generator=gen)
+    g = _gate(gate, (B, T, HV), gen)
+    beta = torch.sigmoid(torch.randn(B, T, HV, generator=gen))
+    h0 = torch.randn(num_seqs or B, HV, K, V, generator=gen) * 0.5 if initial_state else None
+    out = {
+        "q": q.to(dtype),
+        "k": k.to(dtype),
+        "v": v.to(dtype),
+        "g": g.to(gate_dtype),
+        "beta": beta.to(beta_dtype or dtype),
+        "initial_state": h0,
+    }
+    return {name: (x.to(device) if x is not None else None) for name, x in out.items()}
+
+
+def as_reference(inputs: dict, dtype: torch.dtype = torch.float64) -> dict:
+    """Upcast already-rounded inputs for a reference computation."""
+    return {name: (x.to(dtype) if isinstance(x, torch.Tensor) else x) for name, x in inputs.items()}
+
+
+def random_cu_seqlens(T: int, num_seqs: int, seed: int = 0, device="cpu") -> torch.Tensor:
+    """``[num_seqs + 1]`` int64 offsets splitting T tokens into ``num_seqs`` random non-empty pieces."""
+    gen = torch.Generator().manual_seed(seed)
+    cuts = torch.randperm(T - 1, generator=gen)[: num_seqs - 1] + 1
+    bounds = [0] + sorted(cuts.tolist()) + [T]
+    return torch.tensor(bounds, dtype=torch.int64, device=device)

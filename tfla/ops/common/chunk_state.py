@@ -1,0 +1,160 @@
+"""Inter-chunk state recurrence (the level-1 stage of TFLA): states are materialized in HBM only
+at the start of every outer chunk of BT = L tokens; inside an outer chunk the state advances over
+64-row sub-chunks in registers.
+
+Notation: B batch, T time, H key heads, HV value heads, K/V head dims, N sequences,
+BT outer chunk (L), BS = 64 sub-chunk, BK/BV head-dim tiles, G cumulative gate within the outer
+chunk in log2 units, c the row before the sub-chunk (G_c = 0 at an outer-chunk start), n its last row.
+
+Per sub-chunk, with state S (fp32, ``[K, V]``) after row c:
+
+    DELTA (gated delta rule):  Vnew = U - W @ S            ("new values", TFLA Appendix A.2)
+    otherwise (linear attn):   Vnew = V
+    S <- 2^(G_n - G_c) S + (K * 2^(G_n - G))^T @ Vnew
+
+With W, U from ``ut_transform`` this is block forward substitution of the outer chunk's
+L x L UT transform: ``Vnew`` equals ``U_L - W_L S_0`` of the design note for any L (tested in
+float64 in ``tests/references``), so states are only ever needed at outer-chunk starts.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tfla.ops.common.utils import SUB_CHUNK, cdiv, dot_precision, next_pow2
+
+
+@triton.jit
+def _chunk_state_fwd_kernel(
+    k,
+    v,
+    w,
+    v_new,
+    g,
+    h,
+    h0,
+    ht,
+    cu_seqlens,
+    chunk_offsets,
+    T,
+    H: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    USE_G: tl.constexpr,
+    DELTA: tl.constexpr,
+    USE_INITIAL_STATE: tl.constexpr,
+    STORE_FINAL_STATE: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    BS: tl.constexpr = 64
+    i_v, i_nh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    i_n, i_hv = i_nh // HV, i_nh % HV
+    i_h = i_hv // (HV // H)
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
+        boh = tl.load(chunk_offsets + i_n).to(tl.int64)
+    else:
+        bos = i_n * T
+        boh = i_n * tl.cdiv(T, BT)
+    NT = tl.cdiv(T, BT)
+
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = o_k < K
+    m_v = o_v < V
+    m_kv = m_k[:, None] & m_v[None, :]
+    o_kv = o_k[:, None] * V + o_v[None, :]
+    dt = k.dtype.element_ty
+
+    b_h = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_INITIAL_STATE:
+        b_h += tl.load(h0 + i_nh * K * V + o_kv, mask=m_kv, other=0.0).to(tl.float32)
+
+    p_k = k + (bos * H + i_h) * K + o_k[None, :]
+    p_v = v + (bos * HV + i_hv) * V + o_v[None, :]
+    p_w = w + (bos * HV + i_hv) * K + o_k[None, :]
+    p_vn = v_new + (bos * HV + i_hv) * V + o_v[None, :]
+    p_g = g + bos * HV + i_hv
+    for i_c in range(0, NT):
+        # level 1: the only place a state touches HBM
+        tl.store(h + ((boh + i_c) * HV + i_hv) * K * V + o_kv, b_h.to(h.dtype.element_ty), mask=m_kv)
+        # level 2: sub-chunks of this outer chunk, state kept on chip
+        NS = tl.minimum(BT // BS, tl.cdiv(T - i_c * BT, BS))
+        for i_s in range(0, NS):
+            t0 = i_c * BT + i_s * BS
+            o_t = t0 + tl.arange(0, BS)
+            m_t = o_t < T
+            b_k = tl.load(p_k + o_t[:, None] * (H * K), mask=m_t[:, None] & m_k[None, :], other=0.0)  # [BS, BK]
+            b_v = tl.load(p_v + o_t[:, None] * (HV * V), mask=m_t[:, None] & m_v[None, :],
+                          other=0.0).to(tl.float32)  # [BS, BV]
+            if DELTA:
+                b_w = tl.load(p_w + o_t[:, None] * (HV * K), mask=m_t[:, None] & m_k[None, :], other=0.0)
+                b_v -= tl.dot(b_w, b_h.to(dt), input_precision=DOT_PREC)
+                tl.store(p_vn + o_t[:, None] * (HV * V), b_v.to(v_new.dtype.element_ty),
+                         mask=m_t[:, None] & m_v[None, :])
+            if USE_G:
+                t_n = tl.minimum(t0 + BS, T) - 1
+                b_gn = tl.load(p_g + t_n * HV)
+                b_gc = tl.load(p_g + (t0 - 1) * HV, mask=i_s > 0, other=0.0)
+                b_g = tl.load(p_g + o_t * HV, mask=m_t, other=0.0)
+                b_v = tl.where(m_t[:, None], b_v * tl.exp2(b_gn - b_g)[:, None], 0.0)
+                b_h *= tl.exp2(b_gn - b_gc)
+            b_h = tl.dot(tl.trans(b_k), b_v.to(dt), b_h, input_precision=DOT_PREC)
+
+    if STORE_FINAL_STATE:
+        tl.store(ht + i_nh * K * V + o_kv, b_h, mask=m_kv)
+
+
+def chunk_state_fwd(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g_cum: torch.Tensor | None,
+    chunk_size: int,
+    w: torch.Tensor | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    state_dtype: torch.dtype | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    chunk_offsets: torch.Tensor | None = None,
+    num_chunks: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """States at every outer-chunk start, and (delta rule, ``w`` given) the new values.
+
+    Args:
+        k: ``[B, T, H, K]``. v: ``[B, T, HV, V]`` (the delta rule's U when ``w`` is given).
+        g_cum: ``[B, T, HV]`` fp32 cumulative gate within outer chunks, log2 units, or None.
+        w: ``[B, T, HV, K]`` WY keys (delta rule) or None (plain linear attention).
+        initial_state: ``[N, HV, K, V]``, any float dtype (read as fp32).
+        state_dtype: dtype of the materialized states (default: k's dtype; the recurrence is fp32).
+        chunk_offsets / num_chunks: varlen ``prepare_chunk_offsets(.., chunk_size)`` and its total.
+    Returns:
+        ``h [B, NT, HV, K, V]`` (varlen: ``[1, total chunks, HV, K, V]``), ``v_new [B, T, HV, V]``
+        or None, ``final_state [N, HV, K, V]`` fp32 or None.
+    """
+    B, T, H, K = k.shape
+    HV, V = v.shape[2], v.shape[3]
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    NT = cdiv(T, chunk_size) if cu_seqlens is None else num_chunks
+    h = torch.empty(B, NT, HV, K, V, dtype=state_dtype or k.dtype, device=k.device)
+    v_new = torch.empty_like(v) if w is not None else None
+    final_state = torch.empty(N, HV, K, V, dtype=torch.float32, device=k.device) if output_final_state else None
+    if N * HV == 0:
+        return h, v_new, final_state
+    BK = max(16, next_pow2(K))
+    BV = min(max(16, next_pow2(V)), 64 if K <= 128 else 32)
+    _chunk_state_fwd_kernel[(cdiv(V, BV), N * HV)](
+        k, v, w, v_new, g_cum, h, initial_state, final_state, cu_seqlens, chunk_offsets, T,
+        H=H, HV=HV, K=K, V=V, BT=chunk_size, BK=BK, BV=BV,
+        USE_G=g_cum is not None, DELTA=w is not None,
+        USE_INITIAL_STATE=initial_state is not None, STORE_FINAL_STATE=output_final_state,
+        IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(k.dtype),
+        num_warps=4, num_stages=2,
+    )
+    return h, v_new, final_state

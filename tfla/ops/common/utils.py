@@ -1,0 +1,81 @@
+"""Host-side helpers shared by every tfla op: index tables for varlen, dtype/precision policy,
+device checks.
+
+Notation: B batch, T time, H heads, N sequences (B, or len(cu_seqlens) - 1 for varlen),
+BT outer chunk (L, where states live), BS sub-chunk (64 rows, the UT/WY level).
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+# log2(e): tfla keeps cumulative gates in log2 units so kernels use exp2 (one MUFU op).
+RCP_LN2 = 1.4426950408889634
+
+SUB_CHUNK = 64
+CHUNK_SIZES = (64, 128, 256, 512)
+MAX_HEAD_DIM = 256
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def next_pow2(x: int) -> int:
+    return 1 << (max(int(x), 1) - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def interpret_mode() -> bool:
+    """True when Triton runs kernels through its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """``tl.dot`` input precision: exact IEEE fp32 for fp32 inputs (Triton defaults to TF32),
+    irrelevant for 16-bit operands."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def check_device(name: str, t: torch.Tensor) -> None:
+    """Kernels run on CUDA devices, or on the CPU through the Triton interpreter."""
+    if t.device.type == "cuda":
+        return
+    if t.device.type == "cpu" and interpret_mode():
+        return
+    raise ValueError(
+        f"`{name}` is on device '{t.device}', but tfla's Triton kernels run on CUDA devices "
+        "(or on the CPU only with TRITON_INTERPRET=1, for testing)"
+    )
+
+
+def seqlens_to_list(cu_seqlens: torch.Tensor) -> list[int]:
+    """One host sync per call: every index table below is built from this list."""
+    return [int(x) for x in cu_seqlens.tolist()]
+
+
+def prepare_chunk_indices(bounds: list[int], chunk_size: int, device) -> torch.Tensor:
+    """``[NC, 2]`` int32 table of (sequence id, chunk index within that sequence) for all chunks of
+    ``chunk_size`` tokens across the sequences delimited by ``bounds`` (cu_seqlens as a list)."""
+    rows = []
+    for n in range(len(bounds) - 1):
+        for i in range(cdiv(bounds[n + 1] - bounds[n], chunk_size)):
+            rows.append((n, i))
+    if not rows:
+        return torch.zeros((0, 2), dtype=torch.int32, device=device)
+    return torch.tensor(rows, dtype=torch.int32, device=device)
+
+
+def prepare_chunk_offsets(bounds: list[int], chunk_size: int, device) -> torch.Tensor:
+    """``[N + 1]`` int32: index of each sequence's first chunk of ``chunk_size`` tokens."""
+    offs = [0]
+    for n in range(len(bounds) - 1):
+        offs.append(offs[-1] + cdiv(bounds[n + 1] - bounds[n], chunk_size))
+    return torch.tensor(offs, dtype=torch.int32, device=device)
+
+
+@functools.lru_cache(maxsize=None)
+def device_sm_count(index: int = 0) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count

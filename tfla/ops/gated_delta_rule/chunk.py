@@ -1,0 +1,275 @@
+"""Two-level tiled Gated DeltaNet (TFLA-GDN): host orchestration, input checks, public op.
+
+Notation: B batch, T time, H key heads, HV value heads, K/V head dims, N sequences,
+L = chunk_size (outer chunk; states live every L tokens), 64-row sub-chunks (UT/WY level).
+
+Forward stages (each a Triton kernel in ``tfla/ops/common``):
+  1. ``chunk_local_cumsum``: G = cumsum(g) restarting every L tokens, in log2 units.
+  2. ``ut_transform_fwd``: per 64-row sub-chunk, Tm = (I + A)^-1 by 16-row block inversion,
+     W = Tm (beta 2^(G - G_c) K), U = Tm (beta V).
+  3. ``chunk_state_fwd``: S over sub-chunks on chip, written to HBM only every L tokens;
+     Vnew = U - W S (block forward substitution of the L x L UT transform).
+  4. ``chunk_output_fwd``: o = scale (2^G q S_c + causal-gated (q k^T) Vnew), TFLA-tiled over the
+     L x L chunk (query tiles parallel, key tiles looped).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from tfla.ops.common.chunk_output import chunk_output_fwd
+from tfla.ops.common.chunk_state import chunk_state_fwd
+from tfla.ops.common.cumsum import chunk_local_cumsum
+from tfla.ops.common.utils import (
+    CHUNK_SIZES,
+    MAX_HEAD_DIM,
+    RCP_LN2,
+    SUB_CHUNK,
+    SUPPORTED_DTYPES,
+    cdiv,
+    check_device,
+    prepare_chunk_indices,
+    prepare_chunk_offsets,
+    seqlens_to_list,
+)
+from tfla.ops.common.ut_transform import ut_transform_fwd
+
+DEFAULT_CHUNK_SIZE = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class GDNOptions:
+    """Non-tensor arguments of one call (kept frozen so ``backward`` returns one slot per input)."""
+
+    scale: float
+    chunk_size: int
+    output_final_state: bool
+    use_qk_l2norm_in_kernel: bool
+
+
+@dataclasses.dataclass
+class VarlenIndex:
+    """Index tables for ``cu_seqlens`` (built once per call from one host sync)."""
+
+    cu_seqlens: torch.Tensor
+    bounds: list[int]
+    chunk_indices: torch.Tensor  # (seq, outer chunk) pairs
+    chunk_offsets: torch.Tensor  # first outer chunk of each sequence
+    sub_indices: torch.Tensor  # (seq, 64-row sub-chunk) pairs
+
+    @property
+    def num_chunks(self) -> int:
+        return int(self.chunk_indices.shape[0])
+
+    @classmethod
+    def build(cls, cu_seqlens: torch.Tensor, chunk_size: int) -> "VarlenIndex":
+        bounds = seqlens_to_list(cu_seqlens)
+        dev = cu_seqlens.device
+        return cls(
+            cu_seqlens=cu_seqlens,
+            bounds=bounds,
+            chunk_indices=prepare_chunk_indices(bounds, chunk_size, dev),
+            chunk_offsets=prepare_chunk_offsets(bounds, chunk_size, dev),
+            sub_indices=prepare_chunk_indices(bounds, SUB_CHUNK, dev),
+        )
+
+
+def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """FLA's in-kernel l2norm semantics: fp32 ``x / sqrt(sum x^2 + eps)``, returned in x's dtype."""
+    xf = x.float()
+    return (xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def chunk_gated_delta_rule_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float,
+    initial_state: torch.Tensor | None,
+    output_final_state: bool,
+    chunk_size: int,
+    varlen: VarlenIndex | None = None,
+):
+    """Plain forward (no autograd): returns ``(o, final_state, intermediates)`` where intermediates
+    holds ``g_cum [B, T, HV] fp32 (log2)``, ``w``, ``u``, ``v_new``, ``h [B, NT, HV, K, V]``."""
+    cu = varlen.cu_seqlens if varlen is not None else None
+    g_cum = chunk_local_cumsum(
+        g, chunk_size, scale=RCP_LN2, cu_seqlens=cu,
+        chunk_indices=varlen.chunk_indices if varlen is not None else None,
+    )
+    w, u, _ = ut_transform_fwd(
+        k, v, g_cum, beta, chunk_size, cu_seqlens=cu,
+        sub_indices=varlen.sub_indices if varlen is not None else None,
+    )
+    h, v_new, final_state = chunk_state_fwd(
+        k, u, g_cum, chunk_size, w=w, initial_state=initial_state, output_final_state=output_final_state,
+        cu_seqlens=cu, chunk_offsets=varlen.chunk_offsets if varlen is not None else None,
+        num_chunks=varlen.num_chunks if varlen is not None else None,
+    )
+    o = chunk_output_fwd(
+        q, k, v_new, h, g_cum, scale, chunk_size, cu_seqlens=cu,
+        tile_indices=varlen.sub_indices if varlen is not None else None,
+        chunk_offsets=varlen.chunk_offsets if varlen is not None else None,
+    )
+    return o, final_state, {"g_cum": g_cum, "w": w, "u": u, "v_new": v_new, "h": h}
+
+
+def _check_tensor(name: str, x, ndim: int) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"`{name}` must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != ndim:
+        raise ValueError(f"`{name}` must have {ndim} dims, got shape {tuple(x.shape)}")
+    if not x.is_floating_point():
+        raise TypeError(f"`{name}` must be a floating-point tensor, got {x.dtype}")
+
+
+def check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size) -> None:
+    """Validate a ``chunk_gated_delta_rule`` call; raises ValueError/TypeError naming the argument."""
+    _check_tensor("q", q, 4)
+    _check_tensor("k", k, 4)
+    _check_tensor("v", v, 4)
+    _check_tensor("g", g, 3)
+    _check_tensor("beta", beta, 3)
+    if q.shape != k.shape:
+        raise ValueError(f"`q` and `k` must have the same shape [B, T, H, K], got {tuple(q.shape)} and {tuple(k.shape)}")
+    B, T, H, K = q.shape
+    if v.shape[:2] != (B, T):
+        raise ValueError(f"`v` must be [B, T, HV, V] with B={B}, T={T}, got {tuple(v.shape)}")
+    HV, V = v.shape[2], v.shape[3]
+    if H == 0 or HV % H != 0:
+        raise ValueError(f"`v` has HV={HV} heads, which must be a positive multiple of the H={H} heads of q/k")
+    for name, x in (("g", g), ("beta", beta)):
+        if x.shape != (B, T, HV):
+            raise ValueError(f"`{name}` must have shape [B, T, HV] = {(B, T, HV)}, got {tuple(x.shape)}")
+    if K > MAX_HEAD_DIM or V > MAX_HEAD_DIM or K < 1 or V < 1:
+        raise ValueError(f"head dims must be in [1, {MAX_HEAD_DIM}], got K={K} (q/k) and V={V} (v)")
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"`q` dtype must be one of float32/float16/bfloat16, got {q.dtype}")
+    for name, x in (("k", k), ("v", v)):
+        if x.dtype != q.dtype:
+            raise TypeError(f"`{name}` dtype {x.dtype} differs from `q` dtype {q.dtype}; q, k and v must share a dtype")
+    for name, x in (("g", g), ("beta", beta)):
+        if x.dtype not in (q.dtype, torch.float32):
+            raise TypeError(f"`{name}` dtype must be float32 or q's dtype ({q.dtype}), got {x.dtype}")
+    if chunk_size not in CHUNK_SIZES:
+        raise ValueError(f"`chunk_size` must be one of {CHUNK_SIZES}, got {chunk_size!r}")
+    if scale is not None and not isinstance(scale, (int, float)):
+        raise TypeError(f"`scale` must be a float or None, got {type(scale).__name__}")
+    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        check_device(name, x)
+        if x.device != q.device:
+            raise ValueError(f"`{name}` is on {x.device} but `q` is on {q.device}")
+    N = B
+    if cu_seqlens is not None:
+        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
+            raise TypeError("`cu_seqlens` must be a 1-D int32/int64 tensor of N + 1 sequence offsets")
+        if cu_seqlens.device != q.device:
+            raise ValueError(f"`cu_seqlens` is on {cu_seqlens.device} but `q` is on {q.device}")
+        if B != 1:
+            raise ValueError(f"with `cu_seqlens` the batch size must be 1 (sequences packed along T), got B={B}")
+        if cu_seqlens.numel() < 2:
+            raise ValueError("`cu_seqlens` must hold at least two offsets [0, ..., T]")
+        N = cu_seqlens.numel() - 1
+    if initial_state is not None:
+        if not isinstance(initial_state, torch.Tensor):
+            raise TypeError(f"`initial_state` must be a torch.Tensor or None, got {type(initial_state).__name__}")
+        if tuple(initial_state.shape) != (N, HV, K, V):
+            raise ValueError(f"`initial_state` must have shape [N, HV, K, V] = {(N, HV, K, V)}, got {tuple(initial_state.shape)}")
+        if not initial_state.is_floating_point():
+            raise TypeError(f"`initial_state` must be floating point, got {initial_state.dtype}")
+        if initial_state.device != q.device:
+            raise ValueError(f"`initial_state` is on {initial_state.device} but `q` is on {q.device}")
+
+
+def check_varlen_bounds(bounds: list[int], T: int) -> None:
+    if bounds[0] != 0 or bounds[-1] != T:
+        raise ValueError(f"`cu_seqlens` must start at 0 and end at T={T}, got {bounds[0]} ... {bounds[-1]}")
+    if any(b1 < b0 for b0, b1 in zip(bounds[:-1], bounds[1:])):
+        raise ValueError("`cu_seqlens` must be non-decreasing")
+
+
+class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, initial_state, varlen, opts: GDNOptions):
+        if opts.use_qk_l2norm_in_kernel:
+            q, k = _l2norm(q), _l2norm(k)
+        o, final_state, _ = chunk_gated_delta_rule_fwd(
+            q, k, v, g, beta, opts.scale, initial_state, opts.output_final_state, opts.chunk_size, varlen)
+        return o, final_state
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        raise NotImplementedError("tfla.chunk_gated_delta_rule has no backward pass yet")
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    cu_seqlens: torch.LongTensor | None = None,
+    *,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+):
+    r"""Gated delta rule (Gated DeltaNet), chunkwise with two-level TFLA tiling.
+
+    Recurrence per value head (design note ``gdn-two-level.md``; Yang et al., ICLR 2025, Eq. 10):
+    ``S_t = e^{g_t} S_{t-1} + k_t beta_t (v_t - e^{g_t} S_{t-1}^T k_t)^T``, ``o_t = scale S_t^T q_t``.
+    Computed exactly (no approximation) in outer chunks of ``chunk_size`` tokens with states stored
+    only every ``chunk_size`` tokens and the UT/WY transform on 64-row sub-chunks. A drop-in for
+    FLA's ``chunk_gated_delta_rule`` (same names, order and layout).
+
+    Args:
+        q: queries ``[B, T, H, K]``; fp32, fp16 or bf16.
+        k: keys ``[B, T, H, K]``, same dtype as q (usually L2-normalised).
+        v: values ``[B, T, HV, V]``, same dtype; HV must be a multiple of H (grouped value heads:
+            value head j reads key head ``j // (HV // H)``).
+        g: log-space forget gate (natural log, ``<= 0``) ``[B, T, HV]``, fp32 or q's dtype.
+        beta: write strength ``[B, T, HV]``, fp32 or q's dtype.
+        scale: query scale; default ``K ** -0.5``.
+        initial_state: ``[N, HV, K, V]`` (any float dtype, read as fp32); N = B, or the number of
+            sequences with ``cu_seqlens``.
+        output_final_state: also return the final state.
+        use_qk_l2norm_in_kernel: L2-normalise q and k (``x / sqrt(sum x^2 + 1e-6)``) first.
+        cu_seqlens: ``[N + 1]`` int offsets of N packed sequences (then B must be 1).
+        chunk_size: outer chunk L in {64, 128, 256, 512} (keyword-only). 64 is the single-level
+            (FLA-style) algorithm.
+
+    Returns:
+        ``o [B, T, HV, V]`` in q's dtype, and ``final_state [N, HV, K, V]`` fp32 (or None).
+
+    Raises:
+        TypeError / ValueError naming the argument for wrong types, ranks, shapes, dtypes, head
+        dims above 256, unsupported ``chunk_size``, malformed ``cu_seqlens`` or ``initial_state``,
+        tensors on a device the kernels cannot run on.
+        NotImplementedError when an input requires grad (the backward pass is a separate issue).
+
+    Precision: the recurrence and gates are fp32; materialized states and W/U use the input dtype
+    (as in FLA); fp32 inputs use IEEE fp32 dots throughout.
+    """
+    check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size)
+    B, T, H, K = q.shape
+    varlen = None
+    if cu_seqlens is not None:
+        varlen = VarlenIndex.build(cu_seqlens, chunk_size)
+        check_varlen_bounds(varlen.bounds, T)
+    if scale is None:
+        scale = K ** -0.5
+    opts = GDNOptions(float(scale), int(chunk_size), bool(output_final_state), bool(use_qk_l2norm_in_kernel))
+    tensors = (q, k, v, g, beta) + ((initial_state,) if initial_state is not None else ())
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        raise NotImplementedError(
+            "tfla.chunk_gated_delta_rule: the backward pass is not implemented yet; call it under "
+            "torch.no_grad() or on tensors that do not require grad")
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    if initial_state is not None:
+        initial_state = initial_state.contiguous()
+    return ChunkGatedDeltaRuleFunction.apply(q, k, v, g, beta, initial_state, varlen, opts)

@@ -1,0 +1,214 @@
+"""Ground truth for the gated delta rule (pure PyTorch, no Triton).
+
+Notation: B batch, T time, H key heads, HV value heads (HV = H * groups), K/V head dims,
+N sequences, L outer chunk, C = 64 sub-chunk.
+
+Recurrence (FLA's convention; design note ``gdn-two-level.md``), per batch element and value head,
+state ``S [K, V]``, log-space gate ``g_t <= 0``:
+
+    S_t = exp(g_t) S_{t-1};   S_t = S_t + k_t (beta_t (v_t - S_t^T k_t))^T;   o_t = scale S_t^T q_t
+
+* ``recurrent_gated_delta_rule_ref`` steps through time in the dtype it is given (tests pass
+  float64); it is the ground truth every kernel is checked against.
+* ``chunk_gated_delta_rule_ref`` is the chunkwise form for any outer chunk L, mirroring the kernel
+  stages (chunk-local cumsum -> sub-chunk UT/WY -> state recurrence with states every L ->
+  L x L causal output), and can return every intermediate so each Triton stage is tested alone.
+  With ``ut_level="outer"`` it instead forms the L x L UT transform of the design note
+  (``W_L = Tm_L (beta e^G K)``, ``U_L = Tm_L (beta V)``, ``Vnew = U_L - W_L S_0``), which the tests
+  use to show the two formulations agree.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def _expand_heads(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """[B, T, H, D] -> [B, T, H * groups, D]: value head j uses key head j // groups."""
+    return x.repeat_interleave(groups, dim=2) if groups > 1 else x
+
+
+def l2norm_ref(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``x / sqrt(sum(x^2) + eps)`` over the last dim (FLA's l2norm), in x's dtype."""
+    return x / torch.sqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def _split_varlen(cu_seqlens):
+    bounds = [int(b) for b in cu_seqlens.tolist()]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def recurrent_gated_delta_rule_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+):
+    """Step-by-step gated delta rule in q's dtype.
+
+    Shapes as ``tfla.chunk_gated_delta_rule``: q, k ``[B, T, H, K]``, v ``[B, T, HV, V]``,
+    g, beta ``[B, T, HV]``, initial_state ``[N, HV, K, V]`` (cast to q's dtype).
+    Returns ``(o [B, T, HV, V], final_state [N, HV, K, V] or None)``.
+    """
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    if use_qk_l2norm_in_kernel:
+        q, k = l2norm_ref(q), l2norm_ref(k)
+    if cu_seqlens is not None:
+        outs, finals = [], []
+        for n, (bos, eos) in enumerate(_split_varlen(cu_seqlens)):
+            h0 = initial_state[n:n + 1] if initial_state is not None else None
+            o_n, s_n = recurrent_gated_delta_rule_ref(
+                q[:, bos:eos], k[:, bos:eos], v[:, bos:eos], g[:, bos:eos], beta[:, bos:eos],
+                scale, h0, True)
+            outs.append(o_n)
+            finals.append(s_n)
+        return torch.cat(outs, 1), (torch.cat(finals, 0) if output_final_state else None)
+
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    q, k = _expand_heads(q, HV // H), _expand_heads(k, HV // H)
+    S = q.new_zeros(B, HV, K, V)
+    if initial_state is not None:
+        S = S + initial_state.to(q.dtype)
+    o = q.new_zeros(B, T, HV, V)
+    for t in range(T):
+        S = S * torch.exp(g[:, t])[..., None, None]
+        kv = torch.einsum("bhk,bhkv->bhv", k[:, t], S)
+        u = beta[:, t, :, None] * (v[:, t] - kv)
+        S = S + k[:, t, :, :, None] * u[:, :, None, :]
+        o[:, t] = scale * torch.einsum("bhk,bhkv->bhv", q[:, t], S)
+    return o, (S if output_final_state else None)
+
+
+def _unit_lower_inverse_ref(A: torch.Tensor) -> torch.Tensor:
+    """(I + A)^-1 for strictly lower-triangular A [..., n, n]."""
+    eye = torch.eye(A.shape[-1], dtype=A.dtype, device=A.device)
+    return torch.linalg.solve_triangular(eye + A, eye.expand_as(A), upper=False, unitriangular=True)
+
+
+def _ut(k, v, beta, G, Gc):
+    """UT/WY of one block of rows: k [B, n, HV, K], v [B, n, HV, V], beta/G [B, n, HV], Gc [B, HV].
+    Returns Tm [B, HV, n, n], W [B, n, HV, K], U [B, n, HV, V]."""
+    kk = torch.einsum("brhk,bshk->bhrs", k, k)
+    Gh = G.transpose(1, 2)  # [B, HV, n]
+    n = k.shape[1]
+    strict = torch.ones(n, n, dtype=torch.bool, device=k.device).tril(-1)
+    decay = torch.exp((Gh[..., :, None] - Gh[..., None, :]).masked_fill(~strict, -math.inf))
+    A = beta.transpose(1, 2)[..., :, None] * kk * decay
+    Tm = _unit_lower_inverse_ref(A)
+    xk = (beta * torch.exp(G - Gc[:, None]))[..., None] * k
+    W = torch.einsum("bhrs,bshk->brhk", Tm, xk)
+    U = torch.einsum("bhrs,bshv->brhv", Tm, beta[..., None] * v)
+    return Tm, W, U
+
+
+def chunk_gated_delta_rule_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    chunk_size: int = 64,
+    sub_chunk: int = 64,
+    ut_level: str = "sub",
+    return_intermediates: bool = False,
+):
+    """Chunkwise gated delta rule for any outer chunk ``chunk_size`` (L), in q's dtype.
+
+    Stages (the kernels' stages): ``g_cum`` = cumsum of g restarting every L tokens (natural log
+    units); per ``sub_chunk`` rows the UT/WY transform (``w``, ``u``); the state recurrence over
+    sub-chunks with the state stored at every outer-chunk start (``h [B, NT, HV, K, V]``) and the new
+    values ``v_new``; the L x L causal output. ``ut_level="outer"`` forms the L x L UT transform
+    instead (design note form; ``w``/``u`` are then outer-level).
+
+    Returns ``(o, final_state)`` or, with ``return_intermediates``, ``(o, final_state, dict)`` with
+    keys ``g_cum, w, u, v_new, h``.
+    """
+    if ut_level not in ("sub", "outer"):
+        raise ValueError(f"ut_level must be 'sub' or 'outer', got {ut_level!r}")
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    if use_qk_l2norm_in_kernel:
+        q, k = l2norm_ref(q), l2norm_ref(k)
+    if cu_seqlens is not None:
+        parts = []
+        for n, (bos, eos) in enumerate(_split_varlen(cu_seqlens)):
+            h0 = initial_state[n:n + 1] if initial_state is not None else None
+            parts.append(chunk_gated_delta_rule_ref(
+                q[:, bos:eos], k[:, bos:eos], v[:, bos:eos], g[:, bos:eos], beta[:, bos:eos], scale, h0,
+                True, False, None, chunk_size, sub_chunk, ut_level, True))
+        o = torch.cat([p[0] for p in parts], 1)
+        final = torch.cat([p[1] for p in parts], 0) if output_final_state else None
+        if not return_intermediates:
+            return o, final
+        inter = {key: torch.cat([p[2][key] for p in parts], 1) for key in ("g_cum", "w", "u", "v_new", "h")}
+        return o, final, inter
+
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    L, C = chunk_size, sub_chunk
+    if ut_level == "sub" and L % C:
+        raise ValueError(f"chunk_size {L} must be a multiple of sub_chunk {C}")
+    qh, kh = _expand_heads(q, HV // H), _expand_heads(k, HV // H)
+    NT = -(-T // L)
+    g_cum = torch.zeros_like(g)
+    for c in range(NT):
+        g_cum[:, c * L:(c + 1) * L] = torch.cumsum(g[:, c * L:(c + 1) * L], dim=1)
+
+    S = q.new_zeros(B, HV, K, V)
+    if initial_state is not None:
+        S = S + initial_state.to(q.dtype)
+    h = q.new_zeros(B, NT, HV, K, V)
+    w = q.new_zeros(B, T, HV, K)
+    u = q.new_zeros(B, T, HV, V)
+    v_new = q.new_zeros(B, T, HV, V)
+    o = q.new_zeros(B, T, HV, V)
+    for c in range(NT):
+        c0, c1 = c * L, min((c + 1) * L, T)
+        h[:, c] = S
+        S0 = S
+        if ut_level == "outer":
+            zero = g_cum.new_zeros(B, HV)
+            _, w_c, u_c = _ut(kh[:, c0:c1], v[:, c0:c1], beta[:, c0:c1], g_cum[:, c0:c1], zero)
+            w[:, c0:c1], u[:, c0:c1] = w_c, u_c
+            vn = u_c - torch.einsum("brhk,bhkv->brhv", w_c, S0)
+            v_new[:, c0:c1] = vn
+            gl = g_cum[:, c1 - 1]
+            S = torch.exp(gl)[..., None, None] * S + torch.einsum(
+                "brhk,brhv->bhkv", kh[:, c0:c1] * torch.exp(gl[:, None] - g_cum[:, c0:c1])[..., None], vn)
+        else:
+            for s0 in range(c0, c1, C):
+                s1 = min(s0 + C, c1)
+                gc = g_cum[:, s0 - 1] if s0 > c0 else g_cum.new_zeros(B, HV)
+                _, w_s, u_s = _ut(kh[:, s0:s1], v[:, s0:s1], beta[:, s0:s1], g_cum[:, s0:s1], gc)
+                w[:, s0:s1], u[:, s0:s1] = w_s, u_s
+                vn = u_s - torch.einsum("brhk,bhkv->brhv", w_s, S)
+                v_new[:, s0:s1] = vn
+                gn = g_cum[:, s1 - 1]
+                S = torch.exp(gn - gc)[..., None, None] * S + torch.einsum(
+                    "brhk,brhv->bhkv", kh[:, s0:s1] * torch.exp(gn[:, None] - g_cum[:, s0:s1])[..., None], vn)
+        # L x L causal output of the outer chunk
+        Gc = g_cum[:, c0:c1].transpose(1, 2)  # [B, HV, n]
+        n = c1 - c0
+        causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        decay = torch.exp((Gc[..., :, None] - Gc[..., None, :]).masked_fill(~causal, -math.inf))
+        att = torch.einsum("brhk,bshk->bhrs", qh[:, c0:c1], kh[:, c0:c1]) * decay
+        o_inter = torch.exp(g_cum[:, c0:c1])[..., None] * torch.einsum("brhk,bhkv->brhv", qh[:, c0:c1], S0)
+        o[:, c0:c1] = scale * (o_inter + torch.einsum("bhrs,bshv->brhv", att, v_new[:, c0:c1]))
+    final = S if output_final_state else None
+    if return_intermediates:
+        return o, final, {"g_cum": g_cum, "w": w, "u": u, "v_new": v_new, "h": h}
+    return o, final
