@@ -6,6 +6,7 @@
 #   test     pytest on the GPU (fp32 IEEE vs float64 recurrence, bf16 vs FLA's error)
 #   bench    tfla bench gdn: default workload, then the T sweep at B = 4
 #   quick    tfla bench gdn on the default workload only
+#   profile  per-stage times of tfla's forward (scripts/profile_gdn.py)
 # Results go to $OUT (logs, CSV/JSON); the last lines printed are the summary tables.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -43,6 +44,9 @@ EOF
     test)
       python3 -m pytest -q -x -p no:cacheprovider -s -m "gpu" tests 2>&1 | tee "$OUT/pytest_gpu.log" | grep -E "bf16 L=|passed|failed|error" ;
       python3 -m pytest -q -x -p no:cacheprovider -m "not gpu" tests/ops 2>&1 | tee "$OUT/pytest_all.log" | tail -3
+      ;;
+    profile)
+      python3 scripts/profile_gdn.py 2>&1 | tee "$OUT/profile.log"
       ;;
     quick)
       python3 -m tfla bench gdn --no-progress --json "$OUT/bench_default.json" --csv "$OUT/bench_default.csv" 2>&1 | tee "$OUT/bench_default.log"
