@@ -6,6 +6,7 @@
 #   test     pytest on the GPU (fp32 IEEE vs float64 recurrence, bf16 vs FLA's error)
 #   bench    tfla bench gdn: default workload, then the T sweep at B = 4
 #   quick    tfla bench gdn on the default workload only
+#   tune     stage variants under several tile/launch configs (scripts/tune_gdn.py)
 #   profile  per-stage times of tfla's forward (scripts/profile_gdn.py)
 # Results go to $OUT (logs, CSV/JSON); the last lines printed are the summary tables.
 set -uo pipefail
@@ -29,7 +30,7 @@ ms = do_bench(lambda: a @ b, warmup=25, rep=200, return_mode="median")
 print(f"ceiling: bf16 matmul 8192^3 {2 * 8192**3 / ms / 1e9:.0f} TFLOP/s")
 x = torch.empty(2**30 // 2, device="cuda", dtype=torch.bfloat16).normal_(); y = torch.empty_like(x)
 ms = do_bench(lambda: y.copy_(x), warmup=25, rep=200, return_mode="median")
-print(f"ceiling: device copy {2 * x.numel() * 2 / ms / 1e9:.0f} GB/s (read + write)")
+print(f"ceiling: device copy {2 * x.numel() * 2 / (ms * 1e-3) / 1e9:.0f} GB/s (read + write)")
 EOF
       ;;
     peers)
@@ -44,6 +45,9 @@ EOF
     test)
       python3 -m pytest -q -x -p no:cacheprovider -s -m "gpu" tests 2>&1 | tee "$OUT/pytest_gpu.log" | grep -E "bf16 L=|passed|failed|error" ;
       python3 -m pytest -q -x -p no:cacheprovider -m "not gpu" tests/ops 2>&1 | tee "$OUT/pytest_all.log" | tail -3
+      ;;
+    tune)
+      python3 scripts/tune_gdn.py --json "$OUT/tune.json" 2>&1 | tee "$OUT/tune.log" | grep -v "^ *$"
       ;;
     profile)
       python3 scripts/profile_gdn.py 2>&1 | tee "$OUT/profile.log"

@@ -172,3 +172,27 @@ def test_fwd_bf16_no_worse_than_fla(L, gate):
     print(f"bf16 L={L} gate={gate}: tfla o {e_o:.3e} state {e_s:.3e} | FLA o {f_o:.3e} state {f_s:.3e}")
     # "no worse" with 10% slack for rounding noise between two bf16 pipelines
     assert e_o <= 1.1 * f_o and e_s <= 1.1 * f_s
+
+
+@pytest.mark.parametrize("L, config", [
+    (128, {"wy_in_state": True}),
+    (256, {"wy_in_state": True, "state": {"BV": 32}}),
+    (128, {"output": {"BQ": 128, "BV": 128}}),
+    (256, {"output": {"BQ": 128, "BKV": 64, "BV": 32}}),
+    (512, {"output": {"BQ": 128, "BKV": 128}, "ut": {"BV": 32}}),
+])
+def test_tuning_configs_compute_the_same_function(device, poison_empty, L, config):
+    """Every tile/launch variant the tuner may pick is exact (fp32), including varlen."""
+    T = 333
+    cu = torch.tensor([0, 100, 101, 333], device=device)
+    x = gdn_inputs(1, T, 1, 32, 48, HV=2, dtype=torch.float32, device=device, initial_state=True, num_seqs=3, seed=L)
+    from tfla.ops.gated_delta_rule.chunk import VarlenIndex
+    for varlen in (None, VarlenIndex.build(cu, L)):
+        h0 = x["initial_state"] if varlen is not None else x["initial_state"][:1]
+        o, s, _ = chunk_gated_delta_rule_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], 32 ** -0.5, h0, True, L,
+                                             varlen=varlen, config=config)
+        r = as_reference({n: (t.cpu() if t is not None else None) for n, t in x.items()})
+        ro, rs = recurrent_gated_delta_rule_ref(r["q"], r["k"], r["v"], r["g"], r["beta"], initial_state=h0.cpu().double(),
+                                                output_final_state=True, cu_seqlens=cu.cpu() if varlen else None)
+        assert_rel_close("o", o.cpu(), ro, FP32_TOL)
+        assert_rel_close("final_state", s.cpu(), rs, FP32_TOL)

@@ -101,6 +101,18 @@ def _chunk_output_fwd_kernel(
     tl.store(p_o, (b_o * scale).to(o.dtype.element_ty), mask=m_tq[:, None] & m_v[None, :])
 
 
+def output_config(chunk_size: int, K: int, V: int, config: dict | None = None) -> dict:
+    """Tile sizes and launch shape of the output kernel: a fixed heuristic, overridable per key
+    (``BQ``, ``BKV``, ``BV``, ``num_warps``, ``num_stages``)."""
+    cfg = {"BQ": 64, "BKV": 64, "BV": 64 if K <= 128 else 32, "num_warps": 4, "num_stages": 2, **(config or {})}
+    cfg["BQ"] = min(cfg["BQ"], chunk_size)
+    cfg["BKV"] = min(cfg["BKV"], chunk_size)
+    cfg["BV"] = min(max(16, next_pow2(V)), cfg["BV"])
+    if chunk_size % cfg["BQ"] or chunk_size % cfg["BKV"]:
+        raise ValueError(f"output tiles BQ={cfg['BQ']}, BKV={cfg['BKV']} must divide chunk_size={chunk_size}")
+    return cfg
+
+
 def chunk_output_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -113,27 +125,26 @@ def chunk_output_fwd(
     cu_seqlens: torch.Tensor | None = None,
     tile_indices: torch.Tensor | None = None,
     chunk_offsets: torch.Tensor | None = None,
-    block_q: int = 64,
-    block_kv: int = 64,
+    config: dict | None = None,
 ) -> torch.Tensor:
     """``o [B, T, HV, V]`` from q, k ``[B, T, H, K]``, v ``[B, T, HV, V]``, states
     ``h [B, NT, HV, K, V]`` at outer-chunk starts, and ``g_cum [B, T, HV]`` (log2, chunk-local).
 
-    ``tile_indices`` (varlen) is ``prepare_chunk_indices(.., block_q)``.
+    ``tile_indices`` (varlen) is ``prepare_chunk_indices(.., cfg["BQ"])`` for the query tile size of
+    ``output_config(chunk_size, K, V, config)``.
     """
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
+    cfg = output_config(chunk_size, K, V, config)
     o = torch.empty(B, T, HV, V, dtype=out_dtype or q.dtype, device=q.device)
-    NQ = cdiv(T, block_q) if cu_seqlens is None else tile_indices.shape[0]
+    NQ = cdiv(T, cfg["BQ"]) if cu_seqlens is None else tile_indices.shape[0]
     if NQ == 0 or B * HV == 0:
         return o
-    assert chunk_size % block_q == 0 and chunk_size % block_kv == 0
     BK = max(16, next_pow2(K))
-    BV = min(max(16, next_pow2(V)), 64 if K <= 128 else 32)
-    _chunk_output_fwd_kernel[(cdiv(V, BV), NQ, B * HV)](
+    _chunk_output_fwd_kernel[(cdiv(V, cfg["BV"]), NQ, B * HV)](
         q, k, v, h, g_cum, o, cu_seqlens, tile_indices, chunk_offsets, scale, T,
-        H=H, HV=HV, K=K, V=V, BT=chunk_size, BQ=block_q, BKV=block_kv, BK=BK, BV=BV,
+        H=H, HV=HV, K=K, V=V, BT=chunk_size, BQ=cfg["BQ"], BKV=cfg["BKV"], BK=BK, BV=cfg["BV"],
         USE_G=g_cum is not None, IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(q.dtype),
-        num_warps=4, num_stages=2,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return o

@@ -8,8 +8,9 @@ chunk in log2 units, c the row before the sub-chunk (G_c = 0 at an outer-chunk s
 
 Per sub-chunk, with state S (fp32, ``[K, V]``) after row c:
 
-    DELTA (gated delta rule):  Vnew = U - W @ S            ("new values", TFLA Appendix A.2)
-    otherwise (linear attn):   Vnew = V
+    DELTA = 1 (delta rule):    Vnew = U - W @ S            ("new values", TFLA Appendix A.2)
+    DELTA = 2 (delta rule):    Vnew = Tm @ (beta V - (beta 2^(G - G_c) K) @ S)   (same, W/U on chip)
+    DELTA = 0 (linear attn):   Vnew = V
     S <- 2^(G_n - G_c) S + (K * 2^(G_n - G))^T @ Vnew
 
 With W, U from ``ut_transform`` this is block forward substitution of the outer chunk's
@@ -30,6 +31,8 @@ def _chunk_state_fwd_kernel(
     k,
     v,
     w,
+    ai,
+    beta,
     v_new,
     g,
     h,
@@ -63,10 +66,10 @@ def _chunk_state_fwd_kernel(
     else:
         bos = i_n * T
         boh = i_n * tl.cdiv(T, BT)
-    NT = tl.cdiv(T, BT)
 
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
+    o_c = tl.arange(0, BS)
     m_k = o_k < K
     m_v = o_v < V
     m_kv = m_k[:, None] & m_v[None, :]
@@ -79,34 +82,45 @@ def _chunk_state_fwd_kernel(
 
     p_k = k + (bos * H + i_h) * K + o_k[None, :]
     p_v = v + (bos * HV + i_hv) * V + o_v[None, :]
-    p_w = w + (bos * HV + i_hv) * K + o_k[None, :]
-    p_vn = v_new + (bos * HV + i_hv) * V + o_v[None, :]
-    p_g = g + bos * HV + i_hv
-    for i_c in range(0, NT):
-        # level 1: the only place a state touches HBM
-        tl.store(h + ((boh + i_c) * HV + i_hv) * K * V + o_kv, b_h.to(h.dtype.element_ty), mask=m_kv)
-        # level 2: sub-chunks of this outer chunk, state kept on chip
-        NS = tl.minimum(BT // BS, tl.cdiv(T - i_c * BT, BS))
-        for i_s in range(0, NS):
-            t0 = i_c * BT + i_s * BS
-            o_t = t0 + tl.arange(0, BS)
-            m_t = o_t < T
-            b_k = tl.load(p_k + o_t[:, None] * (H * K), mask=m_t[:, None] & m_k[None, :], other=0.0)  # [BS, BK]
-            b_v = tl.load(p_v + o_t[:, None] * (HV * V), mask=m_t[:, None] & m_v[None, :],
-                          other=0.0).to(tl.float32)  # [BS, BV]
-            if DELTA:
-                b_w = tl.load(p_w + o_t[:, None] * (HV * K), mask=m_t[:, None] & m_k[None, :], other=0.0)
-                b_v -= tl.dot(b_w, b_h.to(dt), input_precision=DOT_PREC)
-                tl.store(p_vn + o_t[:, None] * (HV * V), b_v.to(v_new.dtype.element_ty),
-                         mask=m_t[:, None] & m_v[None, :])
+    if USE_G:
+        p_g = g + bos * HV + i_hv
+    # one flat loop over 64-row sub-chunks (level 2), so loads of the next sub-chunk are pipelined;
+    # the state goes to HBM only at outer-chunk starts (level 1)
+    for i_s in range(0, tl.cdiv(T, BS)):
+        t0 = i_s * BS
+        if t0 % BT == 0:
+            tl.store(h + ((boh + t0 // BT) * HV + i_hv) * K * V + o_kv, b_h.to(h.dtype.element_ty), mask=m_kv)
+        o_t = t0 + o_c
+        m_t = o_t < T
+        b_k = tl.load(p_k + o_t[:, None] * (H * K), mask=m_t[:, None] & m_k[None, :], other=0.0)  # [BS, BK]
+        b_v = tl.load(p_v + o_t[:, None] * (HV * V), mask=m_t[:, None] & m_v[None, :],
+                      other=0.0).to(tl.float32)  # [BS, BV]
+        if USE_G:
+            t_n = tl.minimum(t0 + BS, T) - 1
+            b_gn = tl.load(p_g + t_n * HV)
+            b_gc = tl.load(p_g + (t0 - 1) * HV, mask=(t0 % BT) != 0, other=0.0)
+            b_g = tl.load(p_g + o_t * HV, mask=m_t, other=0.0)
+        if DELTA == 1:  # Vnew = U - W S, with W and U from the WY kernel
+            p_w = w + (bos * HV + i_hv) * K + o_t[:, None] * (HV * K) + o_k[None, :]
+            b_w = tl.load(p_w, mask=m_t[:, None] & m_k[None, :], other=0.0)
+            b_v -= tl.dot(b_w, b_h.to(dt), input_precision=DOT_PREC)
+        if DELTA == 2:  # Vnew = Tm (beta V - (beta 2^(G - G_c) K) S): W and U never leave the chip
+            p_ai = ai + (bos * HV + i_hv) * BS + o_t[:, None] * (HV * BS) + o_c[None, :]
+            b_tm = tl.load(p_ai, mask=m_t[:, None], other=0.0).to(dt)  # [BS, BS]
+            b_b = tl.load(beta + (bos + o_t) * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
             if USE_G:
-                t_n = tl.minimum(t0 + BS, T) - 1
-                b_gn = tl.load(p_g + t_n * HV)
-                b_gc = tl.load(p_g + (t0 - 1) * HV, mask=i_s > 0, other=0.0)
-                b_g = tl.load(p_g + o_t * HV, mask=m_t, other=0.0)
-                b_v = tl.where(m_t[:, None], b_v * tl.exp2(b_gn - b_g)[:, None], 0.0)
-                b_h *= tl.exp2(b_gn - b_gc)
-            b_h = tl.dot(tl.trans(b_k), b_v.to(dt), b_h, input_precision=DOT_PREC)
+                b_sk = b_b * tl.exp2(tl.where(m_t, b_g - b_gc, float("-inf")))
+            else:
+                b_sk = b_b
+            b_y = b_v * b_b[:, None] - tl.dot((b_k * b_sk[:, None]).to(dt), b_h.to(dt), input_precision=DOT_PREC)
+            b_v = tl.dot(b_tm, b_y.to(dt), input_precision=DOT_PREC)
+        if DELTA > 0:
+            p_vn = v_new + (bos * HV + i_hv) * V + o_t[:, None] * (HV * V) + o_v[None, :]
+            tl.store(p_vn, b_v.to(v_new.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
+        if USE_G:
+            b_v = b_v * tl.exp2(tl.where(m_t, b_gn - b_g, float("-inf")))[:, None]
+            b_h *= tl.exp2(b_gn - b_gc)
+        b_h = tl.dot(tl.trans(b_k), b_v.to(dt), b_h, input_precision=DOT_PREC)
 
     if STORE_FINAL_STATE:
         tl.store(ht + i_nh * K * V + o_kv, b_h, mask=m_kv)
@@ -118,22 +132,29 @@ def chunk_state_fwd(
     g_cum: torch.Tensor | None,
     chunk_size: int,
     w: torch.Tensor | None = None,
+    ai: torch.Tensor | None = None,
+    beta: torch.Tensor | None = None,
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
     state_dtype: torch.dtype | None = None,
     cu_seqlens: torch.Tensor | None = None,
     chunk_offsets: torch.Tensor | None = None,
     num_chunks: int | None = None,
+    config: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """States at every outer-chunk start, and (delta rule, ``w`` given) the new values.
+    """States at every outer-chunk start, and (delta rule) the new values.
+
+    Modes: plain linear attention (``w`` and ``ai`` None; ``v`` is V); delta rule from the WY kernel
+    (``w`` given, ``v`` is U); delta rule with W/U formed on chip (``ai`` = Tm and ``beta`` given,
+    ``v`` is V).
 
     Args:
-        k: ``[B, T, H, K]``. v: ``[B, T, HV, V]`` (the delta rule's U when ``w`` is given).
+        k: ``[B, T, H, K]``. v: ``[B, T, HV, V]``.
         g_cum: ``[B, T, HV]`` fp32 cumulative gate within outer chunks, log2 units, or None.
-        w: ``[B, T, HV, K]`` WY keys (delta rule) or None (plain linear attention).
         initial_state: ``[N, HV, K, V]``, any float dtype (read as fp32).
         state_dtype: dtype of the materialized states (default: k's dtype; the recurrence is fp32).
         chunk_offsets / num_chunks: varlen ``prepare_chunk_offsets(.., chunk_size)`` and its total.
+        config: overrides of ``BV``, ``num_warps``, ``num_stages``.
     Returns:
         ``h [B, NT, HV, K, V]`` (varlen: ``[1, total chunks, HV, K, V]``), ``v_new [B, T, HV, V]``
         or None, ``final_state [N, HV, K, V]`` fp32 or None.
@@ -142,19 +163,21 @@ def chunk_state_fwd(
     HV, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     NT = cdiv(T, chunk_size) if cu_seqlens is None else num_chunks
+    delta = 1 if w is not None else (2 if ai is not None else 0)
     h = torch.empty(B, NT, HV, K, V, dtype=state_dtype or k.dtype, device=k.device)
-    v_new = torch.empty_like(v) if w is not None else None
+    v_new = torch.empty_like(v) if delta else None
     final_state = torch.empty(N, HV, K, V, dtype=torch.float32, device=k.device) if output_final_state else None
     if N * HV == 0:
         return h, v_new, final_state
+    cfg = {"BV": 64 if K <= 128 else 32, "num_warps": 4, "num_stages": 2, **(config or {})}
     BK = max(16, next_pow2(K))
-    BV = min(max(16, next_pow2(V)), 64 if K <= 128 else 32)
+    BV = min(max(16, next_pow2(V)), cfg["BV"])
     _chunk_state_fwd_kernel[(cdiv(V, BV), N * HV)](
-        k, v, w, v_new, g_cum, h, initial_state, final_state, cu_seqlens, chunk_offsets, T,
+        k, v, w, ai, beta, v_new, g_cum, h, initial_state, final_state, cu_seqlens, chunk_offsets, T,
         H=H, HV=HV, K=K, V=V, BT=chunk_size, BK=BK, BV=BV,
-        USE_G=g_cum is not None, DELTA=w is not None,
+        USE_G=g_cum is not None, DELTA=delta,
         USE_INITIAL_STATE=initial_state is not None, STORE_FINAL_STATE=output_final_state,
         IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(k.dtype),
-        num_warps=4, num_stages=2,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return h, v_new, final_state

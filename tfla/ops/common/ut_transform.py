@@ -12,10 +12,12 @@ sub-chunk in the same outer chunk; G_c = 0 at an outer-chunk start):
     W       = Tm @ (beta 2^(G - G_c) * K)                              [64, K]
     U       = Tm @ (beta * V)                                          [64, V]
 
-``Tm`` is built from 16 x 16 blocks: diagonal blocks by forward substitution, off-diagonal blocks
-by block forward substitution ``Tm_ji = -Tm_jj sum_{m=i..j-1} A_jm Tm_mi`` (design note
-``gdn-two-level.md``, "Level 2", way 1), all in fp32 with IEEE dots. Every exponent used is
-``<= 0`` for ``g <= 0``; nothing divides by ``2^G``.
+Two kernels: ``_gdn_ut_inverse_kernel`` builds ``Tm`` from 16 x 16 blocks (diagonal blocks by forward
+substitution, off-diagonal blocks by block forward substitution ``Tm_ji = -Tm_jj sum_{m=i..j-1} A_jm
+Tm_mi``, design note ``gdn-two-level.md`` "Level 2", way 1), in fp32 with IEEE dots, on few warps
+(16 x 16 tiles waste wide programs), and stores it in the input dtype; ``_gdn_wy_fwd_kernel`` then
+forms W and U with full 64 x 64 products. Every exponent used is ``<= 0`` for ``g <= 0``; nothing
+divides by ``2^G``.
 
 The outer-chunk (L x L) UT transform is never formed: the state stage applies it by block
 forward substitution over these sub-chunks, with the running state as the accumulator.
@@ -42,13 +44,10 @@ def _unit_lower_inverse(b_A, BC: tl.constexpr):
 
 
 @triton.jit
-def _gdn_ut_fwd_kernel(
+def _gdn_ut_inverse_kernel(
     k,
-    v,
     g,
     beta,
-    w,
-    u,
     ai,
     cu_seqlens,
     chunk_indices,
@@ -56,15 +55,12 @@ def _gdn_ut_fwd_kernel(
     H: tl.constexpr,
     HV: tl.constexpr,
     K: tl.constexpr,
-    V: tl.constexpr,
-    BT: tl.constexpr,
     BK: tl.constexpr,
-    BV: tl.constexpr,
     USE_G: tl.constexpr,
-    STORE_AI: tl.constexpr,
     IS_VARLEN: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
+    """Tm = (I + A)^-1 of one 64-row sub-chunk, A = beta (K K^T) 2^(G_r - G_i) strictly lower."""
     BS: tl.constexpr = 64
     BC: tl.constexpr = 16
     i_s, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
@@ -79,8 +75,6 @@ def _gdn_ut_fwd_kernel(
         bos = i_b * T
     t0 = i_s * BS
     o_c = tl.arange(0, BC)
-    o_k = tl.arange(0, BK)
-    m_k = o_k < K
     t_0 = t0 + o_c
     t_1 = t_0 + BC
     t_2 = t_1 + BC
@@ -90,29 +84,41 @@ def _gdn_ut_fwd_kernel(
     m_2 = t_2 < T
     m_3 = t_3 < T
 
-    # keys of the four 16-row blocks  [BC, BK]
-    p_k = k + (bos * H + i_h) * K + o_k[None, :]
-    b_k0 = tl.load(p_k + t_0[:, None] * (H * K), mask=m_0[:, None] & m_k[None, :], other=0.0)
-    b_k1 = tl.load(p_k + t_1[:, None] * (H * K), mask=m_1[:, None] & m_k[None, :], other=0.0)
-    b_k2 = tl.load(p_k + t_2[:, None] * (H * K), mask=m_2[:, None] & m_k[None, :], other=0.0)
-    b_k3 = tl.load(p_k + t_3[:, None] * (H * K), mask=m_3[:, None] & m_k[None, :], other=0.0)
     p_b = beta + bos * HV + i_hv
     b_b0 = tl.load(p_b + t_0 * HV, mask=m_0, other=0.0).to(tl.float32)
     b_b1 = tl.load(p_b + t_1 * HV, mask=m_1, other=0.0).to(tl.float32)
     b_b2 = tl.load(p_b + t_2 * HV, mask=m_2, other=0.0).to(tl.float32)
     b_b3 = tl.load(p_b + t_3 * HV, mask=m_3, other=0.0).to(tl.float32)
 
-    # A = beta (K K^T) * gate, strictly lower: 4 diagonal and 6 off-diagonal [BC, BC] blocks
-    b_A00 = tl.dot(b_k0, tl.trans(b_k0), input_precision=DOT_PREC)
-    b_A10 = tl.dot(b_k1, tl.trans(b_k0), input_precision=DOT_PREC)
-    b_A11 = tl.dot(b_k1, tl.trans(b_k1), input_precision=DOT_PREC)
-    b_A20 = tl.dot(b_k2, tl.trans(b_k0), input_precision=DOT_PREC)
-    b_A21 = tl.dot(b_k2, tl.trans(b_k1), input_precision=DOT_PREC)
-    b_A22 = tl.dot(b_k2, tl.trans(b_k2), input_precision=DOT_PREC)
-    b_A30 = tl.dot(b_k3, tl.trans(b_k0), input_precision=DOT_PREC)
-    b_A31 = tl.dot(b_k3, tl.trans(b_k1), input_precision=DOT_PREC)
-    b_A32 = tl.dot(b_k3, tl.trans(b_k2), input_precision=DOT_PREC)
-    b_A33 = tl.dot(b_k3, tl.trans(b_k3), input_precision=DOT_PREC)
+    # K K^T in 4 diagonal and 6 off-diagonal [BC, BC] blocks, accumulated over BK-wide key slices
+    b_A00 = tl.zeros([BC, BC], dtype=tl.float32)
+    b_A10 = tl.zeros([BC, BC], dtype=tl.float32)
+    b_A11 = tl.zeros([BC, BC], dtype=tl.float32)
+    b_A20 = tl.zeros([BC, BC], dtype=tl.float32)
+    b_A21 = tl.zeros([BC, BC], dtype=tl.float32)
+    b_A22 = tl.zeros([BC, BC], dtype=tl.float32)
+    b_A30 = tl.zeros([BC, BC], dtype=tl.float32)
+    b_A31 = tl.zeros([BC, BC], dtype=tl.float32)
+    b_A32 = tl.zeros([BC, BC], dtype=tl.float32)
+    b_A33 = tl.zeros([BC, BC], dtype=tl.float32)
+    p_k = k + (bos * H + i_h) * K
+    for i_k in range(tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = o_k < K
+        b_k0 = tl.load(p_k + t_0[:, None] * (H * K) + o_k[None, :], mask=m_0[:, None] & m_k[None, :], other=0.0)
+        b_k1 = tl.load(p_k + t_1[:, None] * (H * K) + o_k[None, :], mask=m_1[:, None] & m_k[None, :], other=0.0)
+        b_k2 = tl.load(p_k + t_2[:, None] * (H * K) + o_k[None, :], mask=m_2[:, None] & m_k[None, :], other=0.0)
+        b_k3 = tl.load(p_k + t_3[:, None] * (H * K) + o_k[None, :], mask=m_3[:, None] & m_k[None, :], other=0.0)
+        b_A00 = tl.dot(b_k0, tl.trans(b_k0), b_A00, input_precision=DOT_PREC)
+        b_A10 = tl.dot(b_k1, tl.trans(b_k0), b_A10, input_precision=DOT_PREC)
+        b_A11 = tl.dot(b_k1, tl.trans(b_k1), b_A11, input_precision=DOT_PREC)
+        b_A20 = tl.dot(b_k2, tl.trans(b_k0), b_A20, input_precision=DOT_PREC)
+        b_A21 = tl.dot(b_k2, tl.trans(b_k1), b_A21, input_precision=DOT_PREC)
+        b_A22 = tl.dot(b_k2, tl.trans(b_k2), b_A22, input_precision=DOT_PREC)
+        b_A30 = tl.dot(b_k3, tl.trans(b_k0), b_A30, input_precision=DOT_PREC)
+        b_A31 = tl.dot(b_k3, tl.trans(b_k1), b_A31, input_precision=DOT_PREC)
+        b_A32 = tl.dot(b_k3, tl.trans(b_k2), b_A32, input_precision=DOT_PREC)
+        b_A33 = tl.dot(b_k3, tl.trans(b_k3), b_A33, input_precision=DOT_PREC)
 
     m_lo = o_c[:, None] > o_c[None, :]
     if USE_G:
@@ -121,8 +127,6 @@ def _gdn_ut_fwd_kernel(
         b_g1 = tl.load(p_g + t_1 * HV, mask=m_1, other=0.0)
         b_g2 = tl.load(p_g + t_2 * HV, mask=m_2, other=0.0)
         b_g3 = tl.load(p_g + t_3 * HV, mask=m_3, other=0.0)
-        # G_c: cumulative gate of the row before this sub-chunk (0 at an outer-chunk start)
-        b_gc = tl.load(p_g + (t0 - 1) * HV, mask=(t0 % BT) != 0, other=0.0)
         # masked lanes get 2^-inf = 0: no overflow (and no inf * 0) for rows past T or above the diagonal
         b_A00 = b_A00 * tl.exp2(tl.where(m_lo & m_0[:, None], b_g0[:, None] - b_g0[None, :], float("-inf")))
         b_A11 = b_A11 * tl.exp2(tl.where(m_lo & m_1[:, None], b_g1[:, None] - b_g1[None, :], float("-inf")))
@@ -172,81 +176,118 @@ def _gdn_ut_fwd_kernel(
                     + tl.dot(b_A31, b_T10, input_precision="ieee")
                     + tl.dot(b_A32, b_T20, input_precision="ieee"), input_precision="ieee")
 
-    if STORE_AI:
-        # Tm in [B, T, HV, BS] layout (row r of the sub-chunk holds Tm[r, :])
-        p_ai = ai + (bos * HV + i_hv) * BS + o_c[None, :]
-        tl.store(p_ai + t_0[:, None] * (HV * BS), b_T00, mask=m_0[:, None])
-        tl.store(p_ai + t_1[:, None] * (HV * BS), b_T10, mask=m_1[:, None])
-        tl.store(p_ai + t_1[:, None] * (HV * BS) + BC, b_T11, mask=m_1[:, None])
-        tl.store(p_ai + t_2[:, None] * (HV * BS), b_T20, mask=m_2[:, None])
-        tl.store(p_ai + t_2[:, None] * (HV * BS) + BC, b_T21, mask=m_2[:, None])
-        tl.store(p_ai + t_2[:, None] * (HV * BS) + 2 * BC, b_T22, mask=m_2[:, None])
-        tl.store(p_ai + t_3[:, None] * (HV * BS), b_T30, mask=m_3[:, None])
-        tl.store(p_ai + t_3[:, None] * (HV * BS) + BC, b_T31, mask=m_3[:, None])
-        tl.store(p_ai + t_3[:, None] * (HV * BS) + 2 * BC, b_T32, mask=m_3[:, None])
-        tl.store(p_ai + t_3[:, None] * (HV * BS) + 3 * BC, b_T33, mask=m_3[:, None])
+    # Tm in [B, T, HV, BS] layout (row r of the sub-chunk holds Tm[r, :]); upper blocks are zero
+    dt_ai = ai.dtype.element_ty
+    p_ai = ai + (bos * HV + i_hv) * BS + o_c[None, :]
+    z = tl.zeros([BC, BC], dtype=dt_ai)
+    tl.store(p_ai + t_0[:, None] * (HV * BS), b_T00.to(dt_ai), mask=m_0[:, None])
+    tl.store(p_ai + t_0[:, None] * (HV * BS) + BC, z, mask=m_0[:, None])
+    tl.store(p_ai + t_0[:, None] * (HV * BS) + 2 * BC, z, mask=m_0[:, None])
+    tl.store(p_ai + t_0[:, None] * (HV * BS) + 3 * BC, z, mask=m_0[:, None])
+    tl.store(p_ai + t_1[:, None] * (HV * BS), b_T10.to(dt_ai), mask=m_1[:, None])
+    tl.store(p_ai + t_1[:, None] * (HV * BS) + BC, b_T11.to(dt_ai), mask=m_1[:, None])
+    tl.store(p_ai + t_1[:, None] * (HV * BS) + 2 * BC, z, mask=m_1[:, None])
+    tl.store(p_ai + t_1[:, None] * (HV * BS) + 3 * BC, z, mask=m_1[:, None])
+    tl.store(p_ai + t_2[:, None] * (HV * BS), b_T20.to(dt_ai), mask=m_2[:, None])
+    tl.store(p_ai + t_2[:, None] * (HV * BS) + BC, b_T21.to(dt_ai), mask=m_2[:, None])
+    tl.store(p_ai + t_2[:, None] * (HV * BS) + 2 * BC, b_T22.to(dt_ai), mask=m_2[:, None])
+    tl.store(p_ai + t_2[:, None] * (HV * BS) + 3 * BC, z, mask=m_2[:, None])
+    tl.store(p_ai + t_3[:, None] * (HV * BS), b_T30.to(dt_ai), mask=m_3[:, None])
+    tl.store(p_ai + t_3[:, None] * (HV * BS) + BC, b_T31.to(dt_ai), mask=m_3[:, None])
+    tl.store(p_ai + t_3[:, None] * (HV * BS) + 2 * BC, b_T32.to(dt_ai), mask=m_3[:, None])
+    tl.store(p_ai + t_3[:, None] * (HV * BS) + 3 * BC, b_T33.to(dt_ai), mask=m_3[:, None])
 
-    dt = k.dtype.element_ty
-    c00 = b_T00.to(dt)
-    c10 = b_T10.to(dt)
-    c11 = b_T11.to(dt)
-    c20 = b_T20.to(dt)
-    c21 = b_T21.to(dt)
-    c22 = b_T22.to(dt)
-    c30 = b_T30.to(dt)
-    c31 = b_T31.to(dt)
-    c32 = b_T32.to(dt)
-    c33 = b_T33.to(dt)
 
-    # W = Tm @ (beta 2^(G - G_c) K)
-    if USE_G:
-        b_x0 = (b_k0 * (b_b0 * tl.exp2(b_g0 - b_gc))[:, None]).to(dt)
-        b_x1 = (b_k1 * (b_b1 * tl.exp2(b_g1 - b_gc))[:, None]).to(dt)
-        b_x2 = (b_k2 * (b_b2 * tl.exp2(b_g2 - b_gc))[:, None]).to(dt)
-        b_x3 = (b_k3 * (b_b3 * tl.exp2(b_g3 - b_gc))[:, None]).to(dt)
+@triton.jit
+def _gdn_wy_fwd_kernel(
+    k,
+    v,
+    g,
+    beta,
+    ai,
+    w,
+    u,
+    cu_seqlens,
+    chunk_indices,
+    T,
+    H: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    USE_G: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """W = Tm @ (beta 2^(G - G_c) K), U = Tm @ (beta V) for one 64-row sub-chunk."""
+    BS: tl.constexpr = 64
+    i_s, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    i_b, i_hv = i_bh // HV, i_bh % HV
+    i_h = i_hv // (HV // H)
+    if IS_VARLEN:
+        i_n = tl.load(chunk_indices + i_s * 2).to(tl.int64)
+        i_s = tl.load(chunk_indices + i_s * 2 + 1).to(tl.int64)
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
     else:
-        b_x0 = (b_k0 * b_b0[:, None]).to(dt)
-        b_x1 = (b_k1 * b_b1[:, None]).to(dt)
-        b_x2 = (b_k2 * b_b2[:, None]).to(dt)
-        b_x3 = (b_k3 * b_b3[:, None]).to(dt)
-    b_w0 = tl.dot(c00, b_x0, input_precision=DOT_PREC)
-    b_w1 = tl.dot(c11, b_x1, tl.dot(c10, b_x0, input_precision=DOT_PREC), input_precision=DOT_PREC)
-    b_w2 = tl.dot(c22, b_x2, tl.dot(c21, b_x1, tl.dot(c20, b_x0, input_precision=DOT_PREC),
-                                   input_precision=DOT_PREC), input_precision=DOT_PREC)
-    b_w3 = tl.dot(c33, b_x3, tl.dot(c32, b_x2, tl.dot(c31, b_x1, tl.dot(c30, b_x0, input_precision=DOT_PREC),
-                                                     input_precision=DOT_PREC), input_precision=DOT_PREC),
-                  input_precision=DOT_PREC)
-    p_w = w + (bos * HV + i_hv) * K + o_k[None, :]
-    tl.store(p_w + t_0[:, None] * (HV * K), b_w0.to(w.dtype.element_ty), mask=m_0[:, None] & m_k[None, :])
-    tl.store(p_w + t_1[:, None] * (HV * K), b_w1.to(w.dtype.element_ty), mask=m_1[:, None] & m_k[None, :])
-    tl.store(p_w + t_2[:, None] * (HV * K), b_w2.to(w.dtype.element_ty), mask=m_2[:, None] & m_k[None, :])
-    tl.store(p_w + t_3[:, None] * (HV * K), b_w3.to(w.dtype.element_ty), mask=m_3[:, None] & m_k[None, :])
+        bos = i_b * T
+    t0 = i_s * BS
+    o_t = t0 + tl.arange(0, BS)
+    m_t = o_t < T
+    o_c = tl.arange(0, BS)
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    dt = k.dtype.element_ty
 
-    # U = Tm @ (beta V), one value tile at a time
+    b_tm = tl.load(ai + (bos * HV + i_hv) * BS + o_t[:, None] * (HV * BS) + o_c[None, :],
+                   mask=m_t[:, None], other=0.0).to(dt)  # [BS, BS]
+    b_b = tl.load(beta + (bos + o_t) * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
+    if USE_G:
+        p_g = g + bos * HV + i_hv
+        b_gc = tl.load(p_g + (t0 - 1) * HV, mask=(t0 % BT) != 0, other=0.0)
+        b_g = tl.load(p_g + o_t * HV, mask=m_t, other=0.0)
+        b_sk = b_b * tl.exp2(tl.where(m_t, b_g - b_gc, float("-inf")))
+    else:
+        b_sk = b_b
+    b_k = tl.load(k + (bos * H + i_h) * K + o_t[:, None] * (H * K) + o_k[None, :],
+                  mask=m_t[:, None] & m_k[None, :], other=0.0)  # [BS, BK]
+    b_w = tl.dot(b_tm, (b_k * b_sk[:, None]).to(dt), input_precision=DOT_PREC)
+    tl.store(w + (bos * HV + i_hv) * K + o_t[:, None] * (HV * K) + o_k[None, :], b_w.to(w.dtype.element_ty),
+             mask=m_t[:, None] & m_k[None, :])
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = o_v < V
-        p_v = v + (bos * HV + i_hv) * V + o_v[None, :]
-        b_y0 = (tl.load(p_v + t_0[:, None] * (HV * V), mask=m_0[:, None] & m_v[None, :], other=0.0)
-                * b_b0[:, None]).to(dt)
-        b_y1 = (tl.load(p_v + t_1[:, None] * (HV * V), mask=m_1[:, None] & m_v[None, :], other=0.0)
-                * b_b1[:, None]).to(dt)
-        b_y2 = (tl.load(p_v + t_2[:, None] * (HV * V), mask=m_2[:, None] & m_v[None, :], other=0.0)
-                * b_b2[:, None]).to(dt)
-        b_y3 = (tl.load(p_v + t_3[:, None] * (HV * V), mask=m_3[:, None] & m_v[None, :], other=0.0)
-                * b_b3[:, None]).to(dt)
-        b_u0 = tl.dot(c00, b_y0, input_precision=DOT_PREC)
-        b_u1 = tl.dot(c11, b_y1, tl.dot(c10, b_y0, input_precision=DOT_PREC), input_precision=DOT_PREC)
-        b_u2 = tl.dot(c22, b_y2, tl.dot(c21, b_y1, tl.dot(c20, b_y0, input_precision=DOT_PREC),
-                                       input_precision=DOT_PREC), input_precision=DOT_PREC)
-        b_u3 = tl.dot(c33, b_y3, tl.dot(c32, b_y2, tl.dot(c31, b_y1, tl.dot(c30, b_y0, input_precision=DOT_PREC),
-                                                         input_precision=DOT_PREC), input_precision=DOT_PREC),
-                      input_precision=DOT_PREC)
-        p_u = u + (bos * HV + i_hv) * V + o_v[None, :]
-        tl.store(p_u + t_0[:, None] * (HV * V), b_u0.to(u.dtype.element_ty), mask=m_0[:, None] & m_v[None, :])
-        tl.store(p_u + t_1[:, None] * (HV * V), b_u1.to(u.dtype.element_ty), mask=m_1[:, None] & m_v[None, :])
-        tl.store(p_u + t_2[:, None] * (HV * V), b_u2.to(u.dtype.element_ty), mask=m_2[:, None] & m_v[None, :])
-        tl.store(p_u + t_3[:, None] * (HV * V), b_u3.to(u.dtype.element_ty), mask=m_3[:, None] & m_v[None, :])
+        p_off = (bos * HV + i_hv) * V + o_t[:, None] * (HV * V) + o_v[None, :]
+        b_v = tl.load(v + p_off, mask=m_t[:, None] & m_v[None, :], other=0.0)
+        b_u = tl.dot(b_tm, (b_v * b_b[:, None]).to(dt), input_precision=DOT_PREC)
+        tl.store(u + p_off, b_u.to(u.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
+
+
+def ut_inverse_fwd(
+    k: torch.Tensor,
+    g_cum: torch.Tensor | None,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor | None = None,
+    sub_indices: torch.Tensor | None = None,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """Tm = (I + A)^-1 of every 64-row sub-chunk: ``ai [B, T, HV, 64]`` in k's dtype (row r of a
+    sub-chunk holds Tm[r, :]). ``beta``/``g_cum`` are ``[B, T, HV]``; config key ``inv_warps``."""
+    B, T, H, K = k.shape
+    HV = beta.shape[2]
+    ai = torch.empty(B, T, HV, SUB_CHUNK, dtype=k.dtype, device=k.device)
+    NS = sub_indices.shape[0] if cu_seqlens is not None else cdiv(T, SUB_CHUNK)
+    if NS == 0 or B * HV == 0:
+        return ai
+    cfg = {"inv_warps": 2, **(config or {})}
+    _gdn_ut_inverse_kernel[(NS, B * HV)](
+        k, g_cum, beta, ai, cu_seqlens, sub_indices, T,
+        H=H, HV=HV, K=K, BK=min(max(16, next_pow2(K)), 64), USE_G=g_cum is not None,
+        IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(k.dtype), num_warps=cfg["inv_warps"],
+    )
+    return ai
 
 
 def ut_transform_fwd(
@@ -257,33 +298,35 @@ def ut_transform_fwd(
     chunk_size: int,
     cu_seqlens: torch.Tensor | None = None,
     sub_indices: torch.Tensor | None = None,
-    store_ai: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """W, U of every 64-row sub-chunk (and optionally Tm).
+    config: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """W, U and Tm of every 64-row sub-chunk.
 
     Args:
         k: ``[B, T, H, K]``; v: ``[B, T, HV, V]``; beta: ``[B, T, HV]``.
         g_cum: ``[B, T, HV]`` fp32 cumulative gate within outer chunks of ``chunk_size``, log2 units
             (or None for the ungated delta rule).
         sub_indices: varlen table of (sequence, sub-chunk) from ``prepare_chunk_indices(.., 64)``.
+        config: overrides of ``inv_warps``, ``wy_warps``, ``wy_stages``, ``BV``.
     Returns:
-        ``w [B, T, HV, K]`` and ``u [B, T, HV, V]`` in k's dtype; ``ai [B, T, HV, 64]`` fp32 or None.
+        ``w [B, T, HV, K]``, ``u [B, T, HV, V]`` and ``ai [B, T, HV, 64]`` (Tm, row r of each sub-chunk
+        in row r), all in k's dtype.
     """
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
     w = torch.empty(B, T, HV, K, dtype=k.dtype, device=k.device)
     u = torch.empty(B, T, HV, V, dtype=k.dtype, device=k.device)
-    ai = torch.zeros(B, T, HV, SUB_CHUNK, dtype=torch.float32, device=k.device) if store_ai else None
+    ai = ut_inverse_fwd(k, g_cum, beta, cu_seqlens, sub_indices, config)
     NS = sub_indices.shape[0] if cu_seqlens is not None else cdiv(T, SUB_CHUNK)
     if NS == 0 or B * HV == 0:
         return w, u, ai
+    cfg = {"wy_warps": 4, "wy_stages": 2, "BV": 64, **(config or {})}
     BK = max(16, next_pow2(K))
-    BV = min(max(16, next_pow2(V)), 64)
-    _gdn_ut_fwd_kernel[(NS, B * HV)](
-        k, v, g_cum, beta, w, u, ai, cu_seqlens, sub_indices, T,
+    BV = min(max(16, next_pow2(V)), cfg["BV"])
+    common = dict(USE_G=g_cum is not None, IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(k.dtype))
+    _gdn_wy_fwd_kernel[(NS, B * HV)](
+        k, v, g_cum, beta, ai, w, u, cu_seqlens, sub_indices, T,
         H=H, HV=HV, K=K, V=V, BT=chunk_size, BK=BK, BV=BV,
-        USE_G=g_cum is not None, STORE_AI=store_ai, IS_VARLEN=cu_seqlens is not None,
-        DOT_PREC=dot_precision(k.dtype),
-        num_warps=4 if K <= 128 else 8,
+        num_warps=cfg["wy_warps"], num_stages=cfg["wy_stages"], **common,
     )
     return w, u, ai

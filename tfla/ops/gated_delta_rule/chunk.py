@@ -5,8 +5,8 @@ L = chunk_size (outer chunk; states live every L tokens), 64-row sub-chunks (UT/
 
 Forward stages (each a Triton kernel in ``tfla/ops/common``):
   1. ``chunk_local_cumsum``: G = cumsum(g) restarting every L tokens, in log2 units.
-  2. ``ut_transform_fwd``: per 64-row sub-chunk, Tm = (I + A)^-1 by 16-row block inversion,
-     W = Tm (beta 2^(G - G_c) K), U = Tm (beta V).
+  2. ``ut_transform_fwd``: per 64-row sub-chunk, Tm = (I + A)^-1 by 16-row block inversion
+     (one kernel), then W = Tm (beta 2^(G - G_c) K), U = Tm (beta V) (a second kernel).
   3. ``chunk_state_fwd``: S over sub-chunks on chip, written to HBM only every L tokens;
      Vnew = U - W S (block forward substitution of the L x L UT transform).
   4. ``chunk_output_fwd``: o = scale (2^G q S_c + causal-gated (q k^T) Vnew), TFLA-tiled over the
@@ -18,7 +18,7 @@ import dataclasses
 
 import torch
 
-from tfla.ops.common.chunk_output import chunk_output_fwd
+from tfla.ops.common.chunk_output import chunk_output_fwd, output_config
 from tfla.ops.common.chunk_state import chunk_state_fwd
 from tfla.ops.common.cumsum import chunk_local_cumsum
 from tfla.ops.common.utils import (
@@ -33,9 +33,11 @@ from tfla.ops.common.utils import (
     prepare_chunk_offsets,
     seqlens_to_list,
 )
-from tfla.ops.common.ut_transform import ut_transform_fwd
+from tfla.ops.common.ut_transform import ut_inverse_fwd, ut_transform_fwd
 
 DEFAULT_CHUNK_SIZE = 128
+# form W and U inside the state kernel from Tm (saves their HBM round trip) instead of a WY kernel
+WY_IN_STATE = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +63,12 @@ class VarlenIndex:
     @property
     def num_chunks(self) -> int:
         return int(self.chunk_indices.shape[0])
+
+    def tiles(self, size: int) -> torch.Tensor:
+        """(seq, tile) table for tiles of ``size`` rows (64-row tiles reuse ``sub_indices``)."""
+        if size == SUB_CHUNK:
+            return self.sub_indices
+        return prepare_chunk_indices(self.bounds, size, self.cu_seqlens.device)
 
     @classmethod
     def build(cls, cu_seqlens: torch.Tensor, chunk_size: int) -> "VarlenIndex":
@@ -92,29 +100,42 @@ def chunk_gated_delta_rule_fwd(
     output_final_state: bool,
     chunk_size: int,
     varlen: VarlenIndex | None = None,
+    config: dict | None = None,
 ):
     """Plain forward (no autograd): returns ``(o, final_state, intermediates)`` where intermediates
-    holds ``g_cum [B, T, HV] fp32 (log2)``, ``w``, ``u``, ``v_new``, ``h [B, NT, HV, K, V]``."""
+    holds ``g_cum [B, T, HV] fp32 (log2)``, ``ai`` (Tm), ``w``, ``u`` (None when formed on chip),
+    ``v_new``, ``h [B, NT, HV, K, V]``.
+
+    ``config`` (tuning, see docs/perf.md): ``{"ut": {...}, "state": {...}, "output": {...},
+    "wy_in_state": bool}``; every key optional.
+    """
+    config = config or {}
     cu = varlen.cu_seqlens if varlen is not None else None
     g_cum = chunk_local_cumsum(
         g, chunk_size, scale=RCP_LN2, cu_seqlens=cu,
         chunk_indices=varlen.chunk_indices if varlen is not None else None,
     )
-    w, u, _ = ut_transform_fwd(
-        k, v, g_cum, beta, chunk_size, cu_seqlens=cu,
-        sub_indices=varlen.sub_indices if varlen is not None else None,
+    sub = varlen.sub_indices if varlen is not None else None
+    state_args = dict(
+        initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu,
+        chunk_offsets=varlen.chunk_offsets if varlen is not None else None,
+        num_chunks=varlen.num_chunks if varlen is not None else None, config=config.get("state"),
     )
-    h, v_new, final_state = chunk_state_fwd(
-        k, u, g_cum, chunk_size, w=w, initial_state=initial_state, output_final_state=output_final_state,
-        cu_seqlens=cu, chunk_offsets=varlen.chunk_offsets if varlen is not None else None,
-        num_chunks=varlen.num_chunks if varlen is not None else None,
-    )
+    if config.get("wy_in_state", WY_IN_STATE):
+        w = u = None
+        ai = ut_inverse_fwd(k, g_cum, beta, cu_seqlens=cu, sub_indices=sub, config=config.get("ut"))
+        h, v_new, final_state = chunk_state_fwd(k, v, g_cum, chunk_size, ai=ai, beta=beta, **state_args)
+    else:
+        w, u, ai = ut_transform_fwd(k, v, g_cum, beta, chunk_size, cu_seqlens=cu, sub_indices=sub,
+                                    config=config.get("ut"))
+        h, v_new, final_state = chunk_state_fwd(k, u, g_cum, chunk_size, w=w, **state_args)
+    ocfg = output_config(chunk_size, q.shape[-1], v.shape[-1], config.get("output"))
     o = chunk_output_fwd(
         q, k, v_new, h, g_cum, scale, chunk_size, cu_seqlens=cu,
-        tile_indices=varlen.sub_indices if varlen is not None else None,
-        chunk_offsets=varlen.chunk_offsets if varlen is not None else None,
+        tile_indices=varlen.tiles(ocfg["BQ"]) if varlen is not None else None,
+        chunk_offsets=varlen.chunk_offsets if varlen is not None else None, config=ocfg,
     )
-    return o, final_state, {"g_cum": g_cum, "w": w, "u": u, "v_new": v_new, "h": h}
+    return o, final_state, {"g_cum": g_cum, "ai": ai, "w": w, "u": u, "v_new": v_new, "h": h}
 
 
 def _check_tensor(name: str, x, ndim: int) -> None:

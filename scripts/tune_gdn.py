@@ -1,0 +1,115 @@
+"""Time tfla Gated DeltaNet forward stages under several tile/launch configs (GPU), one call.
+
+python scripts/tune_gdn.py [--B 4 --T 8192 --H 16 --K 128 --V 128] [--chunk-sizes 64,128,256,512] [--stages ...]
+Each stage is timed alone (triton.testing.do_bench median) on the inputs it gets in a real call;
+results print as one line per (stage, L, config), best first within each group, and go to --json.
+Every config is also checked for correctness against the default config's output.
+"""
+import argparse
+import itertools
+import json
+
+import torch
+from triton.testing import do_bench
+
+from tfla.bench.inputs import gdn_inputs
+from tfla.ops.common.chunk_output import chunk_output_fwd, output_config
+from tfla.ops.common.chunk_state import chunk_state_fwd
+from tfla.ops.common.cumsum import chunk_local_cumsum
+from tfla.ops.common.utils import RCP_LN2
+from tfla.ops.common.ut_transform import ut_inverse_fwd, ut_transform_fwd
+from tfla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_fwd
+from tfla.utils.testing import rel_l2
+
+
+def grid(**axes):
+    keys = list(axes)
+    for vals in itertools.product(*axes.values()):
+        yield dict(zip(keys, vals))
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--B", type=int, default=4)
+    p.add_argument("--T", type=int, default=8192)
+    p.add_argument("--H", type=int, default=16)
+    p.add_argument("--K", type=int, default=128)
+    p.add_argument("--V", type=int, default=128)
+    p.add_argument("--chunk-sizes", default="64,128,256,512")
+    p.add_argument("--stages", default="inv,wy,state,state2,output,full")
+    p.add_argument("--rep", type=float, default=50)
+    p.add_argument("--json", default=None)
+    a = p.parse_args()
+    stages = a.stages.split(",")
+    x = gdn_inputs(a.B, a.T, a.H, a.K, a.V, dtype=torch.bfloat16, device="cuda")
+    q, k, v, g, beta = x["q"], x["k"], x["v"], x["g"], x["beta"]
+    scale = a.K ** -0.5
+    Ls = [int(s) for s in a.chunk_sizes.split(",")]
+    results = []
+
+    def bench(stage, L, cfg, fn, ref=None):
+        try:
+            out = fn()
+            err = rel_l2(out, ref) if ref is not None else 0.0
+            ms = do_bench(fn, warmup=10, rep=a.rep, return_mode="median")
+        except Exception as e:  # a config that does not compile (e.g. out of shared memory)
+            print(f"{stage:7s} L={L:4d} {cfg}  FAILED {type(e).__name__}: {str(e).splitlines()[0][:100]}")
+            return
+        results.append({"stage": stage, "L": L, "cfg": cfg, "ms": ms, "err": err})
+        print(f"{stage:7s} L={L:4d} {ms:7.3f} ms  err {err:.1e}  {cfg}", flush=True)
+
+    print(f"B={a.B} T={a.T} H={a.H} K={a.K} V={a.V} bf16 on {torch.cuda.get_device_name(0)}")
+    for L in Ls:
+        g_cum = chunk_local_cumsum(g, L, scale=RCP_LN2)
+        w, u, ai = ut_transform_fwd(k, v, g_cum, beta, L)
+        h, v_new, _ = chunk_state_fwd(k, u, g_cum, L, w=w)
+        if "inv" in stages and L == Ls[0]:
+            for c in grid(inv_warps=[1, 2, 4]):
+                bench("inv", L, c, lambda c=c: ut_inverse_fwd(k, g_cum, beta, config=c), ai)
+        if "wy" in stages and L == Ls[0]:
+            for c in grid(wy_warps=[4, 8], wy_stages=[1, 2], BV=[64, 128]):
+                bench("wy", L, c, lambda c=c: ut_transform_fwd(k, v, g_cum, beta, L, config=c)[0], w)
+        if "state" in stages:
+            for c in grid(BV=[32, 64], num_warps=[2, 4], num_stages=[1, 2, 3]):
+                bench("state", L, c, lambda c=c: chunk_state_fwd(k, u, g_cum, L, w=w, config=c)[1], v_new)
+        if "state2" in stages:
+            for c in grid(BV=[32, 64], num_warps=[4, 8], num_stages=[2, 3]):
+                bench("state2", L, c,
+                      lambda c=c: chunk_state_fwd(k, v, g_cum, L, ai=ai, beta=beta, config=c)[1], v_new)
+        if "output" in stages:
+            o_ref = chunk_output_fwd(q, k, v_new, h, g_cum, scale, L)
+            for c in grid(BQ=[64, 128], BV=[64, 128], num_warps=[4, 8], num_stages=[2, 3]):
+                if c["BQ"] > L:
+                    continue
+                cfg = output_config(L, a.K, a.V, c)
+                bench("output", L, c, lambda cfg=cfg: chunk_output_fwd(q, k, v_new, h, g_cum, scale, L, config=cfg), o_ref)
+    if "full" in stages:
+        best = {}
+        for r in results:
+            key = (r["stage"], r["L"])
+            if r["err"] < 1e-2 and (key not in best or r["ms"] < best[key]["ms"]):
+                best[key] = r
+        for L in Ls:
+            o_ref = chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, None, False, L)[0]
+            for wy_in_state in (False, True):
+                st = "state2" if wy_in_state else "state"
+                cfg = {"wy_in_state": wy_in_state,
+                       "ut": {**best.get(("inv", Ls[0]), {}).get("cfg", {}), **best.get(("wy", Ls[0]), {}).get("cfg", {})},
+                       "state": best.get((st, L), {}).get("cfg", {}),
+                       "output": best.get(("output", L), {}).get("cfg", {})}
+                bench("full", L, cfg, lambda cfg=cfg: chunk_gated_delta_rule_fwd(
+                    q, k, v, g, beta, scale, None, False, L, config=cfg)[0], o_ref)
+    print("\nbest per (stage, L):")
+    seen = set()
+    for r in sorted(results, key=lambda r: (r["stage"], r["L"], r["ms"])):
+        if (r["stage"], r["L"]) in seen:
+            continue
+        seen.add((r["stage"], r["L"]))
+        print(f"  {r['stage']:7s} L={r['L']:4d} {r['ms']:.3f} ms  {r['cfg']}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
