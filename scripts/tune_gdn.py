@@ -39,9 +39,15 @@ def main():
     p.add_argument("--stages", default="inv,wy,state,state2,output,full")
     p.add_argument("--rep", type=float, default=50)
     p.add_argument("--json", default=None)
+    p.add_argument("--device", default="cuda", help="cpu: dry run through the interpreter (tiny shapes)")
     a = p.parse_args()
+    if a.device == "cpu":
+        global do_bench
+        from tfla.bench.common import time_ms
+        do_bench = lambda fn, warmup, rep, return_mode: time_ms(fn)  # noqa: E731
     stages = a.stages.split(",")
-    x = gdn_inputs(a.B, a.T, a.H, a.K, a.V, dtype=torch.bfloat16, device="cuda")
+    x = gdn_inputs(a.B, a.T, a.H, a.K, a.V, dtype=torch.bfloat16 if a.device == "cuda" else torch.float32,
+                   device=a.device)
     q, k, v, g, beta = x["q"], x["k"], x["v"], x["g"], x["beta"]
     scale = a.K ** -0.5
     Ls = [int(s) for s in a.chunk_sizes.split(",")]
@@ -58,7 +64,7 @@ def main():
         results.append({"stage": stage, "L": L, "cfg": cfg, "ms": ms, "err": err})
         print(f"{stage:7s} L={L:4d} {ms:7.3f} ms  err {err:.1e}  {cfg}", flush=True)
 
-    print(f"B={a.B} T={a.T} H={a.H} K={a.K} V={a.V} bf16 on {torch.cuda.get_device_name(0)}")
+    print(f"B={a.B} T={a.T} H={a.H} K={a.K} V={a.V} on {torch.cuda.get_device_name(0) if a.device == 'cuda' else 'cpu'}")
     for L in Ls:
         g_cum = chunk_local_cumsum(g, L, scale=RCP_LN2)
         w, u, ai = ut_transform_fwd(k, v, g_cum, beta, L)
