@@ -73,13 +73,13 @@ def main():
             for c in grid(inv_warps=[1, 2, 4]):
                 bench("inv", L, c, lambda c=c: ut_inverse_fwd(k, g_cum, beta, config=c), ai)
         if "wy" in stages and L == Ls[0]:
-            for c in grid(wy_warps=[4, 8], wy_stages=[1, 2], BV=[64, 128]):
-                bench("wy", L, c, lambda c=c: ut_transform_fwd(k, v, g_cum, beta, L, config=c)[0], w)
+            for c in grid(wy_warps=[4, 8], wy_stages=[2], BV=[64, 128]):
+                bench("wy", L, c, lambda c=c: ut_transform_fwd(k, v, g_cum, beta, L, config=c, ai=ai)[0], w)
         if "state" in stages:
-            for c in grid(BV=[32, 64], num_warps=[2, 4], num_stages=[1, 2, 3]):
+            for c in grid(BV=[32, 64], num_warps=[2, 4], num_stages=[2, 3]):
                 bench("state", L, c, lambda c=c: chunk_state_fwd(k, u, g_cum, L, w=w, config=c)[1], v_new)
         if "state2" in stages:
-            for c in grid(BV=[32, 64], num_warps=[4, 8], num_stages=[2, 3]):
+            for c in grid(BV=[32, 64], num_warps=[4], num_stages=[2, 3]):
                 bench("state2", L, c,
                       lambda c=c: chunk_state_fwd(k, v, g_cum, L, ai=ai, beta=beta, config=c)[1], v_new)
         if "output" in stages:

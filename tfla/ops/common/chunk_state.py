@@ -27,6 +27,51 @@ from tfla.ops.common.utils import SUB_CHUNK, cdiv, dot_precision, next_pow2
 
 
 @triton.jit
+def _state_substep(b_h, t0, FIRST: tl.constexpr, T, bos, i_h, i_hv, k, v, w, ai, beta, v_new, g,
+                   o_c, o_k, o_v, m_k, m_v, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                   V: tl.constexpr, BS: tl.constexpr, USE_G: tl.constexpr, DELTA: tl.constexpr,
+                   DOT_PREC: tl.constexpr):
+    """Advance the state ``b_h [BK, BV]`` over the sub-chunk of rows ``t0 .. t0 + BS``; store Vnew."""
+    dt = k.dtype.element_ty
+    o_t = t0 + o_c
+    m_t = o_t < T
+    b_k = tl.load(k + (bos * H + i_h) * K + o_t[:, None] * (H * K) + o_k[None, :],
+                  mask=m_t[:, None] & m_k[None, :], other=0.0)  # [BS, BK]
+    b_v = tl.load(v + (bos * HV + i_hv) * V + o_t[:, None] * (HV * V) + o_v[None, :],
+                  mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)  # [BS, BV]
+    if USE_G:
+        p_g = g + bos * HV + i_hv
+        # clamped so a sub-chunk past T reads G_n = G_c = G[T - 1]: decay 1, no-op
+        b_gn = tl.load(p_g + (tl.minimum(t0 + BS, T) - 1) * HV)
+        if FIRST:
+            b_gc = 0.0
+        else:
+            b_gc = tl.load(p_g + (tl.minimum(t0, T) - 1) * HV)
+        b_g = tl.load(p_g + o_t * HV, mask=m_t, other=0.0)
+    if DELTA == 1:  # Vnew = U - W S, with W and U from the WY kernel
+        b_w = tl.load(w + (bos * HV + i_hv) * K + o_t[:, None] * (HV * K) + o_k[None, :],
+                      mask=m_t[:, None] & m_k[None, :], other=0.0)
+        b_v -= tl.dot(b_w, b_h.to(dt), input_precision=DOT_PREC)
+    if DELTA == 2:  # Vnew = Tm (beta V - (beta 2^(G - G_c) K) S): W and U never leave the chip
+        b_tm = tl.load(ai + (bos * HV + i_hv) * BS + o_t[:, None] * (HV * BS) + o_c[None, :],
+                       mask=m_t[:, None], other=0.0).to(dt)  # [BS, BS]
+        b_b = tl.load(beta + (bos + o_t) * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
+        if USE_G:
+            b_sk = b_b * tl.exp2(tl.where(m_t, b_g - b_gc, float("-inf")))
+        else:
+            b_sk = b_b
+        b_y = b_v * b_b[:, None] - tl.dot((b_k * b_sk[:, None]).to(dt), b_h.to(dt), input_precision=DOT_PREC)
+        b_v = tl.dot(b_tm, b_y.to(dt), input_precision=DOT_PREC)
+    if DELTA > 0:
+        tl.store(v_new + (bos * HV + i_hv) * V + o_t[:, None] * (HV * V) + o_v[None, :],
+                 b_v.to(v_new.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
+    if USE_G:
+        b_v = b_v * tl.exp2(tl.where(m_t, b_gn - b_g, float("-inf")))[:, None]
+        b_h *= tl.exp2(b_gn - b_gc)
+    return tl.dot(tl.trans(b_k), b_v.to(dt), b_h, input_precision=DOT_PREC)
+
+
+@triton.jit
 def _chunk_state_fwd_kernel(
     k,
     v,
@@ -74,53 +119,19 @@ def _chunk_state_fwd_kernel(
     m_v = o_v < V
     m_kv = m_k[:, None] & m_v[None, :]
     o_kv = o_k[:, None] * V + o_v[None, :]
-    dt = k.dtype.element_ty
 
     b_h = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_INITIAL_STATE:
         b_h += tl.load(h0 + i_nh * K * V + o_kv, mask=m_kv, other=0.0).to(tl.float32)
 
-    p_k = k + (bos * H + i_h) * K + o_k[None, :]
-    p_v = v + (bos * HV + i_hv) * V + o_v[None, :]
-    if USE_G:
-        p_g = g + bos * HV + i_hv
-    # one flat loop over 64-row sub-chunks (level 2), so loads of the next sub-chunk are pipelined;
-    # the state goes to HBM only at outer-chunk starts (level 1)
-    for i_s in range(0, tl.cdiv(T, BS)):
-        t0 = i_s * BS
-        if t0 % BT == 0:
-            tl.store(h + ((boh + t0 // BT) * HV + i_hv) * K * V + o_kv, b_h.to(h.dtype.element_ty), mask=m_kv)
-        o_t = t0 + o_c
-        m_t = o_t < T
-        b_k = tl.load(p_k + o_t[:, None] * (H * K), mask=m_t[:, None] & m_k[None, :], other=0.0)  # [BS, BK]
-        b_v = tl.load(p_v + o_t[:, None] * (HV * V), mask=m_t[:, None] & m_v[None, :],
-                      other=0.0).to(tl.float32)  # [BS, BV]
-        if USE_G:
-            t_n = tl.minimum(t0 + BS, T) - 1
-            b_gn = tl.load(p_g + t_n * HV)
-            b_gc = tl.load(p_g + (t0 - 1) * HV, mask=(t0 % BT) != 0, other=0.0)
-            b_g = tl.load(p_g + o_t * HV, mask=m_t, other=0.0)
-        if DELTA == 1:  # Vnew = U - W S, with W and U from the WY kernel
-            p_w = w + (bos * HV + i_hv) * K + o_t[:, None] * (HV * K) + o_k[None, :]
-            b_w = tl.load(p_w, mask=m_t[:, None] & m_k[None, :], other=0.0)
-            b_v -= tl.dot(b_w, b_h.to(dt), input_precision=DOT_PREC)
-        if DELTA == 2:  # Vnew = Tm (beta V - (beta 2^(G - G_c) K) S): W and U never leave the chip
-            p_ai = ai + (bos * HV + i_hv) * BS + o_t[:, None] * (HV * BS) + o_c[None, :]
-            b_tm = tl.load(p_ai, mask=m_t[:, None], other=0.0).to(dt)  # [BS, BS]
-            b_b = tl.load(beta + (bos + o_t) * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
-            if USE_G:
-                b_sk = b_b * tl.exp2(tl.where(m_t, b_g - b_gc, float("-inf")))
-            else:
-                b_sk = b_b
-            b_y = b_v * b_b[:, None] - tl.dot((b_k * b_sk[:, None]).to(dt), b_h.to(dt), input_precision=DOT_PREC)
-            b_v = tl.dot(b_tm, b_y.to(dt), input_precision=DOT_PREC)
-        if DELTA > 0:
-            p_vn = v_new + (bos * HV + i_hv) * V + o_t[:, None] * (HV * V) + o_v[None, :]
-            tl.store(p_vn, b_v.to(v_new.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
-        if USE_G:
-            b_v = b_v * tl.exp2(tl.where(m_t, b_gn - b_g, float("-inf")))[:, None]
-            b_h *= tl.exp2(b_gn - b_gc)
-        b_h = tl.dot(tl.trans(b_k), b_v.to(dt), b_h, input_precision=DOT_PREC)
+    # level 1: one iteration per outer chunk, the only place a state touches HBM;
+    # level 2: its BT // BS sub-chunks unrolled, state on chip (a sub-chunk past T is a no-op)
+    for i_c in range(0, tl.cdiv(T, BT)):
+        tl.store(h + ((boh + i_c) * HV + i_hv) * K * V + o_kv, b_h.to(h.dtype.element_ty), mask=m_kv)
+        for j in tl.static_range(BT // BS):
+            b_h = _state_substep(
+                b_h, i_c * BT + j * BS, j == 0, T, bos, i_h, i_hv, k, v, w, ai, beta, v_new, g,
+                o_c, o_k, o_v, m_k, m_v, H, HV, K, V, BS, USE_G, DELTA, DOT_PREC)
 
     if STORE_FINAL_STATE:
         tl.store(ht + i_nh * K * V + o_kv, b_h, mask=m_kv)

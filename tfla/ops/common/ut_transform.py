@@ -33,13 +33,19 @@ from tfla.ops.common.utils import SUB_CHUNK, cdiv, dot_precision, next_pow2
 
 @triton.jit
 def _unit_lower_inverse(b_A, BC: tl.constexpr):
-    """``(I + A)^-1`` of a strictly lower-triangular fp32 ``[BC, BC]`` block, row by row:
-    ``X[r] = e_r - sum_{s < r} A[r, s] X[s]``."""
+    """``(I + A)^-1`` of a strictly lower-triangular fp32 ``[BC, BC]`` block.
+
+    ``I + A = prod_j (I + a_j e_j^T)`` with ``a_j`` column j of A, so the inverse is
+    ``prod_{j = BC-1 .. 0} (I - a_j e_j^T)``: starting from ``X = I``, ``X <- X - a_j (e_j^T X)`` for
+    j = 0, 1, ... Column j of A comes out row-indexed and row j of X column-indexed, so every step
+    is an outer-product update with no register-layout conversion.
+    """
     o = tl.arange(0, BC)
     b_X = tl.where(o[:, None] == o[None, :], 1.0, 0.0)
-    for r in range(1, BC):
-        b_a = tl.sum(tl.where(o[:, None] == r, b_A, 0.0), 0)  # [BC] row r of A
-        b_X = tl.where(o[:, None] == r, b_X - tl.sum(b_a[:, None] * b_X, 0)[None, :], b_X)
+    for j in range(0, BC - 1):
+        b_a = tl.sum(tl.where(o[None, :] == j, b_A, 0.0), 1)  # [BC] column j of A
+        b_x = tl.sum(tl.where(o[:, None] == j, b_X, 0.0), 0)  # [BC] row j of X
+        b_X -= b_a[:, None] * b_x[None, :]
     return b_X
 
 
@@ -59,6 +65,7 @@ def _gdn_ut_inverse_kernel(
     USE_G: tl.constexpr,
     IS_VARLEN: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    MERGE_PREC: tl.constexpr,
 ):
     """Tm = (I + A)^-1 of one 64-row sub-chunk, A = beta (K K^T) 2^(G_r - G_i) strictly lower."""
     BS: tl.constexpr = 64
@@ -165,16 +172,16 @@ def _gdn_ut_inverse_kernel(
     b_T11 = _unit_lower_inverse(b_A11, BC)
     b_T22 = _unit_lower_inverse(b_A22, BC)
     b_T33 = _unit_lower_inverse(b_A33, BC)
-    b_T10 = -tl.dot(b_T11, tl.dot(b_A10, b_T00, input_precision="ieee"), input_precision="ieee")
-    b_T21 = -tl.dot(b_T22, tl.dot(b_A21, b_T11, input_precision="ieee"), input_precision="ieee")
-    b_T32 = -tl.dot(b_T33, tl.dot(b_A32, b_T22, input_precision="ieee"), input_precision="ieee")
-    b_T20 = -tl.dot(b_T22, tl.dot(b_A20, b_T00, input_precision="ieee")
-                    + tl.dot(b_A21, b_T10, input_precision="ieee"), input_precision="ieee")
-    b_T31 = -tl.dot(b_T33, tl.dot(b_A31, b_T11, input_precision="ieee")
-                    + tl.dot(b_A32, b_T21, input_precision="ieee"), input_precision="ieee")
-    b_T30 = -tl.dot(b_T33, tl.dot(b_A30, b_T00, input_precision="ieee")
-                    + tl.dot(b_A31, b_T10, input_precision="ieee")
-                    + tl.dot(b_A32, b_T20, input_precision="ieee"), input_precision="ieee")
+    b_T10 = -tl.dot(b_T11, tl.dot(b_A10, b_T00, input_precision=MERGE_PREC), input_precision=MERGE_PREC)
+    b_T21 = -tl.dot(b_T22, tl.dot(b_A21, b_T11, input_precision=MERGE_PREC), input_precision=MERGE_PREC)
+    b_T32 = -tl.dot(b_T33, tl.dot(b_A32, b_T22, input_precision=MERGE_PREC), input_precision=MERGE_PREC)
+    b_T20 = -tl.dot(b_T22, tl.dot(b_A20, b_T00, input_precision=MERGE_PREC)
+                    + tl.dot(b_A21, b_T10, input_precision=MERGE_PREC), input_precision=MERGE_PREC)
+    b_T31 = -tl.dot(b_T33, tl.dot(b_A31, b_T11, input_precision=MERGE_PREC)
+                    + tl.dot(b_A32, b_T21, input_precision=MERGE_PREC), input_precision=MERGE_PREC)
+    b_T30 = -tl.dot(b_T33, tl.dot(b_A30, b_T00, input_precision=MERGE_PREC)
+                    + tl.dot(b_A31, b_T10, input_precision=MERGE_PREC)
+                    + tl.dot(b_A32, b_T20, input_precision=MERGE_PREC), input_precision=MERGE_PREC)
 
     # Tm in [B, T, HV, BS] layout (row r of the sub-chunk holds Tm[r, :]); upper blocks are zero
     dt_ai = ai.dtype.element_ty
@@ -281,11 +288,13 @@ def ut_inverse_fwd(
     NS = sub_indices.shape[0] if cu_seqlens is not None else cdiv(T, SUB_CHUNK)
     if NS == 0 or B * HV == 0:
         return ai
-    cfg = {"inv_warps": 2, **(config or {})}
+    cfg = {"inv_warps": 1, **(config or {})}
     _gdn_ut_inverse_kernel[(NS, B * HV)](
         k, g_cum, beta, ai, cu_seqlens, sub_indices, T,
         H=H, HV=HV, K=K, BK=min(max(16, next_pow2(K)), 64), USE_G=g_cum is not None,
-        IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(k.dtype), num_warps=cfg["inv_warps"],
+        IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(k.dtype),
+        # Tm is rounded to k's dtype afterwards: TF32 merges suffice for 16-bit inputs, fp32 stays exact
+        MERGE_PREC="ieee" if k.dtype == torch.float32 else "tf32", num_warps=cfg["inv_warps"],
     )
     return ai
 
@@ -299,8 +308,9 @@ def ut_transform_fwd(
     cu_seqlens: torch.Tensor | None = None,
     sub_indices: torch.Tensor | None = None,
     config: dict | None = None,
+    ai: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """W, U and Tm of every 64-row sub-chunk.
+    """W, U and Tm of every 64-row sub-chunk (Tm computed unless ``ai`` is given).
 
     Args:
         k: ``[B, T, H, K]``; v: ``[B, T, HV, V]``; beta: ``[B, T, HV]``.
@@ -316,7 +326,8 @@ def ut_transform_fwd(
     HV, V = v.shape[2], v.shape[3]
     w = torch.empty(B, T, HV, K, dtype=k.dtype, device=k.device)
     u = torch.empty(B, T, HV, V, dtype=k.dtype, device=k.device)
-    ai = ut_inverse_fwd(k, g_cum, beta, cu_seqlens, sub_indices, config)
+    if ai is None:
+        ai = ut_inverse_fwd(k, g_cum, beta, cu_seqlens, sub_indices, config)
     NS = sub_indices.shape[0] if cu_seqlens is not None else cdiv(T, SUB_CHUNK)
     if NS == 0 or B * HV == 0:
         return w, u, ai
