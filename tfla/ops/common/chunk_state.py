@@ -27,10 +27,10 @@ from tfla.ops.common.utils import SUB_CHUNK, cdiv, dot_precision, next_pow2
 
 
 @triton.jit
-def _state_substep(b_h, t0, FIRST: tl.constexpr, T, bos, i_h, i_hv, k, v, w, ai, beta, v_new, g,
+def _state_substep(b_h, t0, T, bos, i_h, i_hv, k, v, w, ai, beta, v_new, g,
                    o_c, o_k, o_v, m_k, m_v, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-                   V: tl.constexpr, BS: tl.constexpr, USE_G: tl.constexpr, DELTA: tl.constexpr,
-                   DOT_PREC: tl.constexpr):
+                   V: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, USE_G: tl.constexpr,
+                   DELTA: tl.constexpr, DOT_PREC: tl.constexpr):
     """Advance the state ``b_h [BK, BV]`` over the sub-chunk of rows ``t0 .. t0 + BS``; store Vnew."""
     dt = k.dtype.element_ty
     o_t = t0 + o_c
@@ -43,10 +43,7 @@ def _state_substep(b_h, t0, FIRST: tl.constexpr, T, bos, i_h, i_hv, k, v, w, ai,
         p_g = g + bos * HV + i_hv
         # clamped so a sub-chunk past T reads G_n = G_c = G[T - 1]: decay 1, no-op
         b_gn = tl.load(p_g + (tl.minimum(t0 + BS, T) - 1) * HV)
-        if FIRST:
-            b_gc = 0.0
-        else:
-            b_gc = tl.load(p_g + (tl.minimum(t0, T) - 1) * HV)
+        b_gc = tl.load(p_g + (tl.minimum(t0, T) - 1) * HV, mask=(t0 % BT) != 0, other=0.0)
         b_g = tl.load(p_g + o_t * HV, mask=m_t, other=0.0)
     if DELTA == 1:  # Vnew = U - W S, with W and U from the WY kernel
         b_w = tl.load(w + (bos * HV + i_hv) * K + o_t[:, None] * (HV * K) + o_k[None, :],
@@ -99,6 +96,7 @@ def _chunk_state_fwd_kernel(
     STORE_FINAL_STATE: tl.constexpr,
     IS_VARLEN: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    UNROLL: tl.constexpr,
 ):
     BS: tl.constexpr = 64
     i_v, i_nh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
@@ -125,13 +123,21 @@ def _chunk_state_fwd_kernel(
         b_h += tl.load(h0 + i_nh * K * V + o_kv, mask=m_kv, other=0.0).to(tl.float32)
 
     # level 1: one iteration per outer chunk, the only place a state touches HBM;
-    # level 2: its BT // BS sub-chunks unrolled, state on chip (a sub-chunk past T is a no-op)
+    # level 2: its BT // BS sub-chunks, state on chip (a sub-chunk past T is a no-op). Unrolled, the
+    # loads of a whole outer chunk can be in flight at once (shared memory grows with BT); otherwise
+    # the inner loop is the one the compiler pipelines.
     for i_c in range(0, tl.cdiv(T, BT)):
         tl.store(h + ((boh + i_c) * HV + i_hv) * K * V + o_kv, b_h.to(h.dtype.element_ty), mask=m_kv)
-        for j in tl.static_range(BT // BS):
-            b_h = _state_substep(
-                b_h, i_c * BT + j * BS, j == 0, T, bos, i_h, i_hv, k, v, w, ai, beta, v_new, g,
-                o_c, o_k, o_v, m_k, m_v, H, HV, K, V, BS, USE_G, DELTA, DOT_PREC)
+        if UNROLL:
+            for j in tl.static_range(BT // BS):
+                b_h = _state_substep(
+                    b_h, i_c * BT + j * BS, T, bos, i_h, i_hv, k, v, w, ai, beta, v_new, g,
+                    o_c, o_k, o_v, m_k, m_v, H, HV, K, V, BT, BS, USE_G, DELTA, DOT_PREC)
+        else:
+            for j in range(BT // BS):
+                b_h = _state_substep(
+                    b_h, i_c * BT + j * BS, T, bos, i_h, i_hv, k, v, w, ai, beta, v_new, g,
+                    o_c, o_k, o_v, m_k, m_v, H, HV, K, V, BT, BS, USE_G, DELTA, DOT_PREC)
 
     if STORE_FINAL_STATE:
         tl.store(ht + i_nh * K * V + o_kv, b_h, mask=m_kv)
@@ -165,7 +171,7 @@ def chunk_state_fwd(
         initial_state: ``[N, HV, K, V]``, any float dtype (read as fp32).
         state_dtype: dtype of the materialized states (default: k's dtype; the recurrence is fp32).
         chunk_offsets / num_chunks: varlen ``prepare_chunk_offsets(.., chunk_size)`` and its total.
-        config: overrides of ``BV``, ``num_warps``, ``num_stages``.
+        config: overrides of ``BV``, ``num_warps``, ``num_stages``, ``unroll``.
     Returns:
         ``h [B, NT, HV, K, V]`` (varlen: ``[1, total chunks, HV, K, V]``), ``v_new [B, T, HV, V]``
         or None, ``final_state [N, HV, K, V]`` fp32 or None.
@@ -180,7 +186,8 @@ def chunk_state_fwd(
     final_state = torch.empty(N, HV, K, V, dtype=torch.float32, device=k.device) if output_final_state else None
     if N * HV == 0:
         return h, v_new, final_state
-    cfg = {"BV": 64 if K <= 128 else 32, "num_warps": 4, "num_stages": 2, **(config or {})}
+    cfg = {"BV": 64 if K <= 128 else 32, "num_warps": 4, "num_stages": 2, "unroll": chunk_size <= 128,
+           **(config or {})}
     BK = max(16, next_pow2(K))
     BV = min(max(16, next_pow2(V)), cfg["BV"])
     _chunk_state_fwd_kernel[(cdiv(V, BV), N * HV)](
@@ -189,6 +196,6 @@ def chunk_state_fwd(
         USE_G=g_cum is not None, DELTA=delta,
         USE_INITIAL_STATE=initial_state is not None, STORE_FINAL_STATE=output_final_state,
         IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(k.dtype),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        UNROLL=cfg["unroll"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return h, v_new, final_state

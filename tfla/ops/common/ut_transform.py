@@ -52,22 +52,31 @@ def _unit_lower_inverse(b_A, BC: tl.constexpr):
 @triton.jit
 def _gdn_ut_inverse_kernel(
     k,
+    v,
     g,
     beta,
     ai,
+    w,
+    u,
     cu_seqlens,
     chunk_indices,
     T,
     H: tl.constexpr,
     HV: tl.constexpr,
     K: tl.constexpr,
+    V: tl.constexpr,
+    BT: tl.constexpr,
     BK: tl.constexpr,
+    BK2: tl.constexpr,
+    BV: tl.constexpr,
+    FUSE_WY: tl.constexpr,
     USE_G: tl.constexpr,
     IS_VARLEN: tl.constexpr,
     DOT_PREC: tl.constexpr,
     MERGE_PREC: tl.constexpr,
 ):
-    """Tm = (I + A)^-1 of one 64-row sub-chunk, A = beta (K K^T) 2^(G_r - G_i) strictly lower."""
+    """Tm = (I + A)^-1 of one 64-row sub-chunk, A = beta (K K^T) 2^(G_r - G_i) strictly lower
+    (and, with FUSE_WY, W and U of the same sub-chunk)."""
     BS: tl.constexpr = 64
     BC: tl.constexpr = 16
     i_s, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
@@ -203,6 +212,48 @@ def _gdn_ut_inverse_kernel(
     tl.store(p_ai + t_3[:, None] * (HV * BS) + BC, b_T31.to(dt_ai), mask=m_3[:, None])
     tl.store(p_ai + t_3[:, None] * (HV * BS) + 2 * BC, b_T32.to(dt_ai), mask=m_3[:, None])
     tl.store(p_ai + t_3[:, None] * (HV * BS) + 3 * BC, b_T33.to(dt_ai), mask=m_3[:, None])
+    if FUSE_WY:
+        # read Tm back as one [64, 64] tile (written by other threads of this program: barrier)
+        tl.debug_barrier()
+        _wy_apply(k, v, g, beta, ai, w, u, t0, T, bos, i_h, i_hv, H, HV, K, V, BT, BK2, BV, USE_G, DOT_PREC)
+
+
+@triton.jit
+def _wy_apply(k, v, g, beta, ai, w, u, t0, T, bos, i_h, i_hv, H: tl.constexpr, HV: tl.constexpr,
+              K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+              USE_G: tl.constexpr, DOT_PREC: tl.constexpr):
+    """W = Tm @ (beta 2^(G - G_c) K), U = Tm @ (beta V) for the 64-row sub-chunk at ``t0``, with Tm
+    read back from ``ai``; K and V in tiles of BK and BV columns."""
+    BS: tl.constexpr = 64
+    o_t = t0 + tl.arange(0, BS)
+    m_t = o_t < T
+    o_c = tl.arange(0, BS)
+    dt = k.dtype.element_ty
+    b_tm = tl.load(ai + (bos * HV + i_hv) * BS + o_t[:, None] * (HV * BS) + o_c[None, :],
+                   mask=m_t[:, None], other=0.0).to(dt)  # [BS, BS]
+    b_b = tl.load(beta + (bos + o_t) * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
+    if USE_G:
+        p_g = g + bos * HV + i_hv
+        b_gc = tl.load(p_g + (t0 - 1) * HV, mask=(t0 % BT) != 0, other=0.0)
+        b_g = tl.load(p_g + o_t * HV, mask=m_t, other=0.0)
+        b_sk = b_b * tl.exp2(tl.where(m_t, b_g - b_gc, float("-inf")))
+    else:
+        b_sk = b_b
+    for i_k in range(tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = o_k < K
+        b_k = tl.load(k + (bos * H + i_h) * K + o_t[:, None] * (H * K) + o_k[None, :],
+                      mask=m_t[:, None] & m_k[None, :], other=0.0)  # [BS, BK]
+        b_w = tl.dot(b_tm, (b_k * b_sk[:, None]).to(dt), input_precision=DOT_PREC)
+        tl.store(w + (bos * HV + i_hv) * K + o_t[:, None] * (HV * K) + o_k[None, :], b_w.to(w.dtype.element_ty),
+                 mask=m_t[:, None] & m_k[None, :])
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = o_v < V
+        p_off = (bos * HV + i_hv) * V + o_t[:, None] * (HV * V) + o_v[None, :]
+        b_v = tl.load(v + p_off, mask=m_t[:, None] & m_v[None, :], other=0.0)
+        b_u = tl.dot(b_tm, (b_v * b_b[:, None]).to(dt), input_precision=DOT_PREC)
+        tl.store(u + p_off, b_u.to(u.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
 
 
 @triton.jit
@@ -228,8 +279,7 @@ def _gdn_wy_fwd_kernel(
     IS_VARLEN: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
-    """W = Tm @ (beta 2^(G - G_c) K), U = Tm @ (beta V) for one 64-row sub-chunk."""
-    BS: tl.constexpr = 64
+    """W and U of one 64-row sub-chunk from a stored Tm."""
     i_s, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
@@ -240,36 +290,7 @@ def _gdn_wy_fwd_kernel(
         T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
     else:
         bos = i_b * T
-    t0 = i_s * BS
-    o_t = t0 + tl.arange(0, BS)
-    m_t = o_t < T
-    o_c = tl.arange(0, BS)
-    o_k = tl.arange(0, BK)
-    m_k = o_k < K
-    dt = k.dtype.element_ty
-
-    b_tm = tl.load(ai + (bos * HV + i_hv) * BS + o_t[:, None] * (HV * BS) + o_c[None, :],
-                   mask=m_t[:, None], other=0.0).to(dt)  # [BS, BS]
-    b_b = tl.load(beta + (bos + o_t) * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
-    if USE_G:
-        p_g = g + bos * HV + i_hv
-        b_gc = tl.load(p_g + (t0 - 1) * HV, mask=(t0 % BT) != 0, other=0.0)
-        b_g = tl.load(p_g + o_t * HV, mask=m_t, other=0.0)
-        b_sk = b_b * tl.exp2(tl.where(m_t, b_g - b_gc, float("-inf")))
-    else:
-        b_sk = b_b
-    b_k = tl.load(k + (bos * H + i_h) * K + o_t[:, None] * (H * K) + o_k[None, :],
-                  mask=m_t[:, None] & m_k[None, :], other=0.0)  # [BS, BK]
-    b_w = tl.dot(b_tm, (b_k * b_sk[:, None]).to(dt), input_precision=DOT_PREC)
-    tl.store(w + (bos * HV + i_hv) * K + o_t[:, None] * (HV * K) + o_k[None, :], b_w.to(w.dtype.element_ty),
-             mask=m_t[:, None] & m_k[None, :])
-    for i_v in range(tl.cdiv(V, BV)):
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_v = o_v < V
-        p_off = (bos * HV + i_hv) * V + o_t[:, None] * (HV * V) + o_v[None, :]
-        b_v = tl.load(v + p_off, mask=m_t[:, None] & m_v[None, :], other=0.0)
-        b_u = tl.dot(b_tm, (b_v * b_b[:, None]).to(dt), input_precision=DOT_PREC)
-        tl.store(u + p_off, b_u.to(u.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
+    _wy_apply(k, v, g, beta, ai, w, u, i_s * 64, T, bos, i_h, i_hv, H, HV, K, V, BT, BK, BV, USE_G, DOT_PREC)
 
 
 def ut_inverse_fwd(
@@ -282,21 +303,7 @@ def ut_inverse_fwd(
 ) -> torch.Tensor:
     """Tm = (I + A)^-1 of every 64-row sub-chunk: ``ai [B, T, HV, 64]`` in k's dtype (row r of a
     sub-chunk holds Tm[r, :]). ``beta``/``g_cum`` are ``[B, T, HV]``; config key ``inv_warps``."""
-    B, T, H, K = k.shape
-    HV = beta.shape[2]
-    ai = torch.empty(B, T, HV, SUB_CHUNK, dtype=k.dtype, device=k.device)
-    NS = sub_indices.shape[0] if cu_seqlens is not None else cdiv(T, SUB_CHUNK)
-    if NS == 0 or B * HV == 0:
-        return ai
-    cfg = {"inv_warps": 1, **(config or {})}
-    _gdn_ut_inverse_kernel[(NS, B * HV)](
-        k, g_cum, beta, ai, cu_seqlens, sub_indices, T,
-        H=H, HV=HV, K=K, BK=min(max(16, next_pow2(K)), 64), USE_G=g_cum is not None,
-        IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(k.dtype),
-        # Tm is rounded to k's dtype afterwards: TF32 merges suffice for 16-bit inputs, fp32 stays exact
-        MERGE_PREC="ieee" if k.dtype == torch.float32 else "tf32", num_warps=cfg["inv_warps"],
-    )
-    return ai
+    return _ut_launch(k, None, g_cum, beta, 64, cu_seqlens, sub_indices, config, fuse=False)[2]
 
 
 def ut_transform_fwd(
@@ -317,27 +324,48 @@ def ut_transform_fwd(
         g_cum: ``[B, T, HV]`` fp32 cumulative gate within outer chunks of ``chunk_size``, log2 units
             (or None for the ungated delta rule).
         sub_indices: varlen table of (sequence, sub-chunk) from ``prepare_chunk_indices(.., 64)``.
-        config: overrides of ``inv_warps``, ``wy_warps``, ``wy_stages``, ``BV``.
+        config: overrides of ``fuse`` (one kernel for Tm, W, U), ``inv_warps``, ``wy_warps``,
+            ``wy_stages``, ``BK``, ``BV``.
     Returns:
         ``w [B, T, HV, K]``, ``u [B, T, HV, V]`` and ``ai [B, T, HV, 64]`` (Tm, row r of each sub-chunk
         in row r), all in k's dtype.
     """
+    cfg = {**UT_DEFAULTS, **(config or {})}
+    if ai is not None:
+        cfg["fuse"] = False
+    return _ut_launch(k, v, g_cum, beta, chunk_size, cu_seqlens, sub_indices, cfg, fuse=cfg["fuse"], ai=ai)
+
+
+UT_DEFAULTS = {"fuse": False, "inv_warps": 1, "wy_warps": 4, "wy_stages": 2, "BK": 128, "BV": 128}
+
+
+def _ut_launch(k, v, g_cum, beta, chunk_size, cu_seqlens, sub_indices, config, fuse, ai=None):
     B, T, H, K = k.shape
-    HV, V = v.shape[2], v.shape[3]
-    w = torch.empty(B, T, HV, K, dtype=k.dtype, device=k.device)
-    u = torch.empty(B, T, HV, V, dtype=k.dtype, device=k.device)
-    if ai is None:
-        ai = ut_inverse_fwd(k, g_cum, beta, cu_seqlens, sub_indices, config)
+    HV = beta.shape[2]
+    V = v.shape[3] if v is not None else 16
+    cfg = {**UT_DEFAULTS, **(config or {})}
+    w = torch.empty(B, T, HV, K, dtype=k.dtype, device=k.device) if v is not None else None
+    u = torch.empty(B, T, HV, V, dtype=k.dtype, device=k.device) if v is not None else None
     NS = sub_indices.shape[0] if cu_seqlens is not None else cdiv(T, SUB_CHUNK)
+    compute_ai = ai is None
+    if compute_ai:
+        ai = torch.empty(B, T, HV, SUB_CHUNK, dtype=k.dtype, device=k.device)
     if NS == 0 or B * HV == 0:
         return w, u, ai
-    cfg = {"wy_warps": 4, "wy_stages": 2, "BV": 64, **(config or {})}
-    BK = max(16, next_pow2(K))
+    BK = min(max(16, next_pow2(K)), cfg["BK"])
     BV = min(max(16, next_pow2(V)), cfg["BV"])
-    common = dict(USE_G=g_cum is not None, IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(k.dtype))
-    _gdn_wy_fwd_kernel[(NS, B * HV)](
-        k, v, g_cum, beta, ai, w, u, cu_seqlens, sub_indices, T,
-        H=H, HV=HV, K=K, V=V, BT=chunk_size, BK=BK, BV=BV,
-        num_warps=cfg["wy_warps"], num_stages=cfg["wy_stages"], **common,
-    )
+    common = dict(H=H, HV=HV, K=K, V=V, BT=chunk_size, BV=BV, USE_G=g_cum is not None,
+                  IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(k.dtype))
+    if compute_ai:
+        _gdn_ut_inverse_kernel[(NS, B * HV)](
+            k, v, g_cum, beta, ai, w, u, cu_seqlens, sub_indices, T,
+            BK=min(max(16, next_pow2(K)), 64), BK2=BK, FUSE_WY=fuse,
+            # Tm is rounded to k's dtype afterwards: TF32 merges suffice for 16-bit inputs, fp32 stays exact
+            MERGE_PREC="ieee" if k.dtype == torch.float32 else "tf32", num_warps=cfg["inv_warps"], **common,
+        )
+    if v is not None and not (fuse and compute_ai):
+        _gdn_wy_fwd_kernel[(NS, B * HV)](
+            k, v, g_cum, beta, ai, w, u, cu_seqlens, sub_indices, T, BK=BK,
+            num_warps=cfg["wy_warps"], num_stages=cfg["wy_stages"], **common,
+        )
     return w, u, ai
