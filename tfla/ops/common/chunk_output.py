@@ -80,10 +80,23 @@ def _chunk_output_fwd_kernel(
         b_gq = tl.load(p_g + o_tq * HV, mask=m_tq, other=0.0)
         b_o *= tl.exp2(b_gq)[:, None]
 
-    # intra-chunk part: key tiles of this outer chunk up to the diagonal (level-2 tiling)
+    # intra-chunk part (level-2 tiling): key tiles of this outer chunk before the query tile, then
+    # the diagonal tiles. Before the diagonal, every key row s precedes every query row r, so with m
+    # the key tile's last row, 2^(G_r - G_s) = 2^(G_r - G_m) 2^(G_m - G_s): two exponent vectors
+    # (both exponents <= 0) instead of BQ x BKV exponentials.
     p_k = k + (bos * H + i_h) * K + o_k[None, :]
     p_v = v + (bos * HV + i_hv) * V + o_v[None, :]
-    for t_k0 in range(i_c * BT, t_q0 + BQ, BKV):
+    for t_k0 in range(i_c * BT, t_q0, BKV):
+        o_tk = t_k0 + tl.arange(0, BKV)
+        b_k = tl.load(p_k + o_tk[:, None] * (H * K), mask=m_k[None, :], other=0.0)  # [BKV, BK]
+        b_a = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC)  # [BQ, BKV]
+        if USE_G:
+            b_gm = tl.load(p_g + (t_k0 + BKV - 1) * HV)
+            b_gk = tl.load(p_g + o_tk * HV)
+            b_a *= tl.exp2(tl.where(m_tq, b_gq - b_gm, float("-inf")))[:, None] * tl.exp2(b_gm - b_gk)[None, :]
+        b_vv = tl.load(p_v + o_tk[:, None] * (HV * V), mask=m_v[None, :], other=0.0)  # [BKV, BV]
+        b_o = tl.dot(b_a.to(dt), b_vv.to(dt), b_o, input_precision=DOT_PREC)
+    for t_k0 in range(t_q0, t_q0 + BQ, BKV):
         o_tk = t_k0 + tl.arange(0, BKV)
         m_tk = o_tk < T
         b_k = tl.load(p_k + o_tk[:, None] * (H * K), mask=m_tk[:, None] & m_k[None, :], other=0.0)  # [BKV, BK]
@@ -104,12 +117,14 @@ def _chunk_output_fwd_kernel(
 def output_config(chunk_size: int, K: int, V: int, config: dict | None = None) -> dict:
     """Tile sizes and launch shape of the output kernel: a fixed heuristic, overridable per key
     (``BQ``, ``BKV``, ``BV``, ``num_warps``, ``num_stages``)."""
-    cfg = {"BQ": 64, "BKV": 64, "BV": 64 if K <= 128 else 32, "num_warps": 4, "num_stages": 2, **(config or {})}
+    # defaults measured on an H200 (docs/perf.md): full-width value tiles, 4 warps, 2 stages
+    cfg = {"BQ": 64, "BKV": 64, "BV": 128 if K <= 128 else 64, "num_warps": 4, "num_stages": 2, **(config or {})}
     cfg["BQ"] = min(cfg["BQ"], chunk_size)
     cfg["BKV"] = min(cfg["BKV"], chunk_size)
     cfg["BV"] = min(max(16, next_pow2(V)), cfg["BV"])
-    if chunk_size % cfg["BQ"] or chunk_size % cfg["BKV"]:
-        raise ValueError(f"output tiles BQ={cfg['BQ']}, BKV={cfg['BKV']} must divide chunk_size={chunk_size}")
+    if chunk_size % cfg["BQ"] or chunk_size % cfg["BKV"] or cfg["BQ"] % cfg["BKV"]:
+        raise ValueError(f"output tiles BQ={cfg['BQ']}, BKV={cfg['BKV']} must divide chunk_size={chunk_size} "
+                         "and BKV must divide BQ")
     return cfg
 
 

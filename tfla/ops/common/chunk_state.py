@@ -186,8 +186,11 @@ def chunk_state_fwd(
     final_state = torch.empty(N, HV, K, V, dtype=torch.float32, device=k.device) if output_final_state else None
     if N * HV == 0:
         return h, v_new, final_state
-    cfg = {"BV": 64 if K <= 128 else 32, "num_warps": 4, "num_stages": 2, "unroll": chunk_size <= 128,
+    # defaults measured on an H200 at K = V = 128 (docs/perf.md); 3 stages do not fit K = 256
+    cfg = {"BV": 64 if K <= 128 else 32, "num_warps": 4, "num_stages": 3 if K <= 128 else 2, "unroll": False,
            **(config or {})}
+    if chunk_size == 128 and K <= 128 and not config:
+        cfg.update(unroll=True, num_stages=2)
     BK = max(16, next_pow2(K))
     BV = min(max(16, next_pow2(V)), cfg["BV"])
     _chunk_state_fwd_kernel[(cdiv(V, BV), N * HV)](

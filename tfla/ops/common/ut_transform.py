@@ -336,7 +336,8 @@ def ut_transform_fwd(
     return _ut_launch(k, v, g_cum, beta, chunk_size, cu_seqlens, sub_indices, cfg, fuse=cfg["fuse"], ai=ai)
 
 
-UT_DEFAULTS = {"fuse": False, "inv_warps": 1, "wy_warps": 4, "wy_stages": 2, "BK": 128, "BV": 128}
+# measured on an H200 (docs/perf.md): one single-warp kernel for Tm, W and U beats the split pair
+UT_DEFAULTS = {"fuse": True, "inv_warps": 1, "wy_warps": 4, "wy_stages": 2, "BK": 32, "BV": 32}
 
 
 def _ut_launch(k, v, g_cum, beta, chunk_size, cu_seqlens, sub_indices, config, fuse, ai=None):
