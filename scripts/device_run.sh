@@ -58,6 +58,7 @@ EOF
     bench)
       python3 -m tfla bench gdn --no-progress --json "$OUT/bench_default.json" --csv "$OUT/bench_default.csv" 2>&1 | tee "$OUT/bench_default.log"
       python3 -m tfla bench gdn --no-progress --T 4096,16384,32768 --json "$OUT/bench_sweepT.json" --csv "$OUT/bench_sweepT.csv" 2>&1 | tee "$OUT/bench_sweepT.log"
+      python3 -m tfla bench gdn --no-progress --B 16 --T 2048 --json "$OUT/bench_b16.json" --csv "$OUT/bench_b16.csv" 2>&1 | tee "$OUT/bench_b16.log"
       ;;
     *)
       echo "unknown stage $stage" >&2; exit 2 ;;
