@@ -47,6 +47,10 @@ def peak_mib(fn) -> float | None:
 
 
 def git_sha() -> str:
+    import os
+
+    if os.environ.get("TFLA_GIT_SHA"):  # set by runs from a copy of the tree without .git
+        return os.environ["TFLA_GIT_SHA"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               cwd=Path(__file__).parent, timeout=5).stdout.strip() or "?"

@@ -35,7 +35,8 @@ from tfla.ops.common.utils import (
 )
 from tfla.ops.common.ut_transform import ut_inverse_fwd, ut_transform_fwd
 
-DEFAULT_CHUNK_SIZE = 128
+# fastest forward measured on an H200 (docs/perf.md); larger L trades speed for state memory
+DEFAULT_CHUNK_SIZE = 64
 # form W and U inside the state kernel from Tm (saves their HBM round trip) instead of a WY kernel
 WY_IN_STATE = False
 
