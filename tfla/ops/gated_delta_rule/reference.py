@@ -212,3 +212,159 @@ def chunk_gated_delta_rule_ref(
     if return_intermediates:
         return o, final, {"g_cum": g_cum, "w": w, "u": u, "v_new": v_new, "h": h}
     return o, final
+
+
+def _revcumsum_chunks(x: torch.Tensor, size: int) -> torch.Tensor:
+    """Reverse cumulative sum along dim 1 restarting every ``size`` rows: out_t = sum_{t' >= t, same chunk} x_t'."""
+    out = torch.empty_like(x)
+    for c0 in range(0, x.shape[1], size):
+        blk = x[:, c0:c0 + size]
+        out[:, c0:c0 + size] = blk.flip(1).cumsum(1).flip(1)
+    return out
+
+
+def chunk_gated_delta_rule_bwd_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    do: torch.Tensor,
+    dht: torch.Tensor | None = None,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    chunk_size: int = 64,
+    sub_chunk: int = 64,
+    return_intermediates: bool = False,
+):
+    """Backward of the chunkwise gated delta rule, staged as the kernels are (no varlen, no l2norm).
+
+    o-part at the outer chunk L (o = scale (2^G q S_0 + causal-gated (q k^T) Vnew)):
+        dvo = scale (gated (q k^T))^T do,  dq = scale (2^G do S_0^T + gated (do Vnew^T) k),
+        dko = scale (gated (do Vnew^T))^T q,  dG_o = q.dq - k.dko.
+    State backward, reverse over 64-row sub-chunks (dS: gradient of the state after the sub-chunk):
+        dU = dvo + e^(gn - g) (K dS);  dS <- e^(gn) dS - W^T dU;  at an outer-chunk start
+        dS += scale (e^G Q)^T dO.
+    Delta part per sub-chunk j (S_j forward state, dS_{j+1}): dW = -dU S_j^T,
+        dk_state = e^(gn - g) Vnew dS_{j+1}^T, then the UT/WY backward gives dk, dv, dbeta, dgamma.
+    dg = revcumsum_L(dG_o) + revcumsum_64(dgamma).
+
+    Returns ``(dq, dk, dv, dg, dbeta, dh0)`` in q's dtype, plus a dict of intermediates when asked.
+    """
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    G_ = HV // H
+    L, C = chunk_size, sub_chunk
+    qh, kh = _expand_heads(q, G_), _expand_heads(k, G_)
+    _, _, inter = chunk_gated_delta_rule_ref(q, k, v, g, beta, scale, initial_state, False, False, None, L, C,
+                                             "sub", True)
+    G, w, vnew, h = inter["g_cum"], inter["w"], inter["v_new"], inter["h"]
+    NT = -(-T // L)
+    # forward states at every sub-chunk start (recompute)
+    S = q.new_zeros(B, HV, K, V) if initial_state is None else initial_state.to(q.dtype).clone()
+    h_sub = []
+    for s0 in range(0, T, C):
+        c0 = (s0 // L) * L
+        s1 = min(s0 + C, T, c0 + L)
+        gc = G[:, s0 - 1] if s0 > c0 else G.new_zeros(B, HV)
+        h_sub.append(S)
+        gn = G[:, s1 - 1]
+        S = torch.exp(gn - gc)[..., None, None] * S + torch.einsum(
+            "brhk,brhv->bhkv", kh[:, s0:s1] * torch.exp(gn[:, None] - G[:, s0:s1])[..., None], vnew[:, s0:s1])
+
+    # o-part at the outer level
+    dq = q.new_zeros(B, T, HV, K)
+    dko = q.new_zeros(B, T, HV, K)
+    dvo = q.new_zeros(B, T, HV, V)
+    for c in range(NT):
+        c0, c1 = c * L, min((c + 1) * L, T)
+        n = c1 - c0
+        Gc = G[:, c0:c1].transpose(1, 2)
+        causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        decay = torch.exp((Gc[..., :, None] - Gc[..., None, :]).masked_fill(~causal, -math.inf))  # [B,HV,r,s]
+        qk = torch.einsum("brhk,bshk->bhrs", qh[:, c0:c1], kh[:, c0:c1]) * decay
+        dov = torch.einsum("brhv,bshv->bhrs", do[:, c0:c1], vnew[:, c0:c1]) * decay
+        dvo[:, c0:c1] = scale * torch.einsum("bhrs,brhv->bshv", qk, do[:, c0:c1])
+        dq[:, c0:c1] = scale * (torch.exp(G[:, c0:c1])[..., None] * torch.einsum("brhv,bhkv->brhk", do[:, c0:c1], h[:, c])
+                                + torch.einsum("bhrs,bshk->brhk", dov, kh[:, c0:c1]))
+        dko[:, c0:c1] = scale * torch.einsum("bhrs,brhk->bshk", dov, qh[:, c0:c1])
+    dG_o = (qh * dq).sum(-1) - (kh * dko).sum(-1)
+
+    # state backward over sub-chunks, reverse
+    dS = q.new_zeros(B, HV, K, V) if dht is None else dht.to(q.dtype).clone()
+    subs = list(range(0, T, C))
+    dh_sub = [None] * len(subs)
+    dU = q.new_zeros(B, T, HV, V)
+    dS_inter = q.new_zeros(B, HV, K, V)
+    for idx in reversed(range(len(subs))):
+        s0 = subs[idx]
+        c0 = (s0 // L) * L
+        s1 = min(s0 + C, T, c0 + L)
+        gc = G[:, s0 - 1] if s0 > c0 else G.new_zeros(B, HV)
+        gn = G[:, s1 - 1]
+        dh_sub[idx] = dS
+        dU[:, s0:s1] = dvo[:, s0:s1] + torch.exp(gn[:, None] - G[:, s0:s1])[..., None] * torch.einsum(
+            "brhk,bhkv->brhv", kh[:, s0:s1], dS)
+        dS_inter = dS_inter + scale * torch.einsum(
+            "brhk,brhv->bhkv", qh[:, s0:s1] * torch.exp(G[:, s0:s1])[..., None], do[:, s0:s1])
+        dS = torch.exp(gn - gc)[..., None, None] * dS - torch.einsum("brhk,brhv->bhkv", w[:, s0:s1], dU[:, s0:s1])
+        if s0 == c0:  # outer-chunk start: the o-part's use of S_0
+            dS = dS + dS_inter
+            dS_inter = torch.zeros_like(dS_inter)
+    dh0 = dS
+
+    # delta part and UT/WY backward per sub-chunk
+    dk_d = q.new_zeros(B, T, HV, K)
+    dv = q.new_zeros(B, T, HV, V)
+    dbeta = q.new_zeros(B, T, HV)
+    dgam = q.new_zeros(B, T, HV)
+    for idx, s0 in enumerate(subs):
+        c0 = (s0 // L) * L
+        s1 = min(s0 + C, T, c0 + L)
+        n = s1 - s0
+        gc = G[:, s0 - 1] if s0 > c0 else G.new_zeros(B, HV)
+        gam = (G[:, s0:s1] - gc[:, None])  # [B, n, HV]
+        gn = gam[:, -1]
+        Sj, dSj1 = h_sub[idx], dh_sub[idx]
+        kj, vj, bj = kh[:, s0:s1], v[:, s0:s1], beta[:, s0:s1]
+        dUj, vnj = dU[:, s0:s1], vnew[:, s0:s1]
+        dW = -torch.einsum("brhv,bhkv->brhk", dUj, Sj)
+        e_n = torch.exp(gn[:, None] - gam)  # [B, n, HV]
+        dk_state = e_n[..., None] * torch.einsum("brhv,bhkv->brhk", vnj, dSj1)
+        P = (kj * dk_state).sum(-1)  # [B, n, HV]
+        dg_j = -P
+        dg_j[:, -1] += torch.exp(gn) * (Sj * dSj1).sum((-2, -1)) + P.sum(1)
+        # UT/WY backward
+        Tm, _, _ = _ut(kj, vj, bj, G[:, s0:s1], gc)  # [B, HV, n, n]
+        xk = (bj * torch.exp(gam))[..., None] * kj
+        xv = bj[..., None] * vj
+        dxk = torch.einsum("bhrs,brhk->bshk", Tm, dW)
+        dxv = torch.einsum("bhrs,brhv->bshv", Tm, dUj)
+        dTm = torch.einsum("brhk,bshk->bhrs", dW, xk) + torch.einsum("brhv,bshv->bhrs", dUj, xv)
+        strict = torch.ones(n, n, dtype=torch.bool, device=q.device).tril(-1)
+        dA = -(Tm.transpose(-1, -2) @ dTm @ Tm.transpose(-1, -2)) * strict
+        gh = gam.transpose(1, 2)
+        E = torch.exp((gh[..., :, None] - gh[..., None, :]).masked_fill(~strict, -math.inf))
+        kk = torch.einsum("brhk,bshk->bhrs", kj, kj)
+        Am = bj.transpose(1, 2)[..., :, None] * kk * E  # A
+        M = dA * E * bj.transpose(1, 2)[..., :, None]
+        dk_wy = (bj * torch.exp(gam))[..., None] * dxk + torch.einsum("bhrs,bshk->brhk", M, kj) \
+            + torch.einsum("bhrs,brhk->bshk", M, kj)
+        dAA = (dA * Am)
+        dg_j = dg_j + dAA.sum(-1).transpose(1, 2) - dAA.sum(-2).transpose(1, 2) + (dxk * xk).sum(-1)
+        dbeta[:, s0:s1] = (dA * kk * E).sum(-1).transpose(1, 2) + (dxk * kj).sum(-1) * torch.exp(gam) + (dxv * vj).sum(-1)
+        dk_d[:, s0:s1] = dk_state + dk_wy
+        dv[:, s0:s1] = bj[..., None] * dxv
+        dgam[:, s0:s1] = dg_j
+    dg = _revcumsum_chunks(dG_o, L) + _revcumsum_chunks(dgam, C)
+    dk_full = dko + dk_d
+    if G_ > 1:
+        dq = dq.view(B, T, H, G_, K).sum(3)
+        dk_full = dk_full.view(B, T, H, G_, K).sum(3)
+    out = (dq, dk_full, dv, dg, dbeta, dh0)
+    if return_intermediates:
+        return out, {"dvo": dvo, "dq": dq, "dko": dko, "dG_o": dG_o, "dU": dU, "dh_sub": torch.stack(dh_sub, 1),
+                     "h_sub": torch.stack(h_sub, 1), "dk_d": dk_d, "dgam": dgam}
+    return out
