@@ -134,15 +134,6 @@ def test_chunk_sizes_agree(device):
         assert rel_l2(s, outs[0][1]) <= FP32_TOL
 
 
-def test_requires_grad_raises_until_backward_exists(device):
-    x = gdn_inputs(1, 16, 1, 16, 16, dtype=torch.float32, device=device)
-    q = x["q"].clone().requires_grad_()
-    with pytest.raises(NotImplementedError, match="backward"):
-        tfla.chunk_gated_delta_rule(q, x["k"], x["v"], x["g"], x["beta"])
-    with torch.no_grad():
-        tfla.chunk_gated_delta_rule(q, x["k"], x["v"], x["g"], x["beta"])
-
-
 # ---------------------------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @pytest.mark.parametrize("B,T,H,HV,K,V,L", [(2, 1000, 4, 4, 128, 128, 64), (2, 1000, 2, 4, 128, 128, 256),

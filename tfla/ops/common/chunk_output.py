@@ -1,16 +1,29 @@
-"""TFLA-tiled chunk output: inter-chunk (state) plus intra-chunk (causal, gated) contributions.
+"""One TFLA-tiled chunk product that serves the output and the q/k/v gradients (ULA, Algorithms 1-4):
+the same gated causal product with permuted arguments and, for key-side gradients, reversed time.
 
-Notation: B batch, T time, H key heads, HV value heads, K/V head dims, BT outer chunk (L),
-BQ query-row tile (B_Lhq), BKV key-row tile (B_Lkv), BK key-dim tile (B_dqk), BV value tile (B_dhv).
-G is the cumulative gate within the outer chunk, log2 units.
+Notation: B batch, T time, H key heads, HV value heads, BT outer chunk (L), BQ rows of the output
+tile (B_Lhq), BKV rows of the looped tile (B_Lkv), BA contraction-dim tile (B_dqk, whole dim),
+BC output-column tile (B_dhv). G is the cumulative gate within the outer chunk, log2 units.
 
-For query row r of outer chunk c with state S_c (materialized at the chunk start):
+Forward form (REVERSE = False), for row r of outer chunk c with state S_c (HAS_STATE):
 
-    o_r = scale * ( 2^(G_r) q_r S_c  +  sum_{s in chunk c, s <= r} (q_r . k_s) 2^(G_r - G_s) v_s )
+    out_r = scale * ( 2^(G_r) a_r S_c  +  sum_{s in chunk c, s <= r} (a_r . b_s) 2^(G_r - G_s) c_s )
 
-Work partitioning (TFLA, Section 3 and Table 1): one program per (BQ query rows, BV value columns,
-batch x head); it loops over the BKV key tiles of its outer chunk up to the diagonal. For the
-delta rule ``v`` is the new values (``Vnew``) of the state stage; for linear attention it is V.
+Reverse form (REVERSE = True), for row s:
+
+    out_s = scale * sum_{r in chunk c, r >= s} (a_s . b_r) 2^(G_r - G_s) c_r
+
+    output  o   = fwd(a=q,    b=k,    c=Vnew, state S)        (contract K, out V)
+    grad    dq  = fwd(a=dO,   b=Vnew, c=k,    state S^T)      (contract V, out K)
+    grad    dv  = rev(a=k,    b=q,    c=dO)                   (contract K, out V)
+    grad    dk  = rev(a=Vnew, b=dO,   c=q)                    (contract V, out K)
+
+Work partitioning (TFLA Section 3, Table 1): one program per (BQ rows, BC columns, batch x head);
+it loops over the BKV-row tiles of its outer chunk on the other side of the diagonal. Tiles off the
+diagonal use the factorized gate 2^(G_r - G_m) 2^(G_m - G_s) (m between them, both exponents <= 0).
+``ROWDOT`` additionally writes ``sum_j x_rj out_rj`` per row without the diagonal (r = s) terms
+(used for the gate gradient dG = q.dq - k.dk, in which the diagonal terms cancel exactly); it needs
+the whole output row in one program (BC >= output dim) and BKV = BQ.
 """
 from __future__ import annotations
 
@@ -18,38 +31,49 @@ import torch
 import triton
 import triton.language as tl
 
-from tfla.ops.common.utils import cdiv, dot_precision, next_pow2
+from tfla.ops.common.utils import acc_dtype, cdiv, dot_precision, next_pow2
 
 
 @triton.jit
-def _chunk_output_fwd_kernel(
-    q,
-    k,
-    v,
+def _chunk_tiled_kernel(
+    a,
+    b,
+    c,
     h,
     g,
-    o,
+    out,
+    x,
+    xdot,
     cu_seqlens,
     tile_indices,
     chunk_offsets,
     scale,
     T,
-    H: tl.constexpr,
     HV: tl.constexpr,
-    K: tl.constexpr,
-    V: tl.constexpr,
+    HA: tl.constexpr,
+    HB: tl.constexpr,
+    HC: tl.constexpr,
+    HX: tl.constexpr,
+    DA: tl.constexpr,
+    DC: tl.constexpr,
+    H_SA: tl.constexpr,
+    H_SC: tl.constexpr,
+    HS: tl.constexpr,
     BT: tl.constexpr,
     BQ: tl.constexpr,
     BKV: tl.constexpr,
-    BK: tl.constexpr,
-    BV: tl.constexpr,
+    BA: tl.constexpr,
+    BC: tl.constexpr,
     USE_G: tl.constexpr,
+    REVERSE: tl.constexpr,
+    HAS_STATE: tl.constexpr,
+    ROWDOT: tl.constexpr,
     IS_VARLEN: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    ACC: tl.constexpr,
 ):
-    i_v, i_t, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
+    i_c_, i_t, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
     i_b, i_hv = i_bh // HV, i_bh % HV
-    i_h = i_hv // (HV // H)
     if IS_VARLEN:
         i_n = tl.load(tile_indices + i_t * 2).to(tl.int64)
         i_t = tl.load(tile_indices + i_t * 2 + 1).to(tl.int64)
@@ -58,74 +82,172 @@ def _chunk_output_fwd_kernel(
         boh = tl.load(chunk_offsets + i_n).to(tl.int64)
     else:
         bos = i_b * T
-        boh = i_b * tl.cdiv(T, BT)
+        boh = i_b * tl.cdiv(T, HS)
     t_q0 = i_t * BQ
-    i_c = t_q0 // BT  # outer chunk of this query tile
+    i_ch = t_q0 // BT  # outer chunk of this tile
     o_tq = t_q0 + tl.arange(0, BQ)
     m_tq = o_tq < T
-    o_k = tl.arange(0, BK)
-    m_k = o_k < K
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_v = o_v < V
-    dt = q.dtype.element_ty
+    o_a = tl.arange(0, BA)
+    m_a = o_a < DA
+    o_c = i_c_ * BC + tl.arange(0, BC)
+    m_c = o_c < DC
+    dt = a.dtype.element_ty
+    # per-tensor head of this value head (grouped heads read key head i_hv // (HV // H))
+    p_a = a + (bos * HA + i_hv // (HV // HA)) * DA + o_a[None, :]
+    p_b = b + (bos * HB + i_hv // (HV // HB)) * DA + o_a[None, :]
+    p_c = c + (bos * HC + i_hv // (HV // HC)) * DC + o_c[None, :]
 
-    p_q = q + (bos * H + i_h) * K + o_tq[:, None] * (H * K) + o_k[None, :]
-    b_q = tl.load(p_q, mask=m_tq[:, None] & m_k[None, :], other=0.0)  # [BQ, BK]
-    # inter-chunk part: q @ S_c
-    p_h = h + ((boh + i_c) * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :]
-    b_s = tl.load(p_h, mask=m_k[:, None] & m_v[None, :], other=0.0).to(dt)  # [BK, BV]
-    b_o = tl.dot(b_q, b_s, input_precision=DOT_PREC)  # [BQ, BV]
+    b_a = tl.load(p_a + o_tq[:, None] * (HA * DA), mask=m_tq[:, None] & m_a[None, :], other=0.0)  # [BQ, BA]
     if USE_G:
         p_g = g + bos * HV + i_hv
         b_gq = tl.load(p_g + o_tq * HV, mask=m_tq, other=0.0)
-        b_o *= tl.exp2(b_gq)[:, None]
-
-    # intra-chunk part (level-2 tiling): key tiles of this outer chunk before the query tile, then
-    # the diagonal tiles. Before the diagonal, every key row s precedes every query row r, so with m
-    # the key tile's last row, 2^(G_r - G_s) = 2^(G_r - G_m) 2^(G_m - G_s): two exponent vectors
-    # (both exponents <= 0) instead of BQ x BKV exponentials.
-    p_k = k + (bos * H + i_h) * K + o_k[None, :]
-    p_v = v + (bos * HV + i_hv) * V + o_v[None, :]
-    for t_k0 in range(i_c * BT, t_q0, BKV):
-        o_tk = t_k0 + tl.arange(0, BKV)
-        b_k = tl.load(p_k + o_tk[:, None] * (H * K), mask=m_k[None, :], other=0.0)  # [BKV, BK]
-        b_a = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC)  # [BQ, BKV]
+    if HAS_STATE:
+        # inter-chunk part: a @ S_c (S read with strides H_SA along the contraction dim, H_SC along out)
+        # states are stored every HS rows (HS = BT, or 64 in the backward pass)
+        p_h = h + ((boh + i_ch * (BT // HS)) * HV + i_hv) * DA * DC + o_a[:, None] * H_SA + o_c[None, :] * H_SC
+        b_s = tl.load(p_h, mask=m_a[:, None] & m_c[None, :], other=0.0).to(dt)  # [BA, BC]
+        b_o = tl.dot(b_a, b_s, input_precision=DOT_PREC)  # [BQ, BC]
         if USE_G:
-            b_gm = tl.load(p_g + (t_k0 + BKV - 1) * HV)
-            b_gk = tl.load(p_g + o_tk * HV)
-            b_a *= tl.exp2(tl.where(m_tq, b_gq - b_gm, float("-inf")))[:, None] * tl.exp2(b_gm - b_gk)[None, :]
-        b_vv = tl.load(p_v + o_tk[:, None] * (HV * V), mask=m_v[None, :], other=0.0)  # [BKV, BV]
-        b_o = tl.dot(b_a.to(dt), b_vv.to(dt), b_o, input_precision=DOT_PREC)
+            b_o *= tl.exp2(b_gq)[:, None]
+    else:
+        b_o = tl.zeros([BQ, BC], dtype=ACC)
+
+    # the diagonal tiles (per-element gates and causal mask). With ROWDOT the diagonal (r = s) terms
+    # are kept apart in b_od: they enter both row dots of dG = q.dq - k.dk and cancel exactly there,
+    # so leaving them out of the row dot avoids a catastrophic cancellation under strong decay.
+    if ROWDOT:
+        b_od = tl.zeros([BQ, BC], dtype=ACC)
     for t_k0 in range(t_q0, t_q0 + BQ, BKV):
         o_tk = t_k0 + tl.arange(0, BKV)
         m_tk = o_tk < T
-        b_k = tl.load(p_k + o_tk[:, None] * (H * K), mask=m_tk[:, None] & m_k[None, :], other=0.0)  # [BKV, BK]
-        b_a = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC)  # [BQ, BKV]
-        m_a = (o_tq[:, None] >= o_tk[None, :]) & m_tq[:, None] & m_tk[None, :]
+        b_b = tl.load(p_b + o_tk[:, None] * (HB * DA), mask=m_tk[:, None] & m_a[None, :], other=0.0)  # [BKV, BA]
+        b_s = tl.dot(b_a, tl.trans(b_b), input_precision=DOT_PREC)  # [BQ, BKV]
+        if REVERSE:
+            m_s = (o_tq[:, None] <= o_tk[None, :]) & m_tq[:, None] & m_tk[None, :]
+        else:
+            m_s = (o_tq[:, None] >= o_tk[None, :]) & m_tq[:, None] & m_tk[None, :]
+        if ROWDOT:
+            m_diag = o_tq[:, None] == o_tk[None, :]
+            b_sd = tl.sum(tl.where(m_diag & m_s, b_s, 0.0), 1)  # [BQ]: a_r . b_r (gate 2^0 = 1)
+            m_s = m_s & (o_tq[:, None] != o_tk[None, :])
         if USE_G:
             b_gk = tl.load(p_g + o_tk * HV, mask=m_tk, other=0.0)
-            b_a = b_a * tl.exp2(tl.where(m_a, b_gq[:, None] - b_gk[None, :], float("-inf")))
+            if REVERSE:
+                b_s = b_s * tl.exp2(tl.where(m_s, b_gk[None, :] - b_gq[:, None], float("-inf")))
+            else:
+                b_s = b_s * tl.exp2(tl.where(m_s, b_gq[:, None] - b_gk[None, :], float("-inf")))
         else:
-            b_a = tl.where(m_a, b_a, 0.0)
-        b_vv = tl.load(p_v + o_tk[:, None] * (HV * V), mask=m_tk[:, None] & m_v[None, :], other=0.0)  # [BKV, BV]
-        b_o = tl.dot(b_a.to(dt), b_vv.to(dt), b_o, input_precision=DOT_PREC)
+            b_s = tl.where(m_s, b_s, 0.0)
+        b_cc = tl.load(p_c + o_tk[:, None] * (HC * DC), mask=m_tk[:, None] & m_c[None, :], other=0.0)  # [BKV, BC]
+        b_o = tl.dot(b_s.to(dt), b_cc.to(dt), b_o, input_precision=DOT_PREC)
+        if ROWDOT:  # BKV == BQ: the rows of c in this tile are the output rows
+            b_od += b_sd[:, None] * b_cc.to(ACC)
 
-    p_o = o + (bos * HV + i_hv) * V + o_tq[:, None] * (HV * V) + o_v[None, :]
-    tl.store(p_o, (b_o * scale).to(o.dtype.element_ty), mask=m_tq[:, None] & m_v[None, :])
+    # off-diagonal tiles of the same outer chunk (level-2 tiling): before the diagonal (forward) or
+    # after it (reverse), with the factorized gate through the row m between the two tiles
+    if REVERSE:
+        t_lo = t_q0 + BQ
+        t_hi = tl.minimum((i_ch + 1) * BT, T)
+        if USE_G:
+            # clamped into the sequence: the last tile's rows then see exponents <= 0 as well
+            b_gm = tl.load(p_g + (tl.minimum(t_q0 + BQ, T) - 1) * HV)
+            b_fq = tl.exp2(tl.where(m_tq, b_gm - b_gq, float("-inf")))  # [BQ]
+    else:
+        t_lo = i_ch * BT
+        t_hi = t_q0
+    for t_k0 in range(t_lo, t_hi, BKV):
+        o_tk = t_k0 + tl.arange(0, BKV)
+        m_tk = o_tk < T
+        b_b = tl.load(p_b + o_tk[:, None] * (HB * DA), mask=m_tk[:, None] & m_a[None, :], other=0.0)  # [BKV, BA]
+        b_s = tl.dot(b_a, tl.trans(b_b), input_precision=DOT_PREC)  # [BQ, BKV]
+        if USE_G:
+            b_gk = tl.load(p_g + o_tk * HV, mask=m_tk, other=0.0)
+            if REVERSE:  # rows s of this tile precede m = t_q0 + BQ - 1 < r
+                b_s *= b_fq[:, None] * tl.exp2(tl.where(m_tk, b_gk - b_gm, float("-inf")))[None, :]
+            else:  # m = t_k0 + BKV - 1 lies between s and r
+                b_gm = tl.load(p_g + (t_k0 + BKV - 1) * HV)
+                b_s *= tl.exp2(tl.where(m_tq, b_gq - b_gm, float("-inf")))[:, None] * tl.exp2(b_gm - b_gk)[None, :]
+        b_cc = tl.load(p_c + o_tk[:, None] * (HC * DC), mask=m_tk[:, None] & m_c[None, :], other=0.0)  # [BKV, BC]
+        b_o = tl.dot(b_s.to(dt), b_cc.to(dt), b_o, input_precision=DOT_PREC)
+
+    b_o *= scale
+    if ROWDOT:  # x . out without the diagonal terms, then add them to the output
+        p_x = x + (bos * HX + i_hv // (HV // HX)) * DC + o_tq[:, None] * (HX * DC) + o_c[None, :]
+        b_x = tl.load(p_x, mask=m_tq[:, None] & m_c[None, :], other=0.0).to(ACC)
+        tl.store(xdot + (bos + o_tq) * HV + i_hv, tl.sum(b_x * b_o, 1), mask=m_tq)
+        b_o += b_od * scale
+    p_o = out + (bos * HV + i_hv) * DC + o_tq[:, None] * (HV * DC) + o_c[None, :]
+    tl.store(p_o, b_o.to(out.dtype.element_ty), mask=m_tq[:, None] & m_c[None, :])
 
 
-def output_config(chunk_size: int, K: int, V: int, config: dict | None = None) -> dict:
-    """Tile sizes and launch shape of the output kernel: a fixed heuristic, overridable per key
-    (``BQ``, ``BKV``, ``BV``, ``num_warps``, ``num_stages``)."""
-    # defaults measured on an H200 (docs/perf.md): full-width value tiles, 4 warps, 2 stages
-    cfg = {"BQ": 64, "BKV": 64, "BV": 128 if K <= 128 else 64, "num_warps": 4, "num_stages": 2, **(config or {})}
+def tiled_config(chunk_size: int, DA: int, DC: int, config: dict | None = None) -> dict:
+    """Tile sizes and launch shape of the tiled kernel: a fixed heuristic, overridable per key
+    (``BQ``, ``BKV``, ``BV`` (output columns), ``num_warps``, ``num_stages``)."""
+    # defaults measured on an H200 (docs/perf.md): full-width output tiles, 4 warps, 2 stages
+    cfg = {"BQ": 64, "BKV": 64, "BV": 128 if DA <= 128 else 64, "num_warps": 4, "num_stages": 2, **(config or {})}
     cfg["BQ"] = min(cfg["BQ"], chunk_size)
     cfg["BKV"] = min(cfg["BKV"], chunk_size)
-    cfg["BV"] = min(max(16, next_pow2(V)), cfg["BV"])
+    cfg["BV"] = min(max(16, next_pow2(DC)), cfg["BV"])
     if chunk_size % cfg["BQ"] or chunk_size % cfg["BKV"] or cfg["BQ"] % cfg["BKV"]:
-        raise ValueError(f"output tiles BQ={cfg['BQ']}, BKV={cfg['BKV']} must divide chunk_size={chunk_size} "
+        raise ValueError(f"tiles BQ={cfg['BQ']}, BKV={cfg['BKV']} must divide chunk_size={chunk_size} "
                          "and BKV must divide BQ")
     return cfg
+
+
+output_config = tiled_config
+
+
+def chunk_tiled(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    g_cum: torch.Tensor | None,
+    scale: float,
+    chunk_size: int,
+    h: torch.Tensor | None = None,
+    state_every: int | None = None,
+    state_transposed: bool = False,
+    reverse: bool = False,
+    rowdot_with: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    tile_indices: torch.Tensor | None = None,
+    chunk_offsets: torch.Tensor | None = None,
+    config: dict | None = None,
+):
+    """The tiled chunk product (module docstring) for ``a, b: [B, T, *, DA]``, ``c: [B, T, *, DC]``
+    (each with H or HV heads), ``g_cum [B, T, HV]``; output ``[B, T, HV, DC]``.
+
+    ``h [B, NT, HV, K, V]``: states every ``state_every`` rows (default: at outer-chunk starts; 64 with
+    the backward's per-sub-chunk states, then ``chunk_offsets`` counts 64-row sub-chunks);
+    ``state_transposed`` reads S^T (for dq).
+    ``rowdot_with [B, T, *, DC]``: also return ``sum_j x_rj out_rj`` as ``[B, T, HV]`` fp32.
+    ``tile_indices`` (varlen) is ``prepare_chunk_indices(.., cfg["BQ"])``.
+    Returns ``out`` or ``(out, rowdot)``.
+    """
+    B, T, HA, DA = a.shape
+    HB, HC, DC = b.shape[2], c.shape[2], c.shape[3]
+    HV = max(HA, HB, HC)
+    cfg = tiled_config(chunk_size, DA, DC, config)
+    if rowdot_with is not None:
+        cfg["BV"] = max(16, next_pow2(DC))  # the row dot needs the whole row in one program
+        cfg["BKV"] = cfg["BQ"]  # and the diagonal tile's rows to be the output rows
+    out = torch.empty(B, T, HV, DC, dtype=out_dtype or a.dtype, device=a.device)
+    acc = torch.float64 if a.dtype == torch.float64 else torch.float32
+    xdot = torch.empty(B, T, HV, dtype=acc, device=a.device) if rowdot_with is not None else None
+    NQ = cdiv(T, cfg["BQ"]) if cu_seqlens is None else tile_indices.shape[0]
+    if NQ > 0 and B * HV > 0:
+        _chunk_tiled_kernel[(cdiv(DC, cfg["BV"]), NQ, B * HV)](
+            a, b, c, h, g_cum, out, rowdot_with, xdot, cu_seqlens, tile_indices, chunk_offsets, scale, T,
+            HV=HV, HA=HA, HB=HB, HC=HC, HX=rowdot_with.shape[2] if rowdot_with is not None else HV,
+            DA=DA, DC=DC, H_SA=1 if state_transposed else DC, H_SC=DA if state_transposed else 1,
+            HS=state_every or chunk_size,
+            BT=chunk_size, BQ=cfg["BQ"], BKV=cfg["BKV"], BA=max(16, next_pow2(DA)), BC=cfg["BV"],
+            USE_G=g_cum is not None, REVERSE=reverse, HAS_STATE=h is not None, ROWDOT=rowdot_with is not None,
+            IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(a.dtype), ACC=acc_dtype(a.dtype),
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )
+    return (out, xdot) if rowdot_with is not None else out
 
 
 def chunk_output_fwd(
@@ -142,24 +264,7 @@ def chunk_output_fwd(
     chunk_offsets: torch.Tensor | None = None,
     config: dict | None = None,
 ) -> torch.Tensor:
-    """``o [B, T, HV, V]`` from q, k ``[B, T, H, K]``, v ``[B, T, HV, V]``, states
-    ``h [B, NT, HV, K, V]`` at outer-chunk starts, and ``g_cum [B, T, HV]`` (log2, chunk-local).
-
-    ``tile_indices`` (varlen) is ``prepare_chunk_indices(.., cfg["BQ"])`` for the query tile size of
-    ``output_config(chunk_size, K, V, config)``.
-    """
-    B, T, H, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
-    cfg = output_config(chunk_size, K, V, config)
-    o = torch.empty(B, T, HV, V, dtype=out_dtype or q.dtype, device=q.device)
-    NQ = cdiv(T, cfg["BQ"]) if cu_seqlens is None else tile_indices.shape[0]
-    if NQ == 0 or B * HV == 0:
-        return o
-    BK = max(16, next_pow2(K))
-    _chunk_output_fwd_kernel[(cdiv(V, cfg["BV"]), NQ, B * HV)](
-        q, k, v, h, g_cum, o, cu_seqlens, tile_indices, chunk_offsets, scale, T,
-        H=H, HV=HV, K=K, V=V, BT=chunk_size, BQ=cfg["BQ"], BKV=cfg["BKV"], BK=BK, BV=cfg["BV"],
-        USE_G=g_cum is not None, IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(q.dtype),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )
-    return o
+    """``o [B, T, HV, V] = scale (2^G q S_c + causal-gated (q k^T) v)`` from q, k ``[B, T, H, K]``,
+    v ``[B, T, HV, V]`` (the delta rule's Vnew), states ``h [B, NT, HV, K, V]`` and ``g_cum``."""
+    return chunk_tiled(q, k, v, g_cum, scale, chunk_size, h=h, out_dtype=out_dtype, cu_seqlens=cu_seqlens,
+                       tile_indices=tile_indices, chunk_offsets=chunk_offsets, config=config)

@@ -23,14 +23,14 @@ import torch
 import triton
 import triton.language as tl
 
-from tfla.ops.common.utils import SUB_CHUNK, cdiv, dot_precision, next_pow2
+from tfla.ops.common.utils import SUB_CHUNK, acc_dtype, cdiv, dot_precision, next_pow2
 
 
 @triton.jit
 def _state_substep(b_h, t0, T, bos, i_h, i_hv, k, v, w, ai, beta, v_new, g,
                    o_c, o_k, o_v, m_k, m_v, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                    V: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, USE_G: tl.constexpr,
-                   DELTA: tl.constexpr, DOT_PREC: tl.constexpr):
+                   DELTA: tl.constexpr, DOT_PREC: tl.constexpr, ACC: tl.constexpr):
     """Advance the state ``b_h [BK, BV]`` over the sub-chunk of rows ``t0 .. t0 + BS``; store Vnew."""
     dt = k.dtype.element_ty
     o_t = t0 + o_c
@@ -38,7 +38,7 @@ def _state_substep(b_h, t0, T, bos, i_h, i_hv, k, v, w, ai, beta, v_new, g,
     b_k = tl.load(k + (bos * H + i_h) * K + o_t[:, None] * (H * K) + o_k[None, :],
                   mask=m_t[:, None] & m_k[None, :], other=0.0)  # [BS, BK]
     b_v = tl.load(v + (bos * HV + i_hv) * V + o_t[:, None] * (HV * V) + o_v[None, :],
-                  mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)  # [BS, BV]
+                  mask=m_t[:, None] & m_v[None, :], other=0.0).to(ACC)  # [BS, BV]
     if USE_G:
         p_g = g + bos * HV + i_hv
         # clamped so a sub-chunk past T reads G_n = G_c = G[T - 1]: decay 1, no-op
@@ -52,7 +52,7 @@ def _state_substep(b_h, t0, T, bos, i_h, i_hv, k, v, w, ai, beta, v_new, g,
     if DELTA == 2:  # Vnew = Tm (beta V - (beta 2^(G - G_c) K) S): W and U never leave the chip
         b_tm = tl.load(ai + (bos * HV + i_hv) * BS + o_t[:, None] * (HV * BS) + o_c[None, :],
                        mask=m_t[:, None], other=0.0).to(dt)  # [BS, BS]
-        b_b = tl.load(beta + (bos + o_t) * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
+        b_b = tl.load(beta + (bos + o_t) * HV + i_hv, mask=m_t, other=0.0).to(ACC)
         if USE_G:
             b_sk = b_b * tl.exp2(tl.where(m_t, b_g - b_gc, float("-inf")))
         else:
@@ -97,6 +97,8 @@ def _chunk_state_fwd_kernel(
     IS_VARLEN: tl.constexpr,
     DOT_PREC: tl.constexpr,
     UNROLL: tl.constexpr,
+    STORE_SUB: tl.constexpr,
+    ACC: tl.constexpr,
 ):
     BS: tl.constexpr = 64
     i_v, i_nh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
@@ -108,7 +110,7 @@ def _chunk_state_fwd_kernel(
         boh = tl.load(chunk_offsets + i_n).to(tl.int64)
     else:
         bos = i_n * T
-        boh = i_n * tl.cdiv(T, BT)
+        boh = i_n * tl.cdiv(T, BS if STORE_SUB else BT)
 
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
@@ -118,29 +120,39 @@ def _chunk_state_fwd_kernel(
     m_kv = m_k[:, None] & m_v[None, :]
     o_kv = o_k[:, None] * V + o_v[None, :]
 
-    b_h = tl.zeros([BK, BV], dtype=tl.float32)
+    b_h = tl.zeros([BK, BV], dtype=ACC)
     if USE_INITIAL_STATE:
-        b_h += tl.load(h0 + i_nh * K * V + o_kv, mask=m_kv, other=0.0).to(tl.float32)
+        b_h += tl.load(h0 + i_nh * K * V + o_kv, mask=m_kv, other=0.0).to(ACC)
 
     # level 1: one iteration per outer chunk, the only place a state touches HBM;
     # level 2: its BT // BS sub-chunks, state on chip (a sub-chunk past T is a no-op). Unrolled, the
     # loads of a whole outer chunk can be in flight at once (shared memory grows with BT); otherwise
     # the inner loop is the one the compiler pipelines.
+    # (STORE_SUB, for the backward pass: the state at every sub-chunk start instead)
     for i_c in range(0, tl.cdiv(T, BT)):
-        tl.store(h + ((boh + i_c) * HV + i_hv) * K * V + o_kv, b_h.to(h.dtype.element_ty), mask=m_kv)
+        if not STORE_SUB:
+            tl.store(h + ((boh + i_c) * HV + i_hv) * K * V + o_kv, b_h.to(h.dtype.element_ty), mask=m_kv)
         if UNROLL:
             for j in tl.static_range(BT // BS):
                 b_h = _state_substep(
                     b_h, i_c * BT + j * BS, T, bos, i_h, i_hv, k, v, w, ai, beta, v_new, g,
-                    o_c, o_k, o_v, m_k, m_v, H, HV, K, V, BT, BS, USE_G, DELTA, DOT_PREC)
+                    o_c, o_k, o_v, m_k, m_v, H, HV, K, V, BT, BS, USE_G, DELTA, DOT_PREC, ACC)
         else:
             for j in range(BT // BS):
+                if STORE_SUB:
+                    if i_c * BT + j * BS < T:
+                        tl.store(h + ((boh + i_c * (BT // BS) + j) * HV + i_hv) * K * V + o_kv,
+                                 b_h.to(h.dtype.element_ty), mask=m_kv)
                 b_h = _state_substep(
                     b_h, i_c * BT + j * BS, T, bos, i_h, i_hv, k, v, w, ai, beta, v_new, g,
-                    o_c, o_k, o_v, m_k, m_v, H, HV, K, V, BT, BS, USE_G, DELTA, DOT_PREC)
+                    o_c, o_k, o_v, m_k, m_v, H, HV, K, V, BT, BS, USE_G, DELTA, DOT_PREC, ACC)
 
     if STORE_FINAL_STATE:
         tl.store(ht + i_nh * K * V + o_kv, b_h, mask=m_kv)
+
+
+def _state_acc(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def chunk_state_fwd(
@@ -158,6 +170,7 @@ def chunk_state_fwd(
     chunk_offsets: torch.Tensor | None = None,
     num_chunks: int | None = None,
     config: dict | None = None,
+    store_every_sub_chunk: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """States at every outer-chunk start, and (delta rule) the new values.
 
@@ -170,8 +183,10 @@ def chunk_state_fwd(
         g_cum: ``[B, T, HV]`` fp32 cumulative gate within outer chunks, log2 units, or None.
         initial_state: ``[N, HV, K, V]``, any float dtype (read as fp32).
         state_dtype: dtype of the materialized states (default: k's dtype; the recurrence is fp32).
-        chunk_offsets / num_chunks: varlen ``prepare_chunk_offsets(.., chunk_size)`` and its total.
+        chunk_offsets / num_chunks: varlen ``prepare_chunk_offsets(.., chunk_size)`` and its total (with
+            ``store_every_sub_chunk``: the same for 64-row sub-chunks).
         config: overrides of ``BV``, ``num_warps``, ``num_stages``, ``unroll``.
+        store_every_sub_chunk: materialize the state at every 64-row sub-chunk start (backward pass).
     Returns:
         ``h [B, NT, HV, K, V]`` (varlen: ``[1, total chunks, HV, K, V]``), ``v_new [B, T, HV, V]``
         or None, ``final_state [N, HV, K, V]`` fp32 or None.
@@ -179,11 +194,11 @@ def chunk_state_fwd(
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
-    NT = cdiv(T, chunk_size) if cu_seqlens is None else num_chunks
+    NT = cdiv(T, SUB_CHUNK if store_every_sub_chunk else chunk_size) if cu_seqlens is None else num_chunks
     delta = 1 if w is not None else (2 if ai is not None else 0)
     h = torch.empty(B, NT, HV, K, V, dtype=state_dtype or k.dtype, device=k.device)
     v_new = torch.empty_like(v) if delta else None
-    final_state = torch.empty(N, HV, K, V, dtype=torch.float32, device=k.device) if output_final_state else None
+    final_state = torch.empty(N, HV, K, V, dtype=_state_acc(k.dtype), device=k.device) if output_final_state else None
     if N * HV == 0:
         return h, v_new, final_state
     # defaults measured on an H200 at K = V = 128 (docs/perf.md); 3 stages do not fit K = 256
@@ -191,6 +206,8 @@ def chunk_state_fwd(
            **(config or {})}
     if chunk_size == 128 and K <= 128 and not config:
         cfg.update(unroll=True, num_stages=2)
+    if store_every_sub_chunk:
+        cfg["unroll"] = False
     BK = max(16, next_pow2(K))
     BV = min(max(16, next_pow2(V)), cfg["BV"])
     _chunk_state_fwd_kernel[(cdiv(V, BV), N * HV)](
@@ -198,7 +215,157 @@ def chunk_state_fwd(
         H=H, HV=HV, K=K, V=V, BT=chunk_size, BK=BK, BV=BV,
         USE_G=g_cum is not None, DELTA=delta,
         USE_INITIAL_STATE=initial_state is not None, STORE_FINAL_STATE=output_final_state,
-        IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(k.dtype),
-        UNROLL=cfg["unroll"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(k.dtype), ACC=acc_dtype(k.dtype),
+        UNROLL=cfg["unroll"], STORE_SUB=store_every_sub_chunk,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return h, v_new, final_state
+
+
+@triton.jit
+def _chunk_state_bwd_kernel(
+    q,
+    k,
+    w,
+    do,
+    dvo,
+    g,
+    du,
+    dh,
+    dht,
+    dh0,
+    cu_seqlens,
+    sub_offsets,
+    scale,
+    T,
+    H: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    USE_G: tl.constexpr,
+    USE_FINAL_STATE_GRADIENT: tl.constexpr,
+    STORE_INITIAL_STATE_GRADIENT: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    ACC: tl.constexpr,
+):
+    """Reverse state-gradient recurrence of the delta rule. ``b_dh`` is the gradient of the state
+    after the current sub-chunk; per sub-chunk (reverse): dU = dvo + 2^(G_n - G) (K dS),
+    dS <- 2^(G_n - G_c) dS - W^T dU; at each outer-chunk start the output's use of the state adds
+    scale (2^G Q)^T dO of the whole outer chunk. Stores dS at every sub-chunk (for the parallel
+    gradient kernels) and dU."""
+    BS: tl.constexpr = 64
+    i_v, i_nh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    i_n, i_hv = i_nh // HV, i_nh % HV
+    i_h = i_hv // (HV // H)
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
+        boh = tl.load(sub_offsets + i_n).to(tl.int64)
+    else:
+        bos = i_n * T
+        boh = i_n * tl.cdiv(T, BS)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    o_c = tl.arange(0, BS)
+    m_k = o_k < K
+    m_v = o_v < V
+    m_kv = m_k[:, None] & m_v[None, :]
+    o_kv = o_k[:, None] * V + o_v[None, :]
+    dt = k.dtype.element_ty
+
+    b_dh = tl.zeros([BK, BV], dtype=ACC)
+    if USE_FINAL_STATE_GRADIENT:
+        b_dh += tl.load(dht + i_nh * K * V + o_kv, mask=m_kv, other=0.0).to(ACC)
+    if USE_G:
+        p_g = g + bos * HV + i_hv
+    NT = tl.cdiv(T, BT)
+    for i_cr in range(0, NT):
+        i_c = NT - 1 - i_cr
+        b_dhi = tl.zeros([BK, BV], dtype=ACC)  # the output's use of this chunk's start state
+        NS = tl.minimum(BT // BS, tl.cdiv(T - i_c * BT, BS))
+        for i_jr in range(0, NS):
+            t0 = i_c * BT + (NS - 1 - i_jr) * BS
+            o_t = t0 + o_c
+            m_t = o_t < T
+            m_tk = m_t[:, None] & m_k[None, :]
+            m_tv = m_t[:, None] & m_v[None, :]
+            tl.store(dh + ((boh + t0 // BS) * HV + i_hv) * K * V + o_kv, b_dh.to(dh.dtype.element_ty), mask=m_kv)
+            b_k = tl.load(k + (bos * H + i_h) * K + o_t[:, None] * (H * K) + o_k[None, :], mask=m_tk, other=0.0)
+            b_q = tl.load(q + (bos * H + i_h) * K + o_t[:, None] * (H * K) + o_k[None, :], mask=m_tk, other=0.0)
+            b_w = tl.load(w + (bos * HV + i_hv) * K + o_t[:, None] * (HV * K) + o_k[None, :], mask=m_tk, other=0.0)
+            p_tv = (bos * HV + i_hv) * V + o_t[:, None] * (HV * V) + o_v[None, :]
+            b_do = tl.load(do + p_tv, mask=m_tv, other=0.0)
+            b_du = tl.load(dvo + p_tv, mask=m_tv, other=0.0).to(ACC)
+            b_kdh = tl.dot(b_k, b_dh.to(dt), input_precision=DOT_PREC)  # [BS, BV]
+            if USE_G:
+                b_gn = tl.load(p_g + (tl.minimum(t0 + BS, T) - 1) * HV)
+                b_gc = tl.load(p_g + (t0 - 1) * HV, mask=(t0 % BT) != 0, other=0.0)
+                b_g = tl.load(p_g + o_t * HV, mask=m_t, other=0.0)
+                b_du += b_kdh * tl.exp2(tl.where(m_t, b_gn - b_g, float("-inf")))[:, None]
+                b_qs = b_q * (scale * tl.exp2(b_g))[:, None]
+            else:
+                b_du += b_kdh
+                b_qs = b_q * scale
+            tl.store(du + p_tv, b_du.to(du.dtype.element_ty), mask=m_tv)
+            b_dhi = tl.dot(tl.trans(b_qs.to(dt)), b_do, b_dhi, input_precision=DOT_PREC)
+            if USE_G:
+                b_dh *= tl.exp2(b_gn - b_gc)
+            b_dh -= tl.dot(tl.trans(b_w), b_du.to(dt), input_precision=DOT_PREC)
+        b_dh += b_dhi
+    if STORE_INITIAL_STATE_GRADIENT:
+        tl.store(dh0 + i_nh * K * V + o_kv, b_dh, mask=m_kv)
+
+
+def chunk_state_bwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    w: torch.Tensor,
+    do: torch.Tensor,
+    dvo: torch.Tensor,
+    g_cum: torch.Tensor | None,
+    scale: float,
+    chunk_size: int,
+    dht: torch.Tensor | None = None,
+    need_dh0: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    sub_offsets: torch.Tensor | None = None,
+    num_sub_chunks: int | None = None,
+    config: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """State-gradient recurrence of the gated delta rule (reverse, 64-row sub-chunks, outer chunk L).
+
+    Args:
+        q, k: ``[B, T, H, K]``; w: ``[B, T, HV, K]`` WY keys; do: ``[B, T, HV, V]``; dvo: the output's
+            gradient of Vnew, ``[B, T, HV, V]``; g_cum: ``[B, T, HV]`` (log2, restarting every L).
+        dht: cotangent of the final state ``[N, HV, K, V]`` or None.
+    Returns:
+        ``dh [B, NS, HV, K, V]`` (gradient of the state after each 64-row sub-chunk, k's dtype),
+        ``du [B, T, HV, V]`` (total gradient of U = Vnew's gradient, k's dtype), ``dh0 [N, HV, K, V]``
+        fp32 or None.
+    """
+    B, T, H, K = k.shape
+    HV, V = do.shape[2], do.shape[3]
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    NS = cdiv(T, SUB_CHUNK) if cu_seqlens is None else num_sub_chunks
+    dh = torch.empty(B, NS, HV, K, V, dtype=k.dtype, device=k.device)
+    du = torch.empty(B, T, HV, V, dtype=k.dtype, device=k.device)
+    dh0 = torch.empty(N, HV, K, V, dtype=_state_acc(k.dtype), device=k.device) if need_dh0 else None
+    if N * HV == 0:
+        if dh0 is not None:
+            dh0.copy_(dht if dht is not None else torch.zeros_like(dh0))
+        return dh, du, dh0
+    cfg = {"BV": 64 if K <= 128 else 32, "num_warps": 4, "num_stages": 2, **(config or {})}
+    BK = max(16, next_pow2(K))
+    BV = min(max(16, next_pow2(V)), cfg["BV"])
+    _chunk_state_bwd_kernel[(cdiv(V, BV), N * HV)](
+        q, k, w, do, dvo, g_cum, du, dh, dht, dh0, cu_seqlens, sub_offsets, scale, T,
+        H=H, HV=HV, K=K, V=V, BT=chunk_size, BK=BK, BV=BV, USE_G=g_cum is not None,
+        USE_FINAL_STATE_GRADIENT=dht is not None, STORE_INITIAL_STATE_GRADIENT=need_dh0,
+        IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(k.dtype), ACC=acc_dtype(k.dtype),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return dh, du, dh0

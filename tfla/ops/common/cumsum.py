@@ -40,10 +40,10 @@ def _chunk_local_cumsum_scalar_kernel(
     o_t = i_t * BT + tl.arange(0, BT)
     m_t = o_t < T
     p = (bos + o_t) * H + i_h
-    b_g = tl.load(g + p, mask=m_t, other=0.0).to(tl.float32)  # [BT]
-    b_o = tl.cumsum(b_g, axis=0)
-    if REVERSE:
-        b_o = tl.sum(b_g, axis=0) - b_o + b_g
+    b_g = tl.load(g + p, mask=m_t, other=0.0).to(out.dtype.element_ty)  # [BT], summed in the output dtype
+    # scanned from the end when reversed (not total - prefix, which cancels catastrophically when
+    # the suffix sums are small against the total, as gate gradients under strong decay are)
+    b_o = tl.cumsum(b_g, axis=0, reverse=REVERSE)
     tl.store(out + p, (b_o * scale).to(out.dtype.element_ty), mask=m_t)
 
 

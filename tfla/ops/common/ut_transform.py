@@ -28,11 +28,11 @@ import torch
 import triton
 import triton.language as tl
 
-from tfla.ops.common.utils import SUB_CHUNK, cdiv, dot_precision, next_pow2
+from tfla.ops.common.utils import SUB_CHUNK, acc_dtype, cdiv, dot_precision, next_pow2
 
 
 @triton.jit
-def _unit_lower_inverse(b_A, BC: tl.constexpr):
+def _unit_lower_inverse(b_A, BC: tl.constexpr, ACC: tl.constexpr):
     """``(I + A)^-1`` of a strictly lower-triangular fp32 ``[BC, BC]`` block.
 
     ``I + A = prod_j (I + a_j e_j^T)`` with ``a_j`` column j of A, so the inverse is
@@ -41,7 +41,7 @@ def _unit_lower_inverse(b_A, BC: tl.constexpr):
     is an outer-product update with no register-layout conversion.
     """
     o = tl.arange(0, BC)
-    b_X = tl.where(o[:, None] == o[None, :], 1.0, 0.0)
+    b_X = tl.where(o[:, None] == o[None, :], 1.0, 0.0).to(ACC)
     for j in range(0, BC - 1):
         b_a = tl.sum(tl.where(o[None, :] == j, b_A, 0.0), 1)  # [BC] column j of A
         b_x = tl.sum(tl.where(o[:, None] == j, b_X, 0.0), 0)  # [BC] row j of X
@@ -74,6 +74,7 @@ def _gdn_ut_inverse_kernel(
     IS_VARLEN: tl.constexpr,
     DOT_PREC: tl.constexpr,
     MERGE_PREC: tl.constexpr,
+    ACC: tl.constexpr,
 ):
     """Tm = (I + A)^-1 of one 64-row sub-chunk, A = beta (K K^T) 2^(G_r - G_i) strictly lower
     (and, with FUSE_WY, W and U of the same sub-chunk)."""
@@ -101,22 +102,22 @@ def _gdn_ut_inverse_kernel(
     m_3 = t_3 < T
 
     p_b = beta + bos * HV + i_hv
-    b_b0 = tl.load(p_b + t_0 * HV, mask=m_0, other=0.0).to(tl.float32)
-    b_b1 = tl.load(p_b + t_1 * HV, mask=m_1, other=0.0).to(tl.float32)
-    b_b2 = tl.load(p_b + t_2 * HV, mask=m_2, other=0.0).to(tl.float32)
-    b_b3 = tl.load(p_b + t_3 * HV, mask=m_3, other=0.0).to(tl.float32)
+    b_b0 = tl.load(p_b + t_0 * HV, mask=m_0, other=0.0).to(ACC)
+    b_b1 = tl.load(p_b + t_1 * HV, mask=m_1, other=0.0).to(ACC)
+    b_b2 = tl.load(p_b + t_2 * HV, mask=m_2, other=0.0).to(ACC)
+    b_b3 = tl.load(p_b + t_3 * HV, mask=m_3, other=0.0).to(ACC)
 
     # K K^T in 4 diagonal and 6 off-diagonal [BC, BC] blocks, accumulated over BK-wide key slices
-    b_A00 = tl.zeros([BC, BC], dtype=tl.float32)
-    b_A10 = tl.zeros([BC, BC], dtype=tl.float32)
-    b_A11 = tl.zeros([BC, BC], dtype=tl.float32)
-    b_A20 = tl.zeros([BC, BC], dtype=tl.float32)
-    b_A21 = tl.zeros([BC, BC], dtype=tl.float32)
-    b_A22 = tl.zeros([BC, BC], dtype=tl.float32)
-    b_A30 = tl.zeros([BC, BC], dtype=tl.float32)
-    b_A31 = tl.zeros([BC, BC], dtype=tl.float32)
-    b_A32 = tl.zeros([BC, BC], dtype=tl.float32)
-    b_A33 = tl.zeros([BC, BC], dtype=tl.float32)
+    b_A00 = tl.zeros([BC, BC], dtype=ACC)
+    b_A10 = tl.zeros([BC, BC], dtype=ACC)
+    b_A11 = tl.zeros([BC, BC], dtype=ACC)
+    b_A20 = tl.zeros([BC, BC], dtype=ACC)
+    b_A21 = tl.zeros([BC, BC], dtype=ACC)
+    b_A22 = tl.zeros([BC, BC], dtype=ACC)
+    b_A30 = tl.zeros([BC, BC], dtype=ACC)
+    b_A31 = tl.zeros([BC, BC], dtype=ACC)
+    b_A32 = tl.zeros([BC, BC], dtype=ACC)
+    b_A33 = tl.zeros([BC, BC], dtype=ACC)
     p_k = k + (bos * H + i_h) * K
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
@@ -177,10 +178,10 @@ def _gdn_ut_inverse_kernel(
     b_A32 *= b_b3[:, None]
 
     # Tm = (I + A)^-1: diagonal blocks by substitution, the rest by block forward substitution
-    b_T00 = _unit_lower_inverse(b_A00, BC)
-    b_T11 = _unit_lower_inverse(b_A11, BC)
-    b_T22 = _unit_lower_inverse(b_A22, BC)
-    b_T33 = _unit_lower_inverse(b_A33, BC)
+    b_T00 = _unit_lower_inverse(b_A00, BC, ACC)
+    b_T11 = _unit_lower_inverse(b_A11, BC, ACC)
+    b_T22 = _unit_lower_inverse(b_A22, BC, ACC)
+    b_T33 = _unit_lower_inverse(b_A33, BC, ACC)
     b_T10 = -tl.dot(b_T11, tl.dot(b_A10, b_T00, input_precision=MERGE_PREC), input_precision=MERGE_PREC)
     b_T21 = -tl.dot(b_T22, tl.dot(b_A21, b_T11, input_precision=MERGE_PREC), input_precision=MERGE_PREC)
     b_T32 = -tl.dot(b_T33, tl.dot(b_A32, b_T22, input_precision=MERGE_PREC), input_precision=MERGE_PREC)
@@ -215,13 +216,13 @@ def _gdn_ut_inverse_kernel(
     if FUSE_WY:
         # read Tm back as one [64, 64] tile (written by other threads of this program: barrier)
         tl.debug_barrier()
-        _wy_apply(k, v, g, beta, ai, w, u, t0, T, bos, i_h, i_hv, H, HV, K, V, BT, BK2, BV, USE_G, DOT_PREC)
+        _wy_apply(k, v, g, beta, ai, w, u, t0, T, bos, i_h, i_hv, H, HV, K, V, BT, BK2, BV, USE_G, DOT_PREC, ACC)
 
 
 @triton.jit
 def _wy_apply(k, v, g, beta, ai, w, u, t0, T, bos, i_h, i_hv, H: tl.constexpr, HV: tl.constexpr,
               K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-              USE_G: tl.constexpr, DOT_PREC: tl.constexpr):
+              USE_G: tl.constexpr, DOT_PREC: tl.constexpr, ACC: tl.constexpr):
     """W = Tm @ (beta 2^(G - G_c) K), U = Tm @ (beta V) for the 64-row sub-chunk at ``t0``, with Tm
     read back from ``ai``; K and V in tiles of BK and BV columns."""
     BS: tl.constexpr = 64
@@ -231,7 +232,7 @@ def _wy_apply(k, v, g, beta, ai, w, u, t0, T, bos, i_h, i_hv, H: tl.constexpr, H
     dt = k.dtype.element_ty
     b_tm = tl.load(ai + (bos * HV + i_hv) * BS + o_t[:, None] * (HV * BS) + o_c[None, :],
                    mask=m_t[:, None], other=0.0).to(dt)  # [BS, BS]
-    b_b = tl.load(beta + (bos + o_t) * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
+    b_b = tl.load(beta + (bos + o_t) * HV + i_hv, mask=m_t, other=0.0).to(ACC)
     if USE_G:
         p_g = g + bos * HV + i_hv
         b_gc = tl.load(p_g + (t0 - 1) * HV, mask=(t0 % BT) != 0, other=0.0)
@@ -278,6 +279,7 @@ def _gdn_wy_fwd_kernel(
     USE_G: tl.constexpr,
     IS_VARLEN: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    ACC: tl.constexpr,
 ):
     """W and U of one 64-row sub-chunk from a stored Tm."""
     i_s, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
@@ -290,7 +292,7 @@ def _gdn_wy_fwd_kernel(
         T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
     else:
         bos = i_b * T
-    _wy_apply(k, v, g, beta, ai, w, u, i_s * 64, T, bos, i_h, i_hv, H, HV, K, V, BT, BK, BV, USE_G, DOT_PREC)
+    _wy_apply(k, v, g, beta, ai, w, u, i_s * 64, T, bos, i_h, i_hv, H, HV, K, V, BT, BK, BV, USE_G, DOT_PREC, ACC)
 
 
 def ut_inverse_fwd(
@@ -356,13 +358,13 @@ def _ut_launch(k, v, g_cum, beta, chunk_size, cu_seqlens, sub_indices, config, f
     BK = min(max(16, next_pow2(K)), cfg["BK"])
     BV = min(max(16, next_pow2(V)), cfg["BV"])
     common = dict(H=H, HV=HV, K=K, V=V, BT=chunk_size, BV=BV, USE_G=g_cum is not None,
-                  IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(k.dtype))
+                  IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(k.dtype), ACC=acc_dtype(k.dtype))
     if compute_ai:
         _gdn_ut_inverse_kernel[(NS, B * HV)](
             k, v, g_cum, beta, ai, w, u, cu_seqlens, sub_indices, T,
             BK=min(max(16, next_pow2(K)), 64), BK2=BK, FUSE_WY=fuse,
             # Tm is rounded to k's dtype afterwards: TF32 merges suffice for 16-bit inputs, fp32 stays exact
-            MERGE_PREC="ieee" if k.dtype == torch.float32 else "tf32", num_warps=cfg["inv_warps"], **common,
+            MERGE_PREC=dot_precision(k.dtype), num_warps=cfg["inv_warps"], **common,
         )
     if v is not None and not (fuse and compute_ai):
         _gdn_wy_fwd_kernel[(NS, B * HV)](
@@ -370,3 +372,180 @@ def _ut_launch(k, v, g_cum, beta, chunk_size, cu_seqlens, sub_indices, config, f
             num_warps=cfg["wy_warps"], num_stages=cfg["wy_stages"], **common,
         )
     return w, u, ai
+
+
+@triton.jit
+def _gdn_wy_bwd_kernel(
+    k,
+    v,
+    beta,
+    g,
+    ai,
+    v_new,
+    du,
+    h,
+    dh,
+    dk,
+    dv,
+    dbeta,
+    dgam,
+    cu_seqlens,
+    chunk_indices,
+    T,
+    H: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    USE_G: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    F32_PREC: tl.constexpr,
+    ACC: tl.constexpr,
+):
+    """Delta-rule gradients of one 64-row sub-chunk: the state terms (``dW = -dU S^T``,
+    ``dk += 2^(g_n - g) Vnew dS^T``, decay terms) and the UT/WY backward (``dTm = dW X_k^T + dU X_v^T``,
+    ``dA = -Tm^T dTm Tm^T``, then dk, dv, dbeta and the local gate gradient ``dgam``)."""
+    BS: tl.constexpr = 64
+    i_s, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    i_b, i_hv = i_bh // HV, i_bh % HV
+    i_h = i_hv // (HV // H)
+    if IS_VARLEN:
+        i_sub = i_s  # sub-chunk rows of the varlen table are in (sequence, sub-chunk) order
+        i_n = tl.load(chunk_indices + i_s * 2).to(tl.int64)
+        i_s = tl.load(chunk_indices + i_s * 2 + 1).to(tl.int64)
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
+    else:
+        bos = i_b * T
+        i_sub = i_b * tl.cdiv(T, BS) + i_s
+    t0 = i_s * BS
+    o_c = tl.arange(0, BS)
+    o_t = t0 + o_c
+    m_t = o_t < T
+    t_n = tl.minimum(t0 + BS, T) - 1
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    dt = k.dtype.element_ty
+
+    b_tm = tl.load(ai + (bos * HV + i_hv) * BS + o_t[:, None] * (HV * BS) + o_c[None, :],
+                   mask=m_t[:, None], other=0.0).to(ACC)  # [BS, BS]
+    b_tmd = b_tm.to(dt)
+    b_b = tl.load(beta + (bos + o_t) * HV + i_hv, mask=m_t, other=0.0).to(ACC)
+    if USE_G:
+        p_g = g + bos * HV + i_hv
+        b_gc = tl.load(p_g + (t0 - 1) * HV, mask=(t0 % BT) != 0, other=0.0)
+        b_gam = tl.where(m_t, tl.load(p_g + o_t * HV, mask=m_t, other=0.0) - b_gc, 0.0)  # local cumulative gate
+        b_gn = tl.load(p_g + t_n * HV) - b_gc
+        b_en = tl.exp2(tl.where(m_t, b_gn - b_gam, float("-inf")))  # 2^(g_n - g_r)
+        b_eg = tl.exp2(tl.where(m_t, b_gam, float("-inf")))  # 2^(g_r)
+    else:
+        b_en = tl.where(m_t, 1.0, 0.0)
+        b_eg = tl.where(m_t, 1.0, 0.0)
+
+    b_dw = tl.zeros([BS, BK], dtype=ACC)
+    b_dks = tl.zeros([BS, BK], dtype=ACC)
+    b_dtm = tl.zeros([BS, BS], dtype=ACC)
+    b_db = tl.zeros([BS], dtype=ACC)
+    b_sds = tl.zeros([BK], dtype=ACC)
+    p_h = h + (i_sub * HV + i_hv) * K * V
+    p_dh = dh + (i_sub * HV + i_hv) * K * V
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = o_v < V
+        m_tv = m_t[:, None] & m_v[None, :]
+        p_tv = (bos * HV + i_hv) * V + o_t[:, None] * (HV * V) + o_v[None, :]
+        b_du = tl.load(du + p_tv, mask=m_tv, other=0.0)  # [BS, BV]
+        b_vn = tl.load(v_new + p_tv, mask=m_tv, other=0.0)
+        b_v = tl.load(v + p_tv, mask=m_tv, other=0.0)
+        b_s = tl.load(p_h + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)  # [BK, BV]
+        b_ds = tl.load(p_dh + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
+        b_dw -= tl.dot(b_du, tl.trans(b_s), input_precision=DOT_PREC)  # dW = -dU S^T
+        b_dks = tl.dot((b_vn * b_en[:, None]).to(dt), tl.trans(b_ds), b_dks, input_precision=DOT_PREC)
+        b_sds += tl.sum(b_s.to(ACC) * b_ds.to(ACC), 1)
+        b_xv = (b_v * b_b[:, None]).to(dt)
+        b_dtm = tl.dot(b_du, tl.trans(b_xv), b_dtm, input_precision=DOT_PREC)  # dU X_v^T
+        b_dxv = tl.dot(tl.trans(b_tmd), b_du, input_precision=DOT_PREC)  # Tm^T dU
+        tl.store(dv + p_tv, (b_dxv * b_b[:, None]).to(dv.dtype.element_ty), mask=m_tv)
+        b_db += tl.sum(b_dxv * b_v.to(ACC), 1)
+
+    b_k = tl.load(k + (bos * H + i_h) * K + o_t[:, None] * (H * K) + o_k[None, :],
+                  mask=m_t[:, None] & m_k[None, :], other=0.0).to(ACC)  # [BS, BK]
+    b_sk = b_b * b_eg
+    b_xk = b_k * b_sk[:, None]
+    b_dtm = tl.dot(b_dw, tl.trans(b_xk), b_dtm, input_precision=F32_PREC)  # + dW X_k^T
+    b_dxk = tl.dot(tl.trans(b_tm), b_dw, input_precision=F32_PREC)  # Tm^T dW
+    m_lo = (o_c[:, None] > o_c[None, :]) & m_t[:, None]
+    b_da = -tl.dot(tl.dot(tl.trans(b_tm), b_dtm, input_precision=F32_PREC), tl.trans(b_tm), input_precision=F32_PREC)
+    b_da = tl.where(m_lo, b_da, 0.0)
+    b_kk = tl.dot(b_k, tl.trans(b_k), input_precision=F32_PREC)
+    if USE_G:
+        b_e = tl.exp2(tl.where(m_lo, b_gam[:, None] - b_gam[None, :], float("-inf")))
+    else:
+        b_e = tl.where(m_lo, 1.0, 0.0)
+    b_dakk = b_da * b_kk * b_e  # dA * (k_r . k_s) E
+    b_m = b_da * b_e * b_b[:, None]
+    b_dk = b_dks + b_dxk * b_sk[:, None] + tl.dot(b_m, b_k, input_precision=F32_PREC) \
+        + tl.dot(tl.trans(b_m), b_k, input_precision=F32_PREC)
+    b_db += tl.sum(b_dakk, 1) + tl.sum(b_dxk * b_k, 1) * b_eg
+    tl.store(dk + (bos * HV + i_hv) * K + o_t[:, None] * (HV * K) + o_k[None, :], b_dk.to(dk.dtype.element_ty),
+             mask=m_t[:, None] & m_k[None, :])
+    tl.store(dbeta + (bos + o_t) * HV + i_hv, b_db.to(dbeta.dtype.element_ty), mask=m_t)
+    if USE_G:
+        # gradient of g itself (the sub-chunk's reverse cumsum done here): for rows t <= n,
+        #   dg_t = sum_{r >= t} (rowsum - colsum of dA * A + dX_k . X_k)_r + sum_{s < t} P_s + 2^(g_n) <S, dS>
+        # with P_s = k_s . dk_state_s; sums over masks, never a total minus a prefix
+        b_daa = b_dakk * b_b[:, None]  # dA * A
+        b_p = tl.sum(b_k * b_dks, 1)
+        b_dgr = tl.sum(b_daa, 1) - tl.sum(b_daa, 0) + tl.sum(b_dxk * b_xk, 1)
+        m_ge = o_c[None, :] >= o_c[:, None]  # [t, r]: r >= t
+        b_dg = tl.sum(tl.where(m_ge, b_dgr[None, :], 0.0), 1) + tl.sum(tl.where(m_ge, 0.0, b_p[None, :]), 1)
+        b_dg += tl.exp2(b_gn) * tl.sum(b_sds, 0)
+        tl.store(dgam + (bos + o_t) * HV + i_hv, b_dg, mask=m_t)
+
+
+def wy_bwd(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    g_cum: torch.Tensor | None,
+    ai: torch.Tensor,
+    v_new: torch.Tensor,
+    du: torch.Tensor,
+    h_sub: torch.Tensor,
+    dh_sub: torch.Tensor,
+    chunk_size: int,
+    cu_seqlens: torch.Tensor | None = None,
+    sub_indices: torch.Tensor | None = None,
+    config: dict | None = None,
+):
+    """Delta-part gradients per 64-row sub-chunk.
+
+    Args: k ``[B, T, H, K]``; v, v_new, du ``[B, T, HV, V]``; beta, g_cum ``[B, T, HV]``; ai (Tm)
+    ``[B, T, HV, 64]``; h_sub / dh_sub: states at / state gradients after every sub-chunk,
+    ``[B, NS, HV, K, V]``.
+    Returns ``dk [B, T, HV, K]`` fp32 (per value head), ``dv [B, T, HV, V]`` (v's dtype),
+    ``dbeta [B, T, HV]`` fp32, ``dg_sub [B, T, HV]`` fp32 (this part's gradient of g itself, the
+    sub-chunk reverse cumsum included; None without gates).
+    """
+    B, T, H, K = k.shape
+    HV, V = v.shape[2], v.shape[3]
+    acc = torch.float64 if k.dtype == torch.float64 else torch.float32
+    dk = torch.empty(B, T, HV, K, dtype=acc, device=k.device)
+    dv = torch.empty_like(v)
+    dbeta = torch.empty(B, T, HV, dtype=acc, device=k.device)
+    dgam = torch.empty(B, T, HV, dtype=acc, device=k.device) if g_cum is not None else None
+    NS = sub_indices.shape[0] if cu_seqlens is not None else cdiv(T, SUB_CHUNK)
+    if NS == 0 or B * HV == 0:
+        return dk, dv, dbeta, dgam
+    cfg = {"BV": 64, "num_warps": 4 if K <= 128 else 8, "num_stages": 2, **(config or {})}
+    _gdn_wy_bwd_kernel[(NS, B * HV)](
+        k, v, beta, g_cum, ai, v_new, du, h_sub, dh_sub, dk, dv, dbeta, dgam, cu_seqlens, sub_indices, T,
+        H=H, HV=HV, K=K, V=V, BT=chunk_size, BK=max(16, next_pow2(K)), BV=min(max(16, next_pow2(V)), cfg["BV"]),
+        USE_G=g_cum is not None, IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(k.dtype),
+        F32_PREC=dot_precision(k.dtype), ACC=acc_dtype(k.dtype),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return dk, dv, dbeta, dgam

@@ -17,7 +17,8 @@ RCP_LN2 = 1.4426950408889634
 SUB_CHUNK = 64
 CHUNK_SIZES = (64, 128, 256, 512)
 MAX_HEAD_DIM = 256
-SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# float64 is a verification dtype (float64 accumulation end to end, e.g. for gradcheck)
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 def next_pow2(x: int) -> int:
@@ -36,7 +37,14 @@ def interpret_mode() -> bool:
 def dot_precision(dtype: torch.dtype) -> str:
     """``tl.dot`` input precision: exact IEEE fp32 for fp32 inputs (Triton defaults to TF32),
     irrelevant for 16-bit operands."""
-    return "ieee" if dtype == torch.float32 else "tf32"
+    return "ieee" if dtype in (torch.float32, torch.float64) else "tf32"
+
+
+def acc_dtype(dtype: torch.dtype):
+    """Accumulator dtype of the kernels: float64 for float64 inputs (verification, e.g. gradcheck), else fp32."""
+    import triton.language as tl
+
+    return tl.float64 if dtype == torch.float64 else tl.float32
 
 
 def check_device(name: str, t: torch.Tensor) -> None:

@@ -18,8 +18,8 @@ import dataclasses
 
 import torch
 
-from tfla.ops.common.chunk_output import chunk_output_fwd, output_config
-from tfla.ops.common.chunk_state import chunk_state_fwd
+from tfla.ops.common.chunk_output import chunk_output_fwd, chunk_tiled, output_config
+from tfla.ops.common.chunk_state import chunk_state_bwd, chunk_state_fwd
 from tfla.ops.common.cumsum import chunk_local_cumsum
 from tfla.ops.common.utils import (
     CHUNK_SIZES,
@@ -33,7 +33,7 @@ from tfla.ops.common.utils import (
     prepare_chunk_offsets,
     seqlens_to_list,
 )
-from tfla.ops.common.ut_transform import ut_inverse_fwd, ut_transform_fwd
+from tfla.ops.common.ut_transform import ut_inverse_fwd, ut_transform_fwd, wy_bwd
 
 # fastest forward measured on an H200 (docs/perf.md); larger L trades speed for state memory
 DEFAULT_CHUNK_SIZE = 64
@@ -60,6 +60,7 @@ class VarlenIndex:
     chunk_indices: torch.Tensor  # (seq, outer chunk) pairs
     chunk_offsets: torch.Tensor  # first outer chunk of each sequence
     sub_indices: torch.Tensor  # (seq, 64-row sub-chunk) pairs
+    sub_offsets: torch.Tensor  # first 64-row sub-chunk of each sequence
 
     @property
     def num_chunks(self) -> int:
@@ -81,6 +82,7 @@ class VarlenIndex:
             chunk_indices=prepare_chunk_indices(bounds, chunk_size, dev),
             chunk_offsets=prepare_chunk_offsets(bounds, chunk_size, dev),
             sub_indices=prepare_chunk_indices(bounds, SUB_CHUNK, dev),
+            sub_offsets=prepare_chunk_offsets(bounds, SUB_CHUNK, dev),
         )
 
 
@@ -115,6 +117,7 @@ def chunk_gated_delta_rule_fwd(
     g_cum = chunk_local_cumsum(
         g, chunk_size, scale=RCP_LN2, cu_seqlens=cu,
         chunk_indices=varlen.chunk_indices if varlen is not None else None,
+        out_dtype=torch.float64 if q.dtype == torch.float64 else torch.float32,
     )
     sub = varlen.sub_indices if varlen is not None else None
     state_args = dict(
@@ -137,6 +140,72 @@ def chunk_gated_delta_rule_fwd(
         chunk_offsets=varlen.chunk_offsets if varlen is not None else None, config=ocfg,
     )
     return o, final_state, {"g_cum": g_cum, "ai": ai, "w": w, "u": u, "v_new": v_new, "h": h}
+
+
+def chunk_gated_delta_rule_bwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g_cum: torch.Tensor,
+    beta: torch.Tensor,
+    ai: torch.Tensor,
+    scale: float,
+    initial_state: torch.Tensor | None,
+    do: torch.Tensor,
+    dht: torch.Tensor | None,
+    chunk_size: int,
+    varlen: VarlenIndex | None = None,
+    config: dict | None = None,
+):
+    """Plain backward (no autograd) from the forward's saved ``g_cum`` (log2, restarting every L) and
+    ``ai`` (Tm). Returns ``(dq, dk, dv, dg, dbeta, dh0)``: dq, dk ``[B, T, H, K]`` fp32, dv in v's
+    dtype, dg and dbeta ``[B, T, HV]`` fp32, dh0 fp32 or None.
+
+    Stages: recompute W, U (from Tm) and the state at every 64-row sub-chunk with Vnew; the output's
+    gradients of Vnew, q and k with the TFLA-tiled product at L (one launch per gradient, ULA's
+    permuted arguments); the state-gradient recurrence (reverse); the delta/UT-WY backward per
+    sub-chunk; dg = reverse cumsum of the output's gate gradient at L plus the delta part's at 64.
+    """
+    config = config or {}
+    B, T, H, K = q.shape
+    HV = v.shape[2]
+    L = chunk_size
+    cu = varlen.cu_seqlens if varlen is not None else None
+    sub = varlen.sub_indices if varlen is not None else None
+    w, u, _ = ut_transform_fwd(k, v, g_cum, beta, L, cu_seqlens=cu, sub_indices=sub, config=config.get("ut"), ai=ai)
+    h_sub, v_new, _ = chunk_state_fwd(
+        k, u, g_cum, L, w=w, initial_state=initial_state, cu_seqlens=cu,
+        chunk_offsets=varlen.sub_offsets if varlen is not None else None,
+        num_chunks=varlen.sub_indices.shape[0] if varlen is not None else None,
+        config=config.get("state"), store_every_sub_chunk=True)
+    del u
+    tiled = dict(cu_seqlens=cu, config=config.get("output"))
+    ocfg = output_config(L, K, v.shape[-1], config.get("output"))
+    if varlen is not None:
+        tiled.update(tile_indices=varlen.tiles(ocfg["BQ"]), chunk_offsets=varlen.sub_offsets)
+    # the output's gradients: one tiled launch each (ULA: same product, permuted arguments)
+    dvo = chunk_tiled(k, q, do, g_cum, scale, L, reverse=True, **tiled)
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    dq, dgq = chunk_tiled(do, v_new, k, g_cum, scale, L, h=h_sub, state_every=SUB_CHUNK, state_transposed=True,
+                          rowdot_with=q, out_dtype=acc, **tiled)
+    dko, dgk = chunk_tiled(v_new, do, q, g_cum, scale, L, reverse=True, rowdot_with=k, out_dtype=acc, **tiled)
+    dh_sub, du, dh0 = chunk_state_bwd(
+        q, k, w, do, dvo, g_cum, scale, L, dht=dht, need_dh0=initial_state is not None, cu_seqlens=cu,
+        sub_offsets=varlen.sub_offsets if varlen is not None else None,
+        num_sub_chunks=varlen.sub_indices.shape[0] if varlen is not None else None, config=config.get("state_bwd"))
+    del dvo, w
+    dk, dv, dbeta, dgam = wy_bwd(k, v, beta, g_cum, ai, v_new, du, h_sub, dh_sub, L, cu_seqlens=cu, sub_indices=sub,
+                                 config=config.get("wy_bwd"))
+    del h_sub, dh_sub, du
+    ck = dict(cu_seqlens=cu)
+    dg = chunk_local_cumsum(dgq - dgk, L, reverse=True, chunk_indices=varlen.chunk_indices if varlen else None,
+                            out_dtype=acc, **ck)
+    dg += dgam  # the delta part's gradient of g, reverse cumsum over its sub-chunk done in wy_bwd
+    dk += dko
+    if HV != H:  # grouped value heads: a key head's gradient sums over its value heads
+        dq = dq.view(B, T, H, HV // H, K).sum(3)
+        dk = dk.view(B, T, H, HV // H, K).sum(3)
+    return dq, dk, dv, dg, dbeta, dh0
 
 
 def _check_tensor(name: str, x, ndim: int) -> None:
@@ -169,13 +238,15 @@ def check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size)
     if K > MAX_HEAD_DIM or V > MAX_HEAD_DIM or K < 1 or V < 1:
         raise ValueError(f"head dims must be in [1, {MAX_HEAD_DIM}], got K={K} (q/k) and V={V} (v)")
     if q.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"`q` dtype must be one of float32/float16/bfloat16, got {q.dtype}")
+        raise TypeError(f"`q` dtype must be one of float32/float16/bfloat16 (or float64), got {q.dtype}")
     for name, x in (("k", k), ("v", v)):
         if x.dtype != q.dtype:
             raise TypeError(f"`{name}` dtype {x.dtype} differs from `q` dtype {q.dtype}; q, k and v must share a dtype")
     for name, x in (("g", g), ("beta", beta)):
         if x.dtype not in (q.dtype, torch.float32):
             raise TypeError(f"`{name}` dtype must be float32 or q's dtype ({q.dtype}), got {x.dtype}")
+        if q.dtype == torch.float64 and x.dtype != torch.float64:
+            raise TypeError(f"`{name}` must be float64 when q is float64, got {x.dtype}")
     if chunk_size not in CHUNK_SIZES:
         raise ValueError(f"`chunk_size` must be one of {CHUNK_SIZES}, got {chunk_size!r}")
     if scale is not None and not isinstance(scale, (int, float)):
@@ -216,15 +287,39 @@ def check_varlen_bounds(bounds: list[int], T: int) -> None:
 class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, initial_state, varlen, opts: GDNOptions):
-        if opts.use_qk_l2norm_in_kernel:
-            q, k = _l2norm(q), _l2norm(k)
-        o, final_state, _ = chunk_gated_delta_rule_fwd(
+        o, final_state, inter = chunk_gated_delta_rule_fwd(
             q, k, v, g, beta, opts.scale, initial_state, opts.output_final_state, opts.chunk_size, varlen)
+        # saved: inputs, the cumulative gates (fp32, B*T*HV) and Tm (B*T*HV*64, input dtype); W, U,
+        # Vnew and the per-sub-chunk states are recomputed in backward (README: memory)
+        ctx.save_for_backward(q, k, v, g, beta, initial_state, inter["g_cum"], inter["ai"])
+        ctx.varlen, ctx.opts = varlen, opts
         return o, final_state
 
     @staticmethod
     def backward(ctx, do, dht):
-        raise NotImplementedError("tfla.chunk_gated_delta_rule has no backward pass yet")
+        q, k, v, g, beta, initial_state, g_cum, ai = ctx.saved_tensors
+        opts = ctx.opts
+        if do is None:
+            do = torch.zeros(*v.shape, dtype=q.dtype, device=q.device)
+        _check_cotangent("o", do, v.shape, q.dtype)
+        if dht is not None:
+            N = initial_state.shape[0] if initial_state is not None else (
+                q.shape[0] if ctx.varlen is None else len(ctx.varlen.bounds) - 1)
+            _check_cotangent("final_state", dht, (N, v.shape[2], q.shape[3], v.shape[3]), None)
+            dht = dht.contiguous()
+        dq, dk, dv, dg, dbeta, dh0 = chunk_gated_delta_rule_bwd(
+            q, k, v, g_cum, beta, ai, opts.scale, initial_state, do.contiguous(), dht, opts.chunk_size, ctx.varlen)
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), dbeta.to(beta.dtype),
+                dh0.to(initial_state.dtype) if dh0 is not None else None, None, None)
+
+
+def _check_cotangent(name: str, x: torch.Tensor, shape, dtype) -> None:
+    if tuple(x.shape) != tuple(shape):
+        raise ValueError(f"cotangent of `{name}` must have shape {tuple(shape)}, got {tuple(x.shape)}")
+    if dtype is not None and x.dtype != dtype:
+        raise TypeError(f"cotangent of `{name}` must have dtype {dtype}, got {x.dtype}")
+    if not x.is_floating_point():
+        raise TypeError(f"cotangent of `{name}` must be floating point, got {x.dtype}")
 
 
 def chunk_gated_delta_rule(
@@ -286,11 +381,8 @@ def chunk_gated_delta_rule(
     if scale is None:
         scale = K ** -0.5
     opts = GDNOptions(float(scale), int(chunk_size), bool(output_final_state), bool(use_qk_l2norm_in_kernel))
-    tensors = (q, k, v, g, beta) + ((initial_state,) if initial_state is not None else ())
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        raise NotImplementedError(
-            "tfla.chunk_gated_delta_rule: the backward pass is not implemented yet; call it under "
-            "torch.no_grad() or on tensors that do not require grad")
+    if use_qk_l2norm_in_kernel:  # differentiable PyTorch ops: autograd carries the gradient through them
+        q, k = _l2norm(q), _l2norm(k)
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     if initial_state is not None:
         initial_state = initial_state.contiguous()
