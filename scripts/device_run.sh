@@ -7,6 +7,9 @@
 #   bench    tfla bench gdn: default workload, then the T sweep at B = 4
 #   quick    tfla bench gdn on the default workload only
 #   tune     stage variants under several tile/launch configs (scripts/tune_gdn.py)
+#   testbwd  GPU backward tests (fp32 shapes, determinism, bf16 vs FLA)
+#   benchbwd / benchbwdsweep   tfla bench gdn --mode fwdbwd (default workload / T sweep)
+#   profilebwd  per-stage backward times
 #   profile  per-stage times of tfla's forward (scripts/profile_gdn.py)
 # Results go to $OUT (logs, CSV/JSON); the last lines printed are the summary tables.
 set -uo pipefail
@@ -59,6 +62,18 @@ EOF
       python3 -m tfla bench gdn --no-progress --json "$OUT/bench_default.json" --csv "$OUT/bench_default.csv" 2>&1 | tee "$OUT/bench_default.log"
       python3 -m tfla bench gdn --no-progress --T 4096,16384,32768 --json "$OUT/bench_sweepT.json" --csv "$OUT/bench_sweepT.csv" 2>&1 | tee "$OUT/bench_sweepT.log"
       python3 -m tfla bench gdn --no-progress --B 16 --T 2048 --json "$OUT/bench_b16.json" --csv "$OUT/bench_b16.csv" 2>&1 | tee "$OUT/bench_b16.log"
+      ;;
+    testbwd)
+      python3 -m pytest -q -x -p no:cacheprovider -s -m "gpu" tests/ops/test_gated_delta_rule_bwd.py 2>&1 | tee "$OUT/pytest_bwd_gpu.log" | grep -E "bf16 bwd|passed|failed|rror" ;
+      ;;
+    benchbwd)
+      python3 -m tfla bench gdn --mode fwdbwd --no-progress --json "$OUT/bench_fwdbwd.json" --csv "$OUT/bench_fwdbwd.csv" 2>&1 | tee "$OUT/bench_fwdbwd.log"
+      ;;
+    benchbwdsweep)
+      python3 -m tfla bench gdn --mode fwdbwd --no-progress --T 4096,16384,32768 --json "$OUT/bench_fwdbwd_sweepT.json" --csv "$OUT/bench_fwdbwd_sweepT.csv" 2>&1 | tee "$OUT/bench_fwdbwd_sweepT.log"
+      ;;
+    profilebwd)
+      python3 scripts/profile_gdn.py --backward 2>&1 | tee "$OUT/profile_bwd.log"
       ;;
     *)
       echo "unknown stage $stage" >&2; exit 2 ;;

@@ -17,13 +17,27 @@ def test_bench_gdn_small(tmp_path, capsys):
         args += ["--warmup", "1", "--rep", "5"]
     assert main(args) == 0
     out = capsys.readouterr().out
-    assert "tfla L=64" in out and "tfla L=128" in out and "Gated DeltaNet forward" in out
+    assert "tfla L=64" in out and "tfla L=128" in out and "Gated DeltaNet fwd" in out
     data = json.loads(json_path.read_text())
     rows = [r for r in data["rows"] if r["impl"].startswith("tfla")]
     assert len(rows) == 4 and all(r["status"] == "ok" and r["ms"] > 0 for r in rows)
     assert all(r["err_o"] < 1e-5 for r in rows)
     assert data["env"]["torch"] == torch.__version__
     assert csv_path.read_text().startswith("impl,")
+
+
+@pytest.mark.parametrize("mode", ["fwdbwd", "bwd"])
+def test_bench_gdn_backward_modes(tmp_path, capsys, mode):
+    json_path = tmp_path / "r.json"
+    args = ["bench", "gdn", "--mode", mode, "--T", "100", "--B", "1", "--H", "1", "--HV", "2", "--K", "16",
+            "--V", "16", "--chunk-sizes", "64", "--dtype", "fp32", "--no-progress", "--json", str(json_path)]
+    if torch.cuda.is_available():
+        args += ["--warmup", "1", "--rep", "5"]
+    assert main(args) == 0
+    assert f"Gated DeltaNet {mode}" in capsys.readouterr().out
+    (row,) = [r for r in json.loads(json_path.read_text())["rows"] if r["impl"].startswith("tfla")]
+    assert row["status"] == "ok" and row["ms"] > 0
+    assert all(row[f"err_{n}"] < 1e-5 for n in ("dq", "dk", "dv", "dbeta")) and row["err_dg"] < 5e-5
 
 
 def test_bench_refuses_wrong_kernel(monkeypatch, capsys):

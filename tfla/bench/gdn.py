@@ -19,11 +19,14 @@ import torch
 from tfla.bench.common import env_info, fmt, peak_mib, rel_l2, time_ms, write_rows
 from tfla.bench.inputs import GATES, gdn_inputs
 from tfla.bench.registry import gdn_impls
-from tfla.ops.gated_delta_rule.cost import gdn_fwd_cost
+from tfla.ops.gated_delta_rule.cost import gdn_bwd_cost, gdn_fwd_cost
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # refuse-to-time thresholds (rel-L2 against the fp32 reference); the measured error is reported
 TOLERANCE = {"fp32": 1e-3, "fp16": 1e-2, "bf16": 2e-2}
+# the gate gradient is the weakest in every implementation (design note): its own threshold
+TOLERANCE_DG = {"fp32": 5e-3, "fp16": 5e-2, "bf16": 1e-1}
+GRAD_NAMES = ("dq", "dk", "dv", "dg", "dbeta")
 
 
 @dataclass(frozen=True)
@@ -47,8 +50,8 @@ def _ints(s: str) -> list[int]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     gpu = torch.cuda.is_available()
-    p.add_argument("--mode", choices=["fwd"], default="fwd",
-                   help="what to time (fwd: forward only; fwdbwd/bwd arrive with the backward pass)")
+    p.add_argument("--mode", choices=["fwd", "fwdbwd", "bwd"], default="fwd",
+                   help="what to time: forward only, forward+backward, or backward only (graph kept)")
     p.add_argument("--B", type=int, default=4 if gpu else 1, help="batch size (ignored with --tokens)")
     p.add_argument("--T", type=str, default="8192" if gpu else "200",
                    help="sequence length(s), comma-separated for a sweep")
@@ -81,12 +84,54 @@ def workloads_from_args(args) -> list[Workload]:
     return out
 
 
-def _reference(x: dict):
+LEAVES = ("q", "k", "v", "g", "beta")
+
+
+def _reference(x: dict, do: torch.Tensor | None = None):
+    """float32 pure-PyTorch chunkwise reference: (o, final_state) and, given ``do``, the gradients."""
     from tfla.ops.gated_delta_rule.reference import chunk_gated_delta_rule_ref
 
     f = {k: (v.float() if isinstance(v, torch.Tensor) else v) for k, v in x.items()}
-    return chunk_gated_delta_rule_ref(f["q"], f["k"], f["v"], f["g"], f["beta"], initial_state=f["initial_state"],
-                                      output_final_state=True, chunk_size=64)
+    with torch.enable_grad():
+        leaves = [f[n].clone().requires_grad_(do is not None) for n in LEAVES]
+        o, s = chunk_gated_delta_rule_ref(*leaves, initial_state=f["initial_state"], output_final_state=True,
+                                          chunk_size=64)
+        grads = torch.autograd.grad(o, leaves, do.float()) if do is not None else None
+    return o.detach(), s.detach(), grads
+
+
+def _run_impl(impl, x: dict, do: torch.Tensor | None):
+    """(o, final_state, grads or None) of one implementation."""
+    if do is None:
+        with torch.no_grad():
+            o, s = impl.fn(x, output_final_state=True)
+        return o, s, None
+    leaves = {n: x[n].detach().clone().requires_grad_() for n in LEAVES}
+    o, s = impl.fn({**x, **leaves}, output_final_state=True)
+    grads = torch.autograd.grad(o, [leaves[n] for n in LEAVES], do)
+    return o.detach(), s.detach(), grads
+
+
+def _timed_call(impl, x: dict, do: torch.Tensor | None, mode: str):
+    """The function to time: forward (no grad), forward + backward, or backward alone."""
+    if mode == "fwd":
+        def call():
+            with torch.no_grad():
+                return impl.fn(x, output_final_state=False)
+        return call
+    leaves = {n: x[n].detach().clone().requires_grad_() for n in LEAVES}
+    xl = {**x, **leaves}
+    order = [leaves[n] for n in LEAVES]
+    if mode == "fwdbwd":
+        def call():
+            o, _ = impl.fn(xl, output_final_state=False)
+            return torch.autograd.grad(o, order, do)
+        return call
+    o, _ = impl.fn(xl, output_final_state=False)
+
+    def call():
+        return torch.autograd.grad(o, order, do, retain_graph=True)
+    return call
 
 
 def run(args) -> tuple[list[dict], dict]:
@@ -106,45 +151,55 @@ def run(args) -> tuple[list[dict], dict]:
             dtype = DTYPES[wl.dtype]
             x = gdn_inputs(wl.B, wl.T, wl.H, wl.K, wl.V, HV=wl.HV, dtype=dtype, device=device,
                            gate=args.gate, seed=args.seed)
-            ref_o, ref_s = _reference(x)
+            do = None
+            if args.mode != "fwd":
+                gen = torch.Generator(device=device).manual_seed(args.seed + 1)
+                do = torch.randn(wl.B, wl.T, wl.HV, wl.V, device=device, generator=gen).to(dtype)
+            ref_o, ref_s, ref_g = _reference(x, do)
             for impl in impls:
                 bar.update(task, description=f"{impl.name} | {wl.label()}")
                 cost = gdn_fwd_cost(wl.B, wl.T, wl.H, wl.HV, wl.K, wl.V, impl.chunk_size,
                                     itemsize=dtype.itemsize, state_itemsize=impl.state_itemsize)
+                flops = {"fwd": cost.flops, "bwd": 0.0, "fwdbwd": cost.flops}[args.mode]
+                if args.mode != "fwd":
+                    flops += gdn_bwd_cost(wl.B, wl.T, wl.H, wl.HV, wl.K, wl.V, impl.chunk_size)
                 row = {"impl": impl.name, "version": impl.version, "mode": args.mode, "chunk": impl.chunk_size,
                        "B": wl.B, "T": wl.T, "H": wl.H, "HV": wl.HV, "K": wl.K, "V": wl.V, "dtype": wl.dtype,
                        "gate": args.gate}
                 try:
-                    with torch.no_grad():
-                        o, s = impl.fn(x, output_final_state=True)
+                    o, s, grads = _run_impl(impl, x, do)
                     row["err_o"], row["err_state"] = rel_l2(o, ref_o), rel_l2(s, ref_s)
-                    del o, s
+                    errs = [row["err_o"], row["err_state"]]
+                    if grads is not None:
+                        for name, gr, rg in zip(GRAD_NAMES, grads, ref_g):
+                            row[f"err_{name}"] = rel_l2(gr, rg)
+                    del o, s, grads
                 except Exception as e:  # a peer that rejects this shape or machine: report, keep going
                     row["status"] = f"error: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
                     rows.append(row)
                     bar.advance(task)
                     continue
                 tol = TOLERANCE[wl.dtype]
-                if not (row["err_o"] <= tol and row["err_state"] <= tol):
-                    row["status"] = f"WRONG (rel-L2 > {tol}): not timed"
+                bad = [k for k, e in row.items() if k.startswith("err_") and
+                       not (e <= (TOLERANCE_DG[wl.dtype] if k == "err_dg" else tol))]
+                if bad:
+                    row["status"] = f"WRONG ({', '.join(b[4:] for b in bad)} rel-L2 above tolerance): not timed"
                     rows.append(row)
                     bar.advance(task)
                     continue
-
-                def call(impl=impl):
-                    with torch.no_grad():
-                        return impl.fn(x, output_final_state=False)
-
+                call = _timed_call(impl, x, do, args.mode)
                 row["ms"] = time_ms(call, args.warmup, args.rep)
-                row["tflops"] = cost.flops / (row["ms"] * 1e-3) / 1e12
-                row["gbps_min"] = cost.min_bytes / (row["ms"] * 1e-3) / 1e9
-                row["peak_mib"] = peak_mib(call)
+                row["tflops"] = flops / (row["ms"] * 1e-3) / 1e12 if flops else None
+                row["gbps_min"] = cost.min_bytes / (row["ms"] * 1e-3) / 1e9 if args.mode == "fwd" else None
+                del call
+                gc.collect()
+                row["peak_mib"] = peak_mib(_timed_call(impl, x, do, "fwdbwd" if args.mode == "bwd" else args.mode))
                 row["state_mib"] = cost.state_bytes / 2**20
                 row["status"] = "ok"
                 rows.append(row)
                 bar.advance(task)
                 gc.collect()
-            del x, ref_o, ref_s
+            del x, ref_o, ref_s, ref_g, do
             if device == "cuda":
                 torch.cuda.empty_cache()
     _add_speedups(rows)
@@ -163,19 +218,23 @@ def print_table(rows: list[dict], meta: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title=f"Gated DeltaNet forward | {meta['device']} | torch {meta['torch']} | triton {meta['triton']}",
+    mode = rows[0]["mode"] if rows else "fwd"
+    t = Table(title=f"Gated DeltaNet {mode} | {meta['device']} | torch {meta['torch']} | triton {meta['triton']}",
               title_justify="left")
-    for col in ("impl", "workload", "ms", "TFLOP/s", "GB/s (min bytes)", "peak MiB", "state MiB",
-                "rel-L2 o", "rel-L2 state", "vs FLA", "status"):
+    grad_cols = [] if mode == "fwd" else [f"err {n}" for n in GRAD_NAMES]
+    bw_cols = ["GB/s (min bytes)"] if mode == "fwd" else []
+    for col in ("impl", "workload", "ms", "TFLOP/s", *bw_cols, "peak MiB", "state MiB",
+                "err o", "err state", *grad_cols, "vs FLA", "status"):
         t.add_column(col, justify="left" if col in ("impl", "workload", "status") else "right")
     for r in rows:
         wl = f"B={r['B']} T={r['T']} H={r['H']}" + (f" HV={r['HV']}" if r["HV"] != r["H"] else "") + \
              f" K={r['K']} V={r['V']} {r['dtype']}"
-        t.add_row(r["impl"], wl, fmt(r.get("ms")), fmt(r.get("tflops"), ".1f"), fmt(r.get("gbps_min"), ".0f"),
+        t.add_row(r["impl"], wl, fmt(r.get("ms")), fmt(r.get("tflops"), ".1f"),
+                  *([fmt(r.get("gbps_min"), ".0f")] if bw_cols else []),
                   fmt(r.get("peak_mib"), ".0f"), fmt(r.get("state_mib"), ".1f"), fmt(r.get("err_o"), ".2e"),
-                  fmt(r.get("err_state"), ".2e"),
+                  fmt(r.get("err_state"), ".2e"), *[fmt(r.get(f"err_{n}"), ".2e") for n in GRAD_NAMES if grad_cols],
                   (fmt(r.get("speedup_vs_fla"), ".2f") + "x") if r.get("speedup_vs_fla") else "-", r.get("status", ""))
-    console = Console(width=max(160, Console().width))
+    console = Console(width=max(160 if mode == "fwd" else 230, Console().width))
     console.print(t)
     if meta.get("missing_peers", "-") != "-":
         console.print(f"not installed (skipped): {meta['missing_peers']}")

@@ -367,7 +367,11 @@ def chunk_gated_delta_rule(
         TypeError / ValueError naming the argument for wrong types, ranks, shapes, dtypes, head
         dims above 256, unsupported ``chunk_size``, malformed ``cu_seqlens`` or ``initial_state``,
         tensors on a device the kernels cannot run on.
-        NotImplementedError when an input requires grad (the backward pass is a separate issue).
+        In backward: autograd's own error if a saved input was modified in place; ValueError for a
+        cotangent of the wrong shape.
+
+    Backward: gradients for q, k, v, g, beta and initial_state (README of this op: what the forward
+    saves, what the backward recomputes, and the memory that costs).
 
     Precision: the recurrence and gates are fp32; materialized states and W/U use the input dtype
     (as in FLA); fp32 inputs use IEEE fp32 dots throughout.

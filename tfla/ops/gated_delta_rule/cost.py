@@ -50,3 +50,14 @@ def gdn_fwd_cost(B: int, T: int, H: int, HV: int, K: int, V: int, chunk_size: in
     )
     return Cost(flops=2.0 * mac, min_bytes=float(min_bytes), pipeline_bytes=float(min_bytes + inter),
                 state_bytes=float(state_bytes))
+
+
+def gdn_bwd_cost(B: int, T: int, H: int, HV: int, K: int, V: int, chunk_size: int = 64) -> float:
+    """Matrix FLOPs of tfla's backward pass (its recomputation included), per call. Per token and
+    value head, in multiply-adds: recompute W, U (40 K + 40 V) and states (2 K V); the output's
+    gradients of Vnew, q, k (3 x 32 (L/64 + 1) (K + V), plus K V for q's state term); the state
+    recurrence (3 K V); the UT/WY backward (2 K V + 320 K + 128 V + 8192)."""
+    L = chunk_size
+    intra = 32 * (L / 64 + 1) * (K + V)
+    mac = (40 * K + 40 * V + 2 * K * V) + (3 * intra + K * V) + 3 * K * V + (2 * K * V + 320 * K + 128 * V + 8192)
+    return 2.0 * B * T * HV * mac

@@ -164,42 +164,42 @@ def chunk_gated_delta_rule_ref(
         raise ValueError(f"chunk_size {L} must be a multiple of sub_chunk {C}")
     qh, kh = _expand_heads(q, HV // H), _expand_heads(k, HV // H)
     NT = -(-T // L)
-    g_cum = torch.zeros_like(g)
-    for c in range(NT):
-        g_cum[:, c * L:(c + 1) * L] = torch.cumsum(g[:, c * L:(c + 1) * L], dim=1)
+    g_cum = torch.cat([torch.cumsum(g[:, c * L:(c + 1) * L], dim=1) for c in range(NT)], 1) if NT else g
 
+    # built from per-chunk pieces (no in-place writes), so autograd can run through this reference
     S = q.new_zeros(B, HV, K, V)
     if initial_state is not None:
         S = S + initial_state.to(q.dtype)
-    h = q.new_zeros(B, NT, HV, K, V)
-    w = q.new_zeros(B, T, HV, K)
-    u = q.new_zeros(B, T, HV, V)
-    v_new = q.new_zeros(B, T, HV, V)
-    o = q.new_zeros(B, T, HV, V)
+    hs, ws, us, vns, os_ = [], [], [], [], []
     for c in range(NT):
         c0, c1 = c * L, min((c + 1) * L, T)
-        h[:, c] = S
+        hs.append(S)
         S0 = S
         if ut_level == "outer":
             zero = g_cum.new_zeros(B, HV)
             _, w_c, u_c = _ut(kh[:, c0:c1], v[:, c0:c1], beta[:, c0:c1], g_cum[:, c0:c1], zero)
-            w[:, c0:c1], u[:, c0:c1] = w_c, u_c
-            vn = u_c - torch.einsum("brhk,bhkv->brhv", w_c, S0)
-            v_new[:, c0:c1] = vn
+            vn_c = u_c - torch.einsum("brhk,bhkv->brhv", w_c, S0)
             gl = g_cum[:, c1 - 1]
             S = torch.exp(gl)[..., None, None] * S + torch.einsum(
-                "brhk,brhv->bhkv", kh[:, c0:c1] * torch.exp(gl[:, None] - g_cum[:, c0:c1])[..., None], vn)
+                "brhk,brhv->bhkv", kh[:, c0:c1] * torch.exp(gl[:, None] - g_cum[:, c0:c1])[..., None], vn_c)
+            ws.append(w_c)
+            us.append(u_c)
+            vns.append(vn_c)
         else:
+            vn_parts = []
             for s0 in range(c0, c1, C):
                 s1 = min(s0 + C, c1)
                 gc = g_cum[:, s0 - 1] if s0 > c0 else g_cum.new_zeros(B, HV)
                 _, w_s, u_s = _ut(kh[:, s0:s1], v[:, s0:s1], beta[:, s0:s1], g_cum[:, s0:s1], gc)
-                w[:, s0:s1], u[:, s0:s1] = w_s, u_s
                 vn = u_s - torch.einsum("brhk,bhkv->brhv", w_s, S)
-                v_new[:, s0:s1] = vn
                 gn = g_cum[:, s1 - 1]
                 S = torch.exp(gn - gc)[..., None, None] * S + torch.einsum(
                     "brhk,brhv->bhkv", kh[:, s0:s1] * torch.exp(gn[:, None] - g_cum[:, s0:s1])[..., None], vn)
+                ws.append(w_s)
+                us.append(u_s)
+                vn_parts.append(vn)
+            vn_c = torch.cat(vn_parts, 1)
+            vns.append(vn_c)
         # L x L causal output of the outer chunk
         Gc = g_cum[:, c0:c1].transpose(1, 2)  # [B, HV, n]
         n = c1 - c0
@@ -207,7 +207,13 @@ def chunk_gated_delta_rule_ref(
         decay = torch.exp((Gc[..., :, None] - Gc[..., None, :]).masked_fill(~causal, -math.inf))
         att = torch.einsum("brhk,bshk->bhrs", qh[:, c0:c1], kh[:, c0:c1]) * decay
         o_inter = torch.exp(g_cum[:, c0:c1])[..., None] * torch.einsum("brhk,bhkv->brhv", qh[:, c0:c1], S0)
-        o[:, c0:c1] = scale * (o_inter + torch.einsum("bhrs,bshv->brhv", att, v_new[:, c0:c1]))
+        os_.append(scale * (o_inter + torch.einsum("bhrs,bshv->brhv", att, vn_c)))
+    empty = q.new_zeros(B, 0, HV, V)
+    o = torch.cat(os_, 1) if os_ else empty
+    w = torch.cat(ws, 1) if ws else q.new_zeros(B, 0, HV, K)
+    u = torch.cat(us, 1) if us else empty
+    v_new = torch.cat(vns, 1) if vns else empty
+    h = torch.stack(hs, 1) if hs else q.new_zeros(B, 0, HV, K, V)
     final = S if output_final_state else None
     if return_intermediates:
         return o, final, {"g_cum": g_cum, "w": w, "u": u, "v_new": v_new, "h": h}
