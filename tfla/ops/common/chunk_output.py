@@ -105,8 +105,8 @@ def _chunk_tiled_kernel(
         # inter-chunk part: a @ S_c (S read with strides H_SA along the contraction dim, H_SC along out)
         # states are stored every HS rows (HS = BT, or 64 in the backward pass)
         p_h = h + ((boh + i_ch * (BT // HS)) * HV + i_hv) * DA * DC + o_a[:, None] * H_SA + o_c[None, :] * H_SC
-        b_s = tl.load(p_h, mask=m_a[:, None] & m_c[None, :], other=0.0).to(dt)  # [BA, BC]
-        b_o = tl.dot(b_a, b_s, input_precision=DOT_PREC)  # [BQ, BC]
+        b_st = tl.load(p_h, mask=m_a[:, None] & m_c[None, :], other=0.0).to(dt)  # [BA, BC]
+        b_o = tl.dot(b_a, b_st, input_precision=DOT_PREC)  # [BQ, BC]
         if USE_G:
             b_o *= tl.exp2(b_gq)[:, None]
     else:
