@@ -49,6 +49,9 @@ EOF
       python3 -m pytest -q -x -p no:cacheprovider -s -m "gpu" tests 2>&1 | tee "$OUT/pytest_gpu.log" | grep -E "bf16 L=|passed|failed|error" ;
       python3 -m pytest -q -x -p no:cacheprovider -m "not gpu" tests/ops 2>&1 | tee "$OUT/pytest_all.log" | tail -3
       ;;
+    tunebwd)
+      python3 scripts/tune_gdn.py --stages bstate_fwd,bstate,bwy,btiled,bfull --json "$OUT/tune_bwd.json" 2>&1 | tee "$OUT/tune_bwd.log" | grep -v "^ *$"
+      ;;
     tune)
       python3 scripts/tune_gdn.py --json "$OUT/tune.json" 2>&1 | tee "$OUT/tune.log" | grep -v "^ *$"
       ;;

@@ -36,7 +36,8 @@ def main():
     p.add_argument("--K", type=int, default=128)
     p.add_argument("--V", type=int, default=128)
     p.add_argument("--chunk-sizes", default="64,128,256,512")
-    p.add_argument("--stages", default="inv,wy,state,output,full")
+    p.add_argument("--stages", default="inv,wy,state,output,full",
+                   help="forward: inv,wy,state,state2,output,full; backward: bstate_fwd,bstate,bwy,btiled,bfull")
     p.add_argument("--rep", type=float, default=50)
     p.add_argument("--json", default=None)
     p.add_argument("--device", default="cuda", help="cpu: dry run through the interpreter (tiny shapes)")
@@ -93,6 +94,8 @@ def main():
                     continue
                 cfg = output_config(L, a.K, a.V, c)
                 bench("output", L, c, lambda cfg=cfg: chunk_output_fwd(q, k, v_new, h, g_cum, scale, L, config=cfg), o_ref)
+    if any(st.startswith("b") for st in stages):
+        tune_backward(a, stages, Ls, q, k, v, g, beta, scale, bench)
     if "full" in stages:
         best = {}
         for r in results:
@@ -120,6 +123,44 @@ def main():
     if a.json:
         with open(a.json, "w") as f:
             json.dump(results, f, indent=1)
+
+
+def tune_backward(a, stages, Ls, q, k, v, g, beta, scale, bench):
+    from tfla.ops.common.chunk_output import chunk_tiled
+    from tfla.ops.common.chunk_state import chunk_state_bwd
+    from tfla.ops.common.ut_transform import wy_bwd
+    from tfla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_bwd
+
+    do = torch.randn_like(v)
+    for L in Ls:
+        _, _, inter = chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, None, False, L)
+        g_cum, ai = inter["g_cum"], inter["ai"]
+        w, u, _ = ut_transform_fwd(k, v, g_cum, beta, L, ai=ai)
+        h_sub, v_new, _ = chunk_state_fwd(k, u, g_cum, L, w=w, store_every_sub_chunk=True)
+        dvo = chunk_tiled(k, q, do, g_cum, scale, L, reverse=True)
+        dh_sub, du, _ = chunk_state_bwd(q, k, w, do, dvo, g_cum, scale, L)
+        if "bstate_fwd" in stages:
+            for c in grid(BV=[32, 64], num_warps=[4], num_stages=[2, 3]):
+                bench("bstate_fwd", L, c, lambda c=c: chunk_state_fwd(k, u, g_cum, L, w=w, config=c,
+                                                                   store_every_sub_chunk=True)[1], v_new)
+        if "bstate" in stages:
+            for c in grid(BV=[32, 64], num_warps=[4, 8], num_stages=[1, 2]):
+                bench("bstate", L, c, lambda c=c: chunk_state_bwd(q, k, w, do, dvo, g_cum, scale, L, config=c)[1], du)
+        if "bwy" in stages and L == Ls[0]:
+            ref = wy_bwd(k, v, beta, g_cum, ai, v_new, du, h_sub, dh_sub, L)[0]
+            for c in grid(state_warps=[4, 8], wy_warps=[4, 8], BV=[64, 128]):
+                bench("bwy", L, c, lambda c=c: wy_bwd(k, v, beta, g_cum, ai, v_new, du, h_sub, dh_sub, L, config=c)[0],
+                      ref)
+        if "btiled" in stages:
+            for c in grid(BQ=[64], num_warps=[4, 8], num_stages=[2, 3]):
+                bench("b_dv", L, c, lambda c=c: chunk_tiled(k, q, do, g_cum, scale, L, reverse=True, config=c), dvo)
+                bench("b_dq", L, c, lambda c=c: chunk_tiled(do, v_new, k, g_cum, scale, L, h=h_sub, state_every=64,
+                                                            state_transposed=True, rowdot_with=q,
+                                                            out_dtype=torch.float32, config=c)[0])
+                bench("b_dk", L, c, lambda c=c: chunk_tiled(v_new, do, q, g_cum, scale, L, reverse=True, rowdot_with=k,
+                                                            out_dtype=torch.float32, config=c)[0])
+        if "bfull" in stages:
+            bench("bfull", L, {}, lambda: chunk_gated_delta_rule_bwd(q, k, v, g_cum, beta, ai, scale, None, do, None, L)[0])
 
 
 if __name__ == "__main__":

@@ -375,16 +375,97 @@ def _ut_launch(k, v, g_cum, beta, chunk_size, cu_seqlens, sub_indices, config, f
 
 
 @triton.jit
+def _gdn_delta_state_bwd_kernel(
+    k,
+    v_new,
+    du,
+    h,
+    dh,
+    g,
+    dw,
+    dk,
+    dp,
+    sds,
+    cu_seqlens,
+    chunk_indices,
+    T,
+    H: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    USE_G: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    ACC: tl.constexpr,
+):
+    """State terms of one 64-row sub-chunk's gradients (S its start state, dS the gradient of the
+    state after it): ``dW = -dU S^T``, ``dk_state = 2^(g_n - g) Vnew dS^T``, ``P_s = k_s . dk_state_s``
+    and ``<S, dS>``, looping over value tiles."""
+    BS: tl.constexpr = 64
+    i_s, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    i_b, i_hv = i_bh // HV, i_bh % HV
+    i_h = i_hv // (HV // H)
+    if IS_VARLEN:
+        i_sub = i_s  # sub-chunk rows of the varlen table are in (sequence, sub-chunk) order
+        i_n = tl.load(chunk_indices + i_s * 2).to(tl.int64)
+        i_s = tl.load(chunk_indices + i_s * 2 + 1).to(tl.int64)
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
+    else:
+        bos = i_b * T
+        i_sub = i_b * tl.cdiv(T, BS) + i_s
+    t0 = i_s * BS
+    o_t = t0 + tl.arange(0, BS)
+    m_t = o_t < T
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    dt = k.dtype.element_ty
+    if USE_G:
+        p_g = g + bos * HV + i_hv
+        b_gn = tl.load(p_g + (tl.minimum(t0 + BS, T) - 1) * HV)
+        b_en = tl.exp2(tl.where(m_t, b_gn - tl.load(p_g + o_t * HV, mask=m_t, other=0.0), float("-inf")))
+    else:
+        b_en = tl.where(m_t, 1.0, 0.0)
+    b_dw = tl.zeros([BS, BK], dtype=ACC)
+    b_dks = tl.zeros([BS, BK], dtype=ACC)
+    b_sds = tl.zeros([BK], dtype=ACC)
+    p_h = h + (i_sub * HV + i_hv) * K * V
+    p_dh = dh + (i_sub * HV + i_hv) * K * V
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = o_v < V
+        m_tv = m_t[:, None] & m_v[None, :]
+        p_tv = (bos * HV + i_hv) * V + o_t[:, None] * (HV * V) + o_v[None, :]
+        b_du = tl.load(du + p_tv, mask=m_tv, other=0.0)  # [BS, BV]
+        b_vn = tl.load(v_new + p_tv, mask=m_tv, other=0.0)
+        b_s = tl.load(p_h + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)  # [BK, BV]
+        b_ds = tl.load(p_dh + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
+        b_dw -= tl.dot(b_du, tl.trans(b_s), input_precision=DOT_PREC)
+        b_dks = tl.dot((b_vn * b_en[:, None]).to(dt), tl.trans(b_ds), b_dks, input_precision=DOT_PREC)
+        b_sds += tl.sum(b_s.to(ACC) * b_ds.to(ACC), 1)
+    p_tk = (bos * HV + i_hv) * K + o_t[:, None] * (HV * K) + o_k[None, :]
+    tl.store(dw + p_tk, b_dw, mask=m_t[:, None] & m_k[None, :])
+    tl.store(dk + p_tk, b_dks, mask=m_t[:, None] & m_k[None, :])
+    b_k = tl.load(k + (bos * H + i_h) * K + o_t[:, None] * (H * K) + o_k[None, :],
+                  mask=m_t[:, None] & m_k[None, :], other=0.0).to(ACC)
+    tl.store(dp + (bos + o_t) * HV + i_hv, tl.sum(b_k * b_dks, 1), mask=m_t)
+    tl.store(sds + i_sub * HV + i_hv, tl.sum(b_sds, 0))
+
+
+@triton.jit
 def _gdn_wy_bwd_kernel(
     k,
     v,
     beta,
     g,
     ai,
-    v_new,
     du,
-    h,
-    dh,
+    dw,
+    dp,
+    sds,
     dk,
     dv,
     dbeta,
@@ -405,15 +486,15 @@ def _gdn_wy_bwd_kernel(
     F32_PREC: tl.constexpr,
     ACC: tl.constexpr,
 ):
-    """Delta-rule gradients of one 64-row sub-chunk: the state terms (``dW = -dU S^T``,
-    ``dk += 2^(g_n - g) Vnew dS^T``, decay terms) and the UT/WY backward (``dTm = dW X_k^T + dU X_v^T``,
-    ``dA = -Tm^T dTm Tm^T``, then dk, dv, dbeta and the local gate gradient ``dgam``)."""
+    """UT/WY backward of one 64-row sub-chunk (W = Tm X_k, U = Tm X_v, Tm = (I + A)^-1):
+    ``dTm = dW X_k^T + dU X_v^T``, ``dA = -Tm^T dTm Tm^T``, then dk (added to the state term already
+    in ``dk``), dv, dbeta and this part's gradient of g. Key and value dims in BK/BV tiles."""
     BS: tl.constexpr = 64
     i_s, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
     if IS_VARLEN:
-        i_sub = i_s  # sub-chunk rows of the varlen table are in (sequence, sub-chunk) order
+        i_sub = i_s
         i_n = tl.load(chunk_indices + i_s * 2).to(tl.int64)
         i_s = tl.load(chunk_indices + i_s * 2 + 1).to(tl.int64)
         bos = tl.load(cu_seqlens + i_n).to(tl.int64)
@@ -425,9 +506,6 @@ def _gdn_wy_bwd_kernel(
     o_c = tl.arange(0, BS)
     o_t = t0 + o_c
     m_t = o_t < T
-    t_n = tl.minimum(t0 + BS, T) - 1
-    o_k = tl.arange(0, BK)
-    m_k = o_k < K
     dt = k.dtype.element_ty
 
     b_tm = tl.load(ai + (bos * HV + i_hv) * BS + o_t[:, None] * (HV * BS) + o_c[None, :],
@@ -438,71 +516,74 @@ def _gdn_wy_bwd_kernel(
         p_g = g + bos * HV + i_hv
         b_gc = tl.load(p_g + (t0 - 1) * HV, mask=(t0 % BT) != 0, other=0.0)
         b_gam = tl.where(m_t, tl.load(p_g + o_t * HV, mask=m_t, other=0.0) - b_gc, 0.0)  # local cumulative gate
-        b_gn = tl.load(p_g + t_n * HV) - b_gc
-        b_en = tl.exp2(tl.where(m_t, b_gn - b_gam, float("-inf")))  # 2^(g_n - g_r)
         b_eg = tl.exp2(tl.where(m_t, b_gam, float("-inf")))  # 2^(g_r)
     else:
-        b_en = tl.where(m_t, 1.0, 0.0)
         b_eg = tl.where(m_t, 1.0, 0.0)
+    b_sk = b_b * b_eg
 
-    b_dw = tl.zeros([BS, BK], dtype=ACC)
-    b_dks = tl.zeros([BS, BK], dtype=ACC)
+    # pass over key tiles: dTm += dW X_k^T, K K^T
     b_dtm = tl.zeros([BS, BS], dtype=ACC)
+    b_kk = tl.zeros([BS, BS], dtype=ACC)
+    p_k = k + (bos * H + i_h) * K + o_t[:, None] * (H * K)
+    p_tk = (bos * HV + i_hv) * K + o_t[:, None] * (HV * K)
+    for i_k in range(tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_tk = m_t[:, None] & (o_k < K)[None, :]
+        b_k = tl.load(p_k + o_k[None, :], mask=m_tk, other=0.0).to(ACC)  # [BS, BK]
+        b_dw = tl.load(dw + p_tk + o_k[None, :], mask=m_tk, other=0.0)
+        b_dtm = tl.dot(b_dw, tl.trans(b_k * b_sk[:, None]), b_dtm, input_precision=F32_PREC)
+        b_kk = tl.dot(b_k, tl.trans(b_k), b_kk, input_precision=F32_PREC)
+    # pass over value tiles: dTm += dU X_v^T; dX_v = Tm^T dU gives dv and part of dbeta
     b_db = tl.zeros([BS], dtype=ACC)
-    b_sds = tl.zeros([BK], dtype=ACC)
-    p_h = h + (i_sub * HV + i_hv) * K * V
-    p_dh = dh + (i_sub * HV + i_hv) * K * V
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
-        m_v = o_v < V
-        m_tv = m_t[:, None] & m_v[None, :]
+        m_tv = m_t[:, None] & (o_v < V)[None, :]
         p_tv = (bos * HV + i_hv) * V + o_t[:, None] * (HV * V) + o_v[None, :]
         b_du = tl.load(du + p_tv, mask=m_tv, other=0.0)  # [BS, BV]
-        b_vn = tl.load(v_new + p_tv, mask=m_tv, other=0.0)
         b_v = tl.load(v + p_tv, mask=m_tv, other=0.0)
-        b_s = tl.load(p_h + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)  # [BK, BV]
-        b_ds = tl.load(p_dh + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
-        b_dw -= tl.dot(b_du, tl.trans(b_s), input_precision=DOT_PREC)  # dW = -dU S^T
-        b_dks = tl.dot((b_vn * b_en[:, None]).to(dt), tl.trans(b_ds), b_dks, input_precision=DOT_PREC)
-        b_sds += tl.sum(b_s.to(ACC) * b_ds.to(ACC), 1)
-        b_xv = (b_v * b_b[:, None]).to(dt)
-        b_dtm = tl.dot(b_du, tl.trans(b_xv), b_dtm, input_precision=DOT_PREC)  # dU X_v^T
-        b_dxv = tl.dot(tl.trans(b_tmd), b_du, input_precision=DOT_PREC)  # Tm^T dU
+        b_dtm = tl.dot(b_du, tl.trans((b_v * b_b[:, None]).to(dt)), b_dtm, input_precision=DOT_PREC)
+        b_dxv = tl.dot(tl.trans(b_tmd), b_du, input_precision=DOT_PREC)
         tl.store(dv + p_tv, (b_dxv * b_b[:, None]).to(dv.dtype.element_ty), mask=m_tv)
         b_db += tl.sum(b_dxv * b_v.to(ACC), 1)
 
-    b_k = tl.load(k + (bos * H + i_h) * K + o_t[:, None] * (H * K) + o_k[None, :],
-                  mask=m_t[:, None] & m_k[None, :], other=0.0).to(ACC)  # [BS, BK]
-    b_sk = b_b * b_eg
-    b_xk = b_k * b_sk[:, None]
-    b_dtm = tl.dot(b_dw, tl.trans(b_xk), b_dtm, input_precision=F32_PREC)  # + dW X_k^T
-    b_dxk = tl.dot(tl.trans(b_tm), b_dw, input_precision=F32_PREC)  # Tm^T dW
     m_lo = (o_c[:, None] > o_c[None, :]) & m_t[:, None]
     b_da = -tl.dot(tl.dot(tl.trans(b_tm), b_dtm, input_precision=F32_PREC), tl.trans(b_tm), input_precision=F32_PREC)
     b_da = tl.where(m_lo, b_da, 0.0)
-    b_kk = tl.dot(b_k, tl.trans(b_k), input_precision=F32_PREC)
     if USE_G:
         b_e = tl.exp2(tl.where(m_lo, b_gam[:, None] - b_gam[None, :], float("-inf")))
     else:
         b_e = tl.where(m_lo, 1.0, 0.0)
     b_dakk = b_da * b_kk * b_e  # dA * (k_r . k_s) E
     b_m = b_da * b_e * b_b[:, None]
-    b_dk = b_dks + b_dxk * b_sk[:, None] + tl.dot(b_m, b_k, input_precision=F32_PREC) \
-        + tl.dot(tl.trans(b_m), b_k, input_precision=F32_PREC)
-    b_db += tl.sum(b_dakk, 1) + tl.sum(b_dxk * b_k, 1) * b_eg
-    tl.store(dk + (bos * HV + i_hv) * K + o_t[:, None] * (HV * K) + o_k[None, :], b_dk.to(dk.dtype.element_ty),
-             mask=m_t[:, None] & m_k[None, :])
+    b_db += tl.sum(b_dakk, 1)
+
+    # pass over key tiles: dk = dk_state + (beta 2^g) Tm^T dW + M K + M^T K
+    b_dxx = tl.zeros([BS], dtype=ACC)  # dX_k . X_k per row
+    for i_k in range(tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_tk = m_t[:, None] & (o_k < K)[None, :]
+        b_k = tl.load(p_k + o_k[None, :], mask=m_tk, other=0.0).to(ACC)
+        b_dw = tl.load(dw + p_tk + o_k[None, :], mask=m_tk, other=0.0)
+        b_dxk = tl.dot(tl.trans(b_tm), b_dw, input_precision=F32_PREC)  # [BS, BK]
+        b_dk = tl.load(dk + p_tk + o_k[None, :], mask=m_tk, other=0.0)
+        b_dk += b_dxk * b_sk[:, None] + tl.dot(b_m, b_k, input_precision=F32_PREC) \
+            + tl.dot(tl.trans(b_m), b_k, input_precision=F32_PREC)
+        tl.store(dk + p_tk + o_k[None, :], b_dk, mask=m_tk)
+        b_dxk_k = tl.sum(b_dxk * b_k, 1)
+        b_db += b_dxk_k * b_eg
+        b_dxx += b_dxk_k * b_sk
     tl.store(dbeta + (bos + o_t) * HV + i_hv, b_db.to(dbeta.dtype.element_ty), mask=m_t)
     if USE_G:
         # gradient of g itself (the sub-chunk's reverse cumsum done here): for rows t <= n,
         #   dg_t = sum_{r >= t} (rowsum - colsum of dA * A + dX_k . X_k)_r + sum_{s < t} P_s + 2^(g_n) <S, dS>
         # with P_s = k_s . dk_state_s; sums over masks, never a total minus a prefix
         b_daa = b_dakk * b_b[:, None]  # dA * A
-        b_p = tl.sum(b_k * b_dks, 1)
-        b_dgr = tl.sum(b_daa, 1) - tl.sum(b_daa, 0) + tl.sum(b_dxk * b_xk, 1)
+        b_dgr = tl.sum(b_daa, 1) - tl.sum(b_daa, 0) + b_dxx
+        b_p = tl.load(dp + (bos + o_t) * HV + i_hv, mask=m_t, other=0.0)
+        b_gn = tl.load(p_g + (tl.minimum(t0 + BS, T) - 1) * HV) - b_gc
         m_ge = o_c[None, :] >= o_c[:, None]  # [t, r]: r >= t
         b_dg = tl.sum(tl.where(m_ge, b_dgr[None, :], 0.0), 1) + tl.sum(tl.where(m_ge, 0.0, b_p[None, :]), 1)
-        b_dg += tl.exp2(b_gn) * tl.sum(b_sds, 0)
+        b_dg += tl.exp2(b_gn) * tl.load(sds + i_sub * HV + i_hv)
         tl.store(dgam + (bos + o_t) * HV + i_hv, b_dg, mask=m_t)
 
 
@@ -521,11 +602,11 @@ def wy_bwd(
     sub_indices: torch.Tensor | None = None,
     config: dict | None = None,
 ):
-    """Delta-part gradients per 64-row sub-chunk.
+    """Delta-part gradients per 64-row sub-chunk: the state terms, then the UT/WY backward.
 
     Args: k ``[B, T, H, K]``; v, v_new, du ``[B, T, HV, V]``; beta, g_cum ``[B, T, HV]``; ai (Tm)
     ``[B, T, HV, 64]``; h_sub / dh_sub: states at / state gradients after every sub-chunk,
-    ``[B, NS, HV, K, V]``.
+    ``[B, NS, HV, K, V]``. config: ``state_warps``, ``wy_warps``, ``BK``, ``BV``.
     Returns ``dk [B, T, HV, K]`` fp32 (per value head), ``dv [B, T, HV, V]`` (v's dtype),
     ``dbeta [B, T, HV]`` fp32, ``dg_sub [B, T, HV]`` fp32 (this part's gradient of g itself, the
     sub-chunk reverse cumsum included; None without gates).
@@ -534,18 +615,25 @@ def wy_bwd(
     HV, V = v.shape[2], v.shape[3]
     acc = torch.float64 if k.dtype == torch.float64 else torch.float32
     dk = torch.empty(B, T, HV, K, dtype=acc, device=k.device)
+    dw = torch.empty(B, T, HV, K, dtype=acc, device=k.device)
+    dp = torch.empty(B, T, HV, dtype=acc, device=k.device)
     dv = torch.empty_like(v)
     dbeta = torch.empty(B, T, HV, dtype=acc, device=k.device)
     dgam = torch.empty(B, T, HV, dtype=acc, device=k.device) if g_cum is not None else None
     NS = sub_indices.shape[0] if cu_seqlens is not None else cdiv(T, SUB_CHUNK)
+    sds = torch.empty(B * NS, HV, dtype=acc, device=k.device)
     if NS == 0 or B * HV == 0:
         return dk, dv, dbeta, dgam
-    cfg = {"BV": 64, "num_warps": 4 if K <= 128 else 8, "num_stages": 2, **(config or {})}
+    cfg = {"state_warps": 4 if K <= 64 else 8, "wy_warps": 4, "BK": 64, "BV": 64, **(config or {})}
+    common = dict(H=H, HV=HV, K=K, V=V, BT=chunk_size, USE_G=g_cum is not None, IS_VARLEN=cu_seqlens is not None,
+                  DOT_PREC=dot_precision(k.dtype), ACC=acc_dtype(k.dtype))
+    _gdn_delta_state_bwd_kernel[(NS, B * HV)](
+        k, v_new, du, h_sub, dh_sub, g_cum, dw, dk, dp, sds, cu_seqlens, sub_indices, T,
+        BK=max(16, next_pow2(K)), BV=min(max(16, next_pow2(V)), cfg["BV"]), num_warps=cfg["state_warps"], **common,
+    )
     _gdn_wy_bwd_kernel[(NS, B * HV)](
-        k, v, beta, g_cum, ai, v_new, du, h_sub, dh_sub, dk, dv, dbeta, dgam, cu_seqlens, sub_indices, T,
-        H=H, HV=HV, K=K, V=V, BT=chunk_size, BK=max(16, next_pow2(K)), BV=min(max(16, next_pow2(V)), cfg["BV"]),
-        USE_G=g_cum is not None, IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(k.dtype),
-        F32_PREC=dot_precision(k.dtype), ACC=acc_dtype(k.dtype),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        k, v, beta, g_cum, ai, du, dw, dp, sds, dk, dv, dbeta, dgam, cu_seqlens, sub_indices, T,
+        BK=min(max(16, next_pow2(K)), cfg["BK"]), BV=min(max(16, next_pow2(V)), cfg["BV"]),
+        F32_PREC=dot_precision(k.dtype), num_warps=cfg["wy_warps"], **common,
     )
     return dk, dv, dbeta, dgam
