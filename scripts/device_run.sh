@@ -49,6 +49,11 @@ EOF
       python3 -m pytest -q -x -p no:cacheprovider -s -m "gpu" tests 2>&1 | tee "$OUT/pytest_gpu.log" | grep -E "bf16 L=|passed|failed|error" ;
       python3 -m pytest -q -x -p no:cacheprovider -m "not gpu" tests/ops 2>&1 | tee "$OUT/pytest_all.log" | tail -3
       ;;
+    ncu)
+      ncu --clock-control none --profile-from-start off --section SpeedOfLight --section LaunchStats --section Occupancy \
+          --metrics l1tex__t_bytes_pipe_lsu_mem_local_op_st.sum,dram__bytes.sum python3 scripts/ncu_gdn.py 64 > "$OUT/ncu.txt" 2>&1
+      grep -E "^  [_a-z].*\(|Duration|Registers Per|Achieved Occupancy|Compute \(SM\) Thro|Memory Thro|local_op_st|dram__bytes|Dynamic Shared|Block Size" "$OUT/ncu.txt" | head -150
+      ;;
     tunebwd)
       python3 scripts/tune_gdn.py --stages bstate_fwd,bstate,bwy,btiled,bfull --json "$OUT/tune_bwd.json" 2>&1 | tee "$OUT/tune_bwd.log" | grep -v "^ *$"
       ;;
