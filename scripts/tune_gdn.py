@@ -144,15 +144,16 @@ def tune_backward(a, stages, Ls, q, k, v, g, beta, scale, bench):
                 bench("bstate_fwd", L, c, lambda c=c: chunk_state_fwd(k, u, g_cum, L, w=w, config=c,
                                                                    store_every_sub_chunk=True)[1], v_new)
         if "bstate" in stages:
-            for c in grid(BV=[32, 64], num_warps=[4, 8], num_stages=[1, 2]):
+            for c in grid(BV=[32, 64], num_warps=[4, 8], num_stages=[2]):
                 bench("bstate", L, c, lambda c=c: chunk_state_bwd(q, k, w, do, dvo, g_cum, scale, L, config=c)[1], du)
         if "bwy" in stages and L == Ls[0]:
             ref = wy_bwd(k, v, beta, g_cum, ai, v_new, du, h_sub, dh_sub, L)[0]
-            for c in grid(state_warps=[4, 8], wy_warps=[4, 8], BV=[64, 128]):
+            for c in grid(state_warps=[8], state_BV=[32, 64], wy_warps=[4, 8], BK=[32, 64]):
+                c["BV"] = c["BK"]
                 bench("bwy", L, c, lambda c=c: wy_bwd(k, v, beta, g_cum, ai, v_new, du, h_sub, dh_sub, L, config=c)[0],
                       ref)
         if "btiled" in stages:
-            for c in grid(BQ=[64], num_warps=[4, 8], num_stages=[2, 3]):
+            for c in grid(BQ=[64], num_warps=[4, 8], num_stages=[2]):
                 bench("b_dv", L, c, lambda c=c: chunk_tiled(k, q, do, g_cum, scale, L, reverse=True, config=c), dvo)
                 bench("b_dq", L, c, lambda c=c: chunk_tiled(do, v_new, k, g_cum, scale, L, h=h_sub, state_every=64,
                                                             state_transposed=True, rowdot_with=q,

@@ -35,6 +35,37 @@ from tfla.ops.common.utils import acc_dtype, cdiv, dot_precision, next_pow2
 
 
 @triton.jit
+def _diag_tile(b_o, b_a, p_b, p_c, p_g, b_gq, t_k0, o_tq, m_tq, m_a, m_c, T, HB: tl.constexpr, HC: tl.constexpr,
+               HV: tl.constexpr, DA: tl.constexpr, DC: tl.constexpr, BKV: tl.constexpr, USE_G: tl.constexpr,
+               REVERSE: tl.constexpr, SPLIT_DIAG: tl.constexpr, DOT_PREC: tl.constexpr):
+    """One tile on the diagonal: per-element gates and the causal mask. With SPLIT_DIAG the r = s
+    terms stay out of the accumulator and come back as ``(a_r . b_r, c tile)``."""
+    dt = b_a.dtype
+    o_tk = t_k0 + tl.arange(0, BKV)
+    m_tk = o_tk < T
+    b_b = tl.load(p_b + o_tk[:, None] * (HB * DA), mask=m_tk[:, None] & m_a[None, :], other=0.0)  # [BKV, BA]
+    b_s = tl.dot(b_a, tl.trans(b_b), input_precision=DOT_PREC)  # [BQ, BKV]
+    if REVERSE:
+        m_s = (o_tq[:, None] <= o_tk[None, :]) & m_tq[:, None] & m_tk[None, :]
+    else:
+        m_s = (o_tq[:, None] >= o_tk[None, :]) & m_tq[:, None] & m_tk[None, :]
+    b_sd = tl.sum(tl.where((o_tq[:, None] == o_tk[None, :]) & m_s, b_s, 0.0), 1)  # [BQ]: a_r . b_r
+    if SPLIT_DIAG:
+        m_s = m_s & (o_tq[:, None] != o_tk[None, :])
+    if USE_G:
+        b_gk = tl.load(p_g + o_tk * HV, mask=m_tk, other=0.0)
+        if REVERSE:
+            b_s = b_s * tl.exp2(tl.where(m_s, b_gk[None, :] - b_gq[:, None], float("-inf")))
+        else:
+            b_s = b_s * tl.exp2(tl.where(m_s, b_gq[:, None] - b_gk[None, :], float("-inf")))
+    else:
+        b_s = tl.where(m_s, b_s, 0.0)
+    b_cc = tl.load(p_c + o_tk[:, None] * (HC * DC), mask=m_tk[:, None] & m_c[None, :], other=0.0)  # [BKV, BC]
+    b_o = tl.dot(b_s.to(dt), b_cc.to(dt), b_o, input_precision=DOT_PREC)
+    return b_o, b_sd, b_cc
+
+
+@triton.jit
 def _chunk_tiled_kernel(
     a,
     b,
@@ -101,6 +132,9 @@ def _chunk_tiled_kernel(
     if USE_G:
         p_g = g + bos * HV + i_hv
         b_gq = tl.load(p_g + o_tq * HV, mask=m_tq, other=0.0)
+    else:  # placeholders for the helper's arguments (unused without gates)
+        p_g = g
+        b_gq = tl.zeros([BQ], dtype=ACC)
     if HAS_STATE:
         # inter-chunk part: a @ S_c (S read with strides H_SA along the contraction dim, H_SC along out)
         # states are stored every HS rows (HS = BT, or 64 in the backward pass)
@@ -113,35 +147,17 @@ def _chunk_tiled_kernel(
         b_o = tl.zeros([BQ, BC], dtype=ACC)
 
     # the diagonal tiles (per-element gates and causal mask). With ROWDOT the diagonal (r = s) terms
-    # are kept apart in b_od: they enter both row dots of dG = q.dq - k.dk and cancel exactly there,
-    # so leaving them out of the row dot avoids a catastrophic cancellation under strong decay.
+    # are kept out of the accumulator: they enter both row dots of dG = q.dq - k.dk and cancel exactly
+    # there, so leaving them out of the row dot avoids a catastrophic cancellation under strong decay;
+    # they are added to the output after the row dot (BKV = BQ: one diagonal tile, its c rows are the
+    # output rows).
     if ROWDOT:
-        b_od = tl.zeros([BQ, BC], dtype=ACC)
-    for t_k0 in range(t_q0, t_q0 + BQ, BKV):
-        o_tk = t_k0 + tl.arange(0, BKV)
-        m_tk = o_tk < T
-        b_b = tl.load(p_b + o_tk[:, None] * (HB * DA), mask=m_tk[:, None] & m_a[None, :], other=0.0)  # [BKV, BA]
-        b_s = tl.dot(b_a, tl.trans(b_b), input_precision=DOT_PREC)  # [BQ, BKV]
-        if REVERSE:
-            m_s = (o_tq[:, None] <= o_tk[None, :]) & m_tq[:, None] & m_tk[None, :]
-        else:
-            m_s = (o_tq[:, None] >= o_tk[None, :]) & m_tq[:, None] & m_tk[None, :]
-        if ROWDOT:
-            m_diag = o_tq[:, None] == o_tk[None, :]
-            b_sd = tl.sum(tl.where(m_diag & m_s, b_s, 0.0), 1)  # [BQ]: a_r . b_r (gate 2^0 = 1)
-            m_s = m_s & (o_tq[:, None] != o_tk[None, :])
-        if USE_G:
-            b_gk = tl.load(p_g + o_tk * HV, mask=m_tk, other=0.0)
-            if REVERSE:
-                b_s = b_s * tl.exp2(tl.where(m_s, b_gk[None, :] - b_gq[:, None], float("-inf")))
-            else:
-                b_s = b_s * tl.exp2(tl.where(m_s, b_gq[:, None] - b_gk[None, :], float("-inf")))
-        else:
-            b_s = tl.where(m_s, b_s, 0.0)
-        b_cc = tl.load(p_c + o_tk[:, None] * (HC * DC), mask=m_tk[:, None] & m_c[None, :], other=0.0)  # [BKV, BC]
-        b_o = tl.dot(b_s.to(dt), b_cc.to(dt), b_o, input_precision=DOT_PREC)
-        if ROWDOT:  # BKV == BQ: the rows of c in this tile are the output rows
-            b_od += b_sd[:, None] * b_cc.to(ACC)
+        b_o, b_sd, b_cd = _diag_tile(b_o, b_a, p_b, p_c, p_g, b_gq, t_q0, o_tq, m_tq, m_a, m_c, T, HB, HC, HV, DA, DC,
+                                     BKV, USE_G, REVERSE, True, DOT_PREC)
+    else:
+        for t_k0 in range(t_q0, t_q0 + BQ, BKV):
+            b_o, _, _ = _diag_tile(b_o, b_a, p_b, p_c, p_g, b_gq, t_k0, o_tq, m_tq, m_a, m_c, T, HB, HC, HV, DA, DC,
+                                   BKV, USE_G, REVERSE, False, DOT_PREC)
 
     # off-diagonal tiles of the same outer chunk (level-2 tiling): before the diagonal (forward) or
     # after it (reverse), with the factorized gate through the row m between the two tiles
@@ -175,7 +191,7 @@ def _chunk_tiled_kernel(
         p_x = x + (bos * HX + i_hv // (HV // HX)) * DC + o_tq[:, None] * (HX * DC) + o_c[None, :]
         b_x = tl.load(p_x, mask=m_tq[:, None] & m_c[None, :], other=0.0).to(ACC)
         tl.store(xdot + (bos + o_tq) * HV + i_hv, tl.sum(b_x * b_o, 1), mask=m_tq)
-        b_o += b_od * scale
+        b_o += (scale * b_sd)[:, None] * b_cd.to(ACC)
     p_o = out + (bos * HV + i_hv) * DC + o_tq[:, None] * (HV * DC) + o_c[None, :]
     tl.store(p_o, b_o.to(out.dtype.element_ty), mask=m_tq[:, None] & m_c[None, :])
 

@@ -285,7 +285,8 @@ def _chunk_state_bwd_kernel(
     NT = tl.cdiv(T, BT)
     for i_cr in range(0, NT):
         i_c = NT - 1 - i_cr
-        b_dhi = tl.zeros([BK, BV], dtype=ACC)  # the output's use of this chunk's start state
+        if BT > BS:  # the output's use of this chunk's start state, added once the chunk is done
+            b_dhi = tl.zeros([BK, BV], dtype=ACC)
         NS = tl.minimum(BT // BS, tl.cdiv(T - i_c * BT, BS))
         for i_jr in range(0, NS):
             t0 = i_c * BT + (NS - 1 - i_jr) * BS
@@ -311,11 +312,15 @@ def _chunk_state_bwd_kernel(
                 b_du += b_kdh
                 b_qs = b_q * scale
             tl.store(du + p_tv, b_du.to(du.dtype.element_ty), mask=m_tv)
-            b_dhi = tl.dot(tl.trans(b_qs.to(dt)), b_do, b_dhi, input_precision=DOT_PREC)
+            if BT > BS:
+                b_dhi = tl.dot(tl.trans(b_qs.to(dt)), b_do, b_dhi, input_precision=DOT_PREC)
             if USE_G:
                 b_dh *= tl.exp2(b_gn - b_gc)
             b_dh -= tl.dot(tl.trans(b_w), b_du.to(dt), input_precision=DOT_PREC)
-        b_dh += b_dhi
+            if BT == BS:  # one sub-chunk per chunk: no second accumulator (register pressure)
+                b_dh = tl.dot(tl.trans(b_qs.to(dt)), b_do, b_dh, input_precision=DOT_PREC)
+        if BT > BS:
+            b_dh += b_dhi
     if STORE_INITIAL_STATE_GRADIENT:
         tl.store(dh0 + i_nh * K * V + o_kv, b_dh, mask=m_kv)
 
@@ -358,7 +363,8 @@ def chunk_state_bwd(
         if dh0 is not None:
             dh0.copy_(dht if dht is not None else torch.zeros_like(dh0))
         return dh, du, dh0
-    cfg = {"BV": 64 if K <= 128 else 32, "num_warps": 4, "num_stages": 2, **(config or {})}
+    # measured on an H200 (docs/perf.md): 64-column value tiles spill registers here
+    cfg = {"BV": 32, "num_warps": 4, "num_stages": 2, **(config or {})}
     BK = max(16, next_pow2(K))
     BV = min(max(16, next_pow2(V)), cfg["BV"])
     _chunk_state_bwd_kernel[(cdiv(V, BV), N * HV)](

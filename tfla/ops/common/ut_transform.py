@@ -510,7 +510,6 @@ def _gdn_wy_bwd_kernel(
 
     b_tm = tl.load(ai + (bos * HV + i_hv) * BS + o_t[:, None] * (HV * BS) + o_c[None, :],
                    mask=m_t[:, None], other=0.0).to(ACC)  # [BS, BS]
-    b_tmd = b_tm.to(dt)
     b_b = tl.load(beta + (bos + o_t) * HV + i_hv, mask=m_t, other=0.0).to(ACC)
     if USE_G:
         p_g = g + bos * HV + i_hv
@@ -542,7 +541,7 @@ def _gdn_wy_bwd_kernel(
         b_du = tl.load(du + p_tv, mask=m_tv, other=0.0)  # [BS, BV]
         b_v = tl.load(v + p_tv, mask=m_tv, other=0.0)
         b_dtm = tl.dot(b_du, tl.trans((b_v * b_b[:, None]).to(dt)), b_dtm, input_precision=DOT_PREC)
-        b_dxv = tl.dot(tl.trans(b_tmd), b_du, input_precision=DOT_PREC)
+        b_dxv = tl.dot(tl.trans(b_tm), b_du.to(ACC), input_precision=F32_PREC)  # (one copy of Tm, fp32)
         tl.store(dv + p_tv, (b_dxv * b_b[:, None]).to(dv.dtype.element_ty), mask=m_tv)
         b_db += tl.sum(b_dxv * b_v.to(ACC), 1)
 
@@ -606,7 +605,7 @@ def wy_bwd(
 
     Args: k ``[B, T, H, K]``; v, v_new, du ``[B, T, HV, V]``; beta, g_cum ``[B, T, HV]``; ai (Tm)
     ``[B, T, HV, 64]``; h_sub / dh_sub: states at / state gradients after every sub-chunk,
-    ``[B, NS, HV, K, V]``. config: ``state_warps``, ``wy_warps``, ``BK``, ``BV``.
+    ``[B, NS, HV, K, V]``. config: ``state_warps``, ``state_BV``, ``wy_warps``, ``BK``, ``BV``.
     Returns ``dk [B, T, HV, K]`` fp32 (per value head), ``dv [B, T, HV, V]`` (v's dtype),
     ``dbeta [B, T, HV]`` fp32, ``dg_sub [B, T, HV]`` fp32 (this part's gradient of g itself, the
     sub-chunk reverse cumsum included; None without gates).
@@ -624,12 +623,13 @@ def wy_bwd(
     sds = torch.empty(B * NS, HV, dtype=acc, device=k.device)
     if NS == 0 or B * HV == 0:
         return dk, dv, dbeta, dgam
-    cfg = {"state_warps": 4 if K <= 64 else 8, "wy_warps": 4, "BK": 64, "BV": 64, **(config or {})}
+    cfg = {"state_warps": 4 if K <= 64 else 8, "wy_warps": 4, "BK": 32, "BV": 32, "state_BV": 64, **(config or {})}
     common = dict(H=H, HV=HV, K=K, V=V, BT=chunk_size, USE_G=g_cum is not None, IS_VARLEN=cu_seqlens is not None,
                   DOT_PREC=dot_precision(k.dtype), ACC=acc_dtype(k.dtype))
     _gdn_delta_state_bwd_kernel[(NS, B * HV)](
         k, v_new, du, h_sub, dh_sub, g_cum, dw, dk, dp, sds, cu_seqlens, sub_indices, T,
-        BK=max(16, next_pow2(K)), BV=min(max(16, next_pow2(V)), cfg["BV"]), num_warps=cfg["state_warps"], **common,
+        BK=max(16, next_pow2(K)), BV=min(max(16, next_pow2(V)), cfg["state_BV"]), num_warps=cfg["state_warps"],
+        **common,
     )
     _gdn_wy_bwd_kernel[(NS, B * HV)](
         k, v, beta, g_cum, ai, du, dw, dp, sds, dk, dv, dbeta, dgam, cu_seqlens, sub_indices, T,
