@@ -148,8 +148,7 @@ def tune_backward(a, stages, Ls, q, k, v, g, beta, scale, bench):
                 bench("bstate", L, c, lambda c=c: chunk_state_bwd(q, k, w, do, dvo, g_cum, scale, L, config=c)[1], du)
         if "bwy" in stages and L == Ls[0]:
             ref = wy_bwd(k, v, beta, g_cum, ai, v_new, du, h_sub, dh_sub, L)[0]
-            for c in grid(state_warps=[8], state_BV=[32, 64], wy_warps=[4, 8], BK=[32, 64]):
-                c["BV"] = c["BK"]
+            for c in grid(num_warps=[4, 8], BK=[32, 64], BV=[32, 64]):
                 bench("bwy", L, c, lambda c=c: wy_bwd(k, v, beta, g_cum, ai, v_new, du, h_sub, dh_sub, L, config=c)[0],
                       ref)
         if "btiled" in stages:

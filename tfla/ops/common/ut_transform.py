@@ -375,84 +375,30 @@ def _ut_launch(k, v, g_cum, beta, chunk_size, cu_seqlens, sub_indices, config, f
 
 
 @triton.jit
-def _gdn_delta_state_bwd_kernel(
-    k,
-    v_new,
-    du,
-    h,
-    dh,
-    g,
-    dw,
-    dk,
-    dp,
-    sds,
-    cu_seqlens,
-    chunk_indices,
-    T,
-    H: tl.constexpr,
-    HV: tl.constexpr,
-    K: tl.constexpr,
-    V: tl.constexpr,
-    BT: tl.constexpr,
-    BK: tl.constexpr,
-    BV: tl.constexpr,
-    USE_G: tl.constexpr,
-    IS_VARLEN: tl.constexpr,
-    DOT_PREC: tl.constexpr,
-    ACC: tl.constexpr,
-):
-    """State terms of one 64-row sub-chunk's gradients (S its start state, dS the gradient of the
-    state after it): ``dW = -dU S^T``, ``dk_state = 2^(g_n - g) Vnew dS^T``, ``P_s = k_s . dk_state_s``
-    and ``<S, dS>``, looping over value tiles."""
-    BS: tl.constexpr = 64
-    i_s, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
-    i_b, i_hv = i_bh // HV, i_bh % HV
-    i_h = i_hv // (HV // H)
-    if IS_VARLEN:
-        i_sub = i_s  # sub-chunk rows of the varlen table are in (sequence, sub-chunk) order
-        i_n = tl.load(chunk_indices + i_s * 2).to(tl.int64)
-        i_s = tl.load(chunk_indices + i_s * 2 + 1).to(tl.int64)
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
-    else:
-        bos = i_b * T
-        i_sub = i_b * tl.cdiv(T, BS) + i_s
-    t0 = i_s * BS
-    o_t = t0 + tl.arange(0, BS)
-    m_t = o_t < T
-    o_k = tl.arange(0, BK)
-    m_k = o_k < K
-    dt = k.dtype.element_ty
-    if USE_G:
-        p_g = g + bos * HV + i_hv
-        b_gn = tl.load(p_g + (tl.minimum(t0 + BS, T) - 1) * HV)
-        b_en = tl.exp2(tl.where(m_t, b_gn - tl.load(p_g + o_t * HV, mask=m_t, other=0.0), float("-inf")))
-    else:
-        b_en = tl.where(m_t, 1.0, 0.0)
-    b_dw = tl.zeros([BS, BK], dtype=ACC)
-    b_dks = tl.zeros([BS, BK], dtype=ACC)
+def _state_terms(du, v_new, h, dh, b_en, p_tv0, p_h, p_dh, o_t, m_t, o_k, m_k, V: tl.constexpr, HV: tl.constexpr,
+                 BK: tl.constexpr, BV: tl.constexpr, WITH_DK: tl.constexpr, DOT_PREC: tl.constexpr,
+                 ACC: tl.constexpr):
+    """For one key tile: ``dW = -dU S^T`` and (WITH_DK) ``dk_state = 2^(g_n - g) Vnew dS^T`` and the
+    tile's share of ``<S, dS>``, looping over value tiles (S, dS: the sub-chunk's start state and the
+    gradient of the state after it)."""
+    dt = h.dtype.element_ty
+    b_dw = tl.zeros([64, BK], dtype=ACC)
+    b_dks = tl.zeros([64, BK], dtype=ACC)
     b_sds = tl.zeros([BK], dtype=ACC)
-    p_h = h + (i_sub * HV + i_hv) * K * V
-    p_dh = dh + (i_sub * HV + i_hv) * K * V
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = o_v < V
         m_tv = m_t[:, None] & m_v[None, :]
-        p_tv = (bos * HV + i_hv) * V + o_t[:, None] * (HV * V) + o_v[None, :]
-        b_du = tl.load(du + p_tv, mask=m_tv, other=0.0)  # [BS, BV]
-        b_vn = tl.load(v_new + p_tv, mask=m_tv, other=0.0)
-        b_s = tl.load(p_h + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)  # [BK, BV]
-        b_ds = tl.load(p_dh + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
-        b_dw -= tl.dot(b_du, tl.trans(b_s), input_precision=DOT_PREC)
-        b_dks = tl.dot((b_vn * b_en[:, None]).to(dt), tl.trans(b_ds), b_dks, input_precision=DOT_PREC)
-        b_sds += tl.sum(b_s.to(ACC) * b_ds.to(ACC), 1)
-    p_tk = (bos * HV + i_hv) * K + o_t[:, None] * (HV * K) + o_k[None, :]
-    tl.store(dw + p_tk, b_dw, mask=m_t[:, None] & m_k[None, :])
-    tl.store(dk + p_tk, b_dks, mask=m_t[:, None] & m_k[None, :])
-    b_k = tl.load(k + (bos * H + i_h) * K + o_t[:, None] * (H * K) + o_k[None, :],
-                  mask=m_t[:, None] & m_k[None, :], other=0.0).to(ACC)
-    tl.store(dp + (bos + o_t) * HV + i_hv, tl.sum(b_k * b_dks, 1), mask=m_t)
-    tl.store(sds + i_sub * HV + i_hv, tl.sum(b_sds, 0))
+        m_kv = m_k[:, None] & m_v[None, :]
+        b_du = tl.load(du + p_tv0 + o_v[None, :], mask=m_tv, other=0.0)  # [BS, BV]
+        b_s = tl.load(p_h + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.0)  # [BK, BV]
+        b_dw -= tl.dot(b_du.to(dt), tl.trans(b_s), input_precision=DOT_PREC)
+        if WITH_DK:
+            b_vn = tl.load(v_new + p_tv0 + o_v[None, :], mask=m_tv, other=0.0)
+            b_ds = tl.load(p_dh + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.0)
+            b_dks = tl.dot((b_vn * b_en[:, None]).to(dt), tl.trans(b_ds), b_dks, input_precision=DOT_PREC)
+            b_sds += tl.sum(b_s.to(ACC) * b_ds.to(ACC), 1)
+    return b_dw, b_dks, tl.sum(b_sds, 0)
 
 
 @triton.jit
@@ -462,10 +408,10 @@ def _gdn_wy_bwd_kernel(
     beta,
     g,
     ai,
+    v_new,
     du,
-    dw,
-    dp,
-    sds,
+    h,
+    dh,
     dk,
     dv,
     dbeta,
@@ -486,15 +432,18 @@ def _gdn_wy_bwd_kernel(
     F32_PREC: tl.constexpr,
     ACC: tl.constexpr,
 ):
-    """UT/WY backward of one 64-row sub-chunk (W = Tm X_k, U = Tm X_v, Tm = (I + A)^-1):
-    ``dTm = dW X_k^T + dU X_v^T``, ``dA = -Tm^T dTm Tm^T``, then dk (added to the state term already
-    in ``dk``), dv, dbeta and this part's gradient of g. Key and value dims in BK/BV tiles."""
+    """Delta-rule gradients of one 64-row sub-chunk (W = Tm X_k, U = Tm X_v, Tm = (I + A)^-1,
+    Vnew = U - W S, S' = 2^(g_n) S + K^T 2^(g_n - g) Vnew):
+    state terms ``dW = -dU S^T``, ``dk_state = 2^(g_n - g) Vnew dS^T``; then the UT/WY backward
+    ``dTm = dW X_k^T + dU X_v^T``, ``dA = -Tm^T dTm Tm^T``, giving dk, dv, dbeta and this part's
+    gradient of g. Key and value dims in BK/BV tiles; dW is recomputed per key tile in the second
+    pass rather than stored (it would be an fp32 round trip through HBM)."""
     BS: tl.constexpr = 64
     i_s, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
     if IS_VARLEN:
-        i_sub = i_s
+        i_sub = i_s  # sub-chunk rows of the varlen table are in (sequence, sub-chunk) order
         i_n = tl.load(chunk_indices + i_s * 2).to(tl.int64)
         i_s = tl.load(chunk_indices + i_s * 2 + 1).to(tl.int64)
         bos = tl.load(cu_seqlens + i_n).to(tl.int64)
@@ -515,21 +464,28 @@ def _gdn_wy_bwd_kernel(
         p_g = g + bos * HV + i_hv
         b_gc = tl.load(p_g + (t0 - 1) * HV, mask=(t0 % BT) != 0, other=0.0)
         b_gam = tl.where(m_t, tl.load(p_g + o_t * HV, mask=m_t, other=0.0) - b_gc, 0.0)  # local cumulative gate
+        b_gn = tl.load(p_g + (tl.minimum(t0 + BS, T) - 1) * HV) - b_gc
         b_eg = tl.exp2(tl.where(m_t, b_gam, float("-inf")))  # 2^(g_r)
+        b_en = tl.exp2(tl.where(m_t, b_gn - b_gam, float("-inf")))  # 2^(g_n - g_r)
     else:
         b_eg = tl.where(m_t, 1.0, 0.0)
+        b_en = b_eg
     b_sk = b_b * b_eg
-
-    # pass over key tiles: dTm += dW X_k^T, K K^T
-    b_dtm = tl.zeros([BS, BS], dtype=ACC)
-    b_kk = tl.zeros([BS, BS], dtype=ACC)
     p_k = k + (bos * H + i_h) * K + o_t[:, None] * (H * K)
     p_tk = (bos * HV + i_hv) * K + o_t[:, None] * (HV * K)
+    p_tv0 = (bos * HV + i_hv) * V + o_t[:, None] * (HV * V)
+    p_h = h + (i_sub * HV + i_hv) * K * V
+    p_dh = dh + (i_sub * HV + i_hv) * K * V
+
+    # pass 1 over key tiles: dTm += dW X_k^T, K K^T
+    b_dtm = tl.zeros([BS, BS], dtype=ACC)
+    b_kk = tl.zeros([BS, BS], dtype=ACC)
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
-        m_tk = m_t[:, None] & (o_k < K)[None, :]
-        b_k = tl.load(p_k + o_k[None, :], mask=m_tk, other=0.0).to(ACC)  # [BS, BK]
-        b_dw = tl.load(dw + p_tk + o_k[None, :], mask=m_tk, other=0.0)
+        m_k = o_k < K
+        b_k = tl.load(p_k + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(ACC)  # [BS, BK]
+        b_dw, _, _ = _state_terms(du, v_new, h, dh, b_en, p_tv0, p_h, p_dh, o_t, m_t, o_k, m_k, V, HV, BK, BV,
+                                  False, DOT_PREC, ACC)
         b_dtm = tl.dot(b_dw, tl.trans(b_k * b_sk[:, None]), b_dtm, input_precision=F32_PREC)
         b_kk = tl.dot(b_k, tl.trans(b_k), b_kk, input_precision=F32_PREC)
     # pass over value tiles: dTm += dU X_v^T; dX_v = Tm^T dU gives dv and part of dbeta
@@ -537,12 +493,11 @@ def _gdn_wy_bwd_kernel(
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_tv = m_t[:, None] & (o_v < V)[None, :]
-        p_tv = (bos * HV + i_hv) * V + o_t[:, None] * (HV * V) + o_v[None, :]
-        b_du = tl.load(du + p_tv, mask=m_tv, other=0.0)  # [BS, BV]
-        b_v = tl.load(v + p_tv, mask=m_tv, other=0.0)
+        b_du = tl.load(du + p_tv0 + o_v[None, :], mask=m_tv, other=0.0)  # [BS, BV]
+        b_v = tl.load(v + p_tv0 + o_v[None, :], mask=m_tv, other=0.0)
         b_dtm = tl.dot(b_du, tl.trans((b_v * b_b[:, None]).to(dt)), b_dtm, input_precision=DOT_PREC)
         b_dxv = tl.dot(tl.trans(b_tm), b_du.to(ACC), input_precision=F32_PREC)  # (one copy of Tm, fp32)
-        tl.store(dv + p_tv, (b_dxv * b_b[:, None]).to(dv.dtype.element_ty), mask=m_tv)
+        tl.store(dv + p_tv0 + o_v[None, :], (b_dxv * b_b[:, None]).to(dv.dtype.element_ty), mask=m_tv)
         b_db += tl.sum(b_dxv * b_v.to(ACC), 1)
 
     m_lo = (o_c[:, None] > o_c[None, :]) & m_t[:, None]
@@ -556,33 +511,36 @@ def _gdn_wy_bwd_kernel(
     b_m = b_da * b_e * b_b[:, None]
     b_db += tl.sum(b_dakk, 1)
 
-    # pass over key tiles: dk = dk_state + (beta 2^g) Tm^T dW + M K + M^T K
+    # pass 2 over key tiles: dk = dk_state + (beta 2^g) Tm^T dW + M K + M^T K
     b_dxx = tl.zeros([BS], dtype=ACC)  # dX_k . X_k per row
+    b_p = tl.zeros([BS], dtype=ACC)  # P_s = k_s . dk_state_s
+    b_sds = tl.sum(tl.zeros([BS], dtype=ACC), 0)  # <S, dS>
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
-        m_tk = m_t[:, None] & (o_k < K)[None, :]
+        m_k = o_k < K
+        m_tk = m_t[:, None] & m_k[None, :]
         b_k = tl.load(p_k + o_k[None, :], mask=m_tk, other=0.0).to(ACC)
-        b_dw = tl.load(dw + p_tk + o_k[None, :], mask=m_tk, other=0.0)
+        b_dw, b_dks, b_sds_k = _state_terms(du, v_new, h, dh, b_en, p_tv0, p_h, p_dh, o_t, m_t, o_k, m_k, V, HV, BK,
+                                            BV, True, DOT_PREC, ACC)
+        b_sds += b_sds_k
         b_dxk = tl.dot(tl.trans(b_tm), b_dw, input_precision=F32_PREC)  # [BS, BK]
-        b_dk = tl.load(dk + p_tk + o_k[None, :], mask=m_tk, other=0.0)
-        b_dk += b_dxk * b_sk[:, None] + tl.dot(b_m, b_k, input_precision=F32_PREC) \
+        b_dk = b_dks + b_dxk * b_sk[:, None] + tl.dot(b_m, b_k, input_precision=F32_PREC) \
             + tl.dot(tl.trans(b_m), b_k, input_precision=F32_PREC)
-        tl.store(dk + p_tk + o_k[None, :], b_dk, mask=m_tk)
+        tl.store(dk + p_tk + o_k[None, :], b_dk.to(dk.dtype.element_ty), mask=m_tk)
         b_dxk_k = tl.sum(b_dxk * b_k, 1)
         b_db += b_dxk_k * b_eg
         b_dxx += b_dxk_k * b_sk
+        b_p += tl.sum(b_k * b_dks, 1)
     tl.store(dbeta + (bos + o_t) * HV + i_hv, b_db.to(dbeta.dtype.element_ty), mask=m_t)
     if USE_G:
         # gradient of g itself (the sub-chunk's reverse cumsum done here): for rows t <= n,
         #   dg_t = sum_{r >= t} (rowsum - colsum of dA * A + dX_k . X_k)_r + sum_{s < t} P_s + 2^(g_n) <S, dS>
-        # with P_s = k_s . dk_state_s; sums over masks, never a total minus a prefix
+        # sums over masks, never a total minus a prefix
         b_daa = b_dakk * b_b[:, None]  # dA * A
         b_dgr = tl.sum(b_daa, 1) - tl.sum(b_daa, 0) + b_dxx
-        b_p = tl.load(dp + (bos + o_t) * HV + i_hv, mask=m_t, other=0.0)
-        b_gn = tl.load(p_g + (tl.minimum(t0 + BS, T) - 1) * HV) - b_gc
         m_ge = o_c[None, :] >= o_c[:, None]  # [t, r]: r >= t
         b_dg = tl.sum(tl.where(m_ge, b_dgr[None, :], 0.0), 1) + tl.sum(tl.where(m_ge, 0.0, b_p[None, :]), 1)
-        b_dg += tl.exp2(b_gn) * tl.load(sds + i_sub * HV + i_hv)
+        b_dg += tl.exp2(b_gn) * b_sds
         tl.store(dgam + (bos + o_t) * HV + i_hv, b_dg, mask=m_t)
 
 
@@ -601,11 +559,11 @@ def wy_bwd(
     sub_indices: torch.Tensor | None = None,
     config: dict | None = None,
 ):
-    """Delta-part gradients per 64-row sub-chunk: the state terms, then the UT/WY backward.
+    """Delta-part gradients per 64-row sub-chunk: the state terms and the UT/WY backward, one kernel.
 
     Args: k ``[B, T, H, K]``; v, v_new, du ``[B, T, HV, V]``; beta, g_cum ``[B, T, HV]``; ai (Tm)
     ``[B, T, HV, 64]``; h_sub / dh_sub: states at / state gradients after every sub-chunk,
-    ``[B, NS, HV, K, V]``. config: ``state_warps``, ``state_BV``, ``wy_warps``, ``BK``, ``BV``.
+    ``[B, NS, HV, K, V]``. config: ``num_warps``, ``BK``, ``BV``.
     Returns ``dk [B, T, HV, K]`` fp32 (per value head), ``dv [B, T, HV, V]`` (v's dtype),
     ``dbeta [B, T, HV]`` fp32, ``dg_sub [B, T, HV]`` fp32 (this part's gradient of g itself, the
     sub-chunk reverse cumsum included; None without gates).
@@ -614,26 +572,18 @@ def wy_bwd(
     HV, V = v.shape[2], v.shape[3]
     acc = torch.float64 if k.dtype == torch.float64 else torch.float32
     dk = torch.empty(B, T, HV, K, dtype=acc, device=k.device)
-    dw = torch.empty(B, T, HV, K, dtype=acc, device=k.device)
-    dp = torch.empty(B, T, HV, dtype=acc, device=k.device)
     dv = torch.empty_like(v)
     dbeta = torch.empty(B, T, HV, dtype=acc, device=k.device)
     dgam = torch.empty(B, T, HV, dtype=acc, device=k.device) if g_cum is not None else None
     NS = sub_indices.shape[0] if cu_seqlens is not None else cdiv(T, SUB_CHUNK)
-    sds = torch.empty(B * NS, HV, dtype=acc, device=k.device)
     if NS == 0 or B * HV == 0:
         return dk, dv, dbeta, dgam
-    cfg = {"state_warps": 4 if K <= 64 else 8, "wy_warps": 4, "BK": 32, "BV": 32, "state_BV": 64, **(config or {})}
-    common = dict(H=H, HV=HV, K=K, V=V, BT=chunk_size, USE_G=g_cum is not None, IS_VARLEN=cu_seqlens is not None,
-                  DOT_PREC=dot_precision(k.dtype), ACC=acc_dtype(k.dtype))
-    _gdn_delta_state_bwd_kernel[(NS, B * HV)](
-        k, v_new, du, h_sub, dh_sub, g_cum, dw, dk, dp, sds, cu_seqlens, sub_indices, T,
-        BK=max(16, next_pow2(K)), BV=min(max(16, next_pow2(V)), cfg["state_BV"]), num_warps=cfg["state_warps"],
-        **common,
-    )
+    cfg = {"num_warps": 4, "BK": 32, "BV": 64, **(config or {})}
     _gdn_wy_bwd_kernel[(NS, B * HV)](
-        k, v, beta, g_cum, ai, du, dw, dp, sds, dk, dv, dbeta, dgam, cu_seqlens, sub_indices, T,
-        BK=min(max(16, next_pow2(K)), cfg["BK"]), BV=min(max(16, next_pow2(V)), cfg["BV"]),
-        F32_PREC=dot_precision(k.dtype), num_warps=cfg["wy_warps"], **common,
+        k, v, beta, g_cum, ai, v_new, du, h_sub, dh_sub, dk, dv, dbeta, dgam, cu_seqlens, sub_indices, T,
+        H=H, HV=HV, K=K, V=V, BT=chunk_size, BK=min(max(16, next_pow2(K)), cfg["BK"]),
+        BV=min(max(16, next_pow2(V)), cfg["BV"]), USE_G=g_cum is not None, IS_VARLEN=cu_seqlens is not None,
+        DOT_PREC=dot_precision(k.dtype), F32_PREC=dot_precision(k.dtype), ACC=acc_dtype(k.dtype),
+        num_warps=cfg["num_warps"],
     )
     return dk, dv, dbeta, dgam
