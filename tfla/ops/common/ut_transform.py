@@ -429,7 +429,6 @@ def _gdn_wy_bwd_kernel(
     USE_G: tl.constexpr,
     IS_VARLEN: tl.constexpr,
     DOT_PREC: tl.constexpr,
-    F32_PREC: tl.constexpr,
     ACC: tl.constexpr,
 ):
     """Delta-rule gradients of one 64-row sub-chunk (W = Tm X_k, U = Tm X_v, Tm = (I + A)^-1,
@@ -457,8 +456,9 @@ def _gdn_wy_bwd_kernel(
     m_t = o_t < T
     dt = k.dtype.element_ty
 
+    # products in the input dtype with fp32 accumulation (as FLA's WY backward); fp32 inputs stay IEEE fp32
     b_tm = tl.load(ai + (bos * HV + i_hv) * BS + o_t[:, None] * (HV * BS) + o_c[None, :],
-                   mask=m_t[:, None], other=0.0).to(ACC)  # [BS, BS]
+                   mask=m_t[:, None], other=0.0).to(dt)  # [BS, BS]
     b_b = tl.load(beta + (bos + o_t) * HV + i_hv, mask=m_t, other=0.0).to(ACC)
     if USE_G:
         p_g = g + bos * HV + i_hv
@@ -483,11 +483,11 @@ def _gdn_wy_bwd_kernel(
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = o_k < K
-        b_k = tl.load(p_k + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(ACC)  # [BS, BK]
+        b_k = tl.load(p_k + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)  # [BS, BK]
         b_dw, _, _ = _state_terms(du, v_new, h, dh, b_en, p_tv0, p_h, p_dh, o_t, m_t, o_k, m_k, V, HV, BK, BV,
                                   False, DOT_PREC, ACC)
-        b_dtm = tl.dot(b_dw, tl.trans(b_k * b_sk[:, None]), b_dtm, input_precision=F32_PREC)
-        b_kk = tl.dot(b_k, tl.trans(b_k), b_kk, input_precision=F32_PREC)
+        b_dtm = tl.dot(b_dw.to(dt), tl.trans((b_k * b_sk[:, None]).to(dt)), b_dtm, input_precision=DOT_PREC)
+        b_kk = tl.dot(b_k, tl.trans(b_k), b_kk, input_precision=DOT_PREC)
     # pass over value tiles: dTm += dU X_v^T; dX_v = Tm^T dU gives dv and part of dbeta
     b_db = tl.zeros([BS], dtype=ACC)
     for i_v in range(tl.cdiv(V, BV)):
@@ -496,12 +496,13 @@ def _gdn_wy_bwd_kernel(
         b_du = tl.load(du + p_tv0 + o_v[None, :], mask=m_tv, other=0.0)  # [BS, BV]
         b_v = tl.load(v + p_tv0 + o_v[None, :], mask=m_tv, other=0.0)
         b_dtm = tl.dot(b_du, tl.trans((b_v * b_b[:, None]).to(dt)), b_dtm, input_precision=DOT_PREC)
-        b_dxv = tl.dot(tl.trans(b_tm), b_du.to(ACC), input_precision=F32_PREC)  # (one copy of Tm, fp32)
+        b_dxv = tl.dot(tl.trans(b_tm), b_du, input_precision=DOT_PREC)
         tl.store(dv + p_tv0 + o_v[None, :], (b_dxv * b_b[:, None]).to(dv.dtype.element_ty), mask=m_tv)
         b_db += tl.sum(b_dxv * b_v.to(ACC), 1)
 
     m_lo = (o_c[:, None] > o_c[None, :]) & m_t[:, None]
-    b_da = -tl.dot(tl.dot(tl.trans(b_tm), b_dtm, input_precision=F32_PREC), tl.trans(b_tm), input_precision=F32_PREC)
+    b_da = -tl.dot(tl.dot(tl.trans(b_tm), b_dtm.to(dt), input_precision=DOT_PREC).to(dt), tl.trans(b_tm),
+                   input_precision=DOT_PREC)
     b_da = tl.where(m_lo, b_da, 0.0)
     if USE_G:
         b_e = tl.exp2(tl.where(m_lo, b_gam[:, None] - b_gam[None, :], float("-inf")))
@@ -519,18 +520,20 @@ def _gdn_wy_bwd_kernel(
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = o_k < K
         m_tk = m_t[:, None] & m_k[None, :]
-        b_k = tl.load(p_k + o_k[None, :], mask=m_tk, other=0.0).to(ACC)
+        b_k = tl.load(p_k + o_k[None, :], mask=m_tk, other=0.0)
         b_dw, b_dks, b_sds_k = _state_terms(du, v_new, h, dh, b_en, p_tv0, p_h, p_dh, o_t, m_t, o_k, m_k, V, HV, BK,
                                             BV, True, DOT_PREC, ACC)
         b_sds += b_sds_k
-        b_dxk = tl.dot(tl.trans(b_tm), b_dw, input_precision=F32_PREC)  # [BS, BK]
-        b_dk = b_dks + b_dxk * b_sk[:, None] + tl.dot(b_m, b_k, input_precision=F32_PREC) \
-            + tl.dot(tl.trans(b_m), b_k, input_precision=F32_PREC)
+        b_dxk = tl.dot(tl.trans(b_tm), b_dw.to(dt), input_precision=DOT_PREC)  # [BS, BK]
+        b_md = b_m.to(dt)
+        b_dk = b_dks + b_dxk * b_sk[:, None] + tl.dot(b_md, b_k, input_precision=DOT_PREC) \
+            + tl.dot(tl.trans(b_md), b_k, input_precision=DOT_PREC)
         tl.store(dk + p_tk + o_k[None, :], b_dk.to(dk.dtype.element_ty), mask=m_tk)
-        b_dxk_k = tl.sum(b_dxk * b_k, 1)
+        b_kf = b_k.to(ACC)
+        b_dxk_k = tl.sum(b_dxk * b_kf, 1)
         b_db += b_dxk_k * b_eg
         b_dxx += b_dxk_k * b_sk
-        b_p += tl.sum(b_k * b_dks, 1)
+        b_p += tl.sum(b_kf * b_dks, 1)
     tl.store(dbeta + (bos + o_t) * HV + i_hv, b_db.to(dbeta.dtype.element_ty), mask=m_t)
     if USE_G:
         # gradient of g itself (the sub-chunk's reverse cumsum done here): for rows t <= n,
@@ -583,7 +586,6 @@ def wy_bwd(
         k, v, beta, g_cum, ai, v_new, du, h_sub, dh_sub, dk, dv, dbeta, dgam, cu_seqlens, sub_indices, T,
         H=H, HV=HV, K=K, V=V, BT=chunk_size, BK=min(max(16, next_pow2(K)), cfg["BK"]),
         BV=min(max(16, next_pow2(V)), cfg["BV"]), USE_G=g_cum is not None, IS_VARLEN=cu_seqlens is not None,
-        DOT_PREC=dot_precision(k.dtype), F32_PREC=dot_precision(k.dtype), ACC=acc_dtype(k.dtype),
-        num_warps=cfg["num_warps"],
+        DOT_PREC=dot_precision(k.dtype), ACC=acc_dtype(k.dtype), num_warps=cfg["num_warps"],
     )
     return dk, dv, dbeta, dgam
