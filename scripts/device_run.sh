@@ -71,6 +71,18 @@ EOF
       python3 -m tfla bench gdn --no-progress --T 4096,16384,32768 --json "$OUT/bench_sweepT.json" --csv "$OUT/bench_sweepT.csv" 2>&1 | tee "$OUT/bench_sweepT.log"
       python3 -m tfla bench gdn --no-progress --B 16 --T 2048 --json "$OUT/bench_b16.json" --csv "$OUT/bench_b16.csv" 2>&1 | tee "$OUT/bench_b16.log"
       ;;
+    sanitize)
+      compute-sanitizer --tool memcheck --print-limit 5 python3 -c "
+import torch, tfla
+from tfla.bench.inputs import gdn_inputs
+for L in (64, 256):
+    x = gdn_inputs(1, 300, 2, 128, 128, dtype=torch.bfloat16, device='cuda', initial_state=True)
+    leaves = [x[n].clone().requires_grad_() for n in ('q', 'k', 'v', 'g', 'beta', 'initial_state')]
+    o, s = tfla.chunk_gated_delta_rule(*leaves[:5], initial_state=leaves[5], output_final_state=True, chunk_size=L)
+    torch.autograd.grad(o.float().sum() + s.sum(), leaves)
+print('sanitized fwd+bwd ok')
+" 2>&1 | grep -vE "^=========     " | tail -8
+      ;;
     testbwd)
       python3 -m pytest -q -x -p no:cacheprovider -s -m "gpu" tests/ops/test_gated_delta_rule_bwd.py 2>&1 | tee "$OUT/pytest_bwd_gpu.log" | grep -E "bf16 bwd|passed|failed|rror" ;
       ;;

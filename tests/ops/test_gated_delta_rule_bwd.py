@@ -162,9 +162,10 @@ def test_bwd_rejects_bad_cotangents(device):
 
 # ---------------------------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
-@pytest.mark.parametrize("B,T,H,HV,K,V,L", [(2, 1000, 4, 4, 128, 128, 64), (1, 1500, 2, 4, 128, 128, 256),
-                                            (1, 777, 2, 2, 100, 200, 128), (1, 600, 1, 1, 256, 256, 512)])
+@pytest.mark.parametrize("B,T,H,HV,K,V,L", [(1, 300, 2, 2, 128, 128, 64), (1, 300, 1, 2, 128, 128, 256),
+                                            (1, 200, 1, 1, 100, 200, 128), (1, 150, 1, 1, 256, 256, 512)])
 def test_bwd_fp32_gpu_shapes(B, T, H, HV, K, V, L):
+    # (short T: the float64 recurrence with autograd runs on the host CPU)
     got, ref = _grads("cuda", B, T, H, HV, K, V, L, seed=T)
     _check(got, ref, FP32_TOL)
 
