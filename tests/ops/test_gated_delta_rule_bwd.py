@@ -71,6 +71,7 @@ CASES = [
     (1, 513, 1, 1, 16, 16, 512, "default", False, True),
     (1, 150, 1, 1, 20, 24, 128, "default", True, True),
     (1, 100, 2, 2, 48, 80, 64, "strong", True, True),
+    (1, 130, 1, 1, 100, 200, 128, "default", True, True),
 ]
 
 

@@ -145,6 +145,10 @@ def run(args) -> tuple[list[dict], dict]:
     meta = env_info()
     meta["missing_peers"] = ",".join(missing) or "-"
     rows = []
+
+    def keep(row):  # files are rewritten after every row, so a run cut short keeps what it measured
+        rows.append(row)
+        write_rows(rows, meta, args.csv, args.json)
     with Progress(disable=args.no_progress, transient=True) as bar:
         task = bar.add_task("gdn", total=len(wls) * len(impls))
         for wl in wls:
@@ -176,7 +180,7 @@ def run(args) -> tuple[list[dict], dict]:
                     del o, s, grads
                 except Exception as e:  # a peer that rejects this shape or machine: report, keep going
                     row["status"] = f"error: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
-                    rows.append(row)
+                    keep(row)
                     bar.advance(task)
                     continue
                 tol = TOLERANCE[wl.dtype]
@@ -184,7 +188,7 @@ def run(args) -> tuple[list[dict], dict]:
                        not (e <= (TOLERANCE_DG[wl.dtype] if k == "err_dg" else tol))]
                 if bad:
                     row["status"] = f"WRONG ({', '.join(b[4:] for b in bad)} rel-L2 above tolerance): not timed"
-                    rows.append(row)
+                    keep(row)
                     bar.advance(task)
                     continue
                 call = _timed_call(impl, x, do, args.mode)
@@ -196,7 +200,7 @@ def run(args) -> tuple[list[dict], dict]:
                 row["peak_mib"] = peak_mib(_timed_call(impl, x, do, "fwdbwd" if args.mode == "bwd" else args.mode))
                 row["state_mib"] = cost.state_bytes / 2**20
                 row["status"] = "ok"
-                rows.append(row)
+                keep(row)
                 bar.advance(task)
                 gc.collect()
             del x, ref_o, ref_s, ref_g, do
