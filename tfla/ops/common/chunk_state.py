@@ -246,13 +246,15 @@ def _chunk_state_bwd_kernel(
     BK: tl.constexpr,
     BV: tl.constexpr,
     USE_G: tl.constexpr,
+    DELTA: tl.constexpr,
     USE_FINAL_STATE_GRADIENT: tl.constexpr,
     STORE_INITIAL_STATE_GRADIENT: tl.constexpr,
     IS_VARLEN: tl.constexpr,
     DOT_PREC: tl.constexpr,
     ACC: tl.constexpr,
 ):
-    """Reverse state-gradient recurrence of the delta rule. ``b_dh`` is the gradient of the state
+    """Reverse state-gradient recurrence (DELTA: of the delta rule; otherwise of linear attention,
+    where the W^T dU term is absent and dU is the whole gradient of V). ``b_dh`` is the gradient of the state
     after the current sub-chunk; per sub-chunk (reverse): dU = dvo + 2^(G_n - G) (K dS),
     dS <- 2^(G_n - G_c) dS - W^T dU; at each outer-chunk start the output's use of the state adds
     scale (2^G Q)^T dO of the whole outer chunk. Stores dS at every sub-chunk (for the parallel
@@ -297,7 +299,6 @@ def _chunk_state_bwd_kernel(
             tl.store(dh + ((boh + t0 // BS) * HV + i_hv) * K * V + o_kv, b_dh.to(dh.dtype.element_ty), mask=m_kv)
             b_k = tl.load(k + (bos * H + i_h) * K + o_t[:, None] * (H * K) + o_k[None, :], mask=m_tk, other=0.0)
             b_q = tl.load(q + (bos * H + i_h) * K + o_t[:, None] * (H * K) + o_k[None, :], mask=m_tk, other=0.0)
-            b_w = tl.load(w + (bos * HV + i_hv) * K + o_t[:, None] * (HV * K) + o_k[None, :], mask=m_tk, other=0.0)
             p_tv = (bos * HV + i_hv) * V + o_t[:, None] * (HV * V) + o_v[None, :]
             b_do = tl.load(do + p_tv, mask=m_tv, other=0.0)
             b_du = tl.load(dvo + p_tv, mask=m_tv, other=0.0).to(ACC)
@@ -316,7 +317,9 @@ def _chunk_state_bwd_kernel(
                 b_dhi = tl.dot(tl.trans(b_qs.to(dt)), b_do, b_dhi, input_precision=DOT_PREC)
             if USE_G:
                 b_dh *= tl.exp2(b_gn - b_gc)
-            b_dh -= tl.dot(tl.trans(b_w), b_du.to(dt), input_precision=DOT_PREC)
+            if DELTA:
+                b_w = tl.load(w + (bos * HV + i_hv) * K + o_t[:, None] * (HV * K) + o_k[None, :], mask=m_tk, other=0.0)
+                b_dh -= tl.dot(tl.trans(b_w), b_du.to(dt), input_precision=DOT_PREC)
             if BT == BS:  # one sub-chunk per chunk: no second accumulator (register pressure)
                 b_dh = tl.dot(tl.trans(b_qs.to(dt)), b_do, b_dh, input_precision=DOT_PREC)
         if BT > BS:
@@ -328,7 +331,7 @@ def _chunk_state_bwd_kernel(
 def chunk_state_bwd(
     q: torch.Tensor,
     k: torch.Tensor,
-    w: torch.Tensor,
+    w: torch.Tensor | None,
     do: torch.Tensor,
     dvo: torch.Tensor,
     g_cum: torch.Tensor | None,
@@ -344,7 +347,7 @@ def chunk_state_bwd(
     """State-gradient recurrence of the gated delta rule (reverse, 64-row sub-chunks, outer chunk L).
 
     Args:
-        q, k: ``[B, T, H, K]``; w: ``[B, T, HV, K]`` WY keys; do: ``[B, T, HV, V]``; dvo: the output's
+        q, k: ``[B, T, H, K]``; w: ``[B, T, HV, K]`` WY keys (None: linear attention); do: ``[B, T, HV, V]``; dvo: the output's
             gradient of Vnew, ``[B, T, HV, V]``; g_cum: ``[B, T, HV]`` (log2, restarting every L).
         dht: cotangent of the final state ``[N, HV, K, V]`` or None.
     Returns:
@@ -369,7 +372,7 @@ def chunk_state_bwd(
     BV = min(max(16, next_pow2(V)), cfg["BV"])
     _chunk_state_bwd_kernel[(cdiv(V, BV), N * HV)](
         q, k, w, do, dvo, g_cum, du, dh, dht, dh0, cu_seqlens, sub_offsets, scale, T,
-        H=H, HV=HV, K=K, V=V, BT=chunk_size, BK=BK, BV=BV, USE_G=g_cum is not None,
+        H=H, HV=HV, K=K, V=V, BT=chunk_size, BK=BK, BV=BV, USE_G=g_cum is not None, DELTA=w is not None,
         USE_FINAL_STATE_GRADIENT=dht is not None, STORE_INITIAL_STATE_GRADIENT=need_dh0,
         IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(k.dtype), ACC=acc_dtype(k.dtype),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],

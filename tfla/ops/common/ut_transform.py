@@ -376,8 +376,8 @@ def _ut_launch(k, v, g_cum, beta, chunk_size, cu_seqlens, sub_indices, config, f
 
 @triton.jit
 def _state_terms(du, v_new, h, dh, b_en, p_tv0, p_h, p_dh, o_t, m_t, o_k, m_k, V: tl.constexpr, HV: tl.constexpr,
-                 BK: tl.constexpr, BV: tl.constexpr, WITH_DK: tl.constexpr, DOT_PREC: tl.constexpr,
-                 ACC: tl.constexpr):
+                 BK: tl.constexpr, BV: tl.constexpr, WITH_DW: tl.constexpr, WITH_DK: tl.constexpr,
+                 DOT_PREC: tl.constexpr, ACC: tl.constexpr):
     """For one key tile: ``dW = -dU S^T`` and (WITH_DK) ``dk_state = 2^(g_n - g) Vnew dS^T`` and the
     tile's share of ``<S, dS>``, looping over value tiles (S, dS: the sub-chunk's start state and the
     gradient of the state after it)."""
@@ -390,9 +390,10 @@ def _state_terms(du, v_new, h, dh, b_en, p_tv0, p_h, p_dh, o_t, m_t, o_k, m_k, V
         m_v = o_v < V
         m_tv = m_t[:, None] & m_v[None, :]
         m_kv = m_k[:, None] & m_v[None, :]
-        b_du = tl.load(du + p_tv0 + o_v[None, :], mask=m_tv, other=0.0)  # [BS, BV]
         b_s = tl.load(p_h + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.0)  # [BK, BV]
-        b_dw -= tl.dot(b_du.to(dt), tl.trans(b_s), input_precision=DOT_PREC)
+        if WITH_DW:
+            b_du = tl.load(du + p_tv0 + o_v[None, :], mask=m_tv, other=0.0)  # [BS, BV]
+            b_dw -= tl.dot(b_du.to(dt), tl.trans(b_s), input_precision=DOT_PREC)
         if WITH_DK:
             b_vn = tl.load(v_new + p_tv0 + o_v[None, :], mask=m_tv, other=0.0)
             b_ds = tl.load(p_dh + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.0)
@@ -427,6 +428,7 @@ def _gdn_wy_bwd_kernel(
     BK: tl.constexpr,
     BV: tl.constexpr,
     USE_G: tl.constexpr,
+    DELTA: tl.constexpr,
     IS_VARLEN: tl.constexpr,
     DOT_PREC: tl.constexpr,
     ACC: tl.constexpr,
@@ -436,7 +438,10 @@ def _gdn_wy_bwd_kernel(
     state terms ``dW = -dU S^T``, ``dk_state = 2^(g_n - g) Vnew dS^T``; then the UT/WY backward
     ``dTm = dW X_k^T + dU X_v^T``, ``dA = -Tm^T dTm Tm^T``, giving dk, dv, dbeta and this part's
     gradient of g. Key and value dims in BK/BV tiles; dW is recomputed per key tile in the second
-    pass rather than stored (it would be an fp32 round trip through HBM)."""
+    pass rather than stored (it would be an fp32 round trip through HBM).
+
+    Without DELTA (plain linear attention, ``v_new`` = V) only the state terms remain: dk = dk_state
+    and the gradient of g; there is no Tm, beta, W or U."""
     BS: tl.constexpr = 64
     i_s, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     i_b, i_hv = i_bh // HV, i_bh % HV
@@ -457,9 +462,10 @@ def _gdn_wy_bwd_kernel(
     dt = k.dtype.element_ty
 
     # products in the input dtype with fp32 accumulation (as FLA's WY backward); fp32 inputs stay IEEE fp32
-    b_tm = tl.load(ai + (bos * HV + i_hv) * BS + o_t[:, None] * (HV * BS) + o_c[None, :],
-                   mask=m_t[:, None], other=0.0).to(dt)  # [BS, BS]
-    b_b = tl.load(beta + (bos + o_t) * HV + i_hv, mask=m_t, other=0.0).to(ACC)
+    if DELTA:
+        b_tm = tl.load(ai + (bos * HV + i_hv) * BS + o_t[:, None] * (HV * BS) + o_c[None, :],
+                       mask=m_t[:, None], other=0.0).to(dt)  # [BS, BS]
+        b_b = tl.load(beta + (bos + o_t) * HV + i_hv, mask=m_t, other=0.0).to(ACC)
     if USE_G:
         p_g = g + bos * HV + i_hv
         b_gc = tl.load(p_g + (t0 - 1) * HV, mask=(t0 % BT) != 0, other=0.0)
@@ -470,47 +476,49 @@ def _gdn_wy_bwd_kernel(
     else:
         b_eg = tl.where(m_t, 1.0, 0.0)
         b_en = b_eg
-    b_sk = b_b * b_eg
+    if DELTA:
+        b_sk = b_b * b_eg
     p_k = k + (bos * H + i_h) * K + o_t[:, None] * (H * K)
     p_tk = (bos * HV + i_hv) * K + o_t[:, None] * (HV * K)
     p_tv0 = (bos * HV + i_hv) * V + o_t[:, None] * (HV * V)
     p_h = h + (i_sub * HV + i_hv) * K * V
     p_dh = dh + (i_sub * HV + i_hv) * K * V
 
-    # pass 1 over key tiles: dTm += dW X_k^T, K K^T
-    b_dtm = tl.zeros([BS, BS], dtype=ACC)
-    b_kk = tl.zeros([BS, BS], dtype=ACC)
-    for i_k in range(tl.cdiv(K, BK)):
-        o_k = i_k * BK + tl.arange(0, BK)
-        m_k = o_k < K
-        b_k = tl.load(p_k + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)  # [BS, BK]
-        b_dw, _, _ = _state_terms(du, v_new, h, dh, b_en, p_tv0, p_h, p_dh, o_t, m_t, o_k, m_k, V, HV, BK, BV,
-                                  False, DOT_PREC, ACC)
-        b_dtm = tl.dot(b_dw.to(dt), tl.trans((b_k * b_sk[:, None]).to(dt)), b_dtm, input_precision=DOT_PREC)
-        b_kk = tl.dot(b_k, tl.trans(b_k), b_kk, input_precision=DOT_PREC)
-    # pass over value tiles: dTm += dU X_v^T; dX_v = Tm^T dU gives dv and part of dbeta
-    b_db = tl.zeros([BS], dtype=ACC)
-    for i_v in range(tl.cdiv(V, BV)):
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_tv = m_t[:, None] & (o_v < V)[None, :]
-        b_du = tl.load(du + p_tv0 + o_v[None, :], mask=m_tv, other=0.0)  # [BS, BV]
-        b_v = tl.load(v + p_tv0 + o_v[None, :], mask=m_tv, other=0.0)
-        b_dtm = tl.dot(b_du, tl.trans((b_v * b_b[:, None]).to(dt)), b_dtm, input_precision=DOT_PREC)
-        b_dxv = tl.dot(tl.trans(b_tm), b_du, input_precision=DOT_PREC)
-        tl.store(dv + p_tv0 + o_v[None, :], (b_dxv * b_b[:, None]).to(dv.dtype.element_ty), mask=m_tv)
-        b_db += tl.sum(b_dxv * b_v.to(ACC), 1)
+    if DELTA:
+        # pass 1 over key tiles: dTm += dW X_k^T, K K^T
+        b_dtm = tl.zeros([BS, BS], dtype=ACC)
+        b_kk = tl.zeros([BS, BS], dtype=ACC)
+        for i_k in range(tl.cdiv(K, BK)):
+            o_k = i_k * BK + tl.arange(0, BK)
+            m_k = o_k < K
+            b_k = tl.load(p_k + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)  # [BS, BK]
+            b_dw, _, _ = _state_terms(du, v_new, h, dh, b_en, p_tv0, p_h, p_dh, o_t, m_t, o_k, m_k, V, HV, BK, BV,
+                                      True, False, DOT_PREC, ACC)
+            b_dtm = tl.dot(b_dw.to(dt), tl.trans((b_k * b_sk[:, None]).to(dt)), b_dtm, input_precision=DOT_PREC)
+            b_kk = tl.dot(b_k, tl.trans(b_k), b_kk, input_precision=DOT_PREC)
+        # pass over value tiles: dTm += dU X_v^T; dX_v = Tm^T dU gives dv and part of dbeta
+        b_db = tl.zeros([BS], dtype=ACC)
+        for i_v in range(tl.cdiv(V, BV)):
+            o_v = i_v * BV + tl.arange(0, BV)
+            m_tv = m_t[:, None] & (o_v < V)[None, :]
+            b_du = tl.load(du + p_tv0 + o_v[None, :], mask=m_tv, other=0.0)  # [BS, BV]
+            b_v = tl.load(v + p_tv0 + o_v[None, :], mask=m_tv, other=0.0)
+            b_dtm = tl.dot(b_du, tl.trans((b_v * b_b[:, None]).to(dt)), b_dtm, input_precision=DOT_PREC)
+            b_dxv = tl.dot(tl.trans(b_tm), b_du, input_precision=DOT_PREC)
+            tl.store(dv + p_tv0 + o_v[None, :], (b_dxv * b_b[:, None]).to(dv.dtype.element_ty), mask=m_tv)
+            b_db += tl.sum(b_dxv * b_v.to(ACC), 1)
 
-    m_lo = (o_c[:, None] > o_c[None, :]) & m_t[:, None]
-    b_da = -tl.dot(tl.dot(tl.trans(b_tm), b_dtm.to(dt), input_precision=DOT_PREC).to(dt), tl.trans(b_tm),
-                   input_precision=DOT_PREC)
-    b_da = tl.where(m_lo, b_da, 0.0)
-    if USE_G:
-        b_e = tl.exp2(tl.where(m_lo, b_gam[:, None] - b_gam[None, :], float("-inf")))
-    else:
-        b_e = tl.where(m_lo, 1.0, 0.0)
-    b_dakk = b_da * b_kk * b_e  # dA * (k_r . k_s) E
-    b_m = b_da * b_e * b_b[:, None]
-    b_db += tl.sum(b_dakk, 1)
+        m_lo = (o_c[:, None] > o_c[None, :]) & m_t[:, None]
+        b_da = -tl.dot(tl.dot(tl.trans(b_tm), b_dtm.to(dt), input_precision=DOT_PREC).to(dt), tl.trans(b_tm),
+                       input_precision=DOT_PREC)
+        b_da = tl.where(m_lo, b_da, 0.0)
+        if USE_G:
+            b_e = tl.exp2(tl.where(m_lo, b_gam[:, None] - b_gam[None, :], float("-inf")))
+        else:
+            b_e = tl.where(m_lo, 1.0, 0.0)
+        b_dakk = b_da * b_kk * b_e  # dA * (k_r . k_s) E
+        b_m = b_da * b_e * b_b[:, None]
+        b_db += tl.sum(b_dakk, 1)
 
     # pass 2 over key tiles: dk = dk_state + (beta 2^g) Tm^T dW + M K + M^T K
     b_dxx = tl.zeros([BS], dtype=ACC)  # dX_k . X_k per row
@@ -522,39 +530,45 @@ def _gdn_wy_bwd_kernel(
         m_tk = m_t[:, None] & m_k[None, :]
         b_k = tl.load(p_k + o_k[None, :], mask=m_tk, other=0.0)
         b_dw, b_dks, b_sds_k = _state_terms(du, v_new, h, dh, b_en, p_tv0, p_h, p_dh, o_t, m_t, o_k, m_k, V, HV, BK,
-                                            BV, True, DOT_PREC, ACC)
+                                            BV, DELTA, True, DOT_PREC, ACC)
         b_sds += b_sds_k
-        b_dxk = tl.dot(tl.trans(b_tm), b_dw.to(dt), input_precision=DOT_PREC)  # [BS, BK]
-        b_md = b_m.to(dt)
-        b_dk = b_dks + b_dxk * b_sk[:, None] + tl.dot(b_md, b_k, input_precision=DOT_PREC) \
-            + tl.dot(tl.trans(b_md), b_k, input_precision=DOT_PREC)
-        tl.store(dk + p_tk + o_k[None, :], b_dk.to(dk.dtype.element_ty), mask=m_tk)
         b_kf = b_k.to(ACC)
-        b_dxk_k = tl.sum(b_dxk * b_kf, 1)
-        b_db += b_dxk_k * b_eg
-        b_dxx += b_dxk_k * b_sk
+        if DELTA:
+            b_dxk = tl.dot(tl.trans(b_tm), b_dw.to(dt), input_precision=DOT_PREC)  # [BS, BK]
+            b_md = b_m.to(dt)
+            b_dk = b_dks + b_dxk * b_sk[:, None] + tl.dot(b_md, b_k, input_precision=DOT_PREC) \
+                + tl.dot(tl.trans(b_md), b_k, input_precision=DOT_PREC)
+            b_dxk_k = tl.sum(b_dxk * b_kf, 1)
+            b_db += b_dxk_k * b_eg
+            b_dxx += b_dxk_k * b_sk
+        else:
+            b_dk = b_dks
+        tl.store(dk + p_tk + o_k[None, :], b_dk.to(dk.dtype.element_ty), mask=m_tk)
         b_p += tl.sum(b_kf * b_dks, 1)
-    tl.store(dbeta + (bos + o_t) * HV + i_hv, b_db.to(dbeta.dtype.element_ty), mask=m_t)
+    if DELTA:
+        tl.store(dbeta + (bos + o_t) * HV + i_hv, b_db.to(dbeta.dtype.element_ty), mask=m_t)
     if USE_G:
         # gradient of g itself (the sub-chunk's reverse cumsum done here): for rows t <= n,
         #   dg_t = sum_{r >= t} (rowsum - colsum of dA * A + dX_k . X_k)_r + sum_{s < t} P_s + 2^(g_n) <S, dS>
         # sums over masks, never a total minus a prefix
-        b_daa = b_dakk * b_b[:, None]  # dA * A
-        b_dgr = tl.sum(b_daa, 1) - tl.sum(b_daa, 0) + b_dxx
         m_ge = o_c[None, :] >= o_c[:, None]  # [t, r]: r >= t
-        b_dg = tl.sum(tl.where(m_ge, b_dgr[None, :], 0.0), 1) + tl.sum(tl.where(m_ge, 0.0, b_p[None, :]), 1)
+        b_dg = tl.sum(tl.where(m_ge, 0.0, b_p[None, :]), 1)
+        if DELTA:
+            b_daa = b_dakk * b_b[:, None]  # dA * A
+            b_dgr = tl.sum(b_daa, 1) - tl.sum(b_daa, 0) + b_dxx
+            b_dg += tl.sum(tl.where(m_ge, b_dgr[None, :], 0.0), 1)
         b_dg += tl.exp2(b_gn) * b_sds
         tl.store(dgam + (bos + o_t) * HV + i_hv, b_dg, mask=m_t)
 
 
 def wy_bwd(
     k: torch.Tensor,
-    v: torch.Tensor,
-    beta: torch.Tensor,
+    v: torch.Tensor | None,
+    beta: torch.Tensor | None,
     g_cum: torch.Tensor | None,
-    ai: torch.Tensor,
+    ai: torch.Tensor | None,
     v_new: torch.Tensor,
-    du: torch.Tensor,
+    du: torch.Tensor | None,
     h_sub: torch.Tensor,
     dh_sub: torch.Tensor,
     chunk_size: int,
@@ -562,21 +576,24 @@ def wy_bwd(
     sub_indices: torch.Tensor | None = None,
     config: dict | None = None,
 ):
-    """Delta-part gradients per 64-row sub-chunk: the state terms and the UT/WY backward, one kernel.
+    """Per-64-row-sub-chunk gradients of the state recurrence: the state terms and (delta rule,
+    ``ai`` given) the UT/WY backward, one kernel.
 
-    Args: k ``[B, T, H, K]``; v, v_new, du ``[B, T, HV, V]``; beta, g_cum ``[B, T, HV]``; ai (Tm)
-    ``[B, T, HV, 64]``; h_sub / dh_sub: states at / state gradients after every sub-chunk,
-    ``[B, NS, HV, K, V]``. config: ``num_warps``, ``BK``, ``BV``.
-    Returns ``dk [B, T, HV, K]`` fp32 (per value head), ``dv [B, T, HV, V]`` (v's dtype),
-    ``dbeta [B, T, HV]`` fp32, ``dg_sub [B, T, HV]`` fp32 (this part's gradient of g itself, the
-    sub-chunk reverse cumsum included; None without gates).
+    Args: k ``[B, T, H, K]``; v, v_new, du ``[B, T, HV, V]`` (linear attention: ``v_new`` is V and
+    v, beta, ai, du are None); beta, g_cum ``[B, T, HV]``; ai (Tm) ``[B, T, HV, 64]``; h_sub / dh_sub:
+    states at / state gradients after every sub-chunk, ``[B, NS, HV, K, V]``.
+    config: ``num_warps``, ``BK``, ``BV``.
+    Returns ``dk [B, T, HV, K]`` fp32 (per value head; the state and WY parts), ``dv [B, T, HV, V]``
+    (v's dtype; None without the delta rule), ``dbeta [B, T, HV]`` fp32 (or None), ``dg_sub [B, T, HV]``
+    fp32 (this part's gradient of g itself, the sub-chunk reverse cumsum included; None without gates).
     """
+    delta = ai is not None
     B, T, H, K = k.shape
-    HV, V = v.shape[2], v.shape[3]
+    HV, V = v_new.shape[2], v_new.shape[3]
     acc = torch.float64 if k.dtype == torch.float64 else torch.float32
     dk = torch.empty(B, T, HV, K, dtype=acc, device=k.device)
-    dv = torch.empty_like(v)
-    dbeta = torch.empty(B, T, HV, dtype=acc, device=k.device)
+    dv = torch.empty_like(v) if delta else None
+    dbeta = torch.empty(B, T, HV, dtype=acc, device=k.device) if delta else None
     dgam = torch.empty(B, T, HV, dtype=acc, device=k.device) if g_cum is not None else None
     NS = sub_indices.shape[0] if cu_seqlens is not None else cdiv(T, SUB_CHUNK)
     if NS == 0 or B * HV == 0:
@@ -587,7 +604,8 @@ def wy_bwd(
     _gdn_wy_bwd_kernel[(NS, B * HV)](
         k, v, beta, g_cum, ai, v_new, du, h_sub, dh_sub, dk, dv, dbeta, dgam, cu_seqlens, sub_indices, T,
         H=H, HV=HV, K=K, V=V, BT=chunk_size, BK=min(max(16, next_pow2(K)), cfg["BK"]),
-        BV=min(max(16, next_pow2(V)), cfg["BV"]), USE_G=g_cum is not None, IS_VARLEN=cu_seqlens is not None,
-        DOT_PREC=dot_precision(k.dtype), ACC=acc_dtype(k.dtype), num_warps=cfg["num_warps"],
+        BV=min(max(16, next_pow2(V)), cfg["BV"]), USE_G=g_cum is not None, DELTA=delta,
+        IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(k.dtype), ACC=acc_dtype(k.dtype),
+        num_warps=cfg["num_warps"],
     )
     return dk, dv, dbeta, dgam
