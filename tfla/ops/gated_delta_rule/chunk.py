@@ -21,19 +21,9 @@ import torch
 from tfla.ops.common.chunk_output import chunk_output_fwd, chunk_tiled, output_config
 from tfla.ops.common.chunk_state import chunk_state_bwd, chunk_state_fwd
 from tfla.ops.common.cumsum import chunk_local_cumsum
-from tfla.ops.common.utils import (
-    CHUNK_SIZES,
-    MAX_HEAD_DIM,
-    RCP_LN2,
-    SUB_CHUNK,
-    SUPPORTED_DTYPES,
-    cdiv,
-    check_device,
-    prepare_chunk_indices,
-    prepare_chunk_offsets,
-    seqlens_to_list,
-)
+from tfla.ops.common.utils import RCP_LN2, SUB_CHUNK, prepare_chunk_indices, prepare_chunk_offsets, seqlens_to_list
 from tfla.ops.common.ut_transform import ut_inverse_fwd, ut_transform_fwd, wy_bwd
+from tfla.utils.validation import check_common, check_gate_dtype, check_qkv, check_tensor, check_varlen_bounds
 
 # fastest forward measured on an H200 (docs/perf.md); larger L trades speed for state memory
 DEFAULT_CHUNK_SIZE = 64
@@ -208,80 +198,16 @@ def chunk_gated_delta_rule_bwd(
     return dq, dk, dv, dg, dbeta, dh0
 
 
-def _check_tensor(name: str, x, ndim: int) -> None:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"`{name}` must be a torch.Tensor, got {type(x).__name__}")
-    if x.dim() != ndim:
-        raise ValueError(f"`{name}` must have {ndim} dims, got shape {tuple(x.shape)}")
-    if not x.is_floating_point():
-        raise TypeError(f"`{name}` must be a floating-point tensor, got {x.dtype}")
-
-
 def check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size) -> None:
     """Validate a ``chunk_gated_delta_rule`` call; raises ValueError/TypeError naming the argument."""
-    _check_tensor("q", q, 4)
-    _check_tensor("k", k, 4)
-    _check_tensor("v", v, 4)
-    _check_tensor("g", g, 3)
-    _check_tensor("beta", beta, 3)
-    if q.shape != k.shape:
-        raise ValueError(f"`q` and `k` must have the same shape [B, T, H, K], got {tuple(q.shape)} and {tuple(k.shape)}")
-    B, T, H, K = q.shape
-    if v.shape[:2] != (B, T):
-        raise ValueError(f"`v` must be [B, T, HV, V] with B={B}, T={T}, got {tuple(v.shape)}")
-    HV, V = v.shape[2], v.shape[3]
-    if H == 0 or HV % H != 0:
-        raise ValueError(f"`v` has HV={HV} heads, which must be a positive multiple of the H={H} heads of q/k")
+    B, T, H, HV, K, V = check_qkv(q, k, v, grouped=True)
     for name, x in (("g", g), ("beta", beta)):
+        check_tensor(name, x, 3)
         if x.shape != (B, T, HV):
             raise ValueError(f"`{name}` must have shape [B, T, HV] = {(B, T, HV)}, got {tuple(x.shape)}")
-    if K > MAX_HEAD_DIM or V > MAX_HEAD_DIM or K < 1 or V < 1:
-        raise ValueError(f"head dims must be in [1, {MAX_HEAD_DIM}], got K={K} (q/k) and V={V} (v)")
-    if q.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"`q` dtype must be one of float32/float16/bfloat16 (or float64), got {q.dtype}")
-    for name, x in (("k", k), ("v", v)):
-        if x.dtype != q.dtype:
-            raise TypeError(f"`{name}` dtype {x.dtype} differs from `q` dtype {q.dtype}; q, k and v must share a dtype")
-    for name, x in (("g", g), ("beta", beta)):
-        if x.dtype not in (q.dtype, torch.float32):
-            raise TypeError(f"`{name}` dtype must be float32 or q's dtype ({q.dtype}), got {x.dtype}")
-        if q.dtype == torch.float64 and x.dtype != torch.float64:
-            raise TypeError(f"`{name}` must be float64 when q is float64, got {x.dtype}")
-    if chunk_size not in CHUNK_SIZES:
-        raise ValueError(f"`chunk_size` must be one of {CHUNK_SIZES}, got {chunk_size!r}")
-    if scale is not None and not isinstance(scale, (int, float)):
-        raise TypeError(f"`scale` must be a float or None, got {type(scale).__name__}")
-    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
-        check_device(name, x)
-        if x.device != q.device:
-            raise ValueError(f"`{name}` is on {x.device} but `q` is on {q.device}")
-    N = B
-    if cu_seqlens is not None:
-        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
-            raise TypeError("`cu_seqlens` must be a 1-D int32/int64 tensor of N + 1 sequence offsets")
-        if cu_seqlens.device != q.device:
-            raise ValueError(f"`cu_seqlens` is on {cu_seqlens.device} but `q` is on {q.device}")
-        if B != 1:
-            raise ValueError(f"with `cu_seqlens` the batch size must be 1 (sequences packed along T), got B={B}")
-        if cu_seqlens.numel() < 2:
-            raise ValueError("`cu_seqlens` must hold at least two offsets [0, ..., T]")
-        N = cu_seqlens.numel() - 1
-    if initial_state is not None:
-        if not isinstance(initial_state, torch.Tensor):
-            raise TypeError(f"`initial_state` must be a torch.Tensor or None, got {type(initial_state).__name__}")
-        if tuple(initial_state.shape) != (N, HV, K, V):
-            raise ValueError(f"`initial_state` must have shape [N, HV, K, V] = {(N, HV, K, V)}, got {tuple(initial_state.shape)}")
-        if not initial_state.is_floating_point():
-            raise TypeError(f"`initial_state` must be floating point, got {initial_state.dtype}")
-        if initial_state.device != q.device:
-            raise ValueError(f"`initial_state` is on {initial_state.device} but `q` is on {q.device}")
-
-
-def check_varlen_bounds(bounds: list[int], T: int) -> None:
-    if bounds[0] != 0 or bounds[-1] != T:
-        raise ValueError(f"`cu_seqlens` must start at 0 and end at T={T}, got {bounds[0]} ... {bounds[-1]}")
-    if any(b1 < b0 for b0, b1 in zip(bounds[:-1], bounds[1:])):
-        raise ValueError("`cu_seqlens` must be non-decreasing")
+        check_gate_dtype(name, x, q)
+    check_common(q, (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)), scale, initial_state, cu_seqlens,
+                 chunk_size, (HV, K, V))
 
 
 class ChunkGatedDeltaRuleFunction(torch.autograd.Function):

@@ -17,16 +17,10 @@ import torch
 from tfla.ops.common.chunk_output import chunk_output_fwd, chunk_tiled, output_config
 from tfla.ops.common.chunk_state import chunk_state_bwd, chunk_state_fwd
 from tfla.ops.common.cumsum import chunk_local_cumsum
-from tfla.ops.common.utils import (
-    CHUNK_SIZES,
-    MAX_HEAD_DIM,
-    RCP_LN2,
-    SUB_CHUNK,
-    SUPPORTED_DTYPES,
-    check_device,
-)
+from tfla.ops.common.utils import RCP_LN2, SUB_CHUNK
 from tfla.ops.common.ut_transform import wy_bwd
-from tfla.ops.gated_delta_rule.chunk import VarlenIndex, _check_cotangent, _check_tensor, check_varlen_bounds
+from tfla.ops.gated_delta_rule.chunk import VarlenIndex, _check_cotangent
+from tfla.utils.validation import check_common, check_gate_dtype, check_qkv, check_tensor, check_varlen_bounds
 
 DEFAULT_CHUNK_SIZE = 64
 
@@ -113,22 +107,7 @@ class ChunkSimpleGLAFunction(torch.autograd.Function):
 
 
 def _check(q, k, v, g, g_gamma, scale, initial_state, cu_seqlens, chunk_size):
-    _check_tensor("q", q, 4)
-    _check_tensor("k", k, 4)
-    _check_tensor("v", v, 4)
-    if q.shape != k.shape:
-        raise ValueError(f"`q` and `k` must have the same shape [B, T, H, K], got {tuple(q.shape)} and {tuple(k.shape)}")
-    B, T, H, K = q.shape
-    if v.shape[:3] != (B, T, H):
-        raise ValueError(f"`v` must be [B, T, H, V] with (B, T, H) = {(B, T, H)}, got {tuple(v.shape)}")
-    V = v.shape[3]
-    if not (1 <= K <= MAX_HEAD_DIM and 1 <= V <= MAX_HEAD_DIM):
-        raise ValueError(f"head dims must be in [1, {MAX_HEAD_DIM}], got K={K} (q/k) and V={V} (v)")
-    if q.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"`q` dtype must be one of float32/float16/bfloat16 (or float64), got {q.dtype}")
-    for name, x in (("k", k), ("v", v)):
-        if x.dtype != q.dtype:
-            raise TypeError(f"`{name}` dtype {x.dtype} differs from `q` dtype {q.dtype}; q, k and v must share a dtype")
+    B, T, H, _, K, V = check_qkv(q, k, v, grouped=False)
     if g is not None and g_gamma is not None:
         raise ValueError("pass at most one of `g` (per-token decay [B, T, H]) and `g_gamma` (per-head decay [H])")
     if g is not None:
@@ -137,8 +116,8 @@ def _check(q, k, v, g, g_gamma, scale, initial_state, cu_seqlens, chunk_size):
                              f"got {tuple(g.shape) if isinstance(g, torch.Tensor) else type(g).__name__}"
                              + (" (a vector decay [B, T, H, K] is chunk_gla's)" if isinstance(g, torch.Tensor)
                                 and g.dim() == 4 else ""))
-        if not g.is_floating_point() or g.dtype not in (q.dtype, torch.float32):
-            raise TypeError(f"`g` dtype must be float32 or q's dtype ({q.dtype}), got {g.dtype}")
+        check_tensor("g", g, 3)
+        check_gate_dtype("g", g, q)
         if bool((g > 0).any()):  # one host sync: a positive log decay is a growth, not a decay
             raise ValueError("`g` is a log decay and must be <= 0 everywhere; got positive values")
     if g_gamma is not None:
@@ -146,23 +125,8 @@ def _check(q, k, v, g, g_gamma, scale, initial_state, cu_seqlens, chunk_size):
             raise ValueError(f"`g_gamma` must be a per-head log decay of shape [H] = ({H},)")
         if bool((g_gamma > 0).any()):
             raise ValueError("`g_gamma` is a log decay and must be <= 0; got positive values")
-    if chunk_size not in CHUNK_SIZES:
-        raise ValueError(f"`chunk_size` must be one of {CHUNK_SIZES}, got {chunk_size!r}")
-    if scale is not None and not isinstance(scale, (int, float)):
-        raise TypeError(f"`scale` must be a float or None, got {type(scale).__name__}")
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        check_device(name, x)
-        if x.device != q.device:
-            raise ValueError(f"`{name}` is on {x.device} but `q` is on {q.device}")
-    N = B
-    if cu_seqlens is not None:
-        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
-            raise TypeError("`cu_seqlens` must be a 1-D int32/int64 tensor of N + 1 sequence offsets")
-        if B != 1:
-            raise ValueError(f"with `cu_seqlens` the batch size must be 1 (sequences packed along T), got B={B}")
-        N = cu_seqlens.numel() - 1
-    if initial_state is not None and tuple(initial_state.shape) != (N, H, K, V):
-        raise ValueError(f"`initial_state` must have shape [N, H, K, V] = {(N, H, K, V)}, got {tuple(initial_state.shape)}")
+    named = (("q", q), ("k", k), ("v", v)) + ((("g", g),) if g is not None else ())
+    check_common(q, named, scale, initial_state, cu_seqlens, chunk_size, (H, K, V), "H, K, V")
 
 
 def chunk_simple_gla(
