@@ -173,7 +173,6 @@ def run(args) -> tuple[list[dict], dict]:
                 try:
                     o, s, grads = _run_impl(impl, x, do)
                     row["err_o"], row["err_state"] = rel_l2(o, ref_o), rel_l2(s, ref_s)
-                    errs = [row["err_o"], row["err_state"]]
                     if grads is not None:
                         for name, gr, rg in zip(GRAD_NAMES, grads, ref_g):
                             row[f"err_{name}"] = rel_l2(gr, rg)
