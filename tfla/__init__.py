@@ -14,6 +14,8 @@ _OPS = {
     "chunk_simple_gla": "tfla.ops.simple_gla",
     "chunk_retention": "tfla.ops.simple_gla",
     "chunk_linear_attn": "tfla.ops.simple_gla",
+    "chunk_mlstm": "tfla.ops.mlstm.chunk",
+    "mlstm_step": "tfla.ops.mlstm.step",
 }
 
 __all__ = sorted(_OPS)

@@ -72,6 +72,8 @@ def _chunk_tiled_kernel(
     c,
     h,
     g,
+    gk,
+    gb,
     out,
     x,
     xdot,
@@ -96,6 +98,8 @@ def _chunk_tiled_kernel(
     BA: tl.constexpr,
     BC: tl.constexpr,
     USE_G: tl.constexpr,
+    SPLIT_G: tl.constexpr,
+    HAS_GB: tl.constexpr,
     REVERSE: tl.constexpr,
     HAS_STATE: tl.constexpr,
     ROWDOT: tl.constexpr,
@@ -130,10 +134,17 @@ def _chunk_tiled_kernel(
 
     b_a = tl.load(p_a + o_tq[:, None] * (HA * DA), mask=m_tq[:, None] & m_a[None, :], other=0.0)  # [BQ, BA]
     if USE_G:
+        # p_g: gate of the output rows, p_gc: gate of the looped rows (the same tensor unless SPLIT_G;
+        # the host passes the key-side gate as the row gate in reverse mode)
         p_g = g + bos * HV + i_hv
+        if SPLIT_G:
+            p_gc = gk + bos * HV + i_hv
+        else:
+            p_gc = p_g
         b_gq = tl.load(p_g + o_tq * HV, mask=m_tq, other=0.0)
     else:  # placeholders for the helper's arguments (unused without gates)
         p_g = g
+        p_gc = g
         b_gq = tl.zeros([BQ], dtype=ACC)
     if HAS_STATE:
         # inter-chunk part: a @ S_c (S read with strides H_SA along the contraction dim, H_SC along out)
@@ -142,7 +153,10 @@ def _chunk_tiled_kernel(
         b_st = tl.load(p_h, mask=m_a[:, None] & m_c[None, :], other=0.0).to(dt)  # [BA, BC]
         b_o = tl.dot(b_a, b_st, input_precision=DOT_PREC)  # [BQ, BC]
         if USE_G:
-            b_o *= tl.exp2(b_gq)[:, None]
+            if HAS_GB:  # the state's own stabilizer: the gate of the row before the outer chunk
+                b_o *= tl.exp2(b_gq - tl.load(gb + (bos + i_ch * BT) * HV + i_hv))[:, None]
+            else:
+                b_o *= tl.exp2(b_gq)[:, None]
     else:
         b_o = tl.zeros([BQ, BC], dtype=ACC)
 
@@ -152,11 +166,11 @@ def _chunk_tiled_kernel(
     # they are added to the output after the row dot (BKV = BQ: one diagonal tile, its c rows are the
     # output rows).
     if ROWDOT:
-        b_o, b_sd, b_cd = _diag_tile(b_o, b_a, p_b, p_c, p_g, b_gq, t_q0, o_tq, m_tq, m_a, m_c, T, HB, HC, HV, DA, DC,
+        b_o, b_sd, b_cd = _diag_tile(b_o, b_a, p_b, p_c, p_gc, b_gq, t_q0, o_tq, m_tq, m_a, m_c, T, HB, HC, HV, DA, DC,
                                      BKV, USE_G, REVERSE, True, DOT_PREC)
     else:
         for t_k0 in range(t_q0, t_q0 + BQ, BKV):
-            b_o, _, _ = _diag_tile(b_o, b_a, p_b, p_c, p_g, b_gq, t_k0, o_tq, m_tq, m_a, m_c, T, HB, HC, HV, DA, DC,
+            b_o, _, _ = _diag_tile(b_o, b_a, p_b, p_c, p_gc, b_gq, t_k0, o_tq, m_tq, m_a, m_c, T, HB, HC, HV, DA, DC,
                                    BKV, USE_G, REVERSE, False, DOT_PREC)
 
     # off-diagonal tiles of the same outer chunk (level-2 tiling): before the diagonal (forward) or
@@ -165,8 +179,10 @@ def _chunk_tiled_kernel(
         t_lo = t_q0 + BQ
         t_hi = tl.minimum((i_ch + 1) * BT, T)
         if USE_G:
-            # clamped into the sequence: the last tile's rows then see exponents <= 0 as well
-            b_gm = tl.load(p_g + (tl.minimum(t_q0 + BQ, T) - 1) * HV)
+            if SPLIT_G:  # the smallest key-side gate of the tile: both factors <= 1 again
+                b_gm = tl.min(tl.where(m_tq, b_gq, float("inf")), 0)
+            else:  # clamped into the sequence: the last tile's rows then see exponents <= 0 as well
+                b_gm = tl.load(p_g + (tl.minimum(t_q0 + BQ, T) - 1) * HV)
             b_fq = tl.exp2(tl.where(m_tq, b_gm - b_gq, float("-inf")))  # [BQ]
     else:
         t_lo = i_ch * BT
@@ -177,11 +193,14 @@ def _chunk_tiled_kernel(
         b_b = tl.load(p_b + o_tk[:, None] * (HB * DA), mask=m_tk[:, None] & m_a[None, :], other=0.0)  # [BKV, BA]
         b_s = tl.dot(b_a, tl.trans(b_b), input_precision=DOT_PREC)  # [BQ, BKV]
         if USE_G:
-            b_gk = tl.load(p_g + o_tk * HV, mask=m_tk, other=0.0)
+            b_gk = tl.load(p_gc + o_tk * HV, mask=m_tk, other=0.0)
             if REVERSE:  # rows s of this tile precede m = t_q0 + BQ - 1 < r
                 b_s *= b_fq[:, None] * tl.exp2(tl.where(m_tk, b_gk - b_gm, float("-inf")))[None, :]
-            else:  # m = t_k0 + BKV - 1 lies between s and r
-                b_gm = tl.load(p_g + (t_k0 + BKV - 1) * HV)
+            else:  # m = t_k0 + BKV - 1 lies between s and r (split gates: the tile's smallest key gate)
+                if SPLIT_G:
+                    b_gm = tl.min(b_gk, 0)  # the tile lies before the output rows: all rows valid
+                else:
+                    b_gm = tl.load(p_g + (t_k0 + BKV - 1) * HV)
                 b_s *= tl.exp2(tl.where(m_tq, b_gq - b_gm, float("-inf")))[:, None] * tl.exp2(b_gm - b_gk)[None, :]
         b_cc = tl.load(p_c + o_tk[:, None] * (HC * DC), mask=m_tk[:, None] & m_c[None, :], other=0.0)  # [BKV, BC]
         b_o = tl.dot(b_s.to(dt), b_cc.to(dt), b_o, input_precision=DOT_PREC)
@@ -191,6 +210,12 @@ def _chunk_tiled_kernel(
         p_x = x + (bos * HX + i_hv // (HV // HX)) * DC + o_tq[:, None] * (HX * DC) + o_c[None, :]
         b_x = tl.load(p_x, mask=m_tq[:, None] & m_c[None, :], other=0.0).to(ACC)
         tl.store(xdot + (bos + o_tq) * HV + i_hv, tl.sum(b_x * b_o, 1), mask=m_tq)
+        if SPLIT_G:  # the diagonal's own gate 2^(GQ_r - GK_r) (1 with one shared gate)
+            b_gd = tl.load(p_gc + o_tq * HV, mask=m_tq, other=0.0)
+            if REVERSE:
+                b_sd *= tl.exp2(tl.where(m_tq, b_gd - b_gq, float("-inf")))
+            else:
+                b_sd *= tl.exp2(tl.where(m_tq, b_gq - b_gd, float("-inf")))
         b_o += (scale * b_sd)[:, None] * b_cd.to(ACC)
     p_o = out + (bos * HV + i_hv) * DC + o_tq[:, None] * (HV * DC) + o_c[None, :]
     tl.store(p_o, b_o.to(out.dtype.element_ty), mask=m_tq[:, None] & m_c[None, :])
@@ -230,6 +255,8 @@ def chunk_tiled(
     tile_indices: torch.Tensor | None = None,
     chunk_offsets: torch.Tensor | None = None,
     config: dict | None = None,
+    gk_cum: torch.Tensor | None = None,
+    gb: torch.Tensor | None = None,
 ):
     """The tiled chunk product (module docstring) for ``a, b: [B, T, *, DA]``, ``c: [B, T, *, DC]``
     (each with H or HV heads), ``g_cum [B, T, HV]``; output ``[B, T, HV, DC]``.
@@ -239,6 +266,11 @@ def chunk_tiled(
     ``state_transposed`` reads S^T (for dq).
     ``rowdot_with [B, T, *, DC]``: also return ``sum_j x_rj out_rj`` as ``[B, T, HV]`` fp32.
     ``tile_indices`` (varlen) is ``prepare_chunk_indices(.., cfg["BQ"])``.
+    Split gates (the mLSTM's input gate and max state): ``g_cum`` is then the query-side gate GQ and
+    ``gk_cum [B, T, HV]`` the key-side gate GK, the pair weight is ``2^(GQ_r - GK_s)`` (both log2,
+    restarting every L, ``GQ_r <= GK_s`` for s <= r); ``gb [B, T, HV]`` holds at each outer-chunk start
+    the gate of the row before it (the state's stabilizer; 0 when None), so the state term is
+    ``2^(GQ_r - gb) a_r S_c``.
     Returns ``out`` or ``(out, rowdot)``.
     """
     B, T, HA, DA = a.shape
@@ -254,12 +286,14 @@ def chunk_tiled(
     NQ = cdiv(T, cfg["BQ"]) if cu_seqlens is None else tile_indices.shape[0]
     if NQ > 0 and B * HV > 0:
         _chunk_tiled_kernel[(cdiv(DC, cfg["BV"]), NQ, B * HV)](
-            a, b, c, h, g_cum, out, rowdot_with, xdot, cu_seqlens, tile_indices, chunk_offsets, scale, T,
+            a, b, c, h, gk_cum if (reverse and gk_cum is not None) else g_cum,
+            g_cum if (reverse and gk_cum is not None) else gk_cum, gb,
+            out, rowdot_with, xdot, cu_seqlens, tile_indices, chunk_offsets, scale, T,
             HV=HV, HA=HA, HB=HB, HC=HC, HX=rowdot_with.shape[2] if rowdot_with is not None else HV,
             DA=DA, DC=DC, H_SA=1 if state_transposed else DC, H_SC=DA if state_transposed else 1,
             HS=state_every or chunk_size,
             BT=chunk_size, BQ=cfg["BQ"], BKV=cfg["BKV"], BA=max(16, next_pow2(DA)), BC=cfg["BV"],
-            USE_G=g_cum is not None, REVERSE=reverse, HAS_STATE=h is not None, ROWDOT=rowdot_with is not None,
+            USE_G=g_cum is not None, SPLIT_G=gk_cum is not None, HAS_GB=gb is not None, REVERSE=reverse, HAS_STATE=h is not None, ROWDOT=rowdot_with is not None,
             IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(a.dtype), ACC=acc_dtype(a.dtype),
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
@@ -279,8 +313,11 @@ def chunk_output_fwd(
     tile_indices: torch.Tensor | None = None,
     chunk_offsets: torch.Tensor | None = None,
     config: dict | None = None,
+    gk_cum: torch.Tensor | None = None,
+    gb: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``o [B, T, HV, V] = scale (2^G q S_c + causal-gated (q k^T) v)`` from q, k ``[B, T, H, K]``,
-    v ``[B, T, HV, V]`` (the delta rule's Vnew), states ``h [B, NT, HV, K, V]`` and ``g_cum``."""
+    v ``[B, T, HV, V]`` (the delta rule's Vnew), states ``h [B, NT, HV, K, V]`` and ``g_cum`` (split
+    gates ``gk_cum``, ``gb``: see ``chunk_tiled``)."""
     return chunk_tiled(q, k, v, g_cum, scale, chunk_size, h=h, out_dtype=out_dtype, cu_seqlens=cu_seqlens,
-                       tile_indices=tile_indices, chunk_offsets=chunk_offsets, config=config)
+                       tile_indices=tile_indices, chunk_offsets=chunk_offsets, config=config, gk_cum=gk_cum, gb=gb)

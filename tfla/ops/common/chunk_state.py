@@ -27,9 +27,10 @@ from tfla.ops.common.utils import SUB_CHUNK, acc_dtype, cdiv, dot_precision, nex
 
 
 @triton.jit
-def _state_substep(b_h, t0, T, bos, i_h, i_hv, k, v, w, ai, beta, v_new, g,
+def _state_substep(b_h, t0, T, bos, i_h, i_hv, k, v, w, ai, beta, v_new, g, gk, gb,
                    o_c, o_k, o_v, m_k, m_v, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                    V: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, USE_G: tl.constexpr,
+                   SPLIT_G: tl.constexpr, HAS_GB: tl.constexpr,
                    DELTA: tl.constexpr, DOT_PREC: tl.constexpr, ACC: tl.constexpr):
     """Advance the state ``b_h [BK, BV]`` over the sub-chunk of rows ``t0 .. t0 + BS``; store Vnew."""
     dt = k.dtype.element_ty
@@ -44,7 +45,12 @@ def _state_substep(b_h, t0, T, bos, i_h, i_hv, k, v, w, ai, beta, v_new, g,
         # clamped so a sub-chunk past T reads G_n = G_c = G[T - 1]: decay 1, no-op
         b_gn = tl.load(p_g + (tl.minimum(t0 + BS, T) - 1) * HV)
         b_gc = tl.load(p_g + (tl.minimum(t0, T) - 1) * HV, mask=(t0 % BT) != 0, other=0.0)
-        b_g = tl.load(p_g + o_t * HV, mask=m_t, other=0.0)
+        if HAS_GB:  # at an outer-chunk start: the gate of the row before it (the state's stabilizer)
+            b_gc += tl.load(gb + (bos + tl.minimum(t0, T - 1)) * HV + i_hv, mask=(t0 % BT) == 0, other=0.0)
+        if SPLIT_G:  # key weights 2^(GQ_n - GK_s)
+            b_g = tl.load(gk + bos * HV + i_hv + o_t * HV, mask=m_t, other=0.0)
+        else:
+            b_g = tl.load(p_g + o_t * HV, mask=m_t, other=0.0)
     if DELTA == 1:  # Vnew = U - W S, with W and U from the WY kernel
         b_w = tl.load(w + (bos * HV + i_hv) * K + o_t[:, None] * (HV * K) + o_k[None, :],
                       mask=m_t[:, None] & m_k[None, :], other=0.0)
@@ -80,6 +86,8 @@ def _chunk_state_fwd_kernel(
     h,
     h0,
     ht,
+    gk,
+    gb,
     cu_seqlens,
     chunk_offsets,
     T,
@@ -91,6 +99,8 @@ def _chunk_state_fwd_kernel(
     BK: tl.constexpr,
     BV: tl.constexpr,
     USE_G: tl.constexpr,
+    SPLIT_G: tl.constexpr,
+    HAS_GB: tl.constexpr,
     DELTA: tl.constexpr,
     USE_INITIAL_STATE: tl.constexpr,
     STORE_FINAL_STATE: tl.constexpr,
@@ -135,8 +145,8 @@ def _chunk_state_fwd_kernel(
         if UNROLL:
             for j in tl.static_range(BT // BS):
                 b_h = _state_substep(
-                    b_h, i_c * BT + j * BS, T, bos, i_h, i_hv, k, v, w, ai, beta, v_new, g,
-                    o_c, o_k, o_v, m_k, m_v, H, HV, K, V, BT, BS, USE_G, DELTA, DOT_PREC, ACC)
+                    b_h, i_c * BT + j * BS, T, bos, i_h, i_hv, k, v, w, ai, beta, v_new, g, gk, gb,
+                    o_c, o_k, o_v, m_k, m_v, H, HV, K, V, BT, BS, USE_G, SPLIT_G, HAS_GB, DELTA, DOT_PREC, ACC)
         else:
             for j in range(BT // BS):
                 if STORE_SUB:
@@ -144,8 +154,8 @@ def _chunk_state_fwd_kernel(
                         tl.store(h + ((boh + i_c * (BT // BS) + j) * HV + i_hv) * K * V + o_kv,
                                  b_h.to(h.dtype.element_ty), mask=m_kv)
                 b_h = _state_substep(
-                    b_h, i_c * BT + j * BS, T, bos, i_h, i_hv, k, v, w, ai, beta, v_new, g,
-                    o_c, o_k, o_v, m_k, m_v, H, HV, K, V, BT, BS, USE_G, DELTA, DOT_PREC, ACC)
+                    b_h, i_c * BT + j * BS, T, bos, i_h, i_hv, k, v, w, ai, beta, v_new, g, gk, gb,
+                    o_c, o_k, o_v, m_k, m_v, H, HV, K, V, BT, BS, USE_G, SPLIT_G, HAS_GB, DELTA, DOT_PREC, ACC)
 
     if STORE_FINAL_STATE:
         tl.store(ht + i_nh * K * V + o_kv, b_h, mask=m_kv)
@@ -171,6 +181,8 @@ def chunk_state_fwd(
     num_chunks: int | None = None,
     config: dict | None = None,
     store_every_sub_chunk: bool = False,
+    gk_cum: torch.Tensor | None = None,
+    gb: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """States at every outer-chunk start, and (delta rule) the new values.
 
@@ -187,6 +199,9 @@ def chunk_state_fwd(
             ``store_every_sub_chunk``: the same for 64-row sub-chunks).
         config: overrides of ``BV``, ``num_warps``, ``num_stages``, ``unroll``.
         store_every_sub_chunk: materialize the state at every 64-row sub-chunk start (backward pass).
+        gk_cum, gb: split gates (linear attention only; see ``chunk_output.chunk_tiled``): ``g_cum`` is
+            the query-side gate GQ, key weights are ``2^(GQ_n - GK_s)``, and at an outer-chunk start the
+            previous row's gate is ``gb`` instead of 0; every state is then stabilized by its own ``gb``.
     Returns:
         ``h [B, NT, HV, K, V]`` (varlen: ``[1, total chunks, HV, K, V]``), ``v_new [B, T, HV, V]``
         or None, ``final_state [N, HV, K, V]`` fp32 or None.
@@ -196,6 +211,8 @@ def chunk_state_fwd(
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     NT = cdiv(T, SUB_CHUNK if store_every_sub_chunk else chunk_size) if cu_seqlens is None else num_chunks
     delta = 1 if w is not None else (2 if ai is not None else 0)
+    if (gk_cum is not None or gb is not None) and (delta or g_cum is None):
+        raise ValueError("split gates (gk_cum, gb) need g_cum and serve plain linear attention only")
     h = torch.empty(B, NT, HV, K, V, dtype=state_dtype or k.dtype, device=k.device)
     v_new = torch.empty_like(v) if delta else None
     final_state = torch.empty(N, HV, K, V, dtype=_state_acc(k.dtype), device=k.device) if output_final_state else None
@@ -211,9 +228,9 @@ def chunk_state_fwd(
     BK = max(16, next_pow2(K))
     BV = min(max(16, next_pow2(V)), cfg["BV"])
     _chunk_state_fwd_kernel[(cdiv(V, BV), N * HV)](
-        k, v, w, ai, beta, v_new, g_cum, h, initial_state, final_state, cu_seqlens, chunk_offsets, T,
+        k, v, w, ai, beta, v_new, g_cum, h, initial_state, final_state, gk_cum, gb, cu_seqlens, chunk_offsets, T,
         H=H, HV=HV, K=K, V=V, BT=chunk_size, BK=BK, BV=BV,
-        USE_G=g_cum is not None, DELTA=delta,
+        USE_G=g_cum is not None, SPLIT_G=gk_cum is not None, HAS_GB=gb is not None, DELTA=delta,
         USE_INITIAL_STATE=initial_state is not None, STORE_FINAL_STATE=output_final_state,
         IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(k.dtype), ACC=acc_dtype(k.dtype),
         UNROLL=cfg["unroll"], STORE_SUB=store_every_sub_chunk,
@@ -234,6 +251,8 @@ def _chunk_state_bwd_kernel(
     dh,
     dht,
     dh0,
+    gk,
+    gb,
     cu_seqlens,
     sub_offsets,
     scale,
@@ -246,6 +265,8 @@ def _chunk_state_bwd_kernel(
     BK: tl.constexpr,
     BV: tl.constexpr,
     USE_G: tl.constexpr,
+    SPLIT_G: tl.constexpr,
+    HAS_GB: tl.constexpr,
     DELTA: tl.constexpr,
     USE_FINAL_STATE_GRADIENT: tl.constexpr,
     STORE_INITIAL_STATE_GRADIENT: tl.constexpr,
@@ -307,8 +328,17 @@ def _chunk_state_bwd_kernel(
                 b_gn = tl.load(p_g + (tl.minimum(t0 + BS, T) - 1) * HV)
                 b_gc = tl.load(p_g + (t0 - 1) * HV, mask=(t0 % BT) != 0, other=0.0)
                 b_g = tl.load(p_g + o_t * HV, mask=m_t, other=0.0)
-                b_du += b_kdh * tl.exp2(tl.where(m_t, b_gn - b_g, float("-inf")))[:, None]
-                b_qs = b_q * (scale * tl.exp2(b_g))[:, None]
+                if SPLIT_G:
+                    b_gkey = tl.load(gk + bos * HV + i_hv + o_t * HV, mask=m_t, other=0.0)
+                else:
+                    b_gkey = b_g
+                b_du += b_kdh * tl.exp2(tl.where(m_t, b_gn - b_gkey, float("-inf")))[:, None]
+                if HAS_GB:  # the outer chunk's start state is stabilized by gb at its first row
+                    b_gb = tl.load(gb + (bos + i_c * BT) * HV + i_hv)
+                    b_gc += tl.where((t0 % BT) == 0, b_gb, 0.0)
+                    b_qs = b_q * (scale * tl.exp2(tl.where(m_t, b_g - b_gb, float("-inf"))))[:, None]
+                else:
+                    b_qs = b_q * (scale * tl.exp2(b_g))[:, None]
             else:
                 b_du += b_kdh
                 b_qs = b_q * scale
@@ -343,6 +373,8 @@ def chunk_state_bwd(
     sub_offsets: torch.Tensor | None = None,
     num_sub_chunks: int | None = None,
     config: dict | None = None,
+    gk_cum: torch.Tensor | None = None,
+    gb: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """State-gradient recurrence of the gated delta rule (reverse, 64-row sub-chunks, outer chunk L).
 
@@ -350,6 +382,7 @@ def chunk_state_bwd(
         q, k: ``[B, T, H, K]``; w: ``[B, T, HV, K]`` WY keys (None: linear attention); do: ``[B, T, HV, V]``; dvo: the output's
             gradient of Vnew, ``[B, T, HV, V]``; g_cum: ``[B, T, HV]`` (log2, restarting every L).
         dht: cotangent of the final state ``[N, HV, K, V]`` or None.
+        gk_cum, gb: split gates (as ``chunk_state_fwd``).
     Returns:
         ``dh [B, NS, HV, K, V]`` (gradient of the state after each 64-row sub-chunk, k's dtype),
         ``du [B, T, HV, V]`` (total gradient of U = Vnew's gradient, k's dtype), ``dh0 [N, HV, K, V]``
@@ -371,8 +404,9 @@ def chunk_state_bwd(
     BK = max(16, next_pow2(K))
     BV = min(max(16, next_pow2(V)), cfg["BV"])
     _chunk_state_bwd_kernel[(cdiv(V, BV), N * HV)](
-        q, k, w, do, dvo, g_cum, du, dh, dht, dh0, cu_seqlens, sub_offsets, scale, T,
-        H=H, HV=HV, K=K, V=V, BT=chunk_size, BK=BK, BV=BV, USE_G=g_cum is not None, DELTA=w is not None,
+        q, k, w, do, dvo, g_cum, du, dh, dht, dh0, gk_cum, gb, cu_seqlens, sub_offsets, scale, T,
+        H=H, HV=HV, K=K, V=V, BT=chunk_size, BK=BK, BV=BV, USE_G=g_cum is not None,
+        SPLIT_G=gk_cum is not None, HAS_GB=gb is not None, DELTA=w is not None,
         USE_FINAL_STATE_GRADIENT=dht is not None, STORE_INITIAL_STATE_GRADIENT=need_dh0,
         IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(k.dtype), ACC=acc_dtype(k.dtype),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],

@@ -417,6 +417,8 @@ def _gdn_wy_bwd_kernel(
     dv,
     dbeta,
     dgam,
+    gk,
+    gb,
     cu_seqlens,
     chunk_indices,
     T,
@@ -428,6 +430,8 @@ def _gdn_wy_bwd_kernel(
     BK: tl.constexpr,
     BV: tl.constexpr,
     USE_G: tl.constexpr,
+    SPLIT_G: tl.constexpr,
+    HAS_GB: tl.constexpr,
     DELTA: tl.constexpr,
     IS_VARLEN: tl.constexpr,
     DOT_PREC: tl.constexpr,
@@ -441,7 +445,9 @@ def _gdn_wy_bwd_kernel(
     pass rather than stored (it would be an fp32 round trip through HBM).
 
     Without DELTA (plain linear attention, ``v_new`` = V) only the state terms remain: dk = dk_state
-    and the gradient of g; there is no Tm, beta, W or U."""
+    and the gradient of g; there is no Tm, beta, W or U. Split gates (SPLIT_G, HAS_GB; linear
+    attention only): key weights 2^(GQ_n - GK_r), the previous row's gate at an outer-chunk start is gb;
+    the gate gradient is then that of a shift common to GQ and GK (the mLSTM's forget gate)."""
     BS: tl.constexpr = 64
     i_s, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     i_b, i_hv = i_bh // HV, i_bh % HV
@@ -469,7 +475,12 @@ def _gdn_wy_bwd_kernel(
     if USE_G:
         p_g = g + bos * HV + i_hv
         b_gc = tl.load(p_g + (t0 - 1) * HV, mask=(t0 % BT) != 0, other=0.0)
-        b_gam = tl.where(m_t, tl.load(p_g + o_t * HV, mask=m_t, other=0.0) - b_gc, 0.0)  # local cumulative gate
+        if HAS_GB:
+            b_gc += tl.load(gb + (bos + t0) * HV + i_hv, mask=(t0 % BT) == 0, other=0.0)
+        if SPLIT_G:
+            b_gam = tl.where(m_t, tl.load(gk + bos * HV + i_hv + o_t * HV, mask=m_t, other=0.0) - b_gc, 0.0)
+        else:
+            b_gam = tl.where(m_t, tl.load(p_g + o_t * HV, mask=m_t, other=0.0) - b_gc, 0.0)  # local cumulative gate
         b_gn = tl.load(p_g + (tl.minimum(t0 + BS, T) - 1) * HV) - b_gc
         b_eg = tl.exp2(tl.where(m_t, b_gam, float("-inf")))  # 2^(g_r)
         b_en = tl.exp2(tl.where(m_t, b_gn - b_gam, float("-inf")))  # 2^(g_n - g_r)
@@ -575,6 +586,8 @@ def wy_bwd(
     cu_seqlens: torch.Tensor | None = None,
     sub_indices: torch.Tensor | None = None,
     config: dict | None = None,
+    gk_cum: torch.Tensor | None = None,
+    gb: torch.Tensor | None = None,
 ):
     """Per-64-row-sub-chunk gradients of the state recurrence: the state terms and (delta rule,
     ``ai`` given) the UT/WY backward, one kernel.
@@ -582,7 +595,8 @@ def wy_bwd(
     Args: k ``[B, T, H, K]``; v, v_new, du ``[B, T, HV, V]`` (linear attention: ``v_new`` is V and
     v, beta, ai, du are None); beta, g_cum ``[B, T, HV]``; ai (Tm) ``[B, T, HV, 64]``; h_sub / dh_sub:
     states at / state gradients after every sub-chunk, ``[B, NS, HV, K, V]``.
-    config: ``num_warps``, ``BK``, ``BV``.
+    config: ``num_warps``, ``BK``, ``BV``. gk_cum, gb: split gates (linear attention only, as
+    ``chunk_state.chunk_state_fwd``).
     Returns ``dk [B, T, HV, K]`` fp32 (per value head; the state and WY parts), ``dv [B, T, HV, V]``
     (v's dtype; None without the delta rule), ``dbeta [B, T, HV]`` fp32 (or None), ``dg_sub [B, T, HV]``
     fp32 (this part's gradient of g itself, the sub-chunk reverse cumsum included; None without gates).
@@ -602,9 +616,10 @@ def wy_bwd(
     # Triton 3.6's output there (illegal address) and are not used
     cfg = {"num_warps": 4, "BK": 64, "BV": 64, **(config or {})}
     _gdn_wy_bwd_kernel[(NS, B * HV)](
-        k, v, beta, g_cum, ai, v_new, du, h_sub, dh_sub, dk, dv, dbeta, dgam, cu_seqlens, sub_indices, T,
+        k, v, beta, g_cum, ai, v_new, du, h_sub, dh_sub, dk, dv, dbeta, dgam, gk_cum, gb, cu_seqlens, sub_indices, T,
         H=H, HV=HV, K=K, V=V, BT=chunk_size, BK=min(max(16, next_pow2(K)), cfg["BK"]),
-        BV=min(max(16, next_pow2(V)), cfg["BV"]), USE_G=g_cum is not None, DELTA=delta,
+        BV=min(max(16, next_pow2(V)), cfg["BV"]), USE_G=g_cum is not None, SPLIT_G=gk_cum is not None,
+        HAS_GB=gb is not None, DELTA=delta,
         IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(k.dtype), ACC=acc_dtype(k.dtype),
         num_warps=cfg["num_warps"],
     )

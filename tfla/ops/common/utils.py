@@ -35,9 +35,14 @@ def interpret_mode() -> bool:
 
 
 def dot_precision(dtype: torch.dtype) -> str:
-    """``tl.dot`` input precision: exact IEEE fp32 for fp32 inputs (Triton defaults to TF32),
-    irrelevant for 16-bit operands."""
-    return "ieee" if dtype in (torch.float32, torch.float64) else "tf32"
+    """``tl.dot`` input precision for fp32 inputs (irrelevant for 16-bit operands; Triton's default
+    would be one TF32 product, ~1e-3 relative). On the GPU fp32 uses ``tf32x3`` (three TF32 tensor-core
+    products, ~1e-6 relative): exact IEEE fp32 dots lower to unrolled FMA loops whose ptxas compile took
+    minutes per kernel at head dim 256 (H200, Triton 3.6; docs/perf.md). float64 and the CPU
+    interpreter use IEEE."""
+    if dtype == torch.float64 or (dtype == torch.float32 and interpret_mode()):
+        return "ieee"
+    return "tf32x3" if dtype == torch.float32 else "tf32"
 
 
 def acc_dtype(dtype: torch.dtype):

@@ -32,27 +32,33 @@ class LinearAttnOptions:
     output_final_state: bool
 
 
-def chunk_simple_gla_fwd(q, k, v, g, scale, initial_state, output_final_state, chunk_size, varlen=None):
-    """Plain forward: ``(o, final_state, g_cum)``; g is the log decay ``[B, T, H]`` or None."""
+def chunk_simple_gla_fwd(q, k, v, g, scale, initial_state, output_final_state, chunk_size, varlen=None,
+                         g_cum=None, gk_cum=None, gb=None, out_dtype=None):
+    """Plain forward: ``(o, final_state, g_cum)``; g is the log decay ``[B, T, H]`` or None.
+
+    Split gates (the mLSTM): pass ``g_cum`` (query-side GQ, log2, restarting every L) with ``gk_cum``
+    and ``gb`` instead of ``g`` (see ``chunk_output.chunk_tiled``)."""
     cu = varlen.cu_seqlens if varlen is not None else None
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    g_cum = None
     if g is not None:
         g_cum = chunk_local_cumsum(g, chunk_size, scale=RCP_LN2, cu_seqlens=cu, out_dtype=acc,
                                    chunk_indices=varlen.chunk_indices if varlen is not None else None)
     h, _, final_state = chunk_state_fwd(
         k, v, g_cum, chunk_size, initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu,
         chunk_offsets=varlen.chunk_offsets if varlen is not None else None,
-        num_chunks=varlen.num_chunks if varlen is not None else None)
+        num_chunks=varlen.num_chunks if varlen is not None else None, gk_cum=gk_cum, gb=gb)
     ocfg = output_config(chunk_size, q.shape[-1], v.shape[-1])
-    o = chunk_output_fwd(q, k, v, h, g_cum, scale, chunk_size, cu_seqlens=cu,
+    o = chunk_output_fwd(q, k, v, h, g_cum, scale, chunk_size, cu_seqlens=cu, out_dtype=out_dtype,
                          tile_indices=varlen.tiles(ocfg["BQ"]) if varlen is not None else None,
-                         chunk_offsets=varlen.chunk_offsets if varlen is not None else None, config=ocfg)
+                         chunk_offsets=varlen.chunk_offsets if varlen is not None else None, config=ocfg,
+                         gk_cum=gk_cum, gb=gb)
     return o, final_state, g_cum
 
 
-def chunk_simple_gla_bwd(q, k, v, g_cum, scale, initial_state, do, dht, chunk_size, varlen=None):
-    """Plain backward: ``(dq, dk, dv, dg, dh0)`` (dg None without decay; dq, dk, dg fp32)."""
+def chunk_simple_gla_bwd(q, k, v, g_cum, scale, initial_state, do, dht, chunk_size, varlen=None, gk_cum=None,
+                         gb=None):
+    """Plain backward: ``(dq, dk, dv, dg, dh0)`` (dg None without decay; dq, dk, dg fp32). With split
+    gates (``gk_cum``, ``gb``) dg is the gradient of a per-token log decay shared by GQ and GK."""
     L = chunk_size
     cu = varlen.cu_seqlens if varlen is not None else None
     sub = varlen.sub_indices if varlen is not None else None
@@ -60,8 +66,9 @@ def chunk_simple_gla_bwd(q, k, v, g_cum, scale, initial_state, do, dht, chunk_si
     h_sub, _, _ = chunk_state_fwd(
         k, v, g_cum, L, initial_state=initial_state, cu_seqlens=cu,
         chunk_offsets=varlen.sub_offsets if varlen is not None else None,
-        num_chunks=varlen.sub_indices.shape[0] if varlen is not None else None, store_every_sub_chunk=True)
-    tiled = dict(cu_seqlens=cu)
+        num_chunks=varlen.sub_indices.shape[0] if varlen is not None else None, store_every_sub_chunk=True,
+        gk_cum=gk_cum, gb=gb)
+    tiled = dict(cu_seqlens=cu, gk_cum=gk_cum, gb=gb)
     if varlen is not None:
         tiled.update(tile_indices=varlen.tiles(output_config(L, q.shape[-1], v.shape[-1])["BQ"]),
                      chunk_offsets=varlen.sub_offsets)
@@ -73,8 +80,9 @@ def chunk_simple_gla_bwd(q, k, v, g_cum, scale, initial_state, do, dht, chunk_si
     dh_sub, dv, dh0 = chunk_state_bwd(
         q, k, None, do, dvo, g_cum, scale, L, dht=dht, need_dh0=initial_state is not None, cu_seqlens=cu,
         sub_offsets=varlen.sub_offsets if varlen is not None else None,
-        num_sub_chunks=varlen.sub_indices.shape[0] if varlen is not None else None)
-    dks, _, _, dg_sub = wy_bwd(k, None, None, g_cum, None, v, None, h_sub, dh_sub, L, cu_seqlens=cu, sub_indices=sub)
+        num_sub_chunks=varlen.sub_indices.shape[0] if varlen is not None else None, gk_cum=gk_cum, gb=gb)
+    dks, _, _, dg_sub = wy_bwd(k, None, None, g_cum, None, v, None, h_sub, dh_sub, L, cu_seqlens=cu, sub_indices=sub,
+                               gk_cum=gk_cum, gb=gb)
     dk = dko + dks
     dg = None
     if g_cum is not None:
@@ -199,25 +207,102 @@ def chunk_retention(
                             output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size)
 
 
+def _normalize_linear_attn(o, q, k, scale, z_init, cu_seqlens):
+    """FLA's ``normalize_with_z_state`` (fla 0.6.0, ``fla/ops/linear_attn/utils.py``), forward direction:
+    ``o_t / (scale q_t . z_t + 1e-10)`` with the running key sum ``z_t = z_init + sum_{s <= t} k_s`` restarted
+    per sequence. Returns ``(o, z_state [N, 1, H, K])`` in FLA's dtypes (q's dtype promoted with z_init's).
+
+    Plain PyTorch ops, so autograd differentiates it (FLA hand-writes the same backward). Computed in fp32
+    (fp64 for fp64 inputs), where FLA rounds the key sum to k's dtype. The varlen key sum is one global
+    cumsum in fp64 minus each sequence's start: no per-sequence loop, and no cancellation error for a short
+    sequence packed after long ones. A sequence with no tokens keeps its z_init (zeros without), as in FLA.
+    """
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    out_dtype = q.dtype if z_init is None else torch.promote_types(q.dtype, z_init.dtype)
+    B, T, H, K = k.shape
+    z0 = z_init.to(acc) if z_init is not None else None
+    if cu_seqlens is None:
+        k_cum = k.to(acc).cumsum(1)  # [B, T, H, K]
+        if z0 is not None:
+            k_cum = k_cum + z0
+        z_state = k_cum[:, -1:] if T > 0 else (z0 if z0 is not None else k_cum.new_zeros(B, 1, H, K))
+    else:
+        cu = cu_seqlens.long()
+        lens = cu[1:] - cu[:-1]
+        c = torch.nn.functional.pad(k[0].to(torch.float64).cumsum(0), (0, 0, 0, 0, 1, 0))  # [T + 1, H, K], c[0] = 0
+        start = c[cu[:-1]]  # [N, H, K]
+        k_cum = (c[1:] - start.repeat_interleave(lens, 0, output_size=T)).to(acc)[None]
+        z_state = (c[cu[1:]] - start).to(acc)[:, None]  # [N, 1, H, K]
+        if z0 is not None:
+            k_cum = k_cum + z0[:, 0].repeat_interleave(lens, 0, output_size=T)[None]
+            z_state = z_state + z0
+    denom = (q.to(acc) * scale * k_cum).sum(-1, keepdim=True) + 1e-10  # FLA's epsilon, added, sign kept
+    return (o.to(acc) / denom).to(out_dtype), z_state.to(out_dtype)
+
+
 def chunk_linear_attn(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     scale: float | None = None,
-    initial_state: torch.Tensor | None = None,
+    initial_state: torch.Tensor | tuple | None = None,
     output_final_state: bool = False,
     normalize: bool = True,
     cu_seqlens: torch.LongTensor | None = None,
     *,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
 ):
-    """Linear attention without decay (FLA's ``chunk_linear_attn``): ``S_t = S_{t-1} + k_t v_t^T``,
-    ``o_t = scale S_t^T q_t``. ``normalize`` defaults to True as in FLA (dividing by
-    ``scale q_t . sum_{s <= t} k_s``); that mode is not implemented yet and raises NotImplementedError
-    rather than returning the unnormalized output: pass ``normalize=False`` explicitly.
-    Shapes and returns as ``chunk_simple_gla``."""
-    if normalize:
-        raise NotImplementedError("tfla.chunk_linear_attn: normalize=True is not implemented yet; "
-                                  "pass normalize=False")
-    return chunk_simple_gla(q, k, v, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-                            cu_seqlens=cu_seqlens, chunk_size=chunk_size)
+    r"""Linear attention without decay, a drop-in for FLA's ``chunk_linear_attn`` (fla 0.6.0,
+    ``fla/ops/linear_attn/chunk.py``): ``S_t = S_{t-1} + k_t v_t^T``, ``o_t = scale S_t^T q_t``; with
+    ``normalize`` (the default, as in FLA) ``z_t = z_{t-1} + k_t`` and
+    ``o_t = scale S_t^T q_t / (scale q_t . z_t + 1e-10)`` (epsilon added, denominator's sign kept, as in FLA).
+
+    Args:
+        q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; fp32, fp16 or bf16 (all the same).
+        scale: default ``K ** -0.5``. output_final_state: return the final ``S``.
+        initial_state: ``S_0 [N, H, K, V]``, or with ``normalize`` also a tuple ``(S_0 or None, z_0 or None)``
+            with ``z_0 [N, 1, H, K]`` (fp32 or q's dtype) the key sum carried from earlier tokens; a plain
+            tensor with ``normalize`` means ``z_0 = 0`` (FLA does the same).
+        normalize: divide by ``scale q_t . z_t`` (default True).
+        cu_seqlens: ``[N + 1]`` offsets of packed sequences (B = 1); z restarts (from z_0[n]) per sequence.
+        chunk_size: outer chunk L in {64, 128, 256, 512} (keyword-only).
+
+    Returns, as FLA: with ``normalize``, ``(o, (final_state or None, z_state [N, 1, H, K]))`` -- the key sum
+    is returned even when ``output_final_state`` is False, and a sequence with no tokens keeps its z_0; o and
+    z_state in q's dtype promoted with z_0's (FLA's type promotion). Without ``normalize``, ``(o, final_state
+    or None)`` exactly as ``chunk_simple_gla``. Differentiable in q, k, v, S_0 and z_0.
+
+    Raises ValueError/TypeError as ``chunk_simple_gla``, and ValueError for a tuple ``initial_state`` without
+    ``normalize`` (FLA would pass the tuple on as a state tensor and fail inside), a tuple not of length 2,
+    or a ``z_0`` not of shape ``[N, 1, H, K]``.
+    """
+    kv_init, z_init = initial_state, None
+    if isinstance(initial_state, tuple):
+        if not normalize:
+            raise ValueError("a (kv_state, z_state) tuple `initial_state` is for normalize=True; with "
+                             "normalize=False pass the [N, H, K, V] state tensor alone")
+        if len(initial_state) != 2:
+            raise ValueError(f"with normalize=True `initial_state` is a tensor or a tuple (kv_state [N, H, K, V], "
+                             f"z_state [N, 1, H, K]), got a tuple of {len(initial_state)}")
+        kv_init, z_init = initial_state
+    if not normalize:
+        return chunk_simple_gla(q, k, v, scale=scale, initial_state=kv_init, output_final_state=output_final_state,
+                                cu_seqlens=cu_seqlens, chunk_size=chunk_size)
+    _check(q, k, v, None, None, scale, kv_init, cu_seqlens, chunk_size)  # before z_init's check, which needs q
+    B, T, H, K = q.shape
+    if z_init is not None:
+        N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+        check_tensor("initial_state[1] (z_state)", z_init, 4)
+        if tuple(z_init.shape) != (N, 1, H, K):
+            raise ValueError(f"`initial_state[1]` (z_state) must have shape [N, 1, H, K] = {(N, 1, H, K)}, "
+                             f"got {tuple(z_init.shape)}")
+        check_gate_dtype("initial_state[1] (z_state)", z_init, q)
+        if z_init.device != q.device:
+            raise ValueError(f"`initial_state[1]` (z_state) is on {z_init.device} but `q` is on {q.device}")
+    if scale is None:
+        scale = K ** -0.5
+    o, final_state = chunk_simple_gla(q, k, v, scale=scale, initial_state=kv_init,
+                                      output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                                      chunk_size=chunk_size)
+    o, z_state = _normalize_linear_attn(o, q, k, float(scale), z_init, cu_seqlens)
+    return o, (final_state, z_state)

@@ -1,0 +1,419 @@
+"""The mLSTM (xLSTM's matrix memory) on tfla's shared two-level engine, exponential or sigmoid input gate.
+
+Notation: B batch, T time, H heads, K/V head dims, N sequences, L = chunk_size (outer chunk).
+F_t = sum_{u <= t} log sigmoid(f_u) (per sequence), Fl the same restarting every L, ig the log input
+gate (i for "exp", log sigmoid(i) for "sigmoid").
+
+Recurrence (TFLA paper, Section 2 and Appendix B; mlstm_kernels' semantics):
+
+    m_t = max(log sigmoid(f_t) + m_{t-1}, ig_t)                  (exp only; sigmoid keeps m = 0)
+    C_t = e^{log sigmoid(f_t) + m_{t-1} - m_t} C_{t-1} + e^{ig_t - m_t} k_t v_t^T,   n_t likewise with v_t = 1
+    h_t = scale C_t^T q_t / (max(|scale n_t . q_t|, e^{-m_t}) + eps)     ("exp")
+    h_t = scale C_t^T q_t / (max(|scale n_t . q_t|, 1) + eps)            ("sigmoid", normalize=True)
+
+How it runs on the engine (no mLSTM-specific kernel): the max state is a prefix max,
+``m_t = F_t + max(m_0, max_{s <= t} (ig_s - F_s))``, computed exactly (float64, one cummax) before
+the kernels. With it every pair weight is one exponent ``e^{Fl_t - m_t - (Fl_s - ig_s)} = 2^(GQ_t - GK_s)``
+(<= 1), i.e. the split-gate mode of the shared state and tiled kernels (query-side gate GQ, key-side
+gate GK, the state at an outer-chunk start stabilized by the m of the row before it). The paper's
+online row max is not needed because m is known up front; the stabilized states are exactly the
+recurrence's (C, n, m). The normalizer n is the state of the same product with a column of ones
+appended to v, so one engine call gives numerator and denominator.
+
+Gradients: the engine's backward with m held fixed (dq, dk, dv, the forget-gate gradient, d initial
+state), the input gate from ``di_s = k_s . dk_s`` (e^{ig_s} scales every use of k_s), and the m path:
+h depends on m only through eps (``h = C~q / (max(|n~q|, 1) + eps e^m)`` in unstabilized terms), so
+``dm_t = -eps (dh_t . h_t) / den_t``, routed to the prefix max's argmax (deterministic segment sums,
+no atomics).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.nn.functional as F
+
+from tfla.ops.gated_delta_rule.chunk import VarlenIndex, _check_cotangent
+from tfla.ops.simple_gla.chunk import chunk_simple_gla_bwd, chunk_simple_gla_fwd
+from tfla.utils.validation import check_common, check_qkv, check_tensor, check_varlen_bounds
+
+DEFAULT_CHUNK_SIZE = 64
+INPUT_GATES = ("exp", "sigmoid")
+LOG2E = 1.0 / math.log(2.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class MLSTMOptions:
+    input_gate: str
+    normalize: bool
+    eps: float
+    scale: float
+    chunk_size: int
+    output_final_state: bool
+    aug: bool  # a column of ones appended to v (the normalizer state n): normalize, or n in/out
+
+
+# ----------------------------------------------------------------------------------------------
+# segment (per-sequence) scans over [B, T, H]; varlen packs N sequences along T with B = 1
+# ----------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class _Segments:
+    cu: torch.Tensor | None  # [N + 1] int64 or None (then every batch row is one sequence)
+    seq: torch.Tensor | None  # [T] sequence of each token
+    bos: torch.Tensor | None  # [T] first token of its sequence
+    eos: torch.Tensor | None  # [T] one past its last token
+
+    @classmethod
+    def build(cls, T: int, cu: torch.Tensor | None, device) -> "_Segments":
+        if cu is None:
+            return cls(None, None, None, None)
+        cu = cu.to(device=device, dtype=torch.int64)
+        seq = torch.searchsorted(cu[1:], torch.arange(T, device=device), right=True)
+        return cls(cu, seq, cu[seq], cu[seq + 1])
+
+    def cumsum(self, x: torch.Tensor) -> torch.Tensor:
+        cs = x.cumsum(1)
+        if self.cu is None:
+            return cs
+        return cs - (cs - x)[:, self.bos]
+
+    def rev_cumsum(self, x: torch.Tensor) -> torch.Tensor:
+        """sum_{t >= u, same sequence} x_t."""
+        if self.cu is None:
+            return x.flip(1).cumsum(1).flip(1)
+        cs = x.cumsum(1)
+        return cs[:, self.eos - 1] - cs + x
+
+    def cummax(self, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.cu is None:
+            return torch.cummax(a, 1)
+        # sequences kept apart by offsets larger than the values' span (float64: exact enough)
+        span = float((a.max() - a.min()).item()) + 1.0 if a.numel() else 1.0
+        off = (self.seq.to(a.dtype) * (2.0 * span))[None, :, None]
+        vals, idx = torch.cummax(a + off, 1)
+        return vals - off, idx
+
+    def per_sequence_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, T, H] -> [N, H]."""
+        if self.cu is None:
+            return x.sum(1)
+        cs = torch.cat([x.new_zeros(x.shape[0], 1, x.shape[2]), x.cumsum(1)], 1)[0]  # [T + 1, H]
+        return cs[self.cu[1:]] - cs[self.cu[:-1]]
+
+    def last(self, x: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:
+        """x at each sequence's last token ([N, H]); x0 [N, H] for empty sequences."""
+        if self.cu is None:
+            return x[:, -1] if x.shape[1] else x0
+        lens = self.cu[1:] - self.cu[:-1]
+        return torch.where(lens[:, None] > 0, x[0, (self.cu[1:] - 1).clamp(min=0)], x0)
+
+    def first_of_seq(self, T: int, device) -> torch.Tensor:
+        """[T] bool: first token of its sequence."""
+        t = torch.arange(T, device=device)
+        return t == 0 if self.cu is None else t == self.bos
+
+
+@dataclasses.dataclass
+class _Gates:
+    gq: torch.Tensor  # [B, T, H] log2, query side, restarting every L
+    gk: torch.Tensor  # [B, T, H] log2, key side
+    gb: torch.Tensor | None  # [B, T, H] log2, the row before each outer chunk (exp only)
+    lo: torch.Tensor | float  # the normalizer's lower bound: e^{-m} [B, T, H] fp32, or 1
+    m: torch.Tensor | None  # [B, T, H] float64 max state (exp)
+    idx: torch.Tensor | None  # [B, T, H] argmax of the prefix max (-1: m_0)
+    ig: torch.Tensor  # [B, T, H] float64 log input gate
+
+
+def _gates(i, f, m0, opts: MLSTMOptions, seg: _Segments, acc: torch.dtype) -> _Gates:
+    B, T, H = i.shape
+    L = opts.chunk_size
+    logf = F.logsigmoid(f.double())
+    ig = i.double() if opts.input_gate == "exp" else F.logsigmoid(i.double())
+    Fc = seg.cumsum(logf)  # F_t, per sequence
+    t = torch.arange(T, device=i.device)
+    pos = t if seg.cu is None else t - seg.bos
+    c0 = t - pos % L  # first row of the outer chunk
+    Fl = Fc - (Fc - logf)[:, c0]  # restarting every L
+    if opts.input_gate == "sigmoid":
+        return _Gates((Fl * LOG2E).to(acc), ((Fl - ig) * LOG2E).to(acc), None, 1.0, None, None, ig)
+    cm, idx = seg.cummax(ig - Fc)
+    m0t = (m0.double() if m0 is not None else torch.zeros(seg_count(seg, B), H, dtype=torch.float64,
+                                                           device=i.device))
+    m0_tok = m0t[None] if seg.cu is not None else m0t[:, None]  # [B, T or 1, H]
+    m0_tok = m0_tok[:, seg.seq] if seg.cu is not None else m0_tok
+    M = torch.maximum(m0_tok, cm)
+    idx = torch.where(m0_tok >= cm, torch.full_like(idx, -1), idx)
+    m = Fc + M
+    m_prev = torch.cat([m.new_zeros(B, 1, H), m[:, :-1]], 1)
+    first = seg.first_of_seq(T, i.device)[None, :, None]
+    m_prev = torch.where(first, m0_tok.expand_as(m), m_prev)
+    gq = ((Fl - m) * LOG2E).to(acc)
+    gk = ((Fl - ig) * LOG2E).to(acc)
+    gb = (-m_prev * LOG2E).to(acc)
+    lo = torch.exp(-m).to(acc)
+    return _Gates(gq, gk, gb, lo, m, idx, ig)
+
+
+def seg_count(seg: _Segments, B: int) -> int:
+    return B if seg.cu is None else seg.cu.numel() - 1
+
+
+def _argmax_grad(dM: torch.Tensor, idx: torch.Tensor, seg: _Segments) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradient of ``M_t = max(m_0, max_{s <= t} a_s)``: to a_s (``[B, T, H]``) and to m_0 (``[N, H]``).
+    Within a sequence the argmax is non-decreasing, so each s receives the sum over one run of t
+    (prefix-sum differences; unique scatter targets: deterministic)."""
+    B, T, H = dM.shape
+    cs = dM.cumsum(1)
+    run_end = torch.ones_like(idx, dtype=torch.bool)
+    run_end[:, :-1] = idx[:, :-1] != idx[:, 1:]
+    valid = run_end & (idx >= 0)
+    start = idx.clamp(min=0)
+    prev = torch.where(start > 0, cs.gather(1, (start - 1).clamp(min=0)), torch.zeros_like(cs))
+    val = torch.where(valid, cs - prev, torch.zeros_like(cs))
+    da = dM.new_zeros(B, T + 1, H)
+    da.scatter_(1, torch.where(valid, start, torch.full_like(start, T)), val)
+    dm0 = seg.per_sequence_sum(torch.where(idx < 0, dM, torch.zeros_like(dM)))
+    return da[:, :T], dm0
+
+
+# ----------------------------------------------------------------------------------------------
+# forward / backward
+# ----------------------------------------------------------------------------------------------
+def _engine_inputs(v, C0, n0, aug):
+    if not aug:
+        return v, C0
+    v_in = torch.cat([v, v.new_ones(*v.shape[:-1], 1)], -1)
+    h0 = None
+    if C0 is not None:
+        h0 = torch.cat([C0.float() if C0.dtype != torch.float64 else C0,
+                        (n0.float() if n0.dtype != torch.float64 else n0)[..., None]], -1)
+    return v_in, h0
+
+
+def chunk_mlstm_fwd(q, k, v, i, f, C0, n0, m0, opts: MLSTMOptions, varlen=None):
+    """Plain forward: ``(h, (C, n, m) or None, den)``; den [B, T, H] the normalizer's dot (or None)."""
+    B, T, H, V = v.shape
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    seg = _Segments.build(T, varlen.cu_seqlens if varlen is not None else None, q.device)
+    gt = _gates(i, f, m0, opts, seg, acc)
+    v_in, h0 = _engine_inputs(v, C0, n0, opts.aug)
+    o, ht, _ = chunk_simple_gla_fwd(q, k, v_in, None, opts.scale, h0, opts.output_final_state, opts.chunk_size,
+                                    varlen, g_cum=gt.gq, gk_cum=gt.gk, gb=gt.gb,
+                                    out_dtype=acc if opts.normalize else None)
+    den = None
+    if opts.normalize:
+        den = o[..., V].contiguous()
+        h = (o[..., :V] / (torch.maximum(den.abs(), gt.lo if isinstance(gt.lo, torch.Tensor)
+                                         else torch.ones_like(den)) + opts.eps)[..., None]).to(v.dtype)
+    else:
+        h = o[..., :V].contiguous() if opts.aug else o
+    del o
+    final = None
+    if opts.output_final_state:
+        N = seg_count(seg, B)
+        C = ht[..., :V].contiguous()
+        n = ht[..., V].contiguous()
+        if opts.input_gate == "exp":
+            m0t = m0.to(acc) if m0 is not None else torch.zeros(N, H, dtype=acc, device=q.device)
+            final = (C, n, seg.last(gt.m, m0t.double()).to(acc))
+        else:
+            final = (C, n)
+    return h, final, den
+
+
+def chunk_mlstm_bwd(q, k, v, i, f, C0, n0, m0, h, den, final, dh, dC, dn, dm, opts: MLSTMOptions, varlen=None):
+    """Plain backward: ``(dq, dk, dv, di, df, dC0, dn0, dm0)``."""
+    B, T, H, V = v.shape
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    seg = _Segments.build(T, varlen.cu_seqlens if varlen is not None else None, q.device)
+    gt = _gates(i, f, m0, opts, seg, acc)
+    v_in, h0 = _engine_inputs(v, C0, n0, opts.aug)
+    dh = dh.to(acc)
+    if opts.normalize:
+        lo = gt.lo if isinstance(gt.lo, torch.Tensor) else torch.ones_like(den)
+        dd = torch.maximum(den.abs(), lo) + opts.eps
+        s = (dh * h.to(acc)).sum(-1)
+        dden = torch.where(den.abs() > lo, -s / dd * torch.sign(den), torch.zeros_like(s))
+        do = torch.cat([dh / dd[..., None], dden[..., None]], -1).to(q.dtype)
+    elif opts.aug:  # the ones column only carries the state n here
+        do = torch.cat([dh, dh.new_zeros(*dh.shape[:-1], 1)], -1).to(q.dtype)
+    else:
+        do = dh.to(q.dtype)
+    dht = None
+    if dC is not None or dn is not None:
+        N = seg_count(seg, B)
+        dCz = dC if dC is not None else torch.zeros(N, H, k.shape[-1], V, dtype=acc, device=q.device)
+        dht = torch.cat([dCz, (dn if dn is not None else dCz.new_zeros(N, H, k.shape[-1]))[..., None]], -1)
+        dht = dht.to(acc).contiguous()
+    dq, dk, dv, dlogf, dh0 = chunk_simple_gla_bwd(q, k, v_in.contiguous(), gt.gq, opts.scale, h0, do.contiguous(), dht,
+                                                  opts.chunk_size, varlen, gk_cum=gt.gk, gb=gt.gb)
+    if opts.aug:
+        dv = dv[..., :V]
+    dig = (k.to(acc) * dk).sum(-1).double()  # e^{ig_s} scales every use of k_s
+    dlogf = dlogf.double()
+    dC0 = dn0 = dm0 = None
+    if dh0 is not None:
+        dC0 = dh0[..., :V] if opts.aug else dh0
+        dn0 = dh0[..., V] if opts.aug else None
+    if opts.input_gate == "exp":
+        # the m path: dm_t = -eps (dh_t . h_t) / den_t, plus the returned final m and states' scaling
+        dM = -opts.eps * s.double() / dd.double()
+        if final is not None and (dC is not None or dn is not None or dm is not None):
+            dmT = dm.double() if dm is not None else torch.zeros_like(final[2], dtype=torch.float64)
+            if dC is not None:
+                dmT = dmT - (dC.double() * final[0].double()).sum((-2, -1))
+            if dn is not None:
+                dmT = dmT - (dn.double() * final[1].double()).sum(-1)
+            last = torch.zeros_like(dM)
+            if seg.cu is None:
+                last[:, -1] = dmT
+            else:
+                lens = seg.cu[1:] - seg.cu[:-1]
+                ends = (seg.cu[1:] - 1).clamp(min=0)
+                # (an empty sequence adds 0 at a neighbour's end: exact in any order)
+                last[0].index_put_((ends,), torch.where(lens[:, None] > 0, dmT, torch.zeros_like(dmT)),
+                                   accumulate=True)
+            dM = dM + last
+        da, dm0_max = _argmax_grad(dM, gt.idx, seg)  # a_s = ig_s - F_s
+        dig = dig + da
+        dlogf = dlogf + seg.rev_cumsum(dM - da)  # m_t = F_t + M_t; a_s = ig_s - F_s
+        dm0 = dm0_max
+        if dh0 is not None:  # the initial state is stabilized by m_0: C~_0 = e^{m_0} C_0
+            dm0 = dm0 + (dh0.double() * h0.double()).sum((-2, -1))
+        if seg.cu is not None:  # an empty sequence passes its m_0 straight to its final m
+            lens = seg.cu[1:] - seg.cu[:-1]
+            if dm is not None:
+                dm0 = dm0 + torch.where(lens[:, None] == 0, dm.double(), torch.zeros_like(dm0))
+        di = dig
+    else:
+        di = dig * torch.sigmoid(-i.double())
+    df = dlogf * torch.sigmoid(-f.double())
+    return dq, dk, dv, di, df, dC0, dn0, dm0
+
+
+class ChunkMLSTMFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, i, f, C0, n0, m0, varlen, opts: MLSTMOptions):
+        h, final, den = chunk_mlstm_fwd(q, k, v, i, f, C0, n0, m0, opts, varlen)
+        ctx.save_for_backward(q, k, v, i, f, C0, n0, m0, h, den,
+                              *(final if final is not None and opts.input_gate == "exp" else ()))
+        ctx.varlen, ctx.opts = varlen, opts
+        if final is None:
+            return h, None, None, None
+        if opts.input_gate == "exp":
+            return h, final[0], final[1], final[2]
+        return h, final[0], final[1], None
+
+    @staticmethod
+    def backward(ctx, dh, dC, dn, dm):
+        opts = ctx.opts
+        q, k, v, i, f, C0, n0, m0, h, den, *final = ctx.saved_tensors
+        if dh is None:
+            dh = torch.zeros_like(v)
+        _check_cotangent("h", dh, v.shape, v.dtype)
+        dq, dk, dv, di, df, dC0, dn0, dm0 = chunk_mlstm_bwd(
+            q, k, v, i, f, C0, n0, m0, h, den, tuple(final) if final else None, dh.contiguous(), dC, dn, dm,
+            opts, ctx.varlen)
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), di.to(i.dtype), df.to(f.dtype),
+                dC0.to(C0.dtype) if (C0 is not None and dC0 is not None) else None,
+                dn0.to(n0.dtype) if (n0 is not None and dn0 is not None) else None,
+                dm0.to(m0.dtype) if (m0 is not None and dm0 is not None) else None, None, None)
+
+
+def _check(q, k, v, i, f, input_gate, normalize, eps, scale, initial_state, cu_seqlens, chunk_size):
+    B, T, H, _, K, V = check_qkv(q, k, v, grouped=False)
+    if input_gate not in INPUT_GATES:
+        raise ValueError(f"`input_gate` must be one of {INPUT_GATES}, got {input_gate!r}")
+    if input_gate == "exp" and not normalize:
+        raise ValueError("`normalize=False` needs input_gate='sigmoid': the exponential gate's output is "
+                         "only defined with its normalizer (it depends on the max state otherwise)")
+    if not isinstance(eps, (int, float)) or eps < 0 or not math.isfinite(eps):
+        raise ValueError(f"`eps` must be a finite float >= 0, got {eps!r}")
+    for name, g in (("i", i), ("f", f)):
+        if not isinstance(g, torch.Tensor) or tuple(g.shape) != (B, T, H):
+            raise ValueError(f"`{name}` must be the gate pre-activation per token and head, shape [B, T, H] = "
+                             f"{(B, T, H)}, got {tuple(g.shape) if isinstance(g, torch.Tensor) else type(g).__name__}")
+        check_tensor(name, g, 3)
+        if not g.is_floating_point():
+            raise TypeError(f"`{name}` must be a float tensor, got {g.dtype}")
+    N = B if cu_seqlens is None else (cu_seqlens.numel() - 1 if isinstance(cu_seqlens, torch.Tensor) else B)
+    names = ("C", "n", "m") if input_gate == "exp" else ("C", "n")
+    shapes = ((N, H, K, V), (N, H, K), (N, H))
+    if initial_state is not None:
+        if not isinstance(initial_state, (tuple, list)) or len(initial_state) != len(names):
+            raise ValueError(f"`initial_state` must be the tuple ({', '.join(names)}) for input_gate="
+                             f"{input_gate!r}, with shapes {shapes[:len(names)]}")
+        for name, x, shp in zip(names, initial_state, shapes):
+            if not isinstance(x, torch.Tensor) or tuple(x.shape) != shp:
+                raise ValueError(f"`initial_state` {name} must have shape {shp}, got "
+                                 f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+            if not x.is_floating_point():
+                raise TypeError(f"`initial_state` {name} must be floating point, got {x.dtype}")
+            if x.device != q.device:
+                raise ValueError(f"`initial_state` {name} is on {x.device} but `q` is on {q.device}")
+    check_common(q, (("q", q), ("k", k), ("v", v), ("i", i), ("f", f)), scale, None, cu_seqlens, chunk_size,
+                 (H, K, V), "H, K, V")
+
+
+def chunk_mlstm(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    i: torch.Tensor,
+    f: torch.Tensor,
+    *,
+    input_gate: str = "exp",
+    normalize: bool = True,
+    eps: float = 1e-6,
+    scale: float | None = None,
+    initial_state: tuple[torch.Tensor, ...] | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.LongTensor | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+):
+    r"""The mLSTM, chunkwise on tfla's two-level engine (TFLA paper, Sections 2-4; mlstm_kernels'
+    semantics, tfla's ``[B, T, H, K]`` layout).
+
+    Args:
+        q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; fp32, fp16 or bf16 (all the same dtype).
+        i, f: input and forget gate pre-activations ``[B, T, H]`` (any float dtype; used in fp32/float64).
+        input_gate: ``"exp"`` (xLSTM's exponential gate, stabilized by the max state m) or ``"sigmoid"``
+            (mLSTMsig: log sigmoid input gate, no max state).
+        normalize: divide by ``max(|scale n_t . q_t|, e^{-m_t}) + eps`` ("exp"; required) or
+            ``max(|scale n_t . q_t|, 1) + eps`` ("sigmoid"); ``normalize=False`` (sigmoid only) returns
+            the plain gated product (the paper's mLSTMsig without normalizer).
+        eps: added to the normalizer (default 1e-6, as mlstm_kernels).
+        scale: ``q . k`` scale, default ``K ** -0.5``.
+        initial_state: ``(C [N, H, K, V], n [N, H, K], m [N, H])`` for "exp", ``(C, n)`` for "sigmoid"
+            (C, n stabilized by m as in mlstm_kernels); N = B, or the number of sequences with cu_seqlens.
+        output_final_state: also return the final state (same structure, fp32).
+        cu_seqlens: ``[N + 1]`` offsets of packed sequences (B = 1); each starts from its initial state.
+        chunk_size: outer chunk L in {64, 128, 256, 512}.
+
+    Returns ``(h [B, T, H, V] in v's dtype, final_state or None)``; differentiable in q, k, v, i, f and
+    the initial state (m included).
+
+    Raises ValueError/TypeError naming the argument for wrong shapes or dtypes, an unknown input gate,
+    ``normalize=False`` with the exponential gate, negative eps, unsupported sizes or devices.
+    """
+    _check(q, k, v, i, f, input_gate, normalize, eps, scale, initial_state, cu_seqlens, chunk_size)
+    B, T, H, K = q.shape
+    varlen = None
+    if cu_seqlens is not None:
+        varlen = VarlenIndex.build(cu_seqlens, chunk_size)
+        check_varlen_bounds(varlen.bounds, T)
+    if scale is None:
+        scale = K ** -0.5
+    opts = MLSTMOptions(input_gate, bool(normalize), float(eps), float(scale), int(chunk_size),
+                        bool(output_final_state),
+                        aug=bool(normalize or output_final_state or initial_state is not None))
+    C0 = n0 = m0 = None
+    if initial_state is not None:
+        C0, n0 = initial_state[0].contiguous(), initial_state[1].contiguous()
+        m0 = initial_state[2].contiguous() if input_gate == "exp" else None
+    q, k, v, i, f = (x.contiguous() for x in (q, k, v, i, f))
+    h, C, n, m = ChunkMLSTMFunction.apply(q, k, v, i, f, C0, n0, m0, varlen, opts)
+    if not output_final_state:
+        return h, None
+    return h, ((C, n, m) if input_gate == "exp" else (C, n))
