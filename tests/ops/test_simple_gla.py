@@ -1,12 +1,16 @@
 """Linear attention with scalar / constant / no decay (chunk_simple_gla, chunk_retention,
-chunk_linear_attn) against the float64 recurrence: output, final state and every gradient."""
+chunk_linear_attn, normalized or not) against the float64 recurrence: output, final state and every gradient."""
 import pytest
 import torch
 import torch.nn.functional as F
 
 import tfla
 from tfla.bench.inputs import random_cu_seqlens
-from tfla.ops.simple_gla.reference import recurrent_simple_gla_ref, retention_log_decay
+from tfla.ops.simple_gla.reference import (
+    recurrent_linear_attn_ref,
+    recurrent_simple_gla_ref,
+    retention_log_decay,
+)
 from tfla.utils.testing import assert_rel_close
 
 FP32_TOL = 1e-5
@@ -105,8 +109,124 @@ def test_linear_attn_matches_no_decay(device):
     o, _ = tfla.chunk_linear_attn(x["q"], x["k"], x["v"], normalize=False)
     ro, _ = recurrent_simple_gla_ref(*(x[n].cpu().double() for n in ("q", "k", "v")))
     assert_rel_close("o", o.cpu(), ro, FP32_TOL)
-    with pytest.raises(NotImplementedError, match="normalize"):
-        tfla.chunk_linear_attn(x["q"], x["k"], x["v"])  # FLA's default normalize=True: not yet
+
+
+def _la_inputs(B, T, H, K, V, dtype, device, seed, num_seqs=None):
+    """Positive feature maps (elu + 1), the inputs normalized linear attention is used with: the
+    denominators scale q_t . z_t stay positive, so the relative errors measure the kernels, not a pole."""
+    gen = torch.Generator().manual_seed(seed)
+    N = num_seqs or B
+    x = {"q": F.elu(torch.randn(B, T, H, K, generator=gen)) + 1,
+         "k": (F.elu(torch.randn(B, T, H, K, generator=gen)) + 1) * K ** -0.5,
+         "v": torch.randn(B, T, H, V, generator=gen),
+         "h0": torch.randn(N, H, K, V, generator=gen) * 0.5,
+         "z0": (F.elu(torch.randn(N, 1, H, K, generator=gen)) + 1) * 4 * K ** -0.5}
+    return {n: t.to(device=device, dtype=dtype) for n, t in x.items()}
+
+
+def _check_la(device, B, T, H, K, V, L, seed=0, cu=None, num_seqs=None, init="tuple", final=True,
+              dtype=torch.float32, tol=FP32_TOL, default_args=False):
+    """chunk_linear_attn(normalize=True) vs the float64 recurrence: o, final S, z_state and the gradients
+    of q, k, v and each initial state given, with random cotangents for every output.
+    init: "tuple" (S_0, z_0) | "kv" (a plain S_0 tensor: z_0 = 0) | "z" ((None, z_0)) | None."""
+    x = _la_inputs(B, T, H, K, V, dtype, device, seed, num_seqs)
+    names = ["q", "k", "v"] + {"tuple": ["h0", "z0"], "kv": ["h0"], "z": ["z0"], None: []}[init]
+    leaves = {n: x[n].clone().requires_grad_() for n in names}
+
+    def state(d):
+        return {"tuple": lambda: (d["h0"], d["z0"]), "kv": lambda: d["h0"], "z": lambda: (None, d["z0"]),
+                None: lambda: None}[init]()
+
+    kw = {} if default_args else {"initial_state": state(leaves), "output_final_state": final, "normalize": True,
+                                  "cu_seqlens": cu, "chunk_size": L}
+    o, (s, z) = tfla.chunk_linear_attn(leaves["q"], leaves["k"], leaves["v"], **kw)
+    N = num_seqs or B
+    assert o.dtype == dtype and z.dtype == dtype and z.shape == (N, 1, H, K)
+    assert (s is None) == (not final or default_args)
+    gen = torch.Generator().manual_seed(seed + 1)
+    do = torch.randn(o.shape, generator=gen).to(device=device, dtype=o.dtype)
+    dz = torch.randn(z.shape, generator=gen).to(device=device, dtype=z.dtype)
+    loss = (o * do).sum() + (z * dz).sum()
+    if s is not None:
+        dht = torch.randn(s.shape, generator=gen).to(device=device, dtype=s.dtype)
+        loss = loss + (s * dht).sum()
+    got = torch.autograd.grad(loss, list(leaves.values()))
+    ref_leaves = {n: t.detach().cpu().double().requires_grad_() for n, t in leaves.items()}
+    ro, (rs, rz) = recurrent_linear_attn_ref(ref_leaves["q"], ref_leaves["k"], ref_leaves["v"],
+                                             initial_state=None if default_args else state(ref_leaves),
+                                             output_final_state=True, normalize=True,
+                                             cu_seqlens=cu.cpu() if cu is not None else None)
+    rloss = (ro * do.cpu().double()).sum() + (rz * dz.cpu().double()).sum()
+    if s is not None:
+        rloss = rloss + (rs * dht.cpu().double()).sum()
+    ref = torch.autograd.grad(rloss, list(ref_leaves.values()))
+    assert_rel_close("o", o.detach().cpu(), ro, tol)
+    assert_rel_close("z_state", z.detach().cpu(), rz, tol)
+    if s is not None:
+        assert_rel_close("final_state", s.detach().cpu(), rs, tol)
+    for name, a, b in zip(names, got, ref):
+        assert_rel_close(f"d{name}", a.cpu(), b, tol)
+
+
+@pytest.mark.parametrize("B,T,H,K,V,L", [(2, 1, 1, 32, 32, 64), (1, 63, 2, 32, 16, 64), (1, 130, 1, 16, 32, 128),
+                                         (1, 100, 1, 20, 24, 64)])
+def test_linear_attn_normalized_fp32(device, poison_empty, B, T, H, K, V, L):
+    _check_la(device, B, T, H, K, V, L, seed=T + L)
+
+
+@pytest.mark.parametrize("init,final", [("kv", True), ("z", False), (None, True)])
+def test_linear_attn_normalized_states(device, init, final):
+    """A plain tensor initial_state means z_0 = 0 (as in FLA); (None, z_0) carries only the key sum;
+    z_state comes back even without output_final_state (FLA returns (None, z_state))."""
+    _check_la(device, 1, 70, 2, 16, 16, 64, seed=11, init=init, final=final)
+
+
+def test_linear_attn_normalize_is_the_default(device):
+    _check_la(device, 1, 90, 1, 16, 16, 64, seed=7, init=None, default_args=True)
+
+
+@pytest.mark.parametrize("cu_list", [None, [0, 30, 30, 77, 150]])
+def test_linear_attn_normalized_varlen(device, cu_list):
+    """z restarts from z_0[n] per sequence; an empty sequence keeps its z_0 (as in FLA)."""
+    cu = (torch.tensor(cu_list, device=device) if cu_list is not None
+          else random_cu_seqlens(150, 4, seed=12, device=device))
+    _check_la(device, 1, 150, 2, 16, 16, 64, seed=12, cu=cu, num_seqs=4)
+
+
+def test_linear_attn_normalized_float64_exact(device):
+    if device == "cuda":
+        pytest.skip("float64 verification runs through the interpreter")
+    _check_la(device, 1, 100, 1, 16, 16, 64, seed=13, dtype=torch.float64, tol=1e-12)
+
+
+def test_linear_attn_normalized_chains(device):
+    """(S, z_state) of one call continues the next: two halves equal the whole sequence."""
+    x = _la_inputs(1, 100, 2, 16, 16, torch.float32, device, 14)
+    q, k, v = x["q"], x["k"], x["v"]
+    o, (s, z) = tfla.chunk_linear_attn(q, k, v, initial_state=(x["h0"], x["z0"]), output_final_state=True)
+    o1, st = tfla.chunk_linear_attn(q[:, :37], k[:, :37], v[:, :37], initial_state=(x["h0"], x["z0"]),
+                                    output_final_state=True)
+    o2, (s2, z2) = tfla.chunk_linear_attn(q[:, 37:], k[:, 37:], v[:, 37:], initial_state=st, output_final_state=True)
+    assert_rel_close("o", torch.cat([o1, o2], 1).cpu(), o.cpu().double(), FP32_TOL)
+    assert_rel_close("final_state", s2.cpu(), s.cpu().double(), FP32_TOL)
+    assert_rel_close("z_state", z2.cpu(), z.cpu().double(), FP32_TOL)
+
+
+def test_linear_attn_bad_input(device):
+    x = _la_inputs(1, 40, 2, 16, 16, torch.float32, device, 15)
+    q, k, v, h0, z0 = x["q"], x["k"], x["v"], x["h0"], x["z0"]
+    with pytest.raises(ValueError, match="tuple `initial_state` is for normalize=True"):
+        tfla.chunk_linear_attn(q, k, v, initial_state=(h0, z0), normalize=False)
+    with pytest.raises(ValueError, match="tuple of 3"):
+        tfla.chunk_linear_attn(q, k, v, initial_state=(h0, z0, z0))
+    with pytest.raises(ValueError, match=r"z_state\)` must have 4 dims"):
+        tfla.chunk_linear_attn(q, k, v, initial_state=(h0, z0[:, 0]))
+    with pytest.raises(ValueError, match=r"z_state\) must have shape"):
+        tfla.chunk_linear_attn(q, k, v, initial_state=(h0, z0[:, :, :1]))
+    with pytest.raises(TypeError, match=r"z_state\)` dtype"):
+        tfla.chunk_linear_attn(q, k, v, initial_state=(h0, z0.double()))
+    with pytest.raises(ValueError, match="`initial_state` must have shape"):
+        tfla.chunk_linear_attn(q, k, v, initial_state=(h0[:, :1], z0))
 
 
 def test_simple_gla_bad_input(device):

@@ -289,7 +289,7 @@ def chunk_linear_attn(
         return chunk_simple_gla(q, k, v, scale=scale, initial_state=kv_init, output_final_state=output_final_state,
                                 cu_seqlens=cu_seqlens, chunk_size=chunk_size)
     _check(q, k, v, None, None, scale, kv_init, cu_seqlens, chunk_size)  # before z_init's check, which needs q
-    B, T, H, K = q.shape
+    B, _, H, K = q.shape
     if z_init is not None:
         N = B if cu_seqlens is None else cu_seqlens.numel() - 1
         check_tensor("initial_state[1] (z_state)", z_init, 4)
