@@ -154,7 +154,8 @@ def _chunk_tiled_kernel(
         b_o = tl.dot(b_a, b_st, input_precision=DOT_PREC)  # [BQ, BC]
         if USE_G:
             if HAS_GB:  # the state's own stabilizer: the gate of the row before the outer chunk
-                b_o *= tl.exp2(b_gq - tl.load(gb + (bos + i_ch * BT) * HV + i_hv))[:, None]
+                b_gs = b_gq - tl.load(gb + (bos + i_ch * BT) * HV + i_hv)
+                b_o *= tl.exp2(tl.where(m_tq, b_gs, float("-inf")))[:, None]
             else:
                 b_o *= tl.exp2(b_gq)[:, None]
     else:

@@ -482,7 +482,8 @@ def _gdn_wy_bwd_kernel(
         else:
             b_gam = tl.where(m_t, tl.load(p_g + o_t * HV, mask=m_t, other=0.0) - b_gc, 0.0)  # local cumulative gate
         b_gn = tl.load(p_g + (tl.minimum(t0 + BS, T) - 1) * HV) - b_gc
-        b_eg = tl.exp2(tl.where(m_t, b_gam, float("-inf")))  # 2^(g_r)
+        if DELTA:
+            b_eg = tl.exp2(tl.where(m_t, b_gam, float("-inf")))  # 2^(g_r)
         b_en = tl.exp2(tl.where(m_t, b_gn - b_gam, float("-inf")))  # 2^(g_n - g_r)
     else:
         b_eg = tl.where(m_t, 1.0, 0.0)
