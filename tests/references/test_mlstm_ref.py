@@ -22,10 +22,10 @@ REGIMES = {"typical": (0.0, 3.0, 3.0), "i_pos40": (40.0, 1.0, 3.0), "i_neg40": (
 def _inputs(B, T, H, K, V, regime="typical", seed=0, N=None):
     g = torch.Generator().manual_seed(seed)
     i_mean, i_std, f_mean = REGIMES[regime]
-    x = dict(q=torch.randn(B, T, H, K, generator=g, dtype=D), k=torch.randn(B, T, H, K, generator=g, dtype=D),
-             v=torch.randn(B, T, H, V, generator=g, dtype=D),
-             i=i_mean + i_std * torch.randn(B, T, H, generator=g, dtype=D),
-             f=f_mean + torch.randn(B, T, H, generator=g, dtype=D))
+    x = {"q": torch.randn(B, T, H, K, generator=g, dtype=D), "k": torch.randn(B, T, H, K, generator=g, dtype=D),
+         "v": torch.randn(B, T, H, V, generator=g, dtype=D),
+         "i": i_mean + i_std * torch.randn(B, T, H, generator=g, dtype=D),
+         "f": f_mean + torch.randn(B, T, H, generator=g, dtype=D)}
     N = B if N is None else N
     x["state"] = (torch.randn(N, H, K, V, generator=g, dtype=D), torch.randn(N, H, K, generator=g, dtype=D),
                   torch.randn(N, H, generator=g, dtype=D))
@@ -47,8 +47,8 @@ def _args(x):
 @pytest.mark.parametrize("regime", list(REGIMES))
 def test_recurrence_equals_parallel(input_gate, normalize, h0, regime):
     x = _inputs(2, 37, 3, 8, 6, regime, seed=zlib.crc32(f"{input_gate}{normalize}{h0}{regime}".encode()) % 1000)
-    opts = dict(input_gate=input_gate, normalize=normalize, initial_state=_state(x, input_gate, h0),
-                output_final_state=True)
+    opts = {"input_gate": input_gate, "normalize": normalize, "initial_state": _state(x, input_gate, h0),
+            "output_final_state": True}
     h, s = recurrent_mlstm_ref(*_args(x), **opts)
     hp, sp = parallel_mlstm_ref(*_args(x), **opts)
     assert_rel_close("h", hp, h, 1e-12)
@@ -150,10 +150,10 @@ def test_step_dtypes_and_zero_state():
 
 def _step_inputs(B=2, H=3, K=4, V=5):
     g = torch.Generator().manual_seed(0)
-    return dict(q=torch.randn(B, H, K, generator=g), k=torch.randn(B, H, K, generator=g),
-                v=torch.randn(B, H, V, generator=g), i=torch.randn(B, H, generator=g),
-                f=torch.randn(B, H, generator=g),
-                state=(torch.zeros(B, H, K, V), torch.zeros(B, H, K), torch.zeros(B, H)))
+    return {"q": torch.randn(B, H, K, generator=g), "k": torch.randn(B, H, K, generator=g),
+            "v": torch.randn(B, H, V, generator=g), "i": torch.randn(B, H, generator=g),
+            "f": torch.randn(B, H, generator=g),
+            "state": (torch.zeros(B, H, K, V), torch.zeros(B, H, K), torch.zeros(B, H))}
 
 
 @pytest.mark.parametrize("change,opts,exc,match", [
@@ -229,7 +229,9 @@ def test_step_equals_mk_native_step(mk):
 
 @pytest.mark.parametrize("regime", list(REGIMES))
 def test_recurrence_equals_mk_native_sequence(mk, regime):
-    from mlstm_kernels.torch.recurrent.native_sequence import mlstm_recurrent_sequence__native_fw
+    from mlstm_kernels.torch.recurrent.native_sequence import (
+        mlstm_recurrent_sequence__native_fw,
+    )
     x = _inputs(2, 33, 3, 8, 6, regime, seed=4)
     C0, n0, m0 = x["state"]
     h, s = recurrent_mlstm_ref(*_args(x), initial_state=x["state"], output_final_state=True)
@@ -248,7 +250,7 @@ def test_recurrence_equals_mk_native_chunkwise(mk, regime, h0):
     x = _inputs(2, 64, 2, 8, 6, regime, seed=6)
     s0 = _state(x, "exp", h0)
     h, s = recurrent_mlstm_ref(*_args(x), initial_state=s0, output_final_state=True)
-    init = dict(c_initial=s0[0], n_initial=s0[1], m_initial=s0[2][..., None]) if h0 else {}
+    init = {"c_initial": s0[0], "n_initial": s0[1], "m_initial": s0[2][..., None]} if h0 else {}
     hm, (Cm, nm, mm) = mk.get_mlstm_kernel("chunkwise--native_autograd")(
         *map(_hf, _args(x)), **init, return_last_states=True, chunk_size=16)
     assert_rel_close("h", _hf(h), hm, 1e-12)

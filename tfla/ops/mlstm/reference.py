@@ -22,6 +22,8 @@ Both compute in float32, or float64 when q is float64 (tests pass float64), and 
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 
@@ -65,10 +67,10 @@ def _zero_state(q, v, input_gate, N):
 def _over_sequences(fn, q, k, v, i, f, initial_state, output_final_state, cu_seqlens, **opts):
     """Run ``fn`` on each ``cu_seqlens`` sequence from its own initial state; concatenate along T / N."""
     bounds = [int(b) for b in cu_seqlens.tolist()]
-    if bounds[0] != 0 or bounds[-1] != q.shape[1] or any(b1 < b0 for b0, b1 in zip(bounds[:-1], bounds[1:])):
+    if bounds[0] != 0 or bounds[-1] != q.shape[1] or any(b1 < b0 for b0, b1 in itertools.pairwise(bounds)):
         raise ValueError(f"`cu_seqlens` must be non-decreasing from 0 to T={q.shape[1]}, got {bounds}")
     hs, finals = [], []
-    for n, (b0, b1) in enumerate(zip(bounds[:-1], bounds[1:])):
+    for n, (b0, b1) in enumerate(itertools.pairwise(bounds)):
         s0 = tuple(x[n:n + 1] for x in initial_state) if initial_state is not None else None
         h_n, s_n = fn(q[:, b0:b1], k[:, b0:b1], v[:, b0:b1], i[:, b0:b1], f[:, b0:b1],
                       initial_state=s0, output_final_state=True, **opts)
@@ -102,7 +104,7 @@ def recurrent_mlstm_ref(
     Raises ValueError/TypeError naming the argument (see ``check_mlstm_options``, ``check_mlstm_state``).
     """
     _check_inputs(q, k, v, i, f, input_gate, normalize, eps, scale, initial_state, cu_seqlens)
-    opts = dict(input_gate=input_gate, normalize=normalize, eps=eps, scale=scale)
+    opts = {"input_gate": input_gate, "normalize": normalize, "eps": eps, "scale": scale}
     if cu_seqlens is not None:
         return _over_sequences(recurrent_mlstm_ref, q, k, v, i, f, initial_state, output_final_state,
                                cu_seqlens, **opts)
@@ -140,7 +142,7 @@ def parallel_mlstm_ref(
     """Quadratic (T x T) mLSTM with the row-max-stabilized gate matrix D plus the initial-state column
     (module docstring). Same arguments, returns and errors as ``recurrent_mlstm_ref``; O(T^2) memory."""
     _check_inputs(q, k, v, i, f, input_gate, normalize, eps, scale, initial_state, cu_seqlens)
-    opts = dict(input_gate=input_gate, normalize=normalize, eps=eps, scale=scale)
+    opts = {"input_gate": input_gate, "normalize": normalize, "eps": eps, "scale": scale}
     if cu_seqlens is not None:
         return _over_sequences(parallel_mlstm_ref, q, k, v, i, f, initial_state, output_final_state,
                                cu_seqlens, **opts)
