@@ -1,0 +1,1 @@
+"""Drop-in adapters that give tfla ops the names, keywords and layouts of other kernel libraries."""
