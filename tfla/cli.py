@@ -1,4 +1,5 @@
-"""``tfla`` command line: ``tfla bench gdn [options]`` (also ``python -m tfla bench gdn``).
+"""``tfla`` command line: ``tfla bench gdn [options]`` (also ``python -m tfla bench gdn``), and
+``tfla bench linear-attn``, ``tfla bench mlstm``.
 
 On a machine without a CUDA GPU the kernels run through Triton's CPU interpreter on a small
 default workload, so the command always runs; on a GPU the default workload is the proposal's
@@ -20,7 +21,7 @@ def _use_interpreter_without_gpu() -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from tfla.bench import gdn
+    from tfla.bench import gdn, linear_attn, mlstm
 
     parser = argparse.ArgumentParser(prog="tfla", description="Tiled Flash Linear Attention kernels")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -30,6 +31,14 @@ def build_parser() -> argparse.ArgumentParser:
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     gdn.add_arguments(p_gdn)
     p_gdn.set_defaults(run=gdn.main)
+    p_la = bench_sub.add_parser("linear-attn", help="linear attention, decay none/constant/scalar/vector, vs FLA",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    linear_attn.add_arguments(p_la)
+    p_la.set_defaults(run=linear_attn.main)
+    p_mlstm = bench_sub.add_parser("mlstm", help="mLSTM, exp and sigmoid input gate (chunk_mlstm), vs mlstm_kernels",
+                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    mlstm.add_arguments(p_mlstm)
+    p_mlstm.set_defaults(run=mlstm.main)
     return parser
 
 

@@ -81,3 +81,64 @@ def random_cu_seqlens(T: int, num_seqs: int, seed: int = 0, device="cpu") -> tor
     cuts = torch.randperm(T - 1, generator=gen)[: num_seqs - 1] + 1
     bounds = [0] + sorted(cuts.tolist()) + [T]
     return torch.tensor(bounds, dtype=torch.int64, device=device)
+
+
+DECAY_KINDS = ("none", "constant", "scalar", "vector")
+
+
+def linear_attn_inputs(
+    B: int,
+    T: int,
+    H: int,
+    K: int,
+    V: int,
+    kind: str = "scalar",
+    dtype: torch.dtype = torch.bfloat16,
+    device: str | torch.device = "cpu",
+    gate: str = "default",
+    gate_dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+) -> dict:
+    """Random inputs for linear attention with decay ``kind``: dict with q, k, v [B, T, H, K|V] (keys
+    L2-normalised) and g: None for "none" (no decay) and "constant" (the op's fixed per-head decay),
+    the log decay ``[B, T, H]`` for "scalar" (simple GLA), ``[B, T, H, K]`` for "vector" (GLA), drawn
+    from the ``gate`` regime in ``gate_dtype``."""
+    if kind not in DECAY_KINDS:
+        raise ValueError(f"kind must be one of {DECAY_KINDS}, got {kind!r}")
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, H, K, generator=gen)
+    k = F.normalize(torch.randn(B, T, H, K, generator=gen), p=2, dim=-1)
+    v = torch.randn(B, T, H, V, generator=gen)
+    g = None
+    if kind == "scalar":
+        g = _gate(gate, (B, T, H), gen)
+    elif kind == "vector":
+        g = _gate(gate, (B, T, H, K), gen)
+    out = {"q": q.to(dtype), "k": k.to(dtype), "v": v.to(dtype), "g": g.to(gate_dtype) if g is not None else None}
+    return {name: (x.to(device) if x is not None else None) for name, x in out.items()}
+
+
+def mlstm_inputs(
+    B: int,
+    T: int,
+    H: int,
+    K: int,
+    V: int,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str | torch.device = "cpu",
+    gate_dtype: torch.dtype | None = None,
+    seed: int = 0,
+) -> dict:
+    """Random mLSTM inputs: dict with q, k [B, T, H, K], v [B, T, H, V] ~ N(0, 1) in ``dtype`` and the
+    gate pre-activations i ~ N(0, 1), f ~ N(3, 1) [B, T, H] (a mostly open forget gate, as xLSTM's
+    forget-gate bias initialisation) in ``gate_dtype`` (default: ``dtype``, as mlstm_kernels'
+    benchmarks pass them)."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, H, K, generator=gen)
+    k = torch.randn(B, T, H, K, generator=gen)
+    v = torch.randn(B, T, H, V, generator=gen)
+    i = torch.randn(B, T, H, generator=gen)
+    f = torch.randn(B, T, H, generator=gen) + 3.0
+    gd = gate_dtype or dtype
+    out = {"q": q.to(dtype), "k": k.to(dtype), "v": v.to(dtype), "i": i.to(gd), "f": f.to(gd)}
+    return {name: x.to(device) for name, x in out.items()}

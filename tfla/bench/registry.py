@@ -2,14 +2,22 @@
 own Triton kernel (``FLA_FLASH_QLA=0``) and FlashQLA, the last two only when installed.
 
 Every entry takes the input dict of ``tfla.bench.inputs.gdn_inputs`` and returns ``(o, final_state)``.
+
+Below them, ``OpImpl`` entries for ``tfla bench linear-attn`` (tfla vs FLA, decay none / constant /
+scalar / vector) and ``tfla bench mlstm`` (tfla vs mlstm_kernels): each maps an input dict in its own
+layout to the output o, and says why when it cannot run here.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.metadata
+import math
 import os
 from dataclasses import dataclass
 from typing import Callable
+
+import torch
 
 
 @dataclass
@@ -87,5 +95,186 @@ def gdn_impls(chunk_sizes=(64, 128, 256, 512), peers=("fla", "flashqla")) -> tup
         if impl is None:
             missing.append(peer)
         else:
+            impls.append(impl)
+    return impls, missing
+
+
+# ----------------------------------------------------------------------------------------------
+# Linear attention (decay none / constant / scalar / vector) and mLSTM: ``tfla bench linear-attn``,
+# ``tfla bench mlstm``. Every entry maps a dict of inputs in its own layout to the output o.
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class OpImpl:
+    name: str
+    fn: Callable | None           # fn(x: dict) -> o, x and o in the entry's layout; None when unavailable
+    chunk_size: int | None
+    version: str
+    note: str = ""
+    unavailable: str | None = None  # why it cannot run here ("not implemented: ...", "not available: ...")
+    head_first: bool = False        # inputs/outputs [B, H, T, ...] (mlstm_kernels), else [B, T, H, ...]
+    crash_probe: bool = False       # may kill the process while compiling: try it in a subprocess first
+    kernel: str | None = None       # peer kernel name (mlstm_kernels registry key)
+    input_gate: str | None = None   # mLSTM input gate of the entry ("exp" | "sigmoid")
+
+
+@contextlib.contextmanager
+def fla_flash_qla_off():
+    """Pin ``FLA_FLASH_QLA=0`` (FLA reads it at call time) so FLA's own Triton kernels run."""
+    old = os.environ.get("FLA_FLASH_QLA")
+    os.environ["FLA_FLASH_QLA"] = "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("FLA_FLASH_QLA", None)
+        else:
+            os.environ["FLA_FLASH_QLA"] = old
+
+
+def find_tfla_op(name: str, modules: tuple[str, ...] = ()) -> tuple[Callable | None, str | None]:
+    """``tfla.<name>``, else the first of ``modules`` that defines it; ``(fn, None)`` or ``(None, why)``.
+    Imported lazily: ops still being written show up as unavailable instead of failing the benchmark."""
+    import tfla
+
+    try:
+        return getattr(tfla, name), None
+    except Exception as e:  # not exported yet, or its module fails to import
+        why = f"{type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}"
+    for mod in modules:
+        try:
+            fn = getattr(importlib.import_module(mod), name, None)
+        except Exception as e:
+            why = f"{mod}: {type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}"
+            continue
+        if fn is not None:
+            return fn, None
+    return None, why
+
+
+LINEAR_ATTN_OPS = {  # kind -> (tfla op, modules to look in, FLA module, FLA op)
+    "none": ("chunk_linear_attn", (), "fla.ops.linear_attn", "chunk_linear_attn"),
+    "constant": ("chunk_retention", (), "fla.ops.retention", "chunk_retention"),
+    "scalar": ("chunk_simple_gla", (), "fla.ops.simple_gla", "chunk_simple_gla"),
+    "vector": ("chunk_gla", ("tfla.ops.gla",), "fla.ops.gla", "chunk_gla"),
+}
+
+
+def _linear_attn_call(op, kind: str, x: dict, **kw):
+    q, k, v = x["q"], x["k"], x["v"]
+    if kind == "none":
+        return op(q, k, v, normalize=False, **kw)[0]
+    if kind == "constant":
+        return op(q, k, v, **kw)[0]
+    return op(q, k, v, g=x["g"], **kw)[0]
+
+
+def tfla_linear_attn_impl(kind: str, chunk_size: int) -> OpImpl:
+    name, modules, _, _ = LINEAR_ATTN_OPS[kind]
+    op, why = find_tfla_op(name, modules)
+    impl = OpImpl(f"tfla L={chunk_size}", None, chunk_size, _version("tfla"), note=f"tfla.{name}")
+    if op is None:
+        impl.unavailable, impl.note = f"not implemented (tfla.{name})", f"tfla.{name} missing: {why}"
+        return impl
+    impl.fn = lambda x: _linear_attn_call(op, kind, x, chunk_size=chunk_size)
+    return impl
+
+
+def fla_linear_attn_impl(kind: str) -> OpImpl | None:
+    """FLA's Triton op for ``kind`` at its default chunk size 64, ``FLA_FLASH_QLA=0`` pinned; None when
+    FLA is not installed or does not import here."""
+    _, _, mod, name = LINEAR_ATTN_OPS[kind]
+    try:
+        op = getattr(importlib.import_module(mod), name)
+    except Exception:
+        return None
+
+    def fn(x):
+        with fla_flash_qla_off():
+            return _linear_attn_call(op, kind, x)
+
+    return OpImpl("fla", fn, 64, _version("fla-core"), note=f"{mod}.{name}, FLA_FLASH_QLA=0")
+
+
+def linear_attn_impls(kind: str, chunk_sizes=(64, 128, 256), peers=("fla",)) -> tuple[list[OpImpl], list[str]]:
+    """tfla at each chunk size (entries marked unavailable when its op is missing) and FLA when installed;
+    also the requested peers that are not installed."""
+    impls = [tfla_linear_attn_impl(kind, L) for L in chunk_sizes]
+    missing = []
+    if "fla" in peers:
+        impl = fla_linear_attn_impl(kind)
+        if impl is None:
+            missing.append("fla")
+        else:
+            impls.append(impl)
+    return impls, missing
+
+
+# mlstm_kernels 2.0.6 chunkwise Triton kernels: registry key -> (input gate, chunk sizes it runs at).
+# "xl" kernels (TFLA) take any chunk size dividing T (multiples of 64, or T itself when T < 128);
+# limit_chunk is the paper's chunk-limited baseline, run at its default 64.
+MLSTM_KERNELS = {
+    "triton_xl_chunk_siging": "sigmoid",
+    "triton_limit_chunk": "exp",
+    "triton_xl_chunk": "exp",
+}
+MLSTM_KERNELS_CRASHY = {"triton_xl_chunk"}  # crashed Triton 3.6's compiler (LLVM assertion) on an H200
+
+
+def tfla_mlstm_impl(input_gate: str, chunk_size: int) -> OpImpl:
+    op, why = find_tfla_op("chunk_mlstm", ("tfla.ops.mlstm", "tfla.ops.mlstm.chunk"))
+    impl = OpImpl(f"tfla L={chunk_size}", None, chunk_size, _version("tfla"), note="tfla.chunk_mlstm",
+                  input_gate=input_gate)
+    if op is None:
+        impl.unavailable, impl.note = "not available (tfla.chunk_mlstm)", f"tfla.chunk_mlstm missing: {why}"
+        return impl
+    impl.fn = lambda x: op(x["q"], x["k"], x["v"], x["i"], x["f"], input_gate=input_gate, normalize=True,
+                           eps=1e-6, chunk_size=chunk_size)[0]
+    return impl
+
+
+def mlstm_kernels_impl(kernel: str, chunk_size: int) -> OpImpl | None:
+    """One mlstm_kernels chunkwise kernel, head-first ``[B, NH, S, D]``, eps 1e-6, ``chunk_size`` (the
+    intra chunk of the xl kernels; reduced to gcd(S, chunk_size) for shorter inputs such as the slice
+    check's); None when mlstm_kernels (or this kernel) is not available."""
+    try:
+        from mlstm_kernels.torch import get_mlstm_kernel
+
+        fn_k = get_mlstm_kernel(f"chunkwise--{kernel}")
+    except Exception:
+        return None
+    gate = MLSTM_KERNELS[kernel]
+
+    def fn(x):
+        S = x["q"].shape[2]
+        L = chunk_size if S % chunk_size == 0 else math.gcd(S, chunk_size)
+        kw = {"return_last_states": False, "eps": 1e-6, "chunk_size": L}
+        if x["q"].dtype in (torch.float32, torch.float16, torch.bfloat16):
+            kw["autocast_kernel_dtype"] = x["q"].dtype  # only used under torch.autocast
+        if gate == "sigmoid":
+            kw["normalize"] = True
+        return fn_k(x["q"], x["k"], x["v"], x["i"], x["f"], **kw)
+
+    short = kernel.removeprefix("triton_")
+    version = _version("mlstm_kernels")
+    if version == "?":
+        version = _version("mlstm-kernels")
+    return OpImpl(f"mk {short} L={chunk_size}", fn, chunk_size, version, note=f"chunkwise--{kernel}",
+                  head_first=True, crash_probe=kernel in MLSTM_KERNELS_CRASHY, kernel=kernel, input_gate=gate)
+
+
+def mlstm_impls(input_gate: str, chunk_sizes=(64, 128, 256), kernels=tuple(MLSTM_KERNELS), mk_chunk_sizes=(128,),
+                with_tfla: bool = True) -> tuple[list[OpImpl], list[str]]:
+    """tfla.chunk_mlstm at each chunk size (unavailable entries when it is missing) and the mlstm_kernels
+    kernels of this input gate (xl kernels at each of ``mk_chunk_sizes``, limit_chunk at 64)."""
+    impls = [tfla_mlstm_impl(input_gate, L) for L in chunk_sizes] if with_tfla else []
+    missing = []
+    for kernel in kernels:
+        if MLSTM_KERNELS[kernel] != input_gate:
+            continue
+        for L in ((64,) if kernel == "triton_limit_chunk" else mk_chunk_sizes):
+            impl = mlstm_kernels_impl(kernel, L)
+            if impl is None:
+                missing.append(f"mlstm_kernels:{kernel}")
+                break
             impls.append(impl)
     return impls, missing
