@@ -1,0 +1,146 @@
+"""``tfla bench linear-attn`` and ``tfla bench mlstm`` run end to end (CPU: through the interpreter on
+tiny workloads), write their CSV/JSON rows, check before timing and refuse to time a wrong kernel."""
+import csv
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tfla.cli import main
+
+TIMING = ["--warmup", "1", "--rep", "5"] if torch.cuda.is_available() else []
+TINY = ["--B", "1", "--H", "1", "--K", "16", "--V", "16", "--impls", "tfla", "--chunk-sizes", "64",
+        "--dtype", "fp32", "--no-progress", *TIMING]
+COLUMNS = {"impl", "version", "kind", "mode", "chunk", "B", "T", "H", "K", "V", "dtype", "op", "ref", "slice_T",
+           "err_o", "slice_err_o", "ms", "tflops", "peak_mib", "status", "speedup_vs_fla", "env_torch", "env_git"}
+
+
+def _rows(path):
+    data = json.loads(path.read_text())
+    return data, data["rows"]
+
+
+@pytest.mark.parametrize("mode", ["fwd", "fwdbwd"])
+def test_bench_linear_attn_small(tmp_path, capsys, mode):
+    csv_path, json_path = tmp_path / "r.csv", tmp_path / "r.json"
+    T = "64" if mode == "fwd" else "100"
+    rc = main(["bench", "linear-attn", "--mode", mode, "--T", T, *TINY, "--csv", str(csv_path), "--json", str(json_path)])
+    assert rc == 0
+    assert f"Linear attention {mode}" in capsys.readouterr().out
+    data, rows = _rows(json_path)
+    assert data["env"]["torch"] == torch.__version__
+    assert [r["kind"] for r in rows] == ["none", "constant", "scalar", "vector"]
+    ran = [r for r in rows if r["status"] == "ok"]
+    assert {r["kind"] for r in ran} >= {"none", "constant", "scalar"}
+    vector = rows[-1]
+    assert vector["status"] == "ok" or vector["status"].startswith("not implemented")
+    grads = ("dq", "dk", "dv") if mode == "fwdbwd" else ()
+    for r in ran:
+        assert r["ms"] > 0 and r["ref"] == "tfla fp32 L=64" and r["slice_T"] == int(T)
+        assert r["err_o"] < 1e-5 and r["slice_err_o"] < 1e-5
+        for n in grads:
+            assert r[f"err_{n}"] < 1e-5 and r[f"slice_err_{n}"] < 1e-5
+        if mode == "fwdbwd" and r["kind"] in ("scalar", "vector"):
+            assert r["err_dg"] < 5e-5 and r["slice_err_dg"] < 5e-5
+        if mode == "fwdbwd" and r["kind"] in ("none", "constant"):
+            assert "err_dg" not in r
+    with open(csv_path, newline="") as f:
+        reader = csv.DictReader(f)
+        header = set(reader.fieldnames)
+        assert len(list(reader)) == 4
+    assert COLUMNS <= header
+    if mode == "fwdbwd":
+        assert {"err_dq", "err_dk", "err_dv", "err_dg", "slice_err_dg"} <= header
+
+
+def test_bench_linear_attn_refuses_wrong_kernel(monkeypatch, capsys, tmp_path):
+    """A kernel off by 1% is WRONG and not timed, even though the full check's reference (tfla's own fp32
+    run, broken the same way here) agrees with it: the float64 slice check catches it."""
+    import tfla.bench.registry as reg
+
+    real = reg.tfla_linear_attn_impl
+
+    def broken(kind, L):
+        impl = real(kind, L)
+        fn = impl.fn
+        impl.fn = lambda x: fn(x) * 1.01
+        return impl
+
+    monkeypatch.setattr(reg, "tfla_linear_attn_impl", broken)
+    json_path = tmp_path / "r.json"
+    rc = main(["bench", "linear-attn", "--kinds", "scalar", "--T", "64", *TINY, "--json", str(json_path)])
+    assert rc == 1
+    assert "WRONG" in capsys.readouterr().out
+    (row,) = _rows(json_path)[1]
+    assert row["status"].startswith("WRONG (slice o") and "ms" not in row and row["err_o"] < 1e-6
+
+
+def test_bench_mlstm_small(tmp_path, capsys):
+    import tfla
+
+    if not hasattr(tfla, "chunk_mlstm"):
+        pytest.skip("tfla.chunk_mlstm is not there yet")
+    csv_path, json_path = tmp_path / "r.csv", tmp_path / "r.json"
+    rc = main(["bench", "mlstm", "--mode", "fwdbwd", "--T", "64", *TINY, "--csv", str(csv_path), "--json", str(json_path)])
+    assert rc == 0
+    assert "mLSTM fwdbwd" in capsys.readouterr().out
+    rows = _rows(json_path)[1]
+    assert [r["input_gate"] for r in rows] == ["exp", "sigmoid"]
+    for r in rows:
+        assert r["status"] == "ok" and r["ms"] > 0 and r["grad_convention"] == "exact"
+        for n in ("o", "dq", "dk", "dv", "di", "df"):
+            assert r[f"err_{n}"] < 1e-5 and r[f"slice_err_{n}"] < 1e-5
+    header = csv_path.read_text().splitlines()[0].split(",")
+    assert {"input_gate", "grad_convention", "ref_grads", "err_di", "slice_err_df", "speedup_vs_mk",
+            "env_mlstm_kernels"} <= set(header)
+
+
+def test_bench_mlstm_reports_missing_op(monkeypatch, tmp_path):
+    """Without tfla.chunk_mlstm every tfla row says 'not available' and the command still succeeds."""
+    import tfla.bench.registry as reg
+
+    monkeypatch.setattr(reg, "find_tfla_op", lambda name, modules=(): (None, "ImportError: gone"))
+    json_path = tmp_path / "r.json"
+    assert main(["bench", "mlstm", "--T", "64", *TINY, "--json", str(json_path)]) == 0
+    rows = _rows(json_path)[1]
+    assert len(rows) == 2 and all(r["status"] == "not available (tfla.chunk_mlstm)" for r in rows)
+
+
+def test_detached_reference_conventions():
+    """The mlstm_kernels-convention ground truth: without detaching it is tfla's quadratic reference; with
+    it o and dv are unchanged and dq, dk, di, df are not (float64)."""
+    from tfla.bench.mlstm import parallel_mlstm_detached_ref
+    from tfla.ops.mlstm.reference import parallel_mlstm_ref
+
+    gen = torch.Generator().manual_seed(0)
+    B, T, H, K, V = 1, 40, 2, 8, 6
+    x = [torch.randn(B, T, H, K, generator=gen, dtype=torch.float64) for _ in range(2)]
+    x += [torch.randn(B, T, H, V, generator=gen, dtype=torch.float64), torch.randn(B, T, H, generator=gen,
+          dtype=torch.float64), torch.randn(B, T, H, generator=gen, dtype=torch.float64) + 3]
+    do = torch.randn(B, T, H, V, generator=gen, dtype=torch.float64)
+    for gate in ("exp", "sigmoid"):
+        outs = []
+        for fn, kw in ((parallel_mlstm_ref, {}), (parallel_mlstm_detached_ref, {"detach_normalizer": False}),
+                       (parallel_mlstm_detached_ref, {})):
+            leaves = [t.clone().requires_grad_() for t in x]
+            o = fn(*leaves, input_gate=gate, **kw)
+            o = o[0] if isinstance(o, tuple) else o
+            outs.append((o, torch.autograd.grad(o, leaves, do)))
+        (o0, g0), (o1, g1), (o2, g2) = outs
+        torch.testing.assert_close(o1, o0, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(o2, o0, rtol=1e-12, atol=1e-12)
+        for a, b in zip(g1, g0):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(g2[2], g0[2], rtol=1e-10, atol=1e-12)  # dv
+        for idx in (0, 1, 3, 4):  # dq, dk, di, df
+            assert (g2[idx] - g0[idx]).norm() > 1e-3 * g0[idx].norm()
+
+
+@pytest.mark.parametrize("op,flags", [("linear-attn", ["--kinds", "--chunk-sizes", "--tokens", "--mode"]),
+                                      ("mlstm", ["--paper", "--mk-chunk-sizes", "--input-gates", "--mode"])])
+def test_help(op, flags):
+    r = subprocess.run([sys.executable, "-m", "tfla", "bench", op, "--help"], check=False, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0 and all(f in r.stdout for f in flags)
