@@ -341,9 +341,12 @@ def run(args) -> tuple[list[dict], dict]:
                             add_errors(row, "err_", o, g, *ref)
                         else:  # o, dv against the reference; the convention's gradients against its own fp32 run
                             add_errors(row, "err_", o, g, *ref, only=("o", "dv"))
-                            add_errors(row, "err_", o, g, *run_checked(impl.fn, x32, LEAVES, do32, impl.head_first),
-                                       only=CONVENTION_GRADS)
-                            row["ref_grads"] = f"{ref_label} (dv); self fp32 (dq, dk, di, df)"
+                            try:
+                                add_errors(row, "err_", o, g, *run_checked(impl.fn, x32, LEAVES, do32, impl.head_first),
+                                           only=CONVENTION_GRADS)
+                                row["ref_grads"] = f"{ref_label} (dv); self fp32 (dq, dk, di, df)"
+                            except Exception as e:  # no fp32 run of this kernel here: the slice check only
+                                row["ref_grads"] = f"{ref_label} (dv); dq, dk, di, df slice only (fp32 run: {error_status(e)})"
                         row = order_columns(row)
                         del o, g
                     except Exception as e:  # a peer that rejects this shape or machine: report, keep going
