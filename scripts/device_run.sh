@@ -8,6 +8,9 @@
 #   quick    tfla bench gdn on the default workload only
 #   tune     stage variants under several tile/launch configs (scripts/tune_gdn.py)
 #   testbwd  GPU backward tests (fp32 shapes, determinism, bf16 vs FLA)
+#   testgdngpu  GDN GPU-only tests without FLA (-x, failures listed)
+#   benchmlstm / benchla   tfla bench mlstm / linear-attn (fwd and fwdbwd, default workloads)
+#   testops  mLSTM and simple-GLA tests on the GPU, GDN GPU-only cases without FLA
 #   benchbwd / benchbwdsweep   tfla bench gdn --mode fwdbwd (default workload / T sweep)
 #   profilebwd  per-stage backward times
 #   profile  per-stage times of tfla's forward (scripts/profile_gdn.py)
@@ -82,6 +85,26 @@ for L in (64, 256):
     torch.autograd.grad(o.float().sum() + s.sum(), leaves)
 print('sanitized fwd+bwd ok')
 " 2>&1 | grep -vE "^=========     " | tail -8
+      ;;
+    testops)
+      # the shared-engine ops on the GPU: mLSTM, simple GLA family (fp32 vs float64 recurrence, determinism,
+      # bf16 vs mlstm_kernels), then the GDN GPU-only cases that need no FLA
+      python3 -m pytest -q -p no:cacheprovider -s --timeout 200 tests/ops/test_mlstm.py tests/ops/test_simple_gla.py \
+          2>&1 | tee "$OUT/pytest_ops_gpu.log" | grep -E "bf16|passed|failed|rror|Timeout" ;
+      python3 -m pytest -q -p no:cacheprovider -s -m gpu --timeout 200 -k "not fla" tests/ops/test_gated_delta_rule.py \
+          tests/ops/test_gated_delta_rule_bwd.py 2>&1 | tee "$OUT/pytest_gdn_gpu.log" | grep -E "passed|failed|rror|Timeout" ;
+      ;;
+    testgdngpu)
+      python3 -m pytest -q -p no:cacheprovider -rf -x -m gpu --timeout 150 -k "not fla" tests/ops/test_gated_delta_rule.py \
+          tests/ops/test_gated_delta_rule_bwd.py 2>&1 | tee "$OUT/pytest_gdn_gpu.log" | grep -E "passed|failed|rror|Timeout|rel-L2" ;
+      ;;
+    benchmlstm)
+      python3 -m tfla bench mlstm --mode fwd --no-progress --json "$OUT/bench_mlstm_fwd.json" 2>&1 | tee "$OUT/bench_mlstm_fwd.log" | tail -22
+      python3 -m tfla bench mlstm --mode fwdbwd --no-progress --json "$OUT/bench_mlstm_fwdbwd.json" 2>&1 | tee "$OUT/bench_mlstm_fwdbwd.log" | tail -22
+      ;;
+    benchla)
+      python3 -m tfla bench linear-attn --mode fwd --kinds none,constant,scalar --no-progress --json "$OUT/bench_la_fwd.json" 2>&1 | tee "$OUT/bench_la_fwd.log" | tail -16
+      python3 -m tfla bench linear-attn --mode fwdbwd --kinds none,constant,scalar --no-progress --json "$OUT/bench_la_fwdbwd.json" 2>&1 | tee "$OUT/bench_la_fwdbwd.log" | tail -16
       ;;
     testbwd)
       # per-test limit (pytest-timeout is in the device image): one stalled case must not eat the lease
