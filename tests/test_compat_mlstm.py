@@ -134,7 +134,8 @@ def test_tuning_knobs_accepted_and_ignored(fake):
                                                    recompute_states_in_bw=False)
     call = fake.calls[-1]
     assert set(call) == {"q", "k", "v", "i", "f", "input_gate", "normalize", "eps", "initial_state",
-                         "output_final_state", "chunk_size"}
+                         "output_final_state", "chunk_size", "detach_normalizer"}
+    assert call["detach_normalizer"] is True  # mlstm_kernels' Triton backward convention
 
 
 def test_input_errors(fake):

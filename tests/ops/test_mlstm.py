@@ -5,6 +5,7 @@ import torch
 
 import tfla
 from tfla.bench.inputs import random_cu_seqlens
+from tfla.bench.mlstm import parallel_mlstm_detached_ref
 from tfla.ops.mlstm.reference import recurrent_mlstm_ref
 from tfla.utils.testing import assert_rel_close, rel_l2
 
@@ -124,6 +125,28 @@ def test_mlstm_chunkwise_then_step_continues_exactly(device, gate):
         assert_rel_close(n, a, b, FP32_TOL)
 
 
+def _detached(q, k, v, i, f, input_gate, normalize, initial_state, output_final_state, cu_seqlens, **kw):
+    return parallel_mlstm_detached_ref(q, k, v, i, f, input_gate=input_gate), None
+
+
+def _tfla_detached(*args, **kw):
+    return tfla.chunk_mlstm(*args, detach_normalizer=True, **kw)
+
+
+@pytest.mark.parametrize("gate", ["exp", "sigmoid"])
+def test_mlstm_detached_normalizer(device, gate):
+    """``detach_normalizer=True`` (mlstm_kernels' backward convention): the same output, gradients of
+    the product with the normalizer and max state held constant (float64 quadratic reference)."""
+    x = _inputs(1, 150, 2, 16, 16, gate, torch.float32, device, 14)
+    got = _run(_tfla_detached, x, gate, True, False, False, None, L=64, seed=14)
+    ref = _run(_detached, {n: t.cpu().double() for n, t in x.items()}, gate, True, False, False, None, seed=14)
+    exact = _run(tfla.chunk_mlstm, x, gate, True, False, False, None, L=64, seed=14)
+    assert torch.equal(got["h"], exact["h"])
+    for n in ref:
+        assert_rel_close(n, got[n].cpu(), ref[n], FP32_TOL)
+    assert rel_l2(exact["dq"].cpu().double(), ref["dq"]) > 1e-3  # the conventions do differ
+
+
 def test_mlstm_bad_input(device):
     x = _inputs(1, 40, 2, 16, 16, "exp", torch.float32, device, 11)
     q, k, v, i, f = (x[n] for n in ("q", "k", "v", "i", "f"))
@@ -159,15 +182,16 @@ MK_KERNELS = {"exp": "chunkwise--triton_limit_chunk", "sigmoid": "chunkwise--tri
 @pytest.mark.gpu
 @pytest.mark.parametrize("gate", ["exp", "sigmoid"])
 def test_mlstm_bf16_no_worse_than_mlstm_kernels(gate):
-    """bf16 output and gradients vs the float64 recurrence, tfla and mlstm_kernels on the same inputs
-    (head-first for mlstm_kernels); tfla's error may exceed mlstm_kernels' by at most 10%."""
+    """bf16 output and gradients vs float64, tfla and mlstm_kernels on the same inputs (head-first for
+    mlstm_kernels), both in mlstm_kernels' gradient convention (normalizer and max state held constant,
+    tfla's ``detach_normalizer=True``); tfla's error may exceed mlstm_kernels' by at most 10%."""
     mk = pytest.importorskip("mlstm_kernels.torch")
     B, T, H, K, V = 1, 512, 2, 64, 128
     x = _inputs(B, T, H, K, V, gate, torch.float32, "cuda", 13)
     xb = {n: (t.bfloat16() if n in ("q", "k", "v") else t) for n, t in x.items()}
     xr = {n: t.cpu().double() for n, t in x.items()}
-    ref = _run(recurrent_mlstm_ref, xr, gate, True, False, False, None)
-    ours = _run(tfla.chunk_mlstm, xb, gate, True, False, False, None, L=128)
+    ref = _run(_detached, xr, gate, True, False, False, None)
+    ours = _run(_tfla_detached, xb, gate, True, False, False, None, L=128)
     kern = mk.get_mlstm_kernel(MK_KERNELS[gate])
 
     def theirs(q, k, v, i, f, input_gate, normalize, initial_state, output_final_state, cu_seqlens):

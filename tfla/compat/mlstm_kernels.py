@@ -39,13 +39,16 @@ def _to_tfla(x: torch.Tensor) -> torch.Tensor:
 
 
 def _run(q, k, v, i, f, initial_state, return_last_states, eps, chunk_size, autocast_kernel_dtype,
-         input_gate, normalize=True):
+         input_gate, normalize=True, detach_normalizer=True):
+    """``detach_normalizer``: mlstm_kernels' Triton backward treats the normalizer and the max state as
+    constants (TFLA paper, Appendix B.3), so its chunkwise names do here too; its parallel
+    native_autograd kernel differentiates through them (exact gradient)."""
     import tfla  # lazily: tfla.chunk_mlstm resolves to the op module on first use
 
     if autocast_kernel_dtype not in _KERNEL_DTYPES:
         raise ValueError(f"Unsupported kernel dtype {autocast_kernel_dtype}.")
     call = {"input_gate": input_gate, "normalize": normalize, "eps": eps, "initial_state": initial_state,
-            "output_final_state": return_last_states}
+            "output_final_state": return_last_states, "detach_normalizer": detach_normalizer}
     if chunk_size is not None:
         call["chunk_size"] = chunk_size
     inputs = [q, k, v, i, f]
@@ -182,7 +185,7 @@ def mlstm_parallel__native_autograd(
     if return_last_states:
         raise ValueError("parallel--native_autograd does not return last states (as mlstm_kernels); "
                          "use a chunkwise kernel")
-    return _run(q, k, v, i, f, None, False, eps, None, torch.float32, "exp")
+    return _run(q, k, v, i, f, None, False, eps, None, torch.float32, "exp", detach_normalizer=False)
 
 
 _KERNELS: dict[str, Callable] = {

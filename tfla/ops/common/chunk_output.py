@@ -281,6 +281,10 @@ def chunk_tiled(
     if rowdot_with is not None:
         cfg["BV"] = max(16, next_pow2(DC))  # the row dot needs the whole row in one program
         cfg["BKV"] = cfg["BQ"]  # and the diagonal tile's rows to be the output rows
+    if a.element_size() >= 4 and max(next_pow2(DA), cfg["BV"]) > 128 and not (config and "BQ" in config):
+        # fp32 tiles of 256 columns: 64-row tiles need more shared memory than an H200 has (tf32x3
+        # operands are staged there; 262144 B requested vs 232448 B at K = 100, V = 200)
+        cfg["BQ"] = cfg["BKV"] = 32
     out = torch.empty(B, T, HV, DC, dtype=out_dtype or a.dtype, device=a.device)
     acc = torch.float64 if a.dtype == torch.float64 else torch.float32
     xdot = torch.empty(B, T, HV, dtype=acc, device=a.device) if rowdot_with is not None else None

@@ -51,7 +51,8 @@ class MLSTMOptions:
     scale: float
     chunk_size: int
     output_final_state: bool
-    aug: bool  # a column of ones appended to v (the normalizer state n): normalize, or n in/out
+    aug: bool  # the normalizer state n is computed (second engine pass): normalize, or n in/out
+    detach_normalizer: bool = False
 
 
 # ----------------------------------------------------------------------------------------------
@@ -180,15 +181,24 @@ def _argmax_grad(dM: torch.Tensor, idx: torch.Tensor, seg: _Segments) -> tuple[t
 # ----------------------------------------------------------------------------------------------
 # forward / backward
 # ----------------------------------------------------------------------------------------------
-def _engine_inputs(v, C0, n0, aug):
-    if not aug:
-        return v, C0
-    v_in = torch.cat([v, v.new_ones(*v.shape[:-1], 1)], -1)
+NSTATE_COLS = 16  # the normalizer's pass: v = e_0 (a ones column padded to 16 for aligned tiles)
+
+
+def _n_inputs(q, n0, acc):
+    """The normalizer state n is the state of the same gated product with v = 1: a second engine pass
+    with a [.., 16] value tensor whose column 0 is ones (keeps v's tiles and row alignment untouched)."""
+    B, T, H, K = q.shape
+    ones = q.new_zeros(B, T, H, NSTATE_COLS)
+    ones[..., 0] = 1
     h0 = None
-    if C0 is not None:
-        h0 = torch.cat([C0.float() if C0.dtype != torch.float64 else C0,
-                        (n0.float() if n0.dtype != torch.float64 else n0)[..., None]], -1)
-    return v_in, h0
+    if n0 is not None:
+        h0 = n0.new_zeros(*n0.shape, NSTATE_COLS, dtype=acc)
+        h0[..., 0] = n0
+    return ones, h0
+
+
+def _c0(C0, acc):
+    return C0.to(acc) if C0 is not None else None
 
 
 def chunk_mlstm_fwd(q, k, v, i, f, C0, n0, m0, opts: MLSTMOptions, varlen=None):
@@ -197,68 +207,84 @@ def chunk_mlstm_fwd(q, k, v, i, f, C0, n0, m0, opts: MLSTMOptions, varlen=None):
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     seg = _Segments.build(T, varlen.cu_seqlens if varlen is not None else None, q.device)
     gt = _gates(i, f, m0, opts, seg, acc)
-    v_in, h0 = _engine_inputs(v, C0, n0, opts.aug)
-    o, ht, _ = chunk_simple_gla_fwd(q, k, v_in, None, opts.scale, h0, opts.output_final_state, opts.chunk_size,
-                                    varlen, g_cum=gt.gq, gk_cum=gt.gk, gb=gt.gb,
-                                    out_dtype=acc if opts.normalize else None)
-    den = None
+    gates = dict(g_cum=gt.gq, gk_cum=gt.gk, gb=gt.gb)
+    o, hC, _ = chunk_simple_gla_fwd(q, k, v, None, opts.scale, _c0(C0, acc), opts.output_final_state,
+                                    opts.chunk_size, varlen, out_dtype=acc if opts.normalize else None, **gates)
+    den = hn = None
+    if opts.aug:
+        ones, hn0 = _n_inputs(q, n0, acc)
+        od, hn, _ = chunk_simple_gla_fwd(q, k, ones, None, opts.scale, hn0, opts.output_final_state, opts.chunk_size,
+                                         varlen, out_dtype=acc, **gates)
+        den = od[..., 0].contiguous()
+        del od, ones
     if opts.normalize:
-        den = o[..., V].contiguous()
-        h = (o[..., :V] / (torch.maximum(den.abs(), gt.lo if isinstance(gt.lo, torch.Tensor)
-                                         else torch.ones_like(den)) + opts.eps)[..., None]).to(v.dtype)
+        lo = gt.lo if isinstance(gt.lo, torch.Tensor) else torch.ones_like(den)
+        h = (o / (torch.maximum(den.abs(), lo) + opts.eps)[..., None]).to(v.dtype)
     else:
-        h = o[..., :V].contiguous() if opts.aug else o
+        h = o
     del o
     final = None
     if opts.output_final_state:
         N = seg_count(seg, B)
-        C = ht[..., :V].contiguous()
-        n = ht[..., V].contiguous()
+        n = hn[..., 0].contiguous()
         if opts.input_gate == "exp":
             m0t = m0.to(acc) if m0 is not None else torch.zeros(N, H, dtype=acc, device=q.device)
-            final = (C, n, seg.last(gt.m, m0t.double()).to(acc))
+            final = (hC, n, seg.last(gt.m, m0t.double()).to(acc))
         else:
-            final = (C, n)
+            final = (hC, n)
     return h, final, den
 
 
 def chunk_mlstm_bwd(q, k, v, i, f, C0, n0, m0, h, den, final, dh, dC, dn, dm, opts: MLSTMOptions, varlen=None):
     """Plain backward: ``(dq, dk, dv, di, df, dC0, dn0, dm0)``."""
     B, T, H, V = v.shape
+    K = k.shape[-1]
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     seg = _Segments.build(T, varlen.cu_seqlens if varlen is not None else None, q.device)
     gt = _gates(i, f, m0, opts, seg, acc)
-    v_in, h0 = _engine_inputs(v, C0, n0, opts.aug)
+    gates = dict(gk_cum=gt.gk, gb=gt.gb)
+    N = seg_count(seg, B)
     dh = dh.to(acc)
+    dden = None
     if opts.normalize:
         lo = gt.lo if isinstance(gt.lo, torch.Tensor) else torch.ones_like(den)
         dd = torch.maximum(den.abs(), lo) + opts.eps
         s = (dh * h.to(acc)).sum(-1)
-        dden = torch.where(den.abs() > lo, -s / dd * torch.sign(den), torch.zeros_like(s))
-        do = torch.cat([dh / dd[..., None], dden[..., None]], -1).to(q.dtype)
-    elif opts.aug:  # the ones column only carries the state n here
-        do = torch.cat([dh, dh.new_zeros(*dh.shape[:-1], 1)], -1).to(q.dtype)
+        if not opts.detach_normalizer:
+            dden = torch.where(den.abs() > lo, -s / dd * torch.sign(den), torch.zeros_like(s))
+        do = (dh / dd[..., None]).to(q.dtype)
     else:
         do = dh.to(q.dtype)
-    dht = None
-    if dC is not None or dn is not None:
-        N = seg_count(seg, B)
-        dCz = dC if dC is not None else torch.zeros(N, H, k.shape[-1], V, dtype=acc, device=q.device)
-        dht = torch.cat([dCz, (dn if dn is not None else dCz.new_zeros(N, H, k.shape[-1]))[..., None]], -1)
-        dht = dht.to(acc).contiguous()
-    dq, dk, dv, dlogf, dh0 = chunk_simple_gla_bwd(q, k, v_in.contiguous(), gt.gq, opts.scale, h0, do.contiguous(), dht,
-                                                  opts.chunk_size, varlen, gk_cum=gt.gk, gb=gt.gb)
-    if opts.aug:
-        dv = dv[..., :V]
+    C0a = _c0(C0, acc)
+    dq, dk, dv, dlogf, dh0 = chunk_simple_gla_bwd(q, k, v, gt.gq, opts.scale, C0a, do.contiguous(),
+                                                  dC.to(acc).contiguous() if dC is not None else None,
+                                                  opts.chunk_size, varlen, **gates)
+    dn0 = None
+    if opts.aug and (dden is not None or dn is not None or n0 is not None):
+        ones, hn0 = _n_inputs(q, n0, acc)
+        don = q.new_zeros(B, T, H, NSTATE_COLS)
+        if dden is not None:
+            don[..., 0] = dden.to(q.dtype)
+        dnt = None
+        if dn is not None:
+            dnt = torch.zeros(N, H, K, NSTATE_COLS, dtype=acc, device=q.device)
+            dnt[..., 0] = dn
+        dq2, dk2, _, dlogf2, dhn0 = chunk_simple_gla_bwd(q, k, ones, gt.gq, opts.scale, hn0, don, dnt,
+                                                         opts.chunk_size, varlen, **gates)
+        dq += dq2
+        dk += dk2
+        dlogf = dlogf + dlogf2
+        if dhn0 is not None:
+            dn0 = dhn0[..., 0]
+    dC0 = dh0
     dig = (k.to(acc) * dk).sum(-1).double()  # e^{ig_s} scales every use of k_s
     dlogf = dlogf.double()
-    dC0 = dn0 = dm0 = None
-    if dh0 is not None:
-        dC0 = dh0[..., :V] if opts.aug else dh0
-        dn0 = dh0[..., V] if opts.aug else None
+    dm0 = None
     if opts.input_gate == "exp":
         # the m path: dm_t = -eps (dh_t . h_t) / den_t, plus the returned final m and states' scaling
         dM = -opts.eps * s.double() / dd.double()
+        if opts.detach_normalizer:
+            dM = torch.zeros_like(dM)
         if final is not None and (dC is not None or dn is not None or dm is not None):
             dmT = dm.double() if dm is not None else torch.zeros_like(final[2], dtype=torch.float64)
             if dC is not None:
@@ -279,8 +305,10 @@ def chunk_mlstm_bwd(q, k, v, i, f, C0, n0, m0, h, den, final, dh, dC, dn, dm, op
         dig = dig + da
         dlogf = dlogf + seg.rev_cumsum(dM - da)  # m_t = F_t + M_t; a_s = ig_s - F_s
         dm0 = dm0_max
-        if dh0 is not None:  # the initial state is stabilized by m_0: C~_0 = e^{m_0} C_0
-            dm0 = dm0 + (dh0.double() * h0.double()).sum((-2, -1))
+        if dC0 is not None:  # the initial state is stabilized by m_0: C~_0 = e^{m_0} C_0
+            dm0 = dm0 + (dC0.double() * C0.double()).sum((-2, -1))
+        if dn0 is not None:
+            dm0 = dm0 + (dn0.double() * n0.double()).sum(-1)
         if seg.cu is not None:  # an empty sequence passes its m_0 straight to its final m
             lens = seg.cu[1:] - seg.cu[:-1]
             if dm is not None:
@@ -371,6 +399,7 @@ def chunk_mlstm(
     output_final_state: bool = False,
     cu_seqlens: torch.LongTensor | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
+    detach_normalizer: bool = False,
 ):
     r"""The mLSTM, chunkwise on tfla's two-level engine (TFLA paper, Sections 2-4; mlstm_kernels'
     semantics, tfla's ``[B, T, H, K]`` layout).
@@ -390,6 +419,9 @@ def chunk_mlstm(
         output_final_state: also return the final state (same structure, fp32).
         cu_seqlens: ``[N + 1]`` offsets of packed sequences (B = 1); each starts from its initial state.
         chunk_size: outer chunk L in {64, 128, 256, 512}.
+        detach_normalizer: treat the normalizer ``max(|n . q|, e^{-m}) + eps`` and the max state as
+            constants in the backward pass, as mlstm_kernels' Triton kernels do (TFLA paper, Appendix
+            B.3); the default False gives the exact gradient of the output. The forward is the same.
 
     Returns ``(h [B, T, H, V] in v's dtype, final_state or None)``; differentiable in q, k, v, i, f and
     the initial state (m included).
@@ -407,7 +439,8 @@ def chunk_mlstm(
         scale = K ** -0.5
     opts = MLSTMOptions(input_gate, bool(normalize), float(eps), float(scale), int(chunk_size),
                         bool(output_final_state),
-                        aug=bool(normalize or output_final_state or initial_state is not None))
+                        aug=bool(normalize or output_final_state or initial_state is not None),
+                        detach_normalizer=bool(detach_normalizer))
     C0 = n0 = m0 = None
     if initial_state is not None:
         C0, n0 = initial_state[0].contiguous(), initial_state[1].contiguous()
