@@ -158,8 +158,10 @@ def test_mlstm_bad_input(device):
         tfla.chunk_mlstm(q, k, v, i[..., None], f)
     with pytest.raises(ValueError, match="`f`"):
         tfla.chunk_mlstm(q, k, v, i, f[:, :10])
-    with pytest.raises(ValueError, match="initial_state"):
+    with pytest.raises(TypeError, match="initial_state"):
         tfla.chunk_mlstm(q, k, v, i, f, initial_state=(x["C0"], x["n0"]))  # exp needs m too
+    with pytest.raises(ValueError, match="initial_state"):
+        tfla.chunk_mlstm(q, k, v, i, f, initial_state=(x["C0"], x["n0"][:, :1], x["m0"]))
     with pytest.raises(ValueError, match="chunk_size"):
         tfla.chunk_mlstm(q, k, v, i, f, chunk_size=100)
     with pytest.raises(ValueError, match="eps"):

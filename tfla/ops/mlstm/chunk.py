@@ -35,11 +35,16 @@ import torch
 import torch.nn.functional as F
 
 from tfla.ops.gated_delta_rule.chunk import VarlenIndex, _check_cotangent
+from tfla.ops.mlstm.step import INPUT_GATES, check_mlstm_options, check_mlstm_state  # noqa: F401
 from tfla.ops.simple_gla.chunk import chunk_simple_gla_bwd, chunk_simple_gla_fwd
-from tfla.utils.validation import check_common, check_qkv, check_tensor, check_varlen_bounds
+from tfla.utils.validation import (
+    check_common,
+    check_qkv,
+    check_tensor,
+    check_varlen_bounds,
+)
 
 DEFAULT_CHUNK_SIZE = 64
-INPUT_GATES = ("exp", "sigmoid")
 LOG2E = 1.0 / math.log(2.0)
 
 
@@ -66,7 +71,7 @@ class _Segments:
     eos: torch.Tensor | None  # [T] one past its last token
 
     @classmethod
-    def build(cls, T: int, cu: torch.Tensor | None, device) -> "_Segments":
+    def build(cls, T: int, cu: torch.Tensor | None, device) -> _Segments:
         if cu is None:
             return cls(None, None, None, None)
         cu = cu.to(device=device, dtype=torch.int64)
@@ -187,7 +192,7 @@ NSTATE_COLS = 16  # the normalizer's pass: v = e_0 (a ones column padded to 16 f
 def _n_inputs(q, n0, acc):
     """The normalizer state n is the state of the same gated product with v = 1: a second engine pass
     with a [.., 16] value tensor whose column 0 is ones (keeps v's tiles and row alignment untouched)."""
-    B, T, H, K = q.shape
+    B, T, H, _K = q.shape
     ones = q.new_zeros(B, T, H, NSTATE_COLS)
     ones[..., 0] = 1
     h0 = None
@@ -203,11 +208,11 @@ def _c0(C0, acc):
 
 def chunk_mlstm_fwd(q, k, v, i, f, C0, n0, m0, opts: MLSTMOptions, varlen=None):
     """Plain forward: ``(h, (C, n, m) or None, den)``; den [B, T, H] the normalizer's dot (or None)."""
-    B, T, H, V = v.shape
+    B, T, H, _V = v.shape
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     seg = _Segments.build(T, varlen.cu_seqlens if varlen is not None else None, q.device)
     gt = _gates(i, f, m0, opts, seg, acc)
-    gates = dict(g_cum=gt.gq, gk_cum=gt.gk, gb=gt.gb)
+    gates = {"g_cum": gt.gq, "gk_cum": gt.gk, "gb": gt.gb}
     o, hC, _ = chunk_simple_gla_fwd(q, k, v, None, opts.scale, _c0(C0, acc), opts.output_final_state,
                                     opts.chunk_size, varlen, out_dtype=acc if opts.normalize else None, **gates)
     den = hn = None
@@ -237,12 +242,12 @@ def chunk_mlstm_fwd(q, k, v, i, f, C0, n0, m0, opts: MLSTMOptions, varlen=None):
 
 def chunk_mlstm_bwd(q, k, v, i, f, C0, n0, m0, h, den, final, dh, dC, dn, dm, opts: MLSTMOptions, varlen=None):
     """Plain backward: ``(dq, dk, dv, di, df, dC0, dn0, dm0)``."""
-    B, T, H, V = v.shape
+    B, T, H, _V = v.shape
     K = k.shape[-1]
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     seg = _Segments.build(T, varlen.cu_seqlens if varlen is not None else None, q.device)
     gt = _gates(i, f, m0, opts, seg, acc)
-    gates = dict(gk_cum=gt.gk, gb=gt.gb)
+    gates = {"gk_cum": gt.gk, "gb": gt.gb}
     N = seg_count(seg, B)
     dh = dh.to(acc)
     dden = None
@@ -351,13 +356,7 @@ class ChunkMLSTMFunction(torch.autograd.Function):
 
 def _check(q, k, v, i, f, input_gate, normalize, eps, scale, initial_state, cu_seqlens, chunk_size):
     B, T, H, _, K, V = check_qkv(q, k, v, grouped=False)
-    if input_gate not in INPUT_GATES:
-        raise ValueError(f"`input_gate` must be one of {INPUT_GATES}, got {input_gate!r}")
-    if input_gate == "exp" and not normalize:
-        raise ValueError("`normalize=False` needs input_gate='sigmoid': the exponential gate's output is "
-                         "only defined with its normalizer (it depends on the max state otherwise)")
-    if not isinstance(eps, (int, float)) or eps < 0 or not math.isfinite(eps):
-        raise ValueError(f"`eps` must be a finite float >= 0, got {eps!r}")
+    check_mlstm_options(input_gate, normalize, eps, scale)
     for name, g in (("i", i), ("f", f)):
         if not isinstance(g, torch.Tensor) or tuple(g.shape) != (B, T, H):
             raise ValueError(f"`{name}` must be the gate pre-activation per token and head, shape [B, T, H] = "
@@ -365,21 +364,9 @@ def _check(q, k, v, i, f, input_gate, normalize, eps, scale, initial_state, cu_s
         check_tensor(name, g, 3)
         if not g.is_floating_point():
             raise TypeError(f"`{name}` must be a float tensor, got {g.dtype}")
-    N = B if cu_seqlens is None else (cu_seqlens.numel() - 1 if isinstance(cu_seqlens, torch.Tensor) else B)
-    names = ("C", "n", "m") if input_gate == "exp" else ("C", "n")
-    shapes = ((N, H, K, V), (N, H, K), (N, H))
     if initial_state is not None:
-        if not isinstance(initial_state, (tuple, list)) or len(initial_state) != len(names):
-            raise ValueError(f"`initial_state` must be the tuple ({', '.join(names)}) for input_gate="
-                             f"{input_gate!r}, with shapes {shapes[:len(names)]}")
-        for name, x, shp in zip(names, initial_state, shapes):
-            if not isinstance(x, torch.Tensor) or tuple(x.shape) != shp:
-                raise ValueError(f"`initial_state` {name} must have shape {shp}, got "
-                                 f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
-            if not x.is_floating_point():
-                raise TypeError(f"`initial_state` {name} must be floating point, got {x.dtype}")
-            if x.device != q.device:
-                raise ValueError(f"`initial_state` {name} is on {x.device} but `q` is on {q.device}")
+        N = B if cu_seqlens is None else (cu_seqlens.numel() - 1 if isinstance(cu_seqlens, torch.Tensor) else B)
+        check_mlstm_state(initial_state, input_gate, N, H, K, V, q.device, name="initial_state")
     check_common(q, (("q", q), ("k", k), ("v", v), ("i", i), ("f", f)), scale, None, cu_seqlens, chunk_size,
                  (H, K, V), "H, K, V")
 
@@ -430,7 +417,7 @@ def chunk_mlstm(
     ``normalize=False`` with the exponential gate, negative eps, unsupported sizes or devices.
     """
     _check(q, k, v, i, f, input_gate, normalize, eps, scale, initial_state, cu_seqlens, chunk_size)
-    B, T, H, K = q.shape
+    _B, T, _H, K = q.shape
     varlen = None
     if cu_seqlens is not None:
         varlen = VarlenIndex.build(cu_seqlens, chunk_size)
