@@ -13,6 +13,7 @@
 #   testops  mLSTM and simple-GLA tests on the GPU, GDN GPU-only cases without FLA
 #   benchbwd / benchbwdsweep   tfla bench gdn --mode fwdbwd (default workload / T sweep)
 #   profilebwd  per-stage backward times
+#   profileops  per-kernel times of mLSTM / simple GLA / GDN calls (scripts/profile_ops.py)
 #   profile  per-stage times of tfla's forward (scripts/profile_gdn.py)
 # Results go to $OUT (logs, CSV/JSON); the last lines printed are the summary tables.
 set -uo pipefail
@@ -117,6 +118,12 @@ print('sanitized fwd+bwd ok')
       ;;
     benchbwdsweep)
       python3 -m tfla bench gdn --mode fwdbwd --impls tfla,fla --no-progress --T 4096,16384,32768 --json "$OUT/bench_fwdbwd_sweepT.json" --csv "$OUT/bench_fwdbwd_sweepT.csv" 2>&1 | tee "$OUT/bench_fwdbwd_sweepT.log"
+      ;;
+    profileops)
+      # per-kernel times (torch.profiler) of the mLSTM, simple GLA and GDN calls, forward and fwd+bwd
+      python3 scripts/profile_ops.py mlstm-sig mlstm-exp sgla-none sgla-scalar gdn sgla-scalar-nocheck --L 64 2>&1 | tee "$OUT/profile_ops_fwd.log"
+      python3 scripts/profile_ops.py mlstm-sig mlstm-exp sgla-scalar gdn --mode fwdbwd --L 64 2>&1 | tee "$OUT/profile_ops_fwdbwd.log"
+      python3 scripts/profile_ops.py mlstm-sig --L 128 2>&1 | tee "$OUT/profile_ops_mlstm128.log"
       ;;
     profilebwd)
       python3 scripts/profile_gdn.py --backward 2>&1 | tee "$OUT/profile_bwd.log"

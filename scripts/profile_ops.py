@@ -1,0 +1,87 @@
+"""Per-kernel GPU time of one tfla op call (torch.profiler), to see where the time goes.
+
+python scripts/profile_ops.py OP [OP ...] [--mode fwd|fwdbwd] [--L 64] [--reps 5]
+OPs: mlstm-sig, mlstm-exp (B=8 T=8192 H=16 K=128 V=256), sgla-scalar, sgla-scalar-nocheck (input
+check skipped, last), sgla-none, gdn (B=4 T=8192 H=16
+K=V=128); all bf16. Prints, per op, the do_bench median of the whole call, the sum of kernel times per
+call and one line per kernel name (total per call, count per call), longest first. The gap between
+the whole call and the kernel sum is launch/host time (host syncs show up there).
+"""
+import argparse
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+from triton.testing import do_bench
+
+import tfla
+
+
+def inputs(op):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rnd = lambda *s, dt=torch.bfloat16: torch.randn(*s, device="cuda", generator=gen, dtype=dt)  # noqa: E731
+    if op.startswith("mlstm"):
+        B, T, H, K, V = 8, 8192, 16, 128, 256
+        return dict(q=rnd(B, T, H, K), k=rnd(B, T, H, K), v=rnd(B, T, H, V), i=rnd(B, T, H, dt=torch.float32),
+                    f=rnd(B, T, H, dt=torch.float32) + 3)
+    B, T, H, K, V = 4, 8192, 16, 128, 128
+    x = dict(q=rnd(B, T, H, K), k=torch.nn.functional.normalize(rnd(B, T, H, K).float(), dim=-1).bfloat16(),
+             v=rnd(B, T, H, V))
+    if op in ("sgla-scalar", "sgla-scalar-nocheck", "gdn"):
+        x["g"] = torch.nn.functional.logsigmoid(rnd(B, T, H, dt=torch.float32) + 4)
+    if op == "gdn":
+        x["beta"] = torch.rand(B, T, H, device="cuda", generator=gen)
+    return x
+
+
+def call(op, L):
+    if op.startswith("mlstm"):
+        gate = "sigmoid" if op == "mlstm-sig" else "exp"
+        return lambda x: tfla.chunk_mlstm(**x, input_gate=gate, chunk_size=L)[0]
+    if op == "sgla-scalar-nocheck":  # the host-synced `g <= 0` check skipped: its cost in isolation
+        import tfla.ops.simple_gla.chunk as sg
+        sg._check = lambda *args, **kw: None
+    if op.startswith("sgla"):
+        return lambda x: tfla.chunk_simple_gla(**x, chunk_size=L)[0]
+    return lambda x: tfla.chunk_gated_delta_rule(**x, chunk_size=L)[0]
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("ops", nargs="+")
+    p.add_argument("--mode", default="fwd", choices=["fwd", "fwdbwd"])
+    p.add_argument("--L", type=int, default=64)
+    p.add_argument("--reps", type=int, default=5)
+    a = p.parse_args()
+    for op in a.ops:
+        x = inputs(op)
+        fn = call(op, a.L)
+        if a.mode == "fwdbwd":
+            leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
+            out = fn(leaves)
+            do = torch.randn_like(out)
+
+            def run():
+                o = fn(leaves)
+                torch.autograd.grad(o, list(leaves.values()), do)
+        else:
+            def run():
+                with torch.no_grad():
+                    fn(x)
+        run()
+        torch.cuda.synchronize()
+        ms = do_bench(run, warmup=10, rep=50, return_mode="median")
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(a.reps):
+                run()
+            torch.cuda.synchronize()
+        rows = [(e.key, e.device_time_total / 1e3 / a.reps, e.count / a.reps) for e in prof.key_averages()
+                if e.device_time_total > 0]
+        rows.sort(key=lambda r: -r[1])
+        total = sum(r[1] for r in rows)
+        print(f"== {op} {a.mode} L={a.L}: call {ms:.3f} ms (do_bench median), kernels {total:.3f} ms per call")
+        for name, t, n in rows:
+            print(f"   {t:8.3f} ms  x{n:4.1f}  {name[:110]}")
+
+
+if __name__ == "__main__":
+    main()
