@@ -62,7 +62,7 @@ def _diag_tile(b_o, b_a, p_b, p_c, p_g, b_gq, t_k0, o_tq, m_tq, m_a, m_c, T, HB:
         b_s = tl.where(m_s, b_s, 0.0)
     b_cc = tl.load(p_c + o_tk[:, None] * (HC * DC), mask=m_tk[:, None] & m_c[None, :], other=0.0)  # [BKV, BC]
     b_o = tl.dot(b_s.to(dt), b_cc.to(dt), b_o, input_precision=DOT_PREC)
-    return b_o, b_sd, b_cc
+    return b_o, b_sd, b_cc, tl.sum(b_s, 1)
 
 
 @triton.jit
@@ -80,7 +80,11 @@ def _chunk_tiled_kernel(
     cu_seqlens,
     tile_indices,
     chunk_offsets,
+    hn,
+    lo,
+    den,
     scale,
+    eps,
     T,
     HV: tl.constexpr,
     HA: tl.constexpr,
@@ -106,6 +110,8 @@ def _chunk_tiled_kernel(
     IS_VARLEN: tl.constexpr,
     DOT_PREC: tl.constexpr,
     ACC: tl.constexpr,
+    NORM: tl.constexpr,
+    BAS: tl.constexpr,
 ):
     i_c_, i_t, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
     i_b, i_hv = i_bh // HV, i_bh % HV
@@ -150,16 +156,35 @@ def _chunk_tiled_kernel(
         # inter-chunk part: a @ S_c (S read with strides H_SA along the contraction dim, H_SC along out)
         # states are stored every HS rows (HS = BT, or 64 in the backward pass)
         p_h = h + ((boh + i_ch * (BT // HS)) * HV + i_hv) * DA * DC + o_a[:, None] * H_SA + o_c[None, :] * H_SC
-        b_st = tl.load(p_h, mask=m_a[:, None] & m_c[None, :], other=0.0).to(dt)  # [BA, BC]
-        b_o = tl.dot(b_a, b_st, input_precision=DOT_PREC)  # [BQ, BC]
+        if BAS == BA:
+            b_st = tl.load(p_h, mask=m_a[:, None] & m_c[None, :], other=0.0).to(dt)  # [BA, BC]
+            b_o = tl.dot(b_a, b_st, input_precision=DOT_PREC)  # [BQ, BC]
+        else:  # the contraction in BAS-wide pieces (fp32 states of 256 x 256 do not fit shared memory)
+            b_o = tl.zeros([BQ, BC], dtype=ACC)
+            for i_as in tl.static_range(0, BA, BAS):
+                o_as = i_as + tl.arange(0, BAS)
+                m_as = o_as < DA
+                b_ap = tl.load(a + (bos * HA + i_hv // (HV // HA)) * DA + o_tq[:, None] * (HA * DA) + o_as[None, :],
+                               mask=m_tq[:, None] & m_as[None, :], other=0.0)  # [BQ, BAS]
+                p_hs = h + ((boh + i_ch * (BT // HS)) * HV + i_hv) * DA * DC + o_as[:, None] * H_SA + o_c[None, :] * H_SC
+                b_st = tl.load(p_hs, mask=m_as[:, None] & m_c[None, :], other=0.0).to(dt)  # [BAS, BC]
+                b_o = tl.dot(b_ap, b_st, b_o, input_precision=DOT_PREC)
+        if NORM > 0:  # the normalizer's state term a_r . n_c (n: [.., DA] fp32, same stride as h / DC)
+            b_nst = tl.load(hn + ((boh + i_ch * (BT // HS)) * HV + i_hv) * DA + o_a, mask=m_a, other=0.0)
+            b_den = tl.sum(b_a.to(ACC) * b_nst[None, :], 1)
         if USE_G:
             if HAS_GB:  # the state's own stabilizer: the gate of the row before the outer chunk
                 b_gs = b_gq - tl.load(gb + (bos + i_ch * BT) * HV + i_hv)
-                b_o *= tl.exp2(tl.where(m_tq, b_gs, float("-inf")))[:, None]
+                b_fs = tl.exp2(tl.where(m_tq, b_gs, float("-inf")))
             else:
-                b_o *= tl.exp2(b_gq)[:, None]
+                b_fs = tl.exp2(b_gq)
+            b_o *= b_fs[:, None]
+            if NORM > 0:
+                b_den *= b_fs
     else:
         b_o = tl.zeros([BQ, BC], dtype=ACC)
+        if NORM > 0:
+            b_den = tl.zeros([BQ], dtype=ACC)
 
     # the diagonal tiles (per-element gates and causal mask). With ROWDOT the diagonal (r = s) terms
     # are kept out of the accumulator: they enter both row dots of dG = q.dq - k.dk and cancel exactly
@@ -167,12 +192,14 @@ def _chunk_tiled_kernel(
     # they are added to the output after the row dot (BKV = BQ: one diagonal tile, its c rows are the
     # output rows).
     if ROWDOT:
-        b_o, b_sd, b_cd = _diag_tile(b_o, b_a, p_b, p_c, p_gc, b_gq, t_q0, o_tq, m_tq, m_a, m_c, T, HB, HC, HV, DA, DC,
-                                     BKV, USE_G, REVERSE, True, DOT_PREC)
+        b_o, b_sd, b_cd, _ = _diag_tile(b_o, b_a, p_b, p_c, p_gc, b_gq, t_q0, o_tq, m_tq, m_a, m_c, T, HB, HC, HV, DA,
+                                        DC, BKV, USE_G, REVERSE, True, DOT_PREC)
     else:
         for t_k0 in range(t_q0, t_q0 + BQ, BKV):
-            b_o, _, _ = _diag_tile(b_o, b_a, p_b, p_c, p_gc, b_gq, t_k0, o_tq, m_tq, m_a, m_c, T, HB, HC, HV, DA, DC,
-                                   BKV, USE_G, REVERSE, False, DOT_PREC)
+            b_o, _, _, b_rs = _diag_tile(b_o, b_a, p_b, p_c, p_gc, b_gq, t_k0, o_tq, m_tq, m_a, m_c, T, HB, HC, HV, DA,
+                                         DC, BKV, USE_G, REVERSE, False, DOT_PREC)
+            if NORM > 0:
+                b_den += b_rs
 
     # off-diagonal tiles of the same outer chunk (level-2 tiling): before the diagonal (forward) or
     # after it (reverse), with the factorized gate through the row m between the two tiles
@@ -203,10 +230,20 @@ def _chunk_tiled_kernel(
                 else:
                     b_gm = tl.load(p_g + (t_k0 + BKV - 1) * HV)
                 b_s *= tl.exp2(tl.where(m_tq, b_gq - b_gm, float("-inf")))[:, None] * tl.exp2(b_gm - b_gk)[None, :]
+        if NORM > 0:
+            b_den += tl.sum(b_s, 1)
         b_cc = tl.load(p_c + o_tk[:, None] * (HC * DC), mask=m_tk[:, None] & m_c[None, :], other=0.0)  # [BKV, BC]
         b_o = tl.dot(b_s.to(dt), b_cc.to(dt), b_o, input_precision=DOT_PREC)
 
     b_o *= scale
+    if NORM > 0:  # the mLSTM's normalized output: out / (max(|scale a.n|, lower bound) + eps)
+        b_den *= scale
+        if NORM == 2:  # per-row lower bound (e^{-m})
+            b_lo = tl.load(lo + (bos + o_tq) * HV + i_hv, mask=m_tq, other=1.0)
+        else:
+            b_lo = tl.full([BQ], 1.0, dtype=ACC)
+        b_o = b_o / (tl.maximum(tl.abs(b_den), b_lo) + eps)[:, None]
+        tl.store(den + (bos + o_tq) * HV + i_hv, b_den, mask=m_tq & ((o_tq * 0 + i_c_) == 0))
     if ROWDOT:  # x . out without the diagonal terms, then add them to the output
         p_x = x + (bos * HX + i_hv // (HV // HX)) * DC + o_tq[:, None] * (HX * DC) + o_c[None, :]
         b_x = tl.load(p_x, mask=m_tq[:, None] & m_c[None, :], other=0.0).to(ACC)
@@ -258,6 +295,7 @@ def chunk_tiled(
     config: dict | None = None,
     gk_cum: torch.Tensor | None = None,
     gb: torch.Tensor | None = None,
+    normalizer: dict | None = None,
 ):
     """The tiled chunk product (module docstring) for ``a, b: [B, T, *, DA]``, ``c: [B, T, *, DC]``
     (each with H or HV heads), ``g_cum [B, T, HV]``; output ``[B, T, HV, DC]``.
@@ -272,7 +310,12 @@ def chunk_tiled(
     restarting every L, ``GQ_r <= GK_s`` for s <= r); ``gb [B, T, HV]`` holds at each outer-chunk start
     the gate of the row before it (the state's stabilizer; 0 when None), so the state term is
     ``2^(GQ_r - gb) a_r S_c``.
-    Returns ``out`` or ``(out, rowdot)``.
+    ``normalizer`` (forward only, with ``h``): ``dict(hn=[B, NT, HV, DA] fp32 normalizer states,
+    lo=[B, T, HV] fp32 lower bound or None (then 1), eps=float)``: the row sums of the same gated
+    product with c = 1, ``den_r = scale (2^(..) a_r . n_c + sum_s w_rs a_r . b_s)``, are formed in the
+    same pass and the output is ``out_r / (max(|den_r|, lo_r) + eps)`` (the mLSTM, TFLA paper
+    Section 2); ``den [B, T, HV]`` fp32 is returned as well.
+    Returns ``out``, ``(out, rowdot)`` or ``(out, den)``.
     """
     B, T, HA, DA = a.shape
     HB, HC, DC = b.shape[2], c.shape[2], c.shape[3]
@@ -285,24 +328,36 @@ def chunk_tiled(
         # fp32 tiles of 256 columns: 64-row tiles need more shared memory than an H200 has (tf32x3
         # operands are staged there; 262144 B requested vs 232448 B at K = 100, V = 200)
         cfg["BQ"] = cfg["BKV"] = 32
+    BA = max(16, next_pow2(DA))
+    bas = BA  # the state term's contraction piece: fp32 state tiles of more than 64 KiB go in pieces
+    if h is not None and a.element_size() >= 4 and BA * cfg["BV"] > 16384:
+        bas = max(16, 16384 // cfg["BV"])
     out = torch.empty(B, T, HV, DC, dtype=out_dtype or a.dtype, device=a.device)
     acc = torch.float64 if a.dtype == torch.float64 else torch.float32
     xdot = torch.empty(B, T, HV, dtype=acc, device=a.device) if rowdot_with is not None else None
+    norm = normalizer or {}
+    if normalizer is not None and (h is None or reverse or rowdot_with is not None):
+        raise ValueError("normalizer needs the forward form with states (h) and no rowdot")
+    den = torch.empty(B, T, HV, dtype=acc, device=a.device) if normalizer is not None else None
     NQ = cdiv(T, cfg["BQ"]) if cu_seqlens is None else tile_indices.shape[0]
     if NQ > 0 and B * HV > 0:
         _chunk_tiled_kernel[(cdiv(DC, cfg["BV"]), NQ, B * HV)](
             a, b, c, h, gk_cum if (reverse and gk_cum is not None) else g_cum,
             g_cum if (reverse and gk_cum is not None) else gk_cum, gb,
-            out, rowdot_with, xdot, cu_seqlens, tile_indices, chunk_offsets, scale, T,
+            out, rowdot_with, xdot, cu_seqlens, tile_indices, chunk_offsets, norm.get("hn"), norm.get("lo"), den,
+            scale, float(norm.get("eps", 0.0)), T,
             HV=HV, HA=HA, HB=HB, HC=HC, HX=rowdot_with.shape[2] if rowdot_with is not None else HV,
             DA=DA, DC=DC, H_SA=1 if state_transposed else DC, H_SC=DA if state_transposed else 1,
             HS=state_every or chunk_size,
-            BT=chunk_size, BQ=cfg["BQ"], BKV=cfg["BKV"], BA=max(16, next_pow2(DA)), BC=cfg["BV"],
+            BT=chunk_size, BQ=cfg["BQ"], BKV=cfg["BKV"], BA=BA, BC=cfg["BV"],
             USE_G=g_cum is not None, SPLIT_G=gk_cum is not None, HAS_GB=gb is not None, REVERSE=reverse, HAS_STATE=h is not None, ROWDOT=rowdot_with is not None,
             IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(a.dtype), ACC=acc_dtype(a.dtype),
+            NORM=0 if normalizer is None else (2 if norm.get("lo") is not None else 1), BAS=bas,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
-    return (out, xdot) if rowdot_with is not None else out
+    if rowdot_with is not None:
+        return out, xdot
+    return (out, den) if normalizer is not None else out
 
 
 def chunk_output_fwd(

@@ -27,12 +27,13 @@ from tfla.ops.common.utils import SUB_CHUNK, acc_dtype, cdiv, dot_precision, nex
 
 
 @triton.jit
-def _state_substep(b_h, t0, T, bos, i_h, i_hv, k, v, w, ai, beta, v_new, g, gk, gb,
+def _state_substep(b_h, b_n, t0, T, bos, i_h, i_hv, k, v, w, ai, beta, v_new, g, gk, gb,
                    o_c, o_k, o_v, m_k, m_v, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                    V: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, USE_G: tl.constexpr,
                    SPLIT_G: tl.constexpr, HAS_GB: tl.constexpr,
-                   DELTA: tl.constexpr, DOT_PREC: tl.constexpr, ACC: tl.constexpr):
-    """Advance the state ``b_h [BK, BV]`` over the sub-chunk of rows ``t0 .. t0 + BS``; store Vnew."""
+                   DELTA: tl.constexpr, DOT_PREC: tl.constexpr, ACC: tl.constexpr, N_STATE: tl.constexpr):
+    """Advance the state ``b_h [BK, BV]`` (and with N_STATE the normalizer state ``b_n [BK]``, the same
+    recurrence with v = 1) over the sub-chunk of rows ``t0 .. t0 + BS``; store Vnew."""
     dt = k.dtype.element_ty
     o_t = t0 + o_c
     m_t = o_t < T
@@ -69,9 +70,14 @@ def _state_substep(b_h, t0, T, bos, i_h, i_hv, k, v, w, ai, beta, v_new, g, gk, 
         tl.store(v_new + (bos * HV + i_hv) * V + o_t[:, None] * (HV * V) + o_v[None, :],
                  b_v.to(v_new.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
     if USE_G:
-        b_v = b_v * tl.exp2(tl.where(m_t, b_gn - b_g, float("-inf")))[:, None]
+        b_wk = tl.exp2(tl.where(m_t, b_gn - b_g, float("-inf")))  # [BS] key weights
+        b_v = b_v * b_wk[:, None]
         b_h *= tl.exp2(b_gn - b_gc)
-    return tl.dot(tl.trans(b_k), b_v.to(dt), b_h, input_precision=DOT_PREC)
+        if N_STATE:
+            b_n = b_n * tl.exp2(b_gn - b_gc) + tl.sum(b_k.to(ACC) * b_wk[:, None], 0)
+    elif N_STATE:
+        b_n += tl.sum(b_k.to(ACC), 0)
+    return tl.dot(tl.trans(b_k), b_v.to(dt), b_h, input_precision=DOT_PREC), b_n
 
 
 @triton.jit
@@ -90,6 +96,9 @@ def _chunk_state_fwd_kernel(
     gb,
     cu_seqlens,
     chunk_offsets,
+    hn,
+    hn0,
+    hnt,
     T,
     H: tl.constexpr,
     HV: tl.constexpr,
@@ -109,6 +118,7 @@ def _chunk_state_fwd_kernel(
     UNROLL: tl.constexpr,
     STORE_SUB: tl.constexpr,
     ACC: tl.constexpr,
+    N_STATE: tl.constexpr,
 ):
     BS: tl.constexpr = 64
     i_v, i_nh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
@@ -133,6 +143,11 @@ def _chunk_state_fwd_kernel(
     b_h = tl.zeros([BK, BV], dtype=ACC)
     if USE_INITIAL_STATE:
         b_h += tl.load(h0 + i_nh * K * V + o_kv, mask=m_kv, other=0.0).to(ACC)
+    # N_STATE: the normalizer state n (every value tile computes it, the first one stores it)
+    b_n = tl.zeros([BK], dtype=ACC)
+    m_n = m_k & ((o_k * 0 + i_v) == 0)
+    if N_STATE and USE_INITIAL_STATE:
+        b_n += tl.load(hn0 + i_nh * K + o_k, mask=m_k, other=0.0).to(ACC)
 
     # level 1: one iteration per outer chunk, the only place a state touches HBM;
     # level 2: its BT // BS sub-chunks, state on chip (a sub-chunk past T is a no-op). Unrolled, the
@@ -142,23 +157,31 @@ def _chunk_state_fwd_kernel(
     for i_c in range(0, tl.cdiv(T, BT)):
         if not STORE_SUB:
             tl.store(h + ((boh + i_c) * HV + i_hv) * K * V + o_kv, b_h.to(h.dtype.element_ty), mask=m_kv)
+            if N_STATE:
+                tl.store(hn + ((boh + i_c) * HV + i_hv) * K + o_k, b_n, mask=m_n)
         if UNROLL:
             for j in tl.static_range(BT // BS):
-                b_h = _state_substep(
-                    b_h, i_c * BT + j * BS, T, bos, i_h, i_hv, k, v, w, ai, beta, v_new, g, gk, gb,
-                    o_c, o_k, o_v, m_k, m_v, H, HV, K, V, BT, BS, USE_G, SPLIT_G, HAS_GB, DELTA, DOT_PREC, ACC)
+                b_h, b_n = _state_substep(
+                    b_h, b_n, i_c * BT + j * BS, T, bos, i_h, i_hv, k, v, w, ai, beta, v_new, g, gk, gb,
+                    o_c, o_k, o_v, m_k, m_v, H, HV, K, V, BT, BS, USE_G, SPLIT_G, HAS_GB, DELTA, DOT_PREC, ACC,
+                    N_STATE)
         else:
             for j in range(BT // BS):
                 if STORE_SUB:
                     if i_c * BT + j * BS < T:
                         tl.store(h + ((boh + i_c * (BT // BS) + j) * HV + i_hv) * K * V + o_kv,
                                  b_h.to(h.dtype.element_ty), mask=m_kv)
-                b_h = _state_substep(
-                    b_h, i_c * BT + j * BS, T, bos, i_h, i_hv, k, v, w, ai, beta, v_new, g, gk, gb,
-                    o_c, o_k, o_v, m_k, m_v, H, HV, K, V, BT, BS, USE_G, SPLIT_G, HAS_GB, DELTA, DOT_PREC, ACC)
+                        if N_STATE:
+                            tl.store(hn + ((boh + i_c * (BT // BS) + j) * HV + i_hv) * K + o_k, b_n, mask=m_n)
+                b_h, b_n = _state_substep(
+                    b_h, b_n, i_c * BT + j * BS, T, bos, i_h, i_hv, k, v, w, ai, beta, v_new, g, gk, gb,
+                    o_c, o_k, o_v, m_k, m_v, H, HV, K, V, BT, BS, USE_G, SPLIT_G, HAS_GB, DELTA, DOT_PREC, ACC,
+                    N_STATE)
 
     if STORE_FINAL_STATE:
         tl.store(ht + i_nh * K * V + o_kv, b_h, mask=m_kv)
+        if N_STATE:
+            tl.store(hnt + i_nh * K + o_k, b_n, mask=m_n)
 
 
 def _state_acc(dtype: torch.dtype) -> torch.dtype:
@@ -183,7 +206,9 @@ def chunk_state_fwd(
     store_every_sub_chunk: bool = False,
     gk_cum: torch.Tensor | None = None,
     gb: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    n_state: bool = False,
+    initial_n: torch.Tensor | None = None,
+):
     """States at every outer-chunk start, and (delta rule) the new values.
 
     Modes: plain linear attention (``w`` and ``ai`` None; ``v`` is V); delta rule from the WY kernel
@@ -202,9 +227,12 @@ def chunk_state_fwd(
         gk_cum, gb: split gates (linear attention only; see ``chunk_output.chunk_tiled``): ``g_cum`` is
             the query-side gate GQ, key weights are ``2^(GQ_n - GK_s)``, and at an outer-chunk start the
             previous row's gate is ``gb`` instead of 0; every state is then stabilized by its own ``gb``.
+        n_state: also run the normalizer state ``n`` (the same recurrence with v = 1: the mLSTM's
+            denominator, TFLA paper Section 2) in the same pass; ``initial_n [N, HV, K]`` its start.
     Returns:
         ``h [B, NT, HV, K, V]`` (varlen: ``[1, total chunks, HV, K, V]``), ``v_new [B, T, HV, V]``
-        or None, ``final_state [N, HV, K, V]`` fp32 or None.
+        or None, ``final_state [N, HV, K, V]`` fp32 or None; with ``n_state`` two more:
+        ``hn [B, NT, HV, K]`` fp32 and ``final_n [N, HV, K]`` fp32 or None.
     """
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
@@ -216,8 +244,14 @@ def chunk_state_fwd(
     h = torch.empty(B, NT, HV, K, V, dtype=state_dtype or k.dtype, device=k.device)
     v_new = torch.empty_like(v) if delta else None
     final_state = torch.empty(N, HV, K, V, dtype=_state_acc(k.dtype), device=k.device) if output_final_state else None
+    hn = torch.empty(B, NT, HV, K, dtype=_state_acc(k.dtype), device=k.device) if n_state else None
+    final_n = torch.empty(N, HV, K, dtype=_state_acc(k.dtype), device=k.device) if n_state and output_final_state \
+        else None
+    if initial_n is not None and initial_state is None:
+        raise ValueError("initial_n needs initial_state (pass zeros for C)")
+    rets = (h, v_new, final_state) + ((hn, final_n) if n_state else ())
     if N * HV == 0:
-        return h, v_new, final_state
+        return rets
     # defaults measured on an H200 at K = V = 128 (docs/perf.md); 3 stages do not fit K = 256
     cfg = {"BV": 64 if K <= 128 else 32, "num_warps": 4, "num_stages": 3 if K <= 128 else 2, "unroll": False,
            **(config or {})}
@@ -228,15 +262,17 @@ def chunk_state_fwd(
     BK = max(16, next_pow2(K))
     BV = min(max(16, next_pow2(V)), cfg["BV"])
     _chunk_state_fwd_kernel[(cdiv(V, BV), N * HV)](
-        k, v, w, ai, beta, v_new, g_cum, h, initial_state, final_state, gk_cum, gb, cu_seqlens, chunk_offsets, T,
+        k, v, w, ai, beta, v_new, g_cum, h, initial_state, final_state, gk_cum, gb, cu_seqlens, chunk_offsets,
+        hn, initial_n if initial_n is not None else (torch.zeros(N, HV, K, dtype=hn.dtype, device=k.device)
+                                                      if n_state and initial_state is not None else None), final_n, T,
         H=H, HV=HV, K=K, V=V, BT=chunk_size, BK=BK, BV=BV,
         USE_G=g_cum is not None, SPLIT_G=gk_cum is not None, HAS_GB=gb is not None, DELTA=delta,
         USE_INITIAL_STATE=initial_state is not None, STORE_FINAL_STATE=output_final_state,
         IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(k.dtype), ACC=acc_dtype(k.dtype),
-        UNROLL=cfg["unroll"], STORE_SUB=store_every_sub_chunk,
+        UNROLL=cfg["unroll"], STORE_SUB=store_every_sub_chunk, N_STATE=n_state,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
-    return h, v_new, final_state
+    return rets
 
 
 @triton.jit
