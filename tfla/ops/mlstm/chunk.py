@@ -17,8 +17,11 @@ the kernels. With it every pair weight is one exponent ``e^{Fl_t - m_t - (Fl_s -
 (<= 1), i.e. the split-gate mode of the shared state and tiled kernels (query-side gate GQ, key-side
 gate GK, the state at an outer-chunk start stabilized by the m of the row before it). The paper's
 online row max is not needed because m is known up front; the stabilized states are exactly the
-recurrence's (C, n, m). The normalizer n is the state of the same product with a column of ones
-appended to v, so one engine call gives numerator and denominator.
+recurrence's (C, n, m). The normalizer n is the state of the same product with v = 1: the forward
+carries it in the state kernel beside C (``n_state``) and the tiled output kernel forms the
+normalizer's row sums in the same pass and divides before its one store (``normalizer``): two kernels
+after the gate preparation. The backward still runs the normalizer as a second engine pass on a
+16-wide value tensor whose column 0 is ones.
 
 Gradients: the engine's backward with m held fixed (dq, dk, dv, the forget-gate gradient, d initial
 state), the input gate from ``di_s = k_s . dk_s`` (e^{ig_s} scales every use of k_s), and the m path:
@@ -33,10 +36,15 @@ import math
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 from tfla.ops.gated_delta_rule.chunk import VarlenIndex, _check_cotangent
 from tfla.ops.mlstm.step import INPUT_GATES, check_mlstm_options, check_mlstm_state  # noqa: F401
-from tfla.ops.simple_gla.chunk import chunk_simple_gla_bwd, chunk_simple_gla_fwd
+from tfla.ops.common.chunk_output import chunk_tiled, output_config
+from tfla.ops.common.chunk_state import chunk_state_fwd
+from tfla.ops.common.utils import cdiv, next_pow2
+from tfla.ops.simple_gla.chunk import chunk_simple_gla_bwd
 from tfla.utils.validation import (
     check_common,
     check_qkv,
@@ -63,6 +71,17 @@ class MLSTMOptions:
 # ----------------------------------------------------------------------------------------------
 # segment (per-sequence) scans over [B, T, H]; varlen packs N sequences along T with B = 1
 # ----------------------------------------------------------------------------------------------
+def _cumsum_t(x: torch.Tensor) -> torch.Tensor:
+    """cumsum over T of [B, T, H], run on a time-last copy: PyTorch's scan over a middle dim of
+    [8, 8192, 16] float64 took 2 ms on an H100 (docs/perf.md), the innermost scan a few us."""
+    return x.transpose(1, 2).contiguous().cumsum(-1).transpose(1, 2).contiguous()
+
+
+def _cummax_t(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    vals, idx = torch.cummax(x.transpose(1, 2).contiguous(), -1)
+    return vals.transpose(1, 2).contiguous(), idx.transpose(1, 2).contiguous()
+
+
 @dataclasses.dataclass
 class _Segments:
     cu: torch.Tensor | None  # [N + 1] int64 or None (then every batch row is one sequence)
@@ -79,7 +98,7 @@ class _Segments:
         return cls(cu, seq, cu[seq], cu[seq + 1])
 
     def cumsum(self, x: torch.Tensor) -> torch.Tensor:
-        cs = x.cumsum(1)
+        cs = _cumsum_t(x)
         if self.cu is None:
             return cs
         return cs - (cs - x)[:, self.bos]
@@ -87,24 +106,24 @@ class _Segments:
     def rev_cumsum(self, x: torch.Tensor) -> torch.Tensor:
         """sum_{t >= u, same sequence} x_t."""
         if self.cu is None:
-            return x.flip(1).cumsum(1).flip(1)
-        cs = x.cumsum(1)
+            return _cumsum_t(x.flip(1)).flip(1)
+        cs = _cumsum_t(x)
         return cs[:, self.eos - 1] - cs + x
 
     def cummax(self, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.cu is None:
-            return torch.cummax(a, 1)
+            return _cummax_t(a)
         # sequences kept apart by offsets larger than the values' span (float64: exact enough)
         span = float((a.max() - a.min()).item()) + 1.0 if a.numel() else 1.0
         off = (self.seq.to(a.dtype) * (2.0 * span))[None, :, None]
-        vals, idx = torch.cummax(a + off, 1)
+        vals, idx = _cummax_t(a + off)
         return vals - off, idx
 
     def per_sequence_sum(self, x: torch.Tensor) -> torch.Tensor:
         """[B, T, H] -> [N, H]."""
         if self.cu is None:
             return x.sum(1)
-        cs = torch.cat([x.new_zeros(x.shape[0], 1, x.shape[2]), x.cumsum(1)], 1)[0]  # [T + 1, H]
+        cs = torch.cat([x.new_zeros(x.shape[0], 1, x.shape[2]), _cumsum_t(x)], 1)[0]  # [T + 1, H]
         return cs[self.cu[1:]] - cs[self.cu[:-1]]
 
     def last(self, x: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:
@@ -170,7 +189,7 @@ def _argmax_grad(dM: torch.Tensor, idx: torch.Tensor, seg: _Segments) -> tuple[t
     Within a sequence the argmax is non-decreasing, so each s receives the sum over one run of t
     (prefix-sum differences; unique scatter targets: deterministic)."""
     B, T, H = dM.shape
-    cs = dM.cumsum(1)
+    cs = _cumsum_t(dM)
     run_end = torch.ones_like(idx, dtype=torch.bool)
     run_end[:, :-1] = idx[:, :-1] != idx[:, 1:]
     valid = run_end & (idx >= 0)
@@ -207,37 +226,87 @@ def _c0(C0, acc):
 
 
 def chunk_mlstm_fwd(q, k, v, i, f, C0, n0, m0, opts: MLSTMOptions, varlen=None):
-    """Plain forward: ``(h, (C, n, m) or None, den)``; den [B, T, H] the normalizer's dot (or None)."""
+    """Plain forward: ``(h, (C, n, m) or None, den)``; den [B, T, H] the normalizer's dot (or None).
+
+    Two kernels after the gate preparation: the state recurrence carries C and n together (n is the
+    same recurrence with v = 1), and the tiled output forms the normalizer's row sums in the same pass
+    and divides before its only store (``chunk_tiled(normalizer=...)``)."""
     B, T, H, _V = v.shape
+    L = opts.chunk_size
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    seg = _Segments.build(T, varlen.cu_seqlens if varlen is not None else None, q.device)
+    cu = varlen.cu_seqlens if varlen is not None else None
+    seg = _Segments.build(T, cu, q.device)
     gt = _gates(i, f, m0, opts, seg, acc)
-    gates = {"g_cum": gt.gq, "gk_cum": gt.gk, "gb": gt.gb}
-    o, hC, _ = chunk_simple_gla_fwd(q, k, v, None, opts.scale, _c0(C0, acc), opts.output_final_state,
-                                    opts.chunk_size, varlen, out_dtype=acc if opts.normalize else None, **gates)
-    den = hn = None
-    if opts.aug:
-        ones, hn0 = _n_inputs(q, n0, acc)
-        od, hn, _ = chunk_simple_gla_fwd(q, k, ones, None, opts.scale, hn0, opts.output_final_state, opts.chunk_size,
-                                         varlen, out_dtype=acc, **gates)
-        den = od[..., 0].contiguous()
-        del od, ones
+    gates = {"gk_cum": gt.gk, "gb": gt.gb}
+    h_st, _, hC, *hn = chunk_state_fwd(
+        k, v, gt.gq, L, initial_state=_c0(C0, acc), output_final_state=opts.output_final_state, cu_seqlens=cu,
+        chunk_offsets=varlen.chunk_offsets if varlen is not None else None,
+        num_chunks=varlen.num_chunks if varlen is not None else None, n_state=opts.aug,
+        initial_n=n0.to(acc) if n0 is not None else None, **gates)
+    hn, n_final = hn if opts.aug else (None, None)
+    ocfg = output_config(L, q.shape[-1], v.shape[-1])
+    tiled = dict(cu_seqlens=cu, tile_indices=varlen.tiles(ocfg["BQ"]) if varlen is not None else None,
+                 chunk_offsets=varlen.chunk_offsets if varlen is not None else None, config=ocfg, **gates)
+    den = None
     if opts.normalize:
-        lo = gt.lo if isinstance(gt.lo, torch.Tensor) else torch.ones_like(den)
-        h = (o / (torch.maximum(den.abs(), lo) + opts.eps)[..., None]).to(v.dtype)
+        norm = dict(hn=hn, lo=gt.lo if isinstance(gt.lo, torch.Tensor) else None, eps=opts.eps)
+        h, den = chunk_tiled(q, k, v, gt.gq, opts.scale, L, h=h_st, out_dtype=v.dtype, normalizer=norm, **tiled)
     else:
-        h = o
-    del o
+        h = chunk_tiled(q, k, v, gt.gq, opts.scale, L, h=h_st, out_dtype=v.dtype, **tiled)
+    del h_st, hn
     final = None
     if opts.output_final_state:
         N = seg_count(seg, B)
-        n = hn[..., 0].contiguous()
         if opts.input_gate == "exp":
             m0t = m0.to(acc) if m0 is not None else torch.zeros(N, H, dtype=acc, device=q.device)
-            final = (hC, n, seg.last(gt.m, m0t.double()).to(acc))
+            final = (hC, n_final, seg.last(gt.m, m0t.double()).to(acc))
         else:
-            final = (hC, n)
+            final = (hC, n_final)
     return h, final, den
+
+
+@triton.jit
+def _normalizer_bwd_prep_kernel(dh, h, den, lo, do, sd, dden, R, eps, V: tl.constexpr, BR: tl.constexpr,
+                                BV: tl.constexpr, HAS_LO: tl.constexpr, EXACT: tl.constexpr, ACC: tl.constexpr):
+    """Per row r of ``h = o / d`` with ``d = max(|den|, lo) + eps``: ``do = dh / d`` (the numerator's
+    cotangent), ``sd = (dh . h) / d`` and, for the exact gradient, ``dden = -sd sign(den)`` where
+    ``|den| > lo`` (else 0). One pass over dh and h instead of six PyTorch ops over [B, T, H, V]."""
+    i_r = tl.program_id(0).to(tl.int64)
+    o_r = i_r * BR + tl.arange(0, BR)
+    m_r = o_r < R
+    o_v = tl.arange(0, BV)
+    m = m_r[:, None] & (o_v < V)[None, :]
+    b_dh = tl.load(dh + o_r[:, None] * V + o_v[None, :], mask=m, other=0.0).to(ACC)
+    b_h = tl.load(h + o_r[:, None] * V + o_v[None, :], mask=m, other=0.0).to(ACC)
+    b_den = tl.load(den + o_r, mask=m_r, other=1.0)
+    if HAS_LO:
+        b_lo = tl.load(lo + o_r, mask=m_r, other=1.0)
+    else:
+        b_lo = tl.full([BR], 1.0, dtype=ACC)
+    b_d = tl.maximum(tl.abs(b_den), b_lo) + eps
+    tl.store(do + o_r[:, None] * V + o_v[None, :], (b_dh / b_d[:, None]).to(do.dtype.element_ty), mask=m)
+    b_sd = tl.sum(b_dh * b_h, 1) / b_d
+    tl.store(sd + o_r, b_sd, mask=m_r)
+    if EXACT:
+        b_sg = tl.where(b_den > 0, 1.0, tl.where(b_den < 0, -1.0, 0.0))
+        tl.store(dden + o_r, tl.where(tl.abs(b_den) > b_lo, -b_sd * b_sg, 0.0), mask=m_r)
+
+
+def _normalizer_bwd_prep(dh, h, den, lo, eps, exact, out_dtype):
+    """``(do [B, T, H, V] out_dtype, sd [B, T, H] fp32, dden [B, T, H] fp32 or None)``; see the kernel."""
+    B, T, H, V = dh.shape
+    acc = torch.float64 if dh.dtype == torch.float64 else torch.float32
+    do = torch.empty(B, T, H, V, dtype=out_dtype, device=dh.device)
+    sd = torch.empty(B, T, H, dtype=acc, device=dh.device)
+    dden = torch.empty_like(sd) if exact else None
+    R = B * T * H
+    BV = max(16, next_pow2(V))
+    BR = max(1, 4096 // BV)
+    if R > 0:
+        _normalizer_bwd_prep_kernel[(cdiv(R, BR),)](
+            dh, h, den, lo, do, sd, dden, R, eps, V=V, BR=BR, BV=BV, HAS_LO=lo is not None, EXACT=exact,
+            ACC=tl.float64 if acc == torch.float64 else tl.float32)
+    return do, sd, dden
 
 
 def chunk_mlstm_bwd(q, k, v, i, f, C0, n0, m0, h, den, final, dh, dC, dn, dm, opts: MLSTMOptions, varlen=None):
@@ -249,15 +318,10 @@ def chunk_mlstm_bwd(q, k, v, i, f, C0, n0, m0, h, den, final, dh, dC, dn, dm, op
     gt = _gates(i, f, m0, opts, seg, acc)
     gates = {"gk_cum": gt.gk, "gb": gt.gb}
     N = seg_count(seg, B)
-    dh = dh.to(acc)
-    dden = None
+    dden = sd = None
     if opts.normalize:
-        lo = gt.lo if isinstance(gt.lo, torch.Tensor) else torch.ones_like(den)
-        dd = torch.maximum(den.abs(), lo) + opts.eps
-        s = (dh * h.to(acc)).sum(-1)
-        if not opts.detach_normalizer:
-            dden = torch.where(den.abs() > lo, -s / dd * torch.sign(den), torch.zeros_like(s))
-        do = (dh / dd[..., None]).to(q.dtype)
+        do, sd, dden = _normalizer_bwd_prep(dh, h, den, gt.lo if isinstance(gt.lo, torch.Tensor) else None,
+                                            opts.eps, not opts.detach_normalizer, q.dtype)
     else:
         do = dh.to(q.dtype)
     C0a = _c0(C0, acc)
@@ -269,7 +333,7 @@ def chunk_mlstm_bwd(q, k, v, i, f, C0, n0, m0, h, den, final, dh, dC, dn, dm, op
         ones, hn0 = _n_inputs(q, n0, acc)
         don = q.new_zeros(B, T, H, NSTATE_COLS)
         if dden is not None:
-            don[..., 0] = dden.to(q.dtype)
+            don[..., 0] = dden.to(q.dtype)  # (rounded to q's dtype: the engine's cotangent dtype)
         dnt = None
         if dn is not None:
             dnt = torch.zeros(N, H, K, NSTATE_COLS, dtype=acc, device=q.device)
@@ -287,7 +351,7 @@ def chunk_mlstm_bwd(q, k, v, i, f, C0, n0, m0, h, den, final, dh, dC, dn, dm, op
     dm0 = None
     if opts.input_gate == "exp":
         # the m path: dm_t = -eps (dh_t . h_t) / den_t, plus the returned final m and states' scaling
-        dM = -opts.eps * s.double() / dd.double()
+        dM = -opts.eps * sd.double()
         if opts.detach_normalizer:
             dM = torch.zeros_like(dM)
         if final is not None and (dC is not None or dn is not None or dm is not None):
