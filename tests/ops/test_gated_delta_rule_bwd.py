@@ -203,7 +203,12 @@ def test_bwd_bf16_no_worse_than_fla(L, gate):
         return torch.autograd.grad((o * do.to(o.dtype)).sum() + (s * dht).sum(), leaves)
 
     tf = grads(lambda *a, **kw: tfla.chunk_gated_delta_rule(*a, chunk_size=L, **kw))
-    fl = grads(fla.chunk_gated_delta_rule)
+    try:
+        fl = grads(fla.chunk_gated_delta_rule)
+    except RuntimeError as e:  # FLA 0.6.0 refuses its gated backward on Hopper with Triton < 3.7.1
+        if "tilelang" not in str(e):
+            raise
+        pytest.skip(f"FLA's backward refuses here: {str(e)[:100]}")
     # float32 reference: autograd through the pure-PyTorch chunkwise reference (no Triton)
     ref = grads(lambda *a, **kw: chunk_gated_delta_rule_ref(*a, chunk_size=64, **kw), upcast=True)
     for name, a, b, r in zip(NAMES, tf, fl, ref):

@@ -126,15 +126,28 @@ def _check(q, k, v, g, g_gamma, scale, initial_state, cu_seqlens, chunk_size):
                                 and g.dim() == 4 else ""))
         check_tensor("g", g, 3)
         check_gate_dtype("g", g, q)
-        if bool((g > 0).any()):  # one host sync: a positive log decay is a growth, not a decay
-            raise ValueError("`g` is a log decay and must be <= 0 everywhere; got positive values")
     if g_gamma is not None:
         if not isinstance(g_gamma, torch.Tensor) or g_gamma.shape != (H,):
             raise ValueError(f"`g_gamma` must be a per-head log decay of shape [H] = ({H},)")
-        if bool((g_gamma > 0).any()):
+        if bool((g_gamma > 0).any()):  # [H], usually a constant on the host
             raise ValueError("`g_gamma` is a log decay and must be <= 0; got positive values")
     named = (("q", q), ("k", k), ("v", v)) + ((("g", g),) if g is not None else ())
     check_common(q, named, scale, initial_state, cu_seqlens, chunk_size, (H, K, V), "H, K, V")
+
+
+def _positive_flag(g: torch.Tensor | None) -> torch.Tensor | None:
+    """``any(g > 0)`` as a device tensor, launched before the kernels and read after them
+    (``_raise_if_positive``): one host sync at the end of the call instead of one before the kernels
+    (measured on an H100: 2.18 ms with the sync first vs 0.56 ms without it, B=4 T=8192 H=16 K=V=128).
+    Skipped during CUDA-graph capture, where no host read is possible."""
+    if g is None or (g.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return None
+    return (g > 0).any()
+
+
+def _raise_if_positive(flag: torch.Tensor | None, name: str = "g"):
+    if flag is not None and bool(flag):  # a positive log decay is a growth, not a decay
+        raise ValueError(f"`{name}` is a log decay and must be <= 0 everywhere; got positive values")
 
 
 def chunk_simple_gla(
@@ -168,9 +181,11 @@ def chunk_simple_gla(
     q, k, v, g and initial_state (``g_gamma`` is a constant, as in FLA).
 
     Raises ValueError/TypeError naming the argument for wrong shapes or dtypes, a vector decay passed
-    as ``g``, positive log decays (checked with one host sync), unsupported sizes or devices.
+    as ``g``, positive log decays (checked with one host sync at the end of the call, after the kernels
+    are queued; not checked while a CUDA graph is being captured), unsupported sizes or devices.
     """
     _check(q, k, v, g, g_gamma, scale, initial_state, cu_seqlens, chunk_size)
+    positive = _positive_flag(g)
     B, T, H, K = q.shape
     varlen = None
     if cu_seqlens is not None:
@@ -183,8 +198,10 @@ def chunk_simple_gla(
     q, k, v = (x.contiguous() for x in (q, k, v))
     g = g.contiguous() if g is not None else None
     opts = LinearAttnOptions(float(scale), int(chunk_size), bool(output_final_state))
-    return ChunkSimpleGLAFunction.apply(q, k, v, g, initial_state.contiguous() if initial_state is not None else None,
-                                        varlen, opts)
+    out = ChunkSimpleGLAFunction.apply(q, k, v, g, initial_state.contiguous() if initial_state is not None else None,
+                                       varlen, opts)
+    _raise_if_positive(positive)  # after the kernels are queued: the host waits once, at the end
+    return out
 
 
 def chunk_retention(
