@@ -85,8 +85,10 @@ def _vec_side(p_gv, s_gv, b_gvm, o_t, m_t, o_gd, m_gd, REVERSE: tl.constexpr):
     m = m_t[:, None] & m_gd[None, :]
     b_g = tl.load(p_gv + o_t[:, None] * s_gv + o_gd[None, :], mask=m, other=0.0)
     if REVERSE:
-        return tl.exp2(tl.where(m, b_g - b_gvm[None, :], float("-inf")))
-    return tl.exp2(tl.where(m, b_gvm[None, :] - b_g, float("-inf")))
+        b_e = b_g - b_gvm[None, :]
+    else:
+        b_e = b_gvm[None, :] - b_g
+    return tl.exp2(tl.where(m, b_e, float("-inf")))
 
 
 @triton.jit

@@ -84,9 +84,9 @@ def _state_substep(b_h, b_n, t0, T, bos, i_h, i_hv, k, v, w, ai, beta, v_new, g,
     elif N_STATE:
         b_n += tl.sum(b_k.to(ACC), 0)
     if VEC_G:  # per key row: keys weighted 2^(GV_n - GV_s), the state's rows decayed 2^(GV_n - GV_c)
-        b_wv, b_dv, _ = _vec_decays(gv, bos, i_hv, t0, T, o_t, m_t, o_k, m_k, HV, K, BT, BS)
+        b_wv, b_rd, _ = _vec_decays(gv, bos, i_hv, t0, T, o_t, m_t, o_k, m_k, HV, K, BT, BS)
         b_k = (b_k * b_wv).to(dt)
-        b_h *= b_dv[:, None]
+        b_h *= b_rd[:, None]
     return tl.dot(tl.trans(b_k), b_v.to(dt), b_h, input_precision=DOT_PREC), b_n
 
 
@@ -397,7 +397,7 @@ def _chunk_state_bwd_kernel(
             b_do = tl.load(do + p_tv, mask=m_tv, other=0.0)
             b_du = tl.load(dvo + p_tv, mask=m_tv, other=0.0).to(ACC)
             if VEC_G:  # per key row: K * 2^(GV_n - GV), Q * 2^GV, and dS's row decays 2^(GV_n - GV_c)
-                b_wv, b_dv, b_wq = _vec_decays(gv, bos, i_hv, t0, T, o_t, m_t, o_k, m_k, HV, K, BT, BS)
+                b_wv, b_rd, b_wq = _vec_decays(gv, bos, i_hv, t0, T, o_t, m_t, o_k, m_k, HV, K, BT, BS)
                 b_k = (b_k * b_wv).to(dt)
                 b_q = (b_q * b_wq).to(dt)
             b_kdh = tl.dot(b_k, b_dh.to(dt), input_precision=DOT_PREC)  # [BS, BV]
@@ -425,7 +425,7 @@ def _chunk_state_bwd_kernel(
             if USE_G:
                 b_dh *= tl.exp2(b_gn - b_gc)
             if VEC_G:
-                b_dh *= b_dv[:, None]
+                b_dh *= b_rd[:, None]
             if DELTA:
                 b_w = tl.load(w + (bos * HV + i_hv) * K + o_t[:, None] * (HV * K) + o_k[None, :], mask=m_tk, other=0.0)
                 b_dh -= tl.dot(tl.trans(b_w), b_du.to(dt), input_precision=DOT_PREC)
