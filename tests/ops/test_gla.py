@@ -72,7 +72,8 @@ def _check(device, B, T, H, K, V, L, dtype=torch.float32, seed=0, cu=None, num_s
 
 
 @pytest.mark.parametrize("B,T,H,K,V,L", [(2, 1, 1, 32, 32, 64), (1, 63, 2, 32, 16, 64), (1, 65, 1, 16, 16, 64),
-                                         (1, 150, 1, 16, 32, 128), (1, 100, 1, 20, 24, 64)])
+                                         (1, 150, 1, 16, 32, 128), (1, 100, 1, 20, 24, 64), (1, 300, 1, 16, 16, 256),
+                                         (1, 513, 1, 16, 16, 512)])
 def test_gla_fp32(device, poison_empty, B, T, H, K, V, L):
     _check(device, B, T, H, K, V, L, seed=T + L)
 
