@@ -11,7 +11,7 @@ Decay kinds and the ops compared (same arguments and layout ``[B, T, H, K|V]`` o
 FLA runs at its own chunk size (64) with ``FLA_FLASH_QLA=0``. For each workload, before any timing:
 
 1. slice check (cheap, always): every implementation on ``q[:1, :slice_T]`` (the benchmark dtype) against
-   the float64 step-by-step recurrence (``recurrent_simple_gla_ref``; a local vector-decay recurrence for
+   the float64 step-by-step recurrence (``recurrent_simple_gla_ref``; ``recurrent_gla_ref`` for
    "vector") on the same rounded inputs: rel-L2 of o (and with ``--mode fwdbwd`` of dq, dk, dv, dg for a
    random cotangent) in the ``slice_err_*`` columns;
 2. full check: the output (and gradients) on the benchmark inputs against tfla's fp32 run of the same op
@@ -130,22 +130,9 @@ def linear_attn_cost(B: int, T: int, H: int, K: int, V: int, chunk_size: int, mo
     return 2.0 * tok * mac, float(min_bytes)
 
 
-def _recurrent_vector_decay_ref(q, k, v, g, scale=None):
-    """Step-by-step GLA (vector decay) in q's dtype: ``S_t = diag(e^{g_t}) S_{t-1} + k_t v_t^T``,
-    ``o_t = scale S_t^T q_t``, g ``[B, T, H, K]``. The slice check's ground truth for "vector" until tfla
-    ships its own GLA reference."""
-    B, T, H, K = q.shape
-    scale = K ** -0.5 if scale is None else scale
-    S = q.new_zeros(B, H, K, v.shape[-1])
-    o = []
-    for t in range(T):
-        S = S * torch.exp(g[:, t])[..., None] + k[:, t, :, :, None] * v[:, t, :, None, :]
-        o.append(scale * torch.einsum("bhk,bhkv->bhv", q[:, t], S))
-    return torch.stack(o, 1)
-
-
 def _slice_reference_fn(kind: str):
     """float64 ground truth of ``kind``: fn(x) -> o."""
+    from tfla.ops.gla.reference import recurrent_gla_ref
     from tfla.ops.simple_gla.reference import recurrent_simple_gla_ref, retention_log_decay
 
     if kind == "none":
@@ -155,7 +142,7 @@ def _slice_reference_fn(kind: str):
             x["q"], x["k"], x["v"], g_gamma=retention_log_decay(x["q"].shape[2], device=x["q"].device).double())[0]
     if kind == "scalar":
         return lambda x: recurrent_simple_gla_ref(x["q"], x["k"], x["v"], g=x["g"])[0]
-    return lambda x: _recurrent_vector_decay_ref(x["q"], x["k"], x["v"], x["g"])
+    return lambda x: recurrent_gla_ref(x["q"], x["k"], x["v"], x["g"])[0]
 
 
 # ----------------------------------------------------------------------------------------------

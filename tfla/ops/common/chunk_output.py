@@ -24,6 +24,19 @@ diagonal use the factorized gate 2^(G_r - G_m) 2^(G_m - G_s) (m between them, bo
 ``ROWDOT`` additionally writes ``sum_j x_rj out_rj`` per row without the diagonal (r = s) terms
 (used for the gate gradient dG = q.dq - k.dk, in which the diagonal terms cancel exactly); it needs
 the whole output row in one program (BC >= output dim) and BKV = BQ.
+
+Vector gate (``VEC_G``, GLA: a log decay per key channel, ``GV [B, T, HV, K]`` cumulative within the
+outer chunk, log2 units; ULA Section 2.2, Eqs. 4-7): the pair weight is per channel,
+``2^(GV_rk - GV_sk)``. For o and dv (``VEC_G = 1``) it multiplies the contraction dim (a_r . b_s becomes
+``sum_k a_rk b_sk 2^(GV_rk - GV_sk)``); for dq and dk (``VEC_G = 2``) it multiplies the output
+columns (``out_rk`` gets ``c_sk 2^(GV_rk - GV_sk)``). Off-diagonal tiles use one reference row m
+between the two sides, applied elementwise: ``a_r * 2^(GV_r - GV_m)`` and ``b_s * 2^(GV_m - GV_s)``
+(or on c and the output for ``VEC_G = 2``). The diagonal BQ x BQ square goes in 16-row blocks
+(``_vec_diag``): pairs in different blocks through the row m at the block edge, pairs in one block
+elementwise, one looped row per step. Every exponent evaluated is <= 0 (masked lanes read -inf), so
+any decay is exact up to underflow of weights that are themselves below fp32's range. ``VEC_ROWDOT``
+writes the per-channel ``x_rk out_rk`` (without the r = s terms) for the gate gradient
+``dGV = q * dq - k * dk``; the scalar ``USE_G`` and ``ROWDOT`` paths are off then.
 """
 from __future__ import annotations
 
@@ -63,6 +76,119 @@ def _diag_tile(b_o, b_a, p_b, p_c, p_g, b_gq, t_k0, o_tq, m_tq, m_a, m_c, T, HB:
     b_cc = tl.load(p_c + o_tk[:, None] * (HC * DC), mask=m_tk[:, None] & m_c[None, :], other=0.0)  # [BKV, BC]
     b_o = tl.dot(b_s.to(dt), b_cc.to(dt), b_o, input_precision=DOT_PREC)
     return b_o, b_sd, b_cc, tl.sum(b_s, 1)
+
+
+@triton.jit
+def _vec_side(p_gv, s_gv, b_gvm, o_t, m_t, o_gd, m_gd, REVERSE: tl.constexpr):
+    """Looped-side factor of the vector gate through the reference row m: ``2^(GV_m - GV_s)`` (forward,
+    s <= m) or ``2^(GV_s - GV_m)`` (reverse, s >= m), ``[rows, gated dim]``, 0 on masked rows."""
+    m = m_t[:, None] & m_gd[None, :]
+    b_g = tl.load(p_gv + o_t[:, None] * s_gv + o_gd[None, :], mask=m, other=0.0)
+    if REVERSE:
+        b_e = b_g - b_gvm[None, :]
+    else:
+        b_e = b_gvm[None, :] - b_g
+    return tl.exp2(tl.where(m, b_e, float("-inf")))
+
+
+@triton.jit
+def _vec_state_term(a, h, p_gv, s_gv, bos, boh, i_hv, i_ch, o_tq, m_tq, o_c, m_c, HA: tl.constexpr,
+                    HV: tl.constexpr, DA: tl.constexpr, DC: tl.constexpr, H_SA: tl.constexpr, H_SC: tl.constexpr,
+                    HS: tl.constexpr, BT: tl.constexpr, BQ: tl.constexpr, BA: tl.constexpr, BC: tl.constexpr,
+                    BAS: tl.constexpr, DOT_PREC: tl.constexpr, ACC: tl.constexpr):
+    """``(a_r * 2^GV_r) S_c`` with the vector gate on the contraction dim (in BAS-wide pieces)."""
+    dt = a.dtype.element_ty
+    b_o = tl.zeros([BQ, BC], dtype=ACC)
+    for i_as in tl.static_range(0, BA, BAS):
+        o_as = i_as + tl.arange(0, BAS)
+        m_as = o_as < DA
+        m_qa = m_tq[:, None] & m_as[None, :]
+        b_ap = tl.load(a + (bos * HA + i_hv // (HV // HA)) * DA + o_tq[:, None] * (HA * DA) + o_as[None, :],
+                       mask=m_qa, other=0.0)  # [BQ, BAS]
+        b_gp = tl.load(p_gv + o_tq[:, None] * s_gv + o_as[None, :], mask=m_qa, other=0.0)
+        b_ap = (b_ap * tl.exp2(tl.where(m_qa, b_gp, float("-inf")))).to(dt)
+        p_hs = h + ((boh + i_ch * (BT // HS)) * HV + i_hv) * DA * DC + o_as[:, None] * H_SA + o_c[None, :] * H_SC
+        b_st = tl.load(p_hs, mask=m_as[:, None] & m_c[None, :], other=0.0).to(dt)  # [BAS, BC]
+        b_o = tl.dot(b_ap, b_st, b_o, input_precision=DOT_PREC)
+    return b_o
+
+
+@triton.jit
+def _vec_diag(b_o, b_a, p_b, p_c, p_gv, s_gv, b_gvq, t_q0, o_tq, m_tq, m_a, m_c, o_gd, m_gd, T, SB, SC,
+              BQ: tl.constexpr, VEC_G: tl.constexpr, REVERSE: tl.constexpr, SPLIT_DIAG: tl.constexpr,
+              DOT_PREC: tl.constexpr, ACC: tl.constexpr):
+    """The diagonal BQ x BQ square (rows t_q0 ..) under the vector gate, in 16-row blocks.
+
+    Level 1, pairs in different blocks: for each block j of looped rows, the row m at its edge (last
+    row forward, first row reverse) lies between every looped row of j and every output row on the
+    other side of j, so ``2^(GV_r - GV_s) = 2^(GV_r - GV_m) 2^(GV_m - GV_s)`` with both factors <= 1,
+    applied elementwise to the operands (VEC_G = 1: a and b; VEC_G = 2: the output and c) around a
+    [BQ, 16] tensor-core product. Level 2, pairs in one block: 16 steps, step d pairing every output
+    row r with row s = 16 (r // 16) + d of its own block, the weight ``2^(GV_r - GV_s)`` elementwise
+    (exponent <= 0 on every unmasked lane). With SPLIT_DIAG (VEC_G = 2) the r = s terms stay out and
+    come back as ``(a_r . b_r, c rows)``."""
+    BD: tl.constexpr = 16
+    dt = b_a.dtype
+    o_d = tl.arange(0, BD)
+    if REVERSE:
+        j_lo = 1
+        j_hi = BQ // BD
+    else:
+        j_lo = 0
+        j_hi = BQ // BD - 1
+    for j in range(j_lo, j_hi):
+        o_tl = t_q0 + j * BD + o_d
+        m_tl = o_tl < T
+        if REVERSE:  # output rows before block j, m its first row
+            m_o = m_tq & (o_tq < t_q0 + j * BD)
+            b_gm = tl.load(p_gv + tl.minimum(t_q0 + j * BD, T - 1) * s_gv + o_gd, mask=m_gd, other=0.0)
+            b_fo = tl.exp2(tl.where(m_o[:, None] & m_gd[None, :], b_gm[None, :] - b_gvq, float("-inf")))
+        else:  # output rows after block j, m its last row
+            m_o = m_tq & (o_tq >= t_q0 + (j + 1) * BD)
+            b_gm = tl.load(p_gv + (tl.minimum(t_q0 + (j + 1) * BD, T) - 1) * s_gv + o_gd, mask=m_gd, other=0.0)
+            b_fo = tl.exp2(tl.where(m_o[:, None] & m_gd[None, :], b_gvq - b_gm[None, :], float("-inf")))
+        b_fl = _vec_side(p_gv, s_gv, b_gm, o_tl, m_tl, o_gd, m_gd, REVERSE)  # [BD, BG]
+        b_bl = tl.load(p_b + o_tl[:, None] * SB, mask=m_tl[:, None] & m_a[None, :], other=0.0)  # [BD, BA]
+        b_cl = tl.load(p_c + o_tl[:, None] * SC, mask=m_tl[:, None] & m_c[None, :], other=0.0)  # [BD, BC]
+        if VEC_G == 1:
+            b_s = tl.dot((b_a * b_fo).to(dt), tl.trans((b_bl * b_fl).to(dt)), input_precision=DOT_PREC)  # [BQ, BD]
+            b_o = tl.dot(b_s.to(dt), b_cl.to(dt), b_o, input_precision=DOT_PREC)
+        else:
+            b_s = tl.dot(b_a, tl.trans(b_bl), input_precision=DOT_PREC)  # [BQ, BD]
+            b_o += tl.dot(b_s.to(dt), (b_cl * b_fl).to(dt), input_precision=DOT_PREC) * b_fo
+    o_tb = t_q0 + ((o_tq - t_q0) // BD) * BD  # first row of each output row's block
+    b_sd = tl.zeros([BQ], dtype=ACC)
+    for d in range(BD):
+        o_ts = o_tb + d
+        if REVERSE:
+            m_p = m_tq & (o_ts >= o_tq) & (o_ts < T)
+        else:
+            m_p = m_tq & (o_ts <= o_tq)
+        if SPLIT_DIAG:
+            m_w = m_p & (o_ts != o_tq)
+        else:
+            m_w = m_p
+        m_wg = m_w[:, None] & m_gd[None, :]
+        b_bs = tl.load(p_b + o_ts[:, None] * SB, mask=m_p[:, None] & m_a[None, :], other=0.0).to(ACC)  # [BQ, BA]
+        b_cs = tl.load(p_c + o_ts[:, None] * SC, mask=m_p[:, None] & m_c[None, :], other=0.0).to(ACC)  # [BQ, BC]
+        b_gs = tl.load(p_gv + o_ts[:, None] * s_gv + o_gd[None, :], mask=m_wg, other=0.0)
+        if REVERSE:
+            b_e = tl.exp2(tl.where(m_wg, b_gs - b_gvq, float("-inf")))
+        else:
+            b_e = tl.exp2(tl.where(m_wg, b_gvq - b_gs, float("-inf")))
+        if VEC_G == 1:
+            b_w = tl.sum(b_a.to(ACC) * b_bs * b_e, 1)  # [BQ]
+            b_o += b_w[:, None] * b_cs
+        else:
+            b_w = tl.sum(b_a.to(ACC) * b_bs, 1)
+            b_o += b_w[:, None] * b_cs * b_e
+            if SPLIT_DIAG:
+                b_sd += tl.where(o_ts == o_tq, b_w, 0.0)
+    if SPLIT_DIAG:
+        b_cd = tl.load(p_c + o_tq[:, None] * SC, mask=m_tq[:, None] & m_c[None, :], other=0.0)
+    else:
+        b_cd = b_o
+    return b_o, b_sd, b_cd
 
 
 @triton.jit
@@ -112,6 +238,9 @@ def _chunk_tiled_kernel(
     ACC: tl.constexpr,
     NORM: tl.constexpr,
     BAS: tl.constexpr,
+    gv=None,
+    VEC_G: tl.constexpr = 0,
+    VEC_ROWDOT: tl.constexpr = False,
 ):
     i_c_, i_t, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
     i_b, i_hv = i_bh // HV, i_bh % HV
@@ -152,6 +281,18 @@ def _chunk_tiled_kernel(
         p_g = g
         p_gc = g
         b_gq = tl.zeros([BQ], dtype=ACC)
+    if VEC_G > 0:  # the vector gate of the output rows, on the contraction dim (1) or the output columns (2)
+        if VEC_G == 1:
+            p_gv = gv + (bos * HV + i_hv) * DA
+            o_gd = o_a
+            m_gd = m_a
+            s_gv = HV * DA
+        else:
+            p_gv = gv + (bos * HV + i_hv) * DC
+            o_gd = o_c
+            m_gd = m_c
+            s_gv = HV * DC
+        b_gvq = tl.load(p_gv + o_tq[:, None] * s_gv + o_gd[None, :], mask=m_tq[:, None] & m_gd[None, :], other=0.0)
     if HAS_STATE:
         # inter-chunk part: a @ S_c (S read with strides H_SA along the contraction dim, H_SC along out)
         # states are stored every HS rows (HS = BT, or 64 in the backward pass)
@@ -181,6 +322,11 @@ def _chunk_tiled_kernel(
             b_o *= b_fs[:, None]
             if NORM > 0:
                 b_den *= b_fs
+        if VEC_G == 1:  # (a * 2^GV) S_c, replacing the ungated product above (dead code then)
+            b_o = _vec_state_term(a, h, p_gv, s_gv, bos, boh, i_hv, i_ch, o_tq, m_tq, o_c, m_c, HA, HV, DA, DC, H_SA,
+                                  H_SC, HS, BT, BQ, BA, BC, BAS, DOT_PREC, ACC)
+        if VEC_G == 2:  # 2^GV * (a S_c): the gate on the output columns
+            b_o *= tl.exp2(tl.where(m_tq[:, None] & m_gd[None, :], b_gvq, float("-inf")))
     else:
         b_o = tl.zeros([BQ, BC], dtype=ACC)
         if NORM > 0:
@@ -191,7 +337,10 @@ def _chunk_tiled_kernel(
     # there, so leaving them out of the row dot avoids a catastrophic cancellation under strong decay;
     # they are added to the output after the row dot (BKV = BQ: one diagonal tile, its c rows are the
     # output rows).
-    if ROWDOT:
+    if VEC_G > 0:  # the vector gate's diagonal square: 16-row blocks, exact for any decay
+        b_o, b_sd, b_cd = _vec_diag(b_o, b_a, p_b, p_c, p_gv, s_gv, b_gvq, t_q0, o_tq, m_tq, m_a, m_c, o_gd, m_gd, T,
+                                    HB * DA, HC * DC, BQ, VEC_G, REVERSE, VEC_ROWDOT, DOT_PREC, ACC)
+    elif ROWDOT:
         b_o, b_sd, b_cd, _ = _diag_tile(b_o, b_a, p_b, p_c, p_gc, b_gq, t_q0, o_tq, m_tq, m_a, m_c, T, HB, HC, HV, DA,
                                         DC, BKV, USE_G, REVERSE, True, DOT_PREC)
     else:
@@ -215,10 +364,25 @@ def _chunk_tiled_kernel(
     else:
         t_lo = i_ch * BT
         t_hi = t_q0
+    if VEC_G > 0:  # one reference row m for every off-diagonal pair: the tile's first row (forward,
+        # looped rows s < m <= r) or its last row in the sequence (reverse, r <= m < s)
+        if REVERSE:
+            b_gvm = tl.load(p_gv + (tl.minimum(t_q0 + BQ, T) - 1) * s_gv + o_gd, mask=m_gd, other=0.0)
+            b_fv = tl.exp2(tl.where(m_tq[:, None] & m_gd[None, :], b_gvm[None, :] - b_gvq, float("-inf")))
+        else:
+            b_gvm = tl.load(p_gv + t_q0 * s_gv + o_gd, mask=m_gd, other=0.0)
+            b_fv = tl.exp2(tl.where(m_tq[:, None] & m_gd[None, :], b_gvq - b_gvm[None, :], float("-inf")))
+        if VEC_G == 1:  # a_r * 2^(GV_r - GV_m) (forward; 2^(GV_m - GV_r) reverse), [BQ, BA]
+            b_a = (b_a * b_fv).to(dt)
+        else:  # the off-diagonal sum is gated on its output columns once, after the loop
+            b_ov = b_o
+            b_o = tl.zeros([BQ, BC], dtype=ACC)
     for t_k0 in range(t_lo, t_hi, BKV):
         o_tk = t_k0 + tl.arange(0, BKV)
         m_tk = o_tk < T
         b_b = tl.load(p_b + o_tk[:, None] * (HB * DA), mask=m_tk[:, None] & m_a[None, :], other=0.0)  # [BKV, BA]
+        if VEC_G == 1:
+            b_b = (b_b * _vec_side(p_gv, s_gv, b_gvm, o_tk, m_tk, o_gd, m_gd, REVERSE)).to(dt)
         b_s = tl.dot(b_a, tl.trans(b_b), input_precision=DOT_PREC)  # [BQ, BKV]
         if USE_G:
             b_gk = tl.load(p_gc + o_tk * HV, mask=m_tk, other=0.0)
@@ -233,7 +397,11 @@ def _chunk_tiled_kernel(
         if NORM > 0:
             b_den += tl.sum(b_s, 1)
         b_cc = tl.load(p_c + o_tk[:, None] * (HC * DC), mask=m_tk[:, None] & m_c[None, :], other=0.0)  # [BKV, BC]
+        if VEC_G == 2:
+            b_cc = b_cc * _vec_side(p_gv, s_gv, b_gvm, o_tk, m_tk, o_gd, m_gd, REVERSE)
         b_o = tl.dot(b_s.to(dt), b_cc.to(dt), b_o, input_precision=DOT_PREC)
+    if VEC_G == 2:
+        b_o = b_ov + b_o * b_fv
 
     b_o *= scale
     if NORM > 0:  # the mLSTM's normalized output: out / (max(|scale a.n|, lower bound) + eps)
@@ -244,6 +412,12 @@ def _chunk_tiled_kernel(
             b_lo = tl.full([BQ], 1.0, dtype=ACC)
         b_o = b_o / (tl.maximum(tl.abs(b_den), b_lo) + eps)[:, None]
         tl.store(den + (bos + o_tq) * HV + i_hv, b_den, mask=m_tq & ((o_tq * 0 + i_c_) == 0))
+    if VEC_ROWDOT:  # per channel x * out without the diagonal terms (they cancel in q * dq - k * dk), then add them
+        m_qc = m_tq[:, None] & m_c[None, :]
+        b_x = tl.load(x + (bos * HX + i_hv // (HV // HX)) * DC + o_tq[:, None] * (HX * DC) + o_c[None, :], mask=m_qc,
+                      other=0.0).to(ACC)
+        tl.store(xdot + (bos * HV + i_hv) * DC + o_tq[:, None] * (HV * DC) + o_c[None, :], b_x * b_o, mask=m_qc)
+        b_o += (scale * b_sd)[:, None] * b_cd.to(ACC)
     if ROWDOT:  # x . out without the diagonal terms, then add them to the output
         p_x = x + (bos * HX + i_hv // (HV // HX)) * DC + o_tq[:, None] * (HX * DC) + o_c[None, :]
         b_x = tl.load(p_x, mask=m_tq[:, None] & m_c[None, :], other=0.0).to(ACC)
@@ -296,6 +470,8 @@ def chunk_tiled(
     gk_cum: torch.Tensor | None = None,
     gb: torch.Tensor | None = None,
     normalizer: dict | None = None,
+    gv_cum: torch.Tensor | None = None,
+    gv_on_out: bool = False,
 ):
     """The tiled chunk product (module docstring) for ``a, b: [B, T, *, DA]``, ``c: [B, T, *, DC]``
     (each with H or HV heads), ``g_cum [B, T, HV]``; output ``[B, T, HV, DC]``.
@@ -315,6 +491,10 @@ def chunk_tiled(
     product with c = 1, ``den_r = scale (2^(..) a_r . n_c + sum_s w_rs a_r . b_s)``, are formed in the
     same pass and the output is ``out_r / (max(|den_r|, lo_r) + eps)`` (the mLSTM, TFLA paper
     Section 2); ``den [B, T, HV]`` fp32 is returned as well.
+    Vector gate (GLA): ``gv_cum [B, T, HV, D]`` fp32 cumulative log2 gate per channel within outer chunks
+    (``g_cum`` None), on the contraction dim (D = DA; o, dv) or, with ``gv_on_out``, on the output
+    columns (D = DC; dq, dk); ``rowdot_with`` then returns the per-channel ``x * out`` as
+    ``[B, T, HV, DC]`` fp32 (without the r = s terms, as the scalar row dot).
     Returns ``out``, ``(out, rowdot)`` or ``(out, den)``.
     """
     B, T, HA, DA = a.shape
@@ -335,6 +515,14 @@ def chunk_tiled(
     out = torch.empty(B, T, HV, DC, dtype=out_dtype or a.dtype, device=a.device)
     acc = torch.float64 if a.dtype == torch.float64 else torch.float32
     xdot = torch.empty(B, T, HV, dtype=acc, device=a.device) if rowdot_with is not None else None
+    vec = 0 if gv_cum is None else (2 if gv_on_out else 1)
+    if vec:
+        if g_cum is not None or gk_cum is not None or gb is not None or normalizer is not None:
+            raise ValueError("a vector gate (gv_cum) excludes the scalar gates and the normalizer")
+        if tuple(gv_cum.shape) != (B, T, HV, DC if gv_on_out else DA) or cfg["BQ"] % 16:
+            raise ValueError(f"gv_cum must be [B, T, HV, {'DC' if gv_on_out else 'DA'}] and BQ a multiple of 16")
+        if rowdot_with is not None:
+            xdot = torch.empty(B, T, HV, DC, dtype=acc, device=a.device)
     norm = normalizer or {}
     if normalizer is not None and (h is None or reverse or rowdot_with is not None):
         raise ValueError("normalizer needs the forward form with states (h) and no rowdot")
@@ -350,9 +538,10 @@ def chunk_tiled(
             DA=DA, DC=DC, H_SA=1 if state_transposed else DC, H_SC=DA if state_transposed else 1,
             HS=state_every or chunk_size,
             BT=chunk_size, BQ=cfg["BQ"], BKV=cfg["BKV"], BA=BA, BC=cfg["BV"],
-            USE_G=g_cum is not None, SPLIT_G=gk_cum is not None, HAS_GB=gb is not None, REVERSE=reverse, HAS_STATE=h is not None, ROWDOT=rowdot_with is not None,
+            USE_G=g_cum is not None, SPLIT_G=gk_cum is not None, HAS_GB=gb is not None, REVERSE=reverse, HAS_STATE=h is not None, ROWDOT=rowdot_with is not None and not vec,
             IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(a.dtype), ACC=acc_dtype(a.dtype),
             NORM=0 if normalizer is None else (2 if norm.get("lo") is not None else 1), BAS=bas,
+            gv=gv_cum, VEC_G=vec, VEC_ROWDOT=bool(vec) and rowdot_with is not None,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
     if rowdot_with is not None:

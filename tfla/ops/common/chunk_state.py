@@ -16,6 +16,11 @@ Per sub-chunk, with state S (fp32, ``[K, V]``) after row c:
 With W, U from ``ut_transform`` this is block forward substitution of the outer chunk's
 L x L UT transform: ``Vnew`` equals ``U_L - W_L S_0`` of the design note for any L (tested in
 float64 in ``tests/references``), so states are only ever needed at outer-chunk starts.
+
+Vector gate (``VEC_G``, GLA, plain linear attention only): ``GV [B, T, HV, K]`` (log2, cumulative within
+the outer chunk) decays each key row of the state: ``S <- diag(2^(GV_n - GV_c)) S + (K * 2^(GV_n - GV))^T V``
+(elementwise on K, exponents <= 0); the backward's dU gets ``(K * 2^(GV_n - GV)) dS`` and its output term
+``scale (Q * 2^GV)^T dO``. The scalar gate (``USE_G``) is off then.
 """
 from __future__ import annotations
 
@@ -31,7 +36,8 @@ def _state_substep(b_h, b_n, t0, T, bos, i_h, i_hv, k, v, w, ai, beta, v_new, g,
                    o_c, o_k, o_v, m_k, m_v, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                    V: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, USE_G: tl.constexpr,
                    SPLIT_G: tl.constexpr, HAS_GB: tl.constexpr,
-                   DELTA: tl.constexpr, DOT_PREC: tl.constexpr, ACC: tl.constexpr, N_STATE: tl.constexpr):
+                   DELTA: tl.constexpr, DOT_PREC: tl.constexpr, ACC: tl.constexpr, N_STATE: tl.constexpr,
+                   gv=None, VEC_G: tl.constexpr = False):
     """Advance the state ``b_h [BK, BV]`` (and with N_STATE the normalizer state ``b_n [BK]``, the same
     recurrence with v = 1) over the sub-chunk of rows ``t0 .. t0 + BS``; store Vnew."""
     dt = k.dtype.element_ty
@@ -77,7 +83,28 @@ def _state_substep(b_h, b_n, t0, T, bos, i_h, i_hv, k, v, w, ai, beta, v_new, g,
             b_n = b_n * tl.exp2(b_gn - b_gc) + tl.sum(b_k.to(ACC) * b_wk[:, None], 0)
     elif N_STATE:
         b_n += tl.sum(b_k.to(ACC), 0)
+    if VEC_G:  # per key row: keys weighted 2^(GV_n - GV_s), the state's rows decayed 2^(GV_n - GV_c)
+        b_wv, b_rd, _ = _vec_decays(gv, bos, i_hv, t0, T, o_t, m_t, o_k, m_k, HV, K, BT, BS)
+        b_k = (b_k * b_wv).to(dt)
+        b_h *= b_rd[:, None]
     return tl.dot(tl.trans(b_k), b_v.to(dt), b_h, input_precision=DOT_PREC), b_n
+
+
+@triton.jit
+def _vec_decays(gv, bos, i_hv, t0, T, o_t, m_t, o_k, m_k, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
+                BS: tl.constexpr):
+    """The vector gate of one sub-chunk (rows t0 .., c the row before it, n its last row in the
+    sequence): key weights ``2^(GV_n - GV_s)`` ``[BS, BK]`` (0 past T) and row decays ``2^(GV_n - GV_c)``
+    ``[BK]`` (GV_c = 0 at an outer-chunk start), and the rows' own ``2^GV_s`` (the output's use of the
+    outer chunk's start state)."""
+    p_gv = gv + (bos * HV + i_hv) * K
+    b_gn = tl.load(p_gv + (tl.minimum(t0 + BS, T) - 1) * (HV * K) + o_k, mask=m_k, other=0.0)
+    m_c = m_k & (((o_k * 0 + t0) % BT) != 0)  # (a vector mask: the interpreter rejects vector & scalar masks)
+    b_gc = tl.load(p_gv + (tl.minimum(t0, T) - 1) * (HV * K) + o_k, mask=m_c, other=0.0)
+    m_tk = m_t[:, None] & m_k[None, :]
+    b_g = tl.load(p_gv + o_t[:, None] * (HV * K) + o_k[None, :], mask=m_tk, other=0.0)
+    return (tl.exp2(tl.where(m_tk, b_gn[None, :] - b_g, float("-inf"))), tl.exp2(b_gn - b_gc),
+            tl.exp2(tl.where(m_tk, b_g, float("-inf"))))
 
 
 @triton.jit
@@ -119,6 +146,8 @@ def _chunk_state_fwd_kernel(
     STORE_SUB: tl.constexpr,
     ACC: tl.constexpr,
     N_STATE: tl.constexpr,
+    gv=None,
+    VEC_G: tl.constexpr = False,
 ):
     BS: tl.constexpr = 64
     i_v, i_nh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
@@ -164,7 +193,7 @@ def _chunk_state_fwd_kernel(
                 b_h, b_n = _state_substep(
                     b_h, b_n, i_c * BT + j * BS, T, bos, i_h, i_hv, k, v, w, ai, beta, v_new, g, gk, gb,
                     o_c, o_k, o_v, m_k, m_v, H, HV, K, V, BT, BS, USE_G, SPLIT_G, HAS_GB, DELTA, DOT_PREC, ACC,
-                    N_STATE)
+                    N_STATE, gv, VEC_G)
         else:
             for j in range(BT // BS):
                 if STORE_SUB:
@@ -176,7 +205,7 @@ def _chunk_state_fwd_kernel(
                 b_h, b_n = _state_substep(
                     b_h, b_n, i_c * BT + j * BS, T, bos, i_h, i_hv, k, v, w, ai, beta, v_new, g, gk, gb,
                     o_c, o_k, o_v, m_k, m_v, H, HV, K, V, BT, BS, USE_G, SPLIT_G, HAS_GB, DELTA, DOT_PREC, ACC,
-                    N_STATE)
+                    N_STATE, gv, VEC_G)
 
     if STORE_FINAL_STATE:
         tl.store(ht + i_nh * K * V + o_kv, b_h, mask=m_kv)
@@ -208,6 +237,7 @@ def chunk_state_fwd(
     gb: torch.Tensor | None = None,
     n_state: bool = False,
     initial_n: torch.Tensor | None = None,
+    gv_cum: torch.Tensor | None = None,
 ):
     """States at every outer-chunk start, and (delta rule) the new values.
 
@@ -229,6 +259,8 @@ def chunk_state_fwd(
             previous row's gate is ``gb`` instead of 0; every state is then stabilized by its own ``gb``.
         n_state: also run the normalizer state ``n`` (the same recurrence with v = 1: the mLSTM's
             denominator, TFLA paper Section 2) in the same pass; ``initial_n [N, HV, K]`` its start.
+        gv_cum: vector gate ``[B, T, HV, K]`` fp32 (log2, cumulative within outer chunks; GLA), instead
+            of ``g_cum``; plain linear attention only.
     Returns:
         ``h [B, NT, HV, K, V]`` (varlen: ``[1, total chunks, HV, K, V]``), ``v_new [B, T, HV, V]``
         or None, ``final_state [N, HV, K, V]`` fp32 or None; with ``n_state`` two more:
@@ -241,6 +273,8 @@ def chunk_state_fwd(
     delta = 1 if w is not None else (2 if ai is not None else 0)
     if (gk_cum is not None or gb is not None) and (delta or g_cum is None):
         raise ValueError("split gates (gk_cum, gb) need g_cum and serve plain linear attention only")
+    if gv_cum is not None and (delta or g_cum is not None or n_state or tuple(gv_cum.shape) != (B, T, HV, K)):
+        raise ValueError("a vector gate gv_cum [B, T, HV, K] serves plain linear attention without g_cum / n_state")
     h = torch.empty(B, NT, HV, K, V, dtype=state_dtype or k.dtype, device=k.device)
     v_new = torch.empty_like(v) if delta else None
     final_state = torch.empty(N, HV, K, V, dtype=_state_acc(k.dtype), device=k.device) if output_final_state else None
@@ -270,6 +304,7 @@ def chunk_state_fwd(
         USE_INITIAL_STATE=initial_state is not None, STORE_FINAL_STATE=output_final_state,
         IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(k.dtype), ACC=acc_dtype(k.dtype),
         UNROLL=cfg["unroll"], STORE_SUB=store_every_sub_chunk, N_STATE=n_state,
+        gv=gv_cum, VEC_G=gv_cum is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return rets
@@ -309,6 +344,8 @@ def _chunk_state_bwd_kernel(
     IS_VARLEN: tl.constexpr,
     DOT_PREC: tl.constexpr,
     ACC: tl.constexpr,
+    gv=None,
+    VEC_G: tl.constexpr = False,
 ):
     """Reverse state-gradient recurrence (DELTA: of the delta rule; otherwise of linear attention,
     where the W^T dU term is absent and dU is the whole gradient of V). ``b_dh`` is the gradient of the state
@@ -360,6 +397,10 @@ def _chunk_state_bwd_kernel(
             p_tv = (bos * HV + i_hv) * V + o_t[:, None] * (HV * V) + o_v[None, :]
             b_do = tl.load(do + p_tv, mask=m_tv, other=0.0)
             b_du = tl.load(dvo + p_tv, mask=m_tv, other=0.0).to(ACC)
+            if VEC_G:  # per key row: K * 2^(GV_n - GV), Q * 2^GV, and dS's row decays 2^(GV_n - GV_c)
+                b_wv, b_rd, b_wq = _vec_decays(gv, bos, i_hv, t0, T, o_t, m_t, o_k, m_k, HV, K, BT, BS)
+                b_k = (b_k * b_wv).to(dt)
+                b_q = (b_q * b_wq).to(dt)
             b_kdh = tl.dot(b_k, b_dh.to(dt), input_precision=DOT_PREC)  # [BS, BV]
             if USE_G:
                 b_gn = tl.load(p_g + (tl.minimum(t0 + BS, T) - 1) * HV)
@@ -384,6 +425,8 @@ def _chunk_state_bwd_kernel(
                 b_dhi = tl.dot(tl.trans(b_qs), b_do.to(ACC), b_dhi, input_precision=DOT_PREC)
             if USE_G:
                 b_dh *= tl.exp2(b_gn - b_gc)
+            if VEC_G:
+                b_dh *= b_rd[:, None]
             if DELTA:
                 b_w = tl.load(w + (bos * HV + i_hv) * K + o_t[:, None] * (HV * K) + o_k[None, :], mask=m_tk, other=0.0)
                 b_dh -= tl.dot(tl.trans(b_w), b_du.to(dt), input_precision=DOT_PREC)
@@ -412,6 +455,7 @@ def chunk_state_bwd(
     config: dict | None = None,
     gk_cum: torch.Tensor | None = None,
     gb: torch.Tensor | None = None,
+    gv_cum: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """State-gradient recurrence of the gated delta rule (reverse, 64-row sub-chunks, outer chunk L).
 
@@ -420,6 +464,7 @@ def chunk_state_bwd(
             gradient of Vnew, ``[B, T, HV, V]``; g_cum: ``[B, T, HV]`` (log2, restarting every L).
         dht: cotangent of the final state ``[N, HV, K, V]`` or None.
         gk_cum, gb: split gates (as ``chunk_state_fwd``).
+        gv_cum: vector gate ``[B, T, HV, K]`` (as ``chunk_state_fwd``; linear attention, g_cum None).
     Returns:
         ``dh [B, NS, HV, K, V]`` (gradient of the state after each 64-row sub-chunk, k's dtype),
         ``du [B, T, HV, V]`` (total gradient of U = Vnew's gradient, k's dtype), ``dh0 [N, HV, K, V]``
@@ -447,5 +492,6 @@ def chunk_state_bwd(
         USE_FINAL_STATE_GRADIENT=dht is not None, STORE_INITIAL_STATE_GRADIENT=need_dh0,
         IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(k.dtype), ACC=acc_dtype(k.dtype),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        gv=gv_cum, VEC_G=gv_cum is not None,
     )
     return dh, du, dh0

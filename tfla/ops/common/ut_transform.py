@@ -379,8 +379,8 @@ def _state_terms(du, v_new, h, dh, b_en, p_tv0, p_h, p_dh, o_t, m_t, o_k, m_k, V
                  BK: tl.constexpr, BV: tl.constexpr, WITH_DW: tl.constexpr, WITH_DK: tl.constexpr,
                  DOT_PREC: tl.constexpr, ACC: tl.constexpr):
     """For one key tile: ``dW = -dU S^T`` and (WITH_DK) ``dk_state = 2^(g_n - g) Vnew dS^T`` and the
-    tile's share of ``<S, dS>``, looping over value tiles (S, dS: the sub-chunk's start state and the
-    gradient of the state after it)."""
+    tile's rows of ``<S, dS>`` (``[BK]``, summed over V), looping over value tiles (S, dS: the
+    sub-chunk's start state and the gradient of the state after it)."""
     dt = h.dtype.element_ty
     b_dw = tl.zeros([64, BK], dtype=ACC)
     b_dks = tl.zeros([64, BK], dtype=ACC)
@@ -399,7 +399,31 @@ def _state_terms(du, v_new, h, dh, b_en, p_tv0, p_h, p_dh, o_t, m_t, o_k, m_k, V
             b_ds = tl.load(p_dh + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.0)
             b_dks = tl.dot((b_vn * b_en[:, None]).to(dt), tl.trans(b_ds), b_dks, input_precision=DOT_PREC)
             b_sds += tl.sum(b_s.to(ACC) * b_ds.to(ACC), 1)
-    return b_dw, b_dks, tl.sum(b_sds, 0)
+    return b_dw, b_dks, b_sds
+
+
+@triton.jit
+def _vec_state_dg(b_dks, b_k, b_sds, gv, dgv, bos, i_hv, t0, T, o_t, m_t, o_k, m_k, HV: tl.constexpr,
+                  K: tl.constexpr, BT: tl.constexpr, DOT_PREC: tl.constexpr, ACC: tl.constexpr):
+    """Vector gate, one key tile of one 64-row sub-chunk (c the row before it, n its last row): gates
+    the ungated ``Vnew dS^T`` to ``dk_state = 2^(GV_n - GV_s) * (Vnew dS^T)`` and stores this part of the
+    gradient of the per-channel log decay itself (the sub-chunk's reverse cumsum done here):
+    ``dg_t = sum_{s < t} k_s * dk_state_s + 2^(GV_n - GV_c) * rowsum(S * dS)`` per channel (a strictly
+    lower 0/1 matrix product, never a total minus a prefix)."""
+    BS: tl.constexpr = 64
+    p_gv = gv + (bos * HV + i_hv) * K
+    m_tk = m_t[:, None] & m_k[None, :]
+    b_gn = tl.load(p_gv + (tl.minimum(t0 + BS, T) - 1) * (HV * K) + o_k, mask=m_k, other=0.0)
+    b_gc = tl.load(p_gv + (t0 - 1) * (HV * K) + o_k, mask=m_k & (((o_k * 0 + t0) % BT) != 0), other=0.0)
+    b_g = tl.load(p_gv + o_t[:, None] * (HV * K) + o_k[None, :], mask=m_tk, other=0.0)
+    b_dks = b_dks * tl.exp2(tl.where(m_tk, b_gn[None, :] - b_g, float("-inf")))
+    b_p = b_k.to(ACC) * b_dks  # [BS, BK]
+    o_c = tl.arange(0, BS)
+    b_lt = tl.where(o_c[:, None] > o_c[None, :], 1.0, 0.0).to(ACC)  # [t, s]: s < t
+    b_dg = tl.dot(b_lt, b_p, input_precision=DOT_PREC) + (tl.exp2(b_gn - b_gc) * b_sds)[None, :]
+    tl.store(dgv + (bos * HV + i_hv) * K + o_t[:, None] * (HV * K) + o_k[None, :], b_dg.to(dgv.dtype.element_ty),
+             mask=m_tk)
+    return b_dks
 
 
 @triton.jit
@@ -436,6 +460,9 @@ def _gdn_wy_bwd_kernel(
     IS_VARLEN: tl.constexpr,
     DOT_PREC: tl.constexpr,
     ACC: tl.constexpr,
+    gv=None,
+    dgv=None,
+    VEC_G: tl.constexpr = False,
 ):
     """Delta-rule gradients of one 64-row sub-chunk (W = Tm X_k, U = Tm X_v, Tm = (I + A)^-1,
     Vnew = U - W S, S' = 2^(g_n) S + K^T 2^(g_n - g) Vnew):
@@ -447,7 +474,9 @@ def _gdn_wy_bwd_kernel(
     Without DELTA (plain linear attention, ``v_new`` = V) only the state terms remain: dk = dk_state
     and the gradient of g; there is no Tm, beta, W or U. Split gates (SPLIT_G, HAS_GB; linear
     attention only): key weights 2^(GQ_n - GK_r), the previous row's gate at an outer-chunk start is gb;
-    the gate gradient is then that of a shift common to GQ and GK (the mLSTM's forget gate)."""
+    the gate gradient is then that of a shift common to GQ and GK (the mLSTM's forget gate).
+    Vector gate (VEC_G, linear attention, USE_G off): ``GV [B, T, HV, K]``, key weights
+    ``2^(GV_n - GV_s)`` per channel; the per-channel gate gradient goes to ``dgv`` (``_vec_state_dg``)."""
     BS: tl.constexpr = 64
     i_s, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     i_b, i_hv = i_bh // HV, i_bh % HV
@@ -543,7 +572,10 @@ def _gdn_wy_bwd_kernel(
         b_k = tl.load(p_k + o_k[None, :], mask=m_tk, other=0.0)
         b_dw, b_dks, b_sds_k = _state_terms(du, v_new, h, dh, b_en, p_tv0, p_h, p_dh, o_t, m_t, o_k, m_k, V, HV, BK,
                                             BV, DELTA, True, DOT_PREC, ACC)
-        b_sds += b_sds_k
+        b_sds += tl.sum(b_sds_k, 0)
+        if VEC_G:  # vector gate: dk_state gated per channel, and this key tile's dg stored here
+            b_dks = _vec_state_dg(b_dks, b_k, b_sds_k, gv, dgv, bos, i_hv, t0, T, o_t, m_t, o_k, m_k, HV, K, BT,
+                                  DOT_PREC, ACC)
         b_kf = b_k.to(ACC)
         if DELTA:
             b_dxk = tl.dot(tl.trans(b_tm), b_dw.to(dt), input_precision=DOT_PREC)  # [BS, BK]
@@ -589,6 +621,7 @@ def wy_bwd(
     config: dict | None = None,
     gk_cum: torch.Tensor | None = None,
     gb: torch.Tensor | None = None,
+    gv_cum: torch.Tensor | None = None,
 ):
     """Per-64-row-sub-chunk gradients of the state recurrence: the state terms and (delta rule,
     ``ai`` given) the UT/WY backward, one kernel.
@@ -601,6 +634,8 @@ def wy_bwd(
     Returns ``dk [B, T, HV, K]`` fp32 (per value head; the state and WY parts), ``dv [B, T, HV, V]``
     (v's dtype; None without the delta rule), ``dbeta [B, T, HV]`` fp32 (or None), ``dg_sub [B, T, HV]``
     fp32 (this part's gradient of g itself, the sub-chunk reverse cumsum included; None without gates).
+    ``gv_cum [B, T, HV, K]``: vector gate (linear attention, ``g_cum`` None); ``dg_sub`` is then
+    ``[B, T, HV, K]`` fp32.
     """
     delta = ai is not None
     B, T, H, K = k.shape
@@ -610,6 +645,10 @@ def wy_bwd(
     dv = torch.empty_like(v) if delta else None
     dbeta = torch.empty(B, T, HV, dtype=acc, device=k.device) if delta else None
     dgam = torch.empty(B, T, HV, dtype=acc, device=k.device) if g_cum is not None else None
+    if gv_cum is not None:
+        if delta or g_cum is not None or tuple(gv_cum.shape) != (B, T, HV, K):
+            raise ValueError("a vector gate gv_cum [B, T, HV, K] serves linear attention without g_cum")
+        dgam = torch.empty(B, T, HV, K, dtype=acc, device=k.device)
     NS = sub_indices.shape[0] if cu_seqlens is not None else cdiv(T, SUB_CHUNK)
     if NS == 0 or B * HV == 0:
         return dk, dv, dbeta, dgam
@@ -623,5 +662,6 @@ def wy_bwd(
         HAS_GB=gb is not None, DELTA=delta,
         IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(k.dtype), ACC=acc_dtype(k.dtype),
         num_warps=cfg["num_warps"],
+        gv=gv_cum, dgv=dgam if gv_cum is not None else None, VEC_G=gv_cum is not None,
     )
     return dk, dv, dbeta, dgam

@@ -1,0 +1,154 @@
+"""Gated linear attention with a vector decay (chunk_gla) against the float64 recurrence: output, final
+state and every gradient (q, k, v, g, initial state) with random cotangents for o and the final state."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tfla
+from tfla.bench.inputs import random_cu_seqlens
+from tfla.ops.gla.reference import recurrent_gla_ref
+from tfla.utils.testing import assert_rel_close
+
+FP32_TOL = 1e-5
+
+
+def _dg_tol(max_abs_g, L):
+    """dg under strong decay: the cumulative log2 gate |GV| reaches L max|g| / ln 2 within a chunk and is
+    stored in fp32, so the exponent of a near pair (which dominates dg there) is off by ~eps |GV|;
+    measured rel-L2 of dg ~ 1.1-1.5e-8 |GV|max (op README). Everything else stays at 1e-5."""
+    return max(FP32_TOL, 3e-8 * L * max_abs_g / 0.6931471805599453)
+
+
+def _gate(z, gate):
+    """Log decays per key channel (natural log, <= 0) of a regime."""
+    return {
+        "default": F.logsigmoid(z + 3),  # e^g ~ 0.95
+        "strong": -5 + 0.5 * torch.tanh(z),  # e^g ~ 0.007 every step and channel
+        "mixed": torch.where(z > 0, -5 + 0.5 * torch.tanh(z), F.logsigmoid(z + 6)),  # channels near 0 and near 1
+        "near_one": -1e-3 * torch.rand_like(z),  # e^g in (0.999, 1]
+        "near_zero": -12 + torch.tanh(z),  # e^g ~ 6e-6
+        "zero": torch.zeros_like(z),  # no decay
+    }[gate]
+
+
+def _inputs(B, T, H, K, V, dtype, device, seed, num_seqs=None, gate="default"):
+    gen = torch.Generator().manual_seed(seed)
+    x = {"q": torch.randn(B, T, H, K, generator=gen), "k": torch.randn(B, T, H, K, generator=gen) * K ** -0.5,
+         "v": torch.randn(B, T, H, V, generator=gen), "g": _gate(torch.randn(B, T, H, K, generator=gen), gate),
+         "h0": torch.randn(num_seqs or B, H, K, V, generator=gen) * 0.5}
+    gdt = torch.float64 if dtype == torch.float64 else torch.float32
+    return {n: t.to(device=device, dtype=dtype if n in ("q", "k", "v") else gdt) for n, t in x.items()}
+
+
+def _check(device, B, T, H, K, V, L, dtype=torch.float32, seed=0, cu=None, num_seqs=None, gate="default",
+           tol=FP32_TOL, h0=True, final=True, tols=None):
+    x = _inputs(B, T, H, K, V, dtype, device, seed, num_seqs, gate)
+    names = ["q", "k", "v", "g"] + (["h0"] if h0 else [])
+    leaves = {n: x[n].clone().requires_grad_() for n in names}
+    o, s = tfla.chunk_gla(leaves["q"], leaves["k"], leaves["v"], leaves["g"], initial_state=leaves.get("h0"),
+                          output_final_state=final, cu_seqlens=cu, chunk_size=L)
+    assert o.dtype == dtype and o.shape == (B, T, H, V)
+    assert (s is None) == (not final)
+    gen = torch.Generator().manual_seed(seed + 1)
+    do = torch.randn(o.shape, generator=gen).to(device=device, dtype=o.dtype)
+    loss = (o * do).sum()
+    if final:
+        assert s.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+        dht = torch.randn(s.shape, generator=gen).to(device=device, dtype=s.dtype)
+        loss = loss + (s * dht).sum()
+    got = torch.autograd.grad(loss, list(leaves.values()))
+    ref_leaves = {n: t.detach().cpu().double().requires_grad_() for n, t in leaves.items()}
+    ro, rs = recurrent_gla_ref(ref_leaves["q"], ref_leaves["k"], ref_leaves["v"], ref_leaves["g"],
+                               initial_state=ref_leaves.get("h0"), output_final_state=True,
+                               cu_seqlens=cu.cpu() if cu is not None else None)
+    rloss = (ro * do.cpu().double()).sum() + ((rs * dht.cpu().double()).sum() if final else 0)
+    ref = torch.autograd.grad(rloss, list(ref_leaves.values()))
+    assert_rel_close("o", o.detach().cpu(), ro, tol)
+    if final:
+        assert_rel_close("final_state", s.detach().cpu(), rs, tol)
+    for name, a, b in zip(names, got, ref):
+        assert a.dtype == leaves[name].dtype
+        assert_rel_close(f"d{name}", a.cpu(), b, (tols or {}).get(f"d{name}", tol))
+
+
+@pytest.mark.parametrize("B,T,H,K,V,L", [(2, 1, 1, 32, 32, 64), (1, 63, 2, 32, 16, 64), (1, 65, 1, 16, 16, 64),
+                                         (1, 150, 1, 16, 32, 128), (1, 100, 1, 20, 24, 64), (1, 300, 1, 16, 16, 256),
+                                         (1, 513, 1, 16, 16, 512)])
+def test_gla_fp32(device, poison_empty, B, T, H, K, V, L):
+    _check(device, B, T, H, K, V, L, seed=T + L)
+
+
+@pytest.mark.parametrize("L,dg_tol", [(64, FP32_TOL), (128, 2e-5)])
+def test_gla_strong_decay(device, L, dg_tol):
+    """g ~ -5 per step and channel: every exponent the kernels evaluate stays <= 0, so nothing overflows;
+    dg at 1e-5 for L = 64 (measured 6.0e-6) and 2e-5 for L = 128 (measured 1.3e-5), see ``_dg_tol``."""
+    _check(device, 1, 150, 1, 16, 16, L, gate="strong", seed=3, tols={"dg": dg_tol})
+
+
+@pytest.mark.parametrize("gate", ["zero", "near_one", "near_zero", "mixed"])
+def test_gla_decay_regimes(device, gate):
+    """No decay, decays within 1e-3 of 1, decays ~6e-6 (g ~ -12: dg held to ``_dg_tol``), and channels of
+    both kinds in one head."""
+    tols = {"dg": _dg_tol(13.0, 64)} if gate == "near_zero" else None
+    _check(device, 1, 100, 1, 16, 16, 64, gate=gate, seed=5, tols=tols)
+
+
+def test_gla_without_initial_or_final_state(device):
+    _check(device, 1, 100, 2, 16, 16, 64, h0=False, final=False, seed=6)
+
+
+@pytest.mark.parametrize("cu_list", [None, [0, 30, 30, 77, 140]])
+def test_gla_varlen(device, cu_list):
+    """Each packed sequence restarts from its own initial state (an empty one keeps it)."""
+    cu = (torch.tensor(cu_list, device=device) if cu_list is not None
+          else random_cu_seqlens(140, 3, seed=2, device=device))
+    _check(device, 1, 140, 2, 16, 16, 64, cu=cu, num_seqs=len(cu) - 1, seed=2)
+
+
+def test_gla_float64_exact(device):
+    if device == "cuda":
+        pytest.skip("float64 verification runs through the interpreter")
+    _check(device, 1, 130, 1, 16, 16, 128, dtype=torch.float64, tol=1e-12, seed=4, gate="mixed")
+
+
+def test_gla_fp16(device):
+    """fp16 inputs, fp32 gates and accumulation: every tensor within a few fp16 ulps (measured <= 4e-4)."""
+    _check(device, 1, 150, 2, 32, 16, 64, dtype=torch.float16, tol=2e-3, seed=9)
+
+
+def test_gla_wide_heads(device):
+    """K = V = 256 (fp32: 32-row tiles, the state term contracted in pieces) under strong decay."""
+    _check(device, 1, 70, 1, 256, 256, 64, gate="strong", seed=10)
+
+
+def test_gla_matches_simple_gla_for_uniform_channels(device):
+    """A vector decay equal across channels is simple GLA's scalar decay: both ops agree."""
+    x = _inputs(1, 90, 2, 16, 16, torch.float32, device, 7)
+    g = x["g"][..., :1]
+    o1, s1 = tfla.chunk_gla(x["q"], x["k"], x["v"], g.expand_as(x["q"]), initial_state=x["h0"], output_final_state=True)
+    o2, s2 = tfla.chunk_simple_gla(x["q"], x["k"], x["v"], g=g[..., 0], initial_state=x["h0"], output_final_state=True)
+    assert_rel_close("o", o1.cpu(), o2.cpu().double(), FP32_TOL)
+    assert_rel_close("final_state", s1.cpu(), s2.cpu().double(), FP32_TOL)
+
+
+def test_gla_bad_input(device):
+    x = _inputs(1, 40, 2, 16, 16, torch.float32, device, 8)
+    q, k, v, g = x["q"], x["k"], x["v"], x["g"]
+    with pytest.raises(ValueError, match=r"`g` must be a log decay per key channel.*chunk_simple_gla"):
+        tfla.chunk_gla(q, k, v, g[..., 0])
+    with pytest.raises(ValueError, match=r"`g` must be a log decay per key channel"):
+        tfla.chunk_gla(q, k, v, g[..., :8])
+    with pytest.raises(TypeError, match="`g` must be a torch.Tensor"):
+        tfla.chunk_gla(q, k, v, None)
+    with pytest.raises(ValueError, match="`g` is a log decay and must be <= 0"):
+        tfla.chunk_gla(q, k, v, g.abs() + 0.1)
+    with pytest.raises(TypeError, match="`g` dtype"):
+        tfla.chunk_gla(q, k, v, g.double())
+    with pytest.raises(TypeError, match="`k` dtype"):
+        tfla.chunk_gla(q, k.half(), v, g)
+    with pytest.raises(ValueError, match="`v` must be"):
+        tfla.chunk_gla(q, k, v[:, :, :1], g)
+    with pytest.raises(ValueError, match="`chunk_size`"):
+        tfla.chunk_gla(q, k, v, g, chunk_size=100)
+    with pytest.raises(ValueError, match="`initial_state` must have shape"):
+        tfla.chunk_gla(q, k, v, g, initial_state=x["h0"][:, :1])

@@ -1,0 +1,3 @@
+from tfla.ops.gla.chunk import chunk_gla
+
+__all__ = ["chunk_gla"]

@@ -1,0 +1,197 @@
+"""Gated linear attention with a vector decay per key channel (GLA) on tfla's shared two-level engine.
+
+Notation: B batch, T time, H heads, K/V head dims, N sequences, L = chunk_size (outer chunk),
+GV the per-channel log decay cumulated within each outer chunk, log2 units, ``[B, T, H, K]``.
+
+Forward: chunk-local cumsum of g per channel (log2) -> state recurrence with per-key-row decay
+(states every L tokens, 64-row sub-chunks on chip) -> TFLA-tiled output with the gate on the
+contraction dim. Backward: states at every 64-row sub-chunk recomputed; dv from the tiled product
+(gate on the contraction dim), dq and dk from it with the gate on their output columns (ULA Eq. 9);
+the reverse state-gradient recurrence (which completes dv); the state terms of dk and dg.
+These are the simple GLA stages with the ``VEC_G`` flags on: no second copy of any stage.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from tfla.ops.common.chunk_output import chunk_tiled, output_config
+from tfla.ops.common.chunk_state import chunk_state_bwd, chunk_state_fwd
+from tfla.ops.common.cumsum import chunk_local_cumsum
+from tfla.ops.common.ut_transform import wy_bwd
+from tfla.ops.common.utils import RCP_LN2, SUB_CHUNK
+from tfla.ops.gated_delta_rule.chunk import VarlenIndex, _check_cotangent
+from tfla.ops.simple_gla.chunk import _positive_flag, _raise_if_positive
+from tfla.utils.validation import (
+    check_common,
+    check_gate_dtype,
+    check_qkv,
+    check_tensor,
+    check_varlen_bounds,
+)
+
+DEFAULT_CHUNK_SIZE = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class GLAOptions:
+    scale: float
+    chunk_size: int
+    output_final_state: bool
+
+
+def _channel_cumsum(x, chunk_size, varlen, reverse=False, scale=1.0):
+    """Chunk-local (reverse) cumsum of ``[B, T, H, K]`` per channel: the scalar cumsum kernel over
+    ``H * K`` heads of a contiguous view. fp32 (float64 for float64)."""
+    B, T, H, K = x.shape
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    out = chunk_local_cumsum(x.contiguous().view(B, T, H * K), chunk_size, scale=scale, reverse=reverse,
+                             cu_seqlens=varlen.cu_seqlens if varlen is not None else None, out_dtype=acc,
+                             chunk_indices=varlen.chunk_indices if varlen is not None else None)
+    return out.view(B, T, H, K)
+
+
+def chunk_gla_fwd(q, k, v, g, scale, initial_state, output_final_state, chunk_size, varlen=None):
+    """Plain forward: ``(o, final_state, gv_cum)``; g is the log decay ``[B, T, H, K]`` (natural log)."""
+    cu = varlen.cu_seqlens if varlen is not None else None
+    gv_cum = _channel_cumsum(g.to(torch.float64 if q.dtype == torch.float64 else torch.float32), chunk_size, varlen,
+                             scale=RCP_LN2)
+    h, _, final_state = chunk_state_fwd(
+        k, v, None, chunk_size, initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu,
+        chunk_offsets=varlen.chunk_offsets if varlen is not None else None,
+        num_chunks=varlen.num_chunks if varlen is not None else None, gv_cum=gv_cum)
+    ocfg = output_config(chunk_size, q.shape[-1], v.shape[-1])
+    o = chunk_tiled(q, k, v, None, scale, chunk_size, h=h, cu_seqlens=cu,
+                    tile_indices=varlen.tiles(ocfg["BQ"]) if varlen is not None else None,
+                    chunk_offsets=varlen.chunk_offsets if varlen is not None else None, config=ocfg, gv_cum=gv_cum)
+    return o, final_state, gv_cum
+
+
+def chunk_gla_bwd(q, k, v, gv_cum, scale, initial_state, do, dht, chunk_size, varlen=None):
+    """Plain backward: ``(dq, dk, dv, dg, dh0)`` (dq, dk, dg fp32; dg ``[B, T, H, K]`` is the gradient of
+    the natural-log decay g). dg = reverse chunk cumsum of ``q * dq - k * dk`` per channel (the tiled
+    products' part, r = s terms left out as they cancel) plus the state terms of each sub-chunk."""
+    L = chunk_size
+    cu = varlen.cu_seqlens if varlen is not None else None
+    sub = varlen.sub_indices if varlen is not None else None
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    h_sub, _, _ = chunk_state_fwd(
+        k, v, None, L, initial_state=initial_state, cu_seqlens=cu,
+        chunk_offsets=varlen.sub_offsets if varlen is not None else None,
+        num_chunks=varlen.sub_indices.shape[0] if varlen is not None else None, store_every_sub_chunk=True,
+        gv_cum=gv_cum)
+    tiled = {"cu_seqlens": cu, "gv_cum": gv_cum}
+    if varlen is not None:
+        tiled.update(tile_indices=varlen.tiles(output_config(L, q.shape[-1], v.shape[-1])["BQ"]),
+                     chunk_offsets=varlen.sub_offsets)
+    dvo = chunk_tiled(k, q, do, None, scale, L, reverse=True, **tiled)
+    dq, dgq = chunk_tiled(do, v, k, None, scale, L, h=h_sub, state_every=SUB_CHUNK, state_transposed=True,
+                          rowdot_with=q, out_dtype=acc, gv_on_out=True, **tiled)
+    dko, dgk = chunk_tiled(v, do, q, None, scale, L, reverse=True, rowdot_with=k, out_dtype=acc, gv_on_out=True,
+                           **tiled)
+    # without the delta rule the state-gradient recurrence's dU is the whole gradient of v
+    dh_sub, dv, dh0 = chunk_state_bwd(
+        q, k, None, do, dvo, None, scale, L, dht=dht, need_dh0=initial_state is not None, cu_seqlens=cu,
+        sub_offsets=varlen.sub_offsets if varlen is not None else None,
+        num_sub_chunks=varlen.sub_indices.shape[0] if varlen is not None else None, gv_cum=gv_cum)
+    dks, _, _, dg_sub = wy_bwd(k, None, None, None, None, v, None, h_sub, dh_sub, L, cu_seqlens=cu, sub_indices=sub,
+                               gv_cum=gv_cum)
+    dk = dko + dks
+    dg = _channel_cumsum(dgq - dgk, L, varlen, reverse=True) + dg_sub
+    return dq, dk, dv, dg, dh0
+
+
+class ChunkGLAFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, g, initial_state, varlen, opts: GLAOptions):
+        o, final_state, gv_cum = chunk_gla_fwd(q, k, v, g, opts.scale, initial_state, opts.output_final_state,
+                                               opts.chunk_size, varlen)
+        ctx.save_for_backward(q, k, v, g, initial_state, gv_cum)
+        ctx.varlen, ctx.opts = varlen, opts
+        return o, final_state
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, v, g, initial_state, gv_cum = ctx.saved_tensors
+        if do is None:
+            do = torch.zeros_like(v)
+        _check_cotangent("o", do, v.shape, q.dtype)
+        if dht is not None:
+            dht = dht.contiguous()
+        dq, dk, dv, dg, dh0 = chunk_gla_bwd(q, k, v, gv_cum, ctx.opts.scale, initial_state, do.contiguous(), dht,
+                                            ctx.opts.chunk_size, ctx.varlen)
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype),
+                dh0.to(initial_state.dtype) if dh0 is not None else None, None, None)
+
+
+def _check(q, k, v, g, scale, initial_state, cu_seqlens, chunk_size):
+    B, T, H, _, K, V = check_qkv(q, k, v, grouped=False)
+    if not isinstance(g, torch.Tensor):
+        raise TypeError(f"`g` must be a torch.Tensor (the log decay [B, T, H, K]), got {type(g).__name__}")
+    if tuple(g.shape) != (B, T, H, K):
+        hint = (" (a scalar decay per token and head [B, T, H] is chunk_simple_gla's)"
+                if tuple(g.shape) == (B, T, H) else "")
+        raise ValueError(f"`g` must be a log decay per key channel, shape [B, T, H, K] = {(B, T, H, K)}, "
+                         f"got {tuple(g.shape)}{hint}")
+    check_tensor("g", g, 4)
+    check_gate_dtype("g", g, q)
+    check_common(q, (("q", q), ("k", k), ("v", v), ("g", g)), scale, initial_state, cu_seqlens, chunk_size,
+                 (H, K, V), "H, K, V")
+
+
+def chunk_gla(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.LongTensor | None = None,
+    *,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+):
+    r"""Gated linear attention with a vector decay per key channel (GLA, HGRN2-style). A drop-in for
+    FLA's ``chunk_gla`` (``fla.ops.gla``).
+
+    ``S_t = diag(e^{g_t}) S_{t-1} + k_t v_t^T``, ``o_t = scale S_t^T q_t`` (GLA paper, Yang et al. 2023,
+    "Gated Linear Attention Transformers with Hardware-Efficient Training", Section 4; ULA paper,
+    Sections 2.1-2.2, Eqs. 4-7 and 9, "vector decay").
+
+    Args:
+        q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; fp32, fp16 or bf16 (all the same; float64 for
+            verification). Head dims K, V up to 256.
+        g: log decay per key channel ``[B, T, H, K]``: natural log, <= 0 (``e^g`` is the per-step
+            forget factor); fp32 or q's dtype. Cumulated in fp32 within each outer chunk.
+        scale: default ``K ** -0.5``.
+        initial_state: ``[N, H, K, V]`` (N = B, or the number of sequences with ``cu_seqlens``), any
+            float dtype (read as fp32), or None (zeros).
+        output_final_state: also return ``S_T`` per sequence.
+        cu_seqlens: ``[N + 1]`` int32/int64 offsets of packed sequences (B = 1); each restarts from its
+            own initial state.
+        chunk_size: outer chunk L in {64, 128, 256, 512} (keyword-only; states live every L tokens).
+
+    Returns ``(o [B, T, H, V] in q's dtype, final_state [N, H, K, V] fp32 or None)``; differentiable in
+    q, k, v, g and initial_state.
+
+    Raises ValueError/TypeError naming the argument for wrong shapes or dtypes (a scalar decay
+    ``[B, T, H]`` passed as ``g`` points to ``chunk_simple_gla``), positive log decays (checked with one
+    host sync at the end of the call, after the kernels are queued; not while a CUDA graph is being
+    captured), unsupported sizes, chunk sizes or devices.
+    """
+    _check(q, k, v, g, scale, initial_state, cu_seqlens, chunk_size)
+    positive = _positive_flag(g)
+    K = q.shape[-1]
+    varlen = None
+    if cu_seqlens is not None:
+        varlen = VarlenIndex.build(cu_seqlens, chunk_size)
+        check_varlen_bounds(varlen.bounds, q.shape[1])
+    if scale is None:
+        scale = K ** -0.5
+    q, k, v, g = (x.contiguous() for x in (q, k, v, g))
+    opts = GLAOptions(float(scale), int(chunk_size), bool(output_final_state))
+    out = ChunkGLAFunction.apply(q, k, v, g, initial_state.contiguous() if initial_state is not None else None,
+                                 varlen, opts)
+    _raise_if_positive(positive)
+    return out
