@@ -106,8 +106,8 @@ print('sanitized fwd+bwd ok')
       python3 -m tfla bench mlstm --mode fwdbwd --no-progress --json "$OUT/bench_mlstm_fwdbwd.json" 2>&1 | tee "$OUT/bench_mlstm_fwdbwd.log" | tail -22
       ;;
     benchla)
-      python3 -m tfla bench linear-attn --mode fwd --kinds none,constant,scalar --no-progress --json "$OUT/bench_la_fwd.json" 2>&1 | tee "$OUT/bench_la_fwd.log" | tail -16
-      python3 -m tfla bench linear-attn --mode fwdbwd --kinds none,constant,scalar --no-progress --json "$OUT/bench_la_fwdbwd.json" 2>&1 | tee "$OUT/bench_la_fwdbwd.log" | tail -16
+      python3 -m tfla bench linear-attn --mode fwd --no-progress --json "$OUT/bench_la_fwd.json" 2>&1 | tee "$OUT/bench_la_fwd.log" | tail -16
+      python3 -m tfla bench linear-attn --mode fwdbwd --no-progress --json "$OUT/bench_la_fwdbwd.json" 2>&1 | tee "$OUT/bench_la_fwdbwd.log" | tail -16
       ;;
     testbwd)
       # per-test limit (pytest-timeout is in the device image): one stalled case must not eat the lease
