@@ -293,6 +293,8 @@ def chunk_state_fwd(
         cfg.update(unroll=True, num_stages=2)
     if store_every_sub_chunk:
         cfg["unroll"] = False
+    if gv_cum is not None and not config:  # the [64, K] fp32 gate tile per stage: 263168 B > 232448 B of
+        cfg.update(unroll=False, num_stages=1 if K > 64 else 2)  # shared memory at K = V = 128, 3 stages (H100)
     BK = max(16, next_pow2(K))
     BV = min(max(16, next_pow2(V)), cfg["BV"])
     _chunk_state_fwd_kernel[(cdiv(V, BV), N * HV)](
@@ -482,7 +484,7 @@ def chunk_state_bwd(
             dh0.copy_(dht if dht is not None else torch.zeros_like(dh0))
         return dh, du, dh0
     # measured on an H200 (docs/perf.md): 64-column value tiles spill registers here
-    cfg = {"BV": 32, "num_warps": 4, "num_stages": 2 if K <= 128 else 1, **(config or {})}
+    cfg = {"BV": 32, "num_warps": 4, "num_stages": 2 if K <= 128 and gv_cum is None else 1, **(config or {})}
     BK = max(16, next_pow2(K))
     BV = min(max(16, next_pow2(V)), cfg["BV"])
     _chunk_state_bwd_kernel[(cdiv(V, BV), N * HV)](
