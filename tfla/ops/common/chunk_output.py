@@ -517,10 +517,6 @@ def chunk_tiled(
     acc = torch.float64 if a.dtype == torch.float64 else torch.float32
     xdot = torch.empty(B, T, HV, dtype=acc, device=a.device) if rowdot_with is not None else None
     vec = 0 if gv_cum is None else (2 if gv_on_out else 1)
-    if vec and a.element_size() >= 4 and max(BA, cfg["BV"]) > 128 and not config:
-        # fp32 vector gates at head dim 256: the gate tiles of a, b and c stage in shared memory too
-        # (409600 B requested with 32-row tiles and 2 stages on an H100): 16-row tiles, one stage
-        cfg.update(BQ=16, BKV=16, num_stages=1)
     if cu_seqlens is not None and cfg["BQ"] != bq_tiles:  # the overrides above changed the row tiles:
         # rebuild the (sequence, tile) table for them (one host read of cu_seqlens; fp32 at dims > 128 only)
         tile_indices = prepare_chunk_indices(seqlens_to_list(cu_seqlens), cfg["BQ"], a.device)
