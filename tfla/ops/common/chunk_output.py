@@ -568,9 +568,11 @@ def chunk_output_fwd(
     config: dict | None = None,
     gk_cum: torch.Tensor | None = None,
     gb: torch.Tensor | None = None,
-) -> torch.Tensor:
+    normalizer: dict | None = None,
+):
     """``o [B, T, HV, V] = scale (2^G q S_c + causal-gated (q k^T) v)`` from q, k ``[B, T, H, K]``,
     v ``[B, T, HV, V]`` (the delta rule's Vnew), states ``h [B, NT, HV, K, V]`` and ``g_cum`` (split
-    gates ``gk_cum``, ``gb``: see ``chunk_tiled``)."""
+    gates ``gk_cum``, ``gb``, and the mLSTM's ``normalizer``, then ``(o, den)``: see ``chunk_tiled``)."""
     return chunk_tiled(q, k, v, g_cum, scale, chunk_size, h=h, out_dtype=out_dtype, cu_seqlens=cu_seqlens,
-                       tile_indices=tile_indices, chunk_offsets=chunk_offsets, config=config, gk_cum=gk_cum, gb=gb)
+                       tile_indices=tile_indices, chunk_offsets=chunk_offsets, config=config, gk_cum=gk_cum, gb=gb,
+                       normalizer=normalizer)

@@ -41,10 +41,8 @@ import triton.language as tl
 
 from tfla.ops.gated_delta_rule.chunk import VarlenIndex, _check_cotangent
 from tfla.ops.mlstm.step import INPUT_GATES, check_mlstm_options, check_mlstm_state  # noqa: F401
-from tfla.ops.common.chunk_output import chunk_tiled, output_config
-from tfla.ops.common.chunk_state import chunk_state_fwd
 from tfla.ops.common.utils import cdiv, next_pow2
-from tfla.ops.simple_gla.chunk import chunk_simple_gla_bwd
+from tfla.ops.simple_gla.chunk import chunk_simple_gla_bwd, chunk_simple_gla_fwd
 from tfla.utils.validation import (
     check_common,
     check_qkv,
@@ -230,30 +228,17 @@ def chunk_mlstm_fwd(q, k, v, i, f, C0, n0, m0, opts: MLSTMOptions, varlen=None):
 
     Two kernels after the gate preparation: the state recurrence carries C and n together (n is the
     same recurrence with v = 1), and the tiled output forms the normalizer's row sums in the same pass
-    and divides before its only store (``chunk_tiled(normalizer=...)``)."""
+    and divides before its only store (``chunk_simple_gla_fwd(n_state=True, normalizer=...)``)."""
     B, T, H, _V = v.shape
-    L = opts.chunk_size
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    cu = varlen.cu_seqlens if varlen is not None else None
-    seg = _Segments.build(T, cu, q.device)
+    seg = _Segments.build(T, varlen.cu_seqlens if varlen is not None else None, q.device)
     gt = _gates(i, f, m0, opts, seg, acc)
-    gates = {"gk_cum": gt.gk, "gb": gt.gb}
-    h_st, _, hC, *hn = chunk_state_fwd(
-        k, v, gt.gq, L, initial_state=_c0(C0, acc), output_final_state=opts.output_final_state, cu_seqlens=cu,
-        chunk_offsets=varlen.chunk_offsets if varlen is not None else None,
-        num_chunks=varlen.num_chunks if varlen is not None else None, n_state=opts.aug,
-        initial_n=n0.to(acc) if n0 is not None else None, **gates)
-    hn, n_final = hn if opts.aug else (None, None)
-    ocfg = output_config(L, q.shape[-1], v.shape[-1])
-    tiled = dict(cu_seqlens=cu, tile_indices=varlen.tiles(ocfg["BQ"]) if varlen is not None else None,
-                 chunk_offsets=varlen.chunk_offsets if varlen is not None else None, config=ocfg, **gates)
-    den = None
-    if opts.normalize:
-        norm = dict(hn=hn, lo=gt.lo if isinstance(gt.lo, torch.Tensor) else None, eps=opts.eps)
-        h, den = chunk_tiled(q, k, v, gt.gq, opts.scale, L, h=h_st, out_dtype=v.dtype, normalizer=norm, **tiled)
-    else:
-        h = chunk_tiled(q, k, v, gt.gq, opts.scale, L, h=h_st, out_dtype=v.dtype, **tiled)
-    del h_st, hn
+    norm = dict(lo=gt.lo if isinstance(gt.lo, torch.Tensor) else None, eps=opts.eps) if opts.normalize else None
+    h, hC, _, *nrm = chunk_simple_gla_fwd(
+        q, k, v, None, opts.scale, _c0(C0, acc), opts.output_final_state, opts.chunk_size, varlen, g_cum=gt.gq,
+        gk_cum=gt.gk, gb=gt.gb, out_dtype=v.dtype, n_state=opts.aug,
+        initial_n=n0.to(acc) if n0 is not None else None, normalizer=norm)
+    den, n_final = nrm if opts.aug else (None, None)
     final = None
     if opts.output_final_state:
         N = seg_count(seg, B)

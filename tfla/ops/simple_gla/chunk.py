@@ -33,26 +33,35 @@ class LinearAttnOptions:
 
 
 def chunk_simple_gla_fwd(q, k, v, g, scale, initial_state, output_final_state, chunk_size, varlen=None,
-                         g_cum=None, gk_cum=None, gb=None, out_dtype=None):
+                         g_cum=None, gk_cum=None, gb=None, out_dtype=None, n_state=False, initial_n=None,
+                         normalizer=None):
     """Plain forward: ``(o, final_state, g_cum)``; g is the log decay ``[B, T, H]`` or None.
 
     Split gates (the mLSTM): pass ``g_cum`` (query-side GQ, log2, restarting every L) with ``gk_cum``
-    and ``gb`` instead of ``g`` (see ``chunk_output.chunk_tiled``)."""
+    and ``gb`` instead of ``g`` (see ``chunk_output.chunk_tiled``). ``n_state``: the state kernel also
+    carries the normalizer state n (v = 1; start ``initial_n``) and the call returns
+    ``(o, final_state, g_cum, den, final_n)``; ``normalizer`` (``dict(lo=, eps=)``, needs ``n_state``)
+    divides the output by it in the tiled kernel and ``den`` is its dot (else None)."""
     cu = varlen.cu_seqlens if varlen is not None else None
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     if g is not None:
         g_cum = chunk_local_cumsum(g, chunk_size, scale=RCP_LN2, cu_seqlens=cu, out_dtype=acc,
                                    chunk_indices=varlen.chunk_indices if varlen is not None else None)
-    h, _, final_state = chunk_state_fwd(
+    h, _, final_state, *ns = chunk_state_fwd(
         k, v, g_cum, chunk_size, initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu,
         chunk_offsets=varlen.chunk_offsets if varlen is not None else None,
-        num_chunks=varlen.num_chunks if varlen is not None else None, gk_cum=gk_cum, gb=gb)
+        num_chunks=varlen.num_chunks if varlen is not None else None, gk_cum=gk_cum, gb=gb, n_state=n_state,
+        initial_n=initial_n)
+    hn, final_n = ns if n_state else (None, None)
     ocfg = output_config(chunk_size, q.shape[-1], v.shape[-1])
     o = chunk_output_fwd(q, k, v, h, g_cum, scale, chunk_size, cu_seqlens=cu, out_dtype=out_dtype,
                          tile_indices=varlen.tiles(ocfg["BQ"]) if varlen is not None else None,
                          chunk_offsets=varlen.chunk_offsets if varlen is not None else None, config=ocfg,
-                         gk_cum=gk_cum, gb=gb)
-    return o, final_state, g_cum
+                         gk_cum=gk_cum, gb=gb, normalizer=dict(normalizer, hn=hn) if normalizer is not None else None)
+    if not n_state:
+        return o, final_state, g_cum
+    o, den = o if normalizer is not None else (o, None)
+    return o, final_state, g_cum, den, final_n
 
 
 def chunk_simple_gla_bwd(q, k, v, g_cum, scale, initial_state, do, dht, chunk_size, varlen=None, gk_cum=None,
