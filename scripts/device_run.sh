@@ -13,6 +13,8 @@
 #   testops  mLSTM and simple-GLA tests on the GPU, GDN GPU-only cases without FLA
 #   benchbwd / benchbwdsweep   tfla bench gdn --mode fwdbwd (default workload / T sweep)
 #   profilebwd  per-stage backward times
+#   timemlstm  scripts/time_mlstm.py --mk (mLSTM fwd+bwd, tfla and mlstm_kernels)
+#   testgla  chunk_gla tests on the GPU
 #   profileops  per-kernel times of mLSTM / simple GLA / GDN calls (scripts/profile_ops.py)
 #   profile  per-stage times of tfla's forward (scripts/profile_gdn.py)
 # Results go to $OUT (logs, CSV/JSON); the last lines printed are the summary tables.
@@ -104,12 +106,12 @@ print('sanitized fwd+bwd ok')
       python3 -m tfla bench mlstm --mode fwdbwd --no-progress --json "$OUT/bench_mlstm_fwdbwd.json" 2>&1 | tee "$OUT/bench_mlstm_fwdbwd.log" | tail -22
       ;;
     benchla)
-      python3 -m tfla bench linear-attn --mode fwd --kinds none,constant,scalar --no-progress --json "$OUT/bench_la_fwd.json" 2>&1 | tee "$OUT/bench_la_fwd.log" | tail -16
-      python3 -m tfla bench linear-attn --mode fwdbwd --kinds none,constant,scalar --no-progress --json "$OUT/bench_la_fwdbwd.json" 2>&1 | tee "$OUT/bench_la_fwdbwd.log" | tail -16
+      python3 -m tfla bench linear-attn --mode fwd --no-progress --json "$OUT/bench_la_fwd.json" 2>&1 | tee "$OUT/bench_la_fwd.log" | tail -16
+      python3 -m tfla bench linear-attn --mode fwdbwd --no-progress --json "$OUT/bench_la_fwdbwd.json" 2>&1 | tee "$OUT/bench_la_fwdbwd.log" | tail -16
       ;;
     testbwd)
       # per-test limit (pytest-timeout is in the device image): one stalled case must not eat the lease
-      python3 -m pytest -q -p no:cacheprovider -s -m "gpu" --timeout 150 -k "deterministic or bf16 or fp32_gpu" \
+      python3 -m pytest -q -p no:cacheprovider -s -m "gpu" --timeout 300 -k "deterministic or bf16 or fp32_gpu" \
           tests/ops/test_gated_delta_rule_bwd.py 2>&1 | tee "$OUT/pytest_bwd_gpu.log" | grep -E "bf16 bwd|passed|failed|rror|Timeout" ;
       ;;
     benchbwd)
@@ -124,6 +126,12 @@ print('sanitized fwd+bwd ok')
       python3 scripts/profile_ops.py mlstm-sig mlstm-exp sgla-none sgla-scalar gdn sgla-scalar-nocheck --L 64 2>&1 | tee "$OUT/profile_ops_fwd.log"
       python3 scripts/profile_ops.py mlstm-sig mlstm-exp sgla-scalar gdn --mode fwdbwd --L 64 2>&1 | tee "$OUT/profile_ops_fwdbwd.log"
       python3 scripts/profile_ops.py mlstm-sig --L 128 2>&1 | tee "$OUT/profile_ops_mlstm128.log"
+      ;;
+    timemlstm)
+      python3 scripts/time_mlstm.py --mk 2>&1 | tee "$OUT/time_mlstm.log"
+      ;;
+    testgla)
+      python3 -m pytest -q -p no:cacheprovider -s --timeout 300 tests/ops/test_gla.py 2>&1 | tee "$OUT/pytest_gla_gpu.log" | grep -E "bf16|passed|failed|rror|Timeout"
       ;;
     profilebwd)
       python3 scripts/profile_gdn.py --backward 2>&1 | tee "$OUT/profile_bwd.log"

@@ -293,6 +293,8 @@ def chunk_state_fwd(
         cfg.update(unroll=True, num_stages=2)
     if store_every_sub_chunk:
         cfg["unroll"] = False
+    if gv_cum is not None and not config:  # the [64, K] fp32 gate tile per stage: 263168 B > 232448 B of
+        cfg.update(unroll=False, num_stages=1 if K > 64 else 2)  # shared memory at K = V = 128, 3 stages (H100)
     BK = max(16, next_pow2(K))
     BV = min(max(16, next_pow2(V)), cfg["BV"])
     _chunk_state_fwd_kernel[(cdiv(V, BV), N * HV)](
@@ -352,7 +354,8 @@ def _chunk_state_bwd_kernel(
     after the current sub-chunk; per sub-chunk (reverse): dU = dvo + 2^(G_n - G) (K dS),
     dS <- 2^(G_n - G_c) dS - W^T dU; at each outer-chunk start the output's use of the state adds
     scale (2^G Q)^T dO of the whole outer chunk. Stores dS at every sub-chunk (for the parallel
-    gradient kernels) and dU."""
+    gradient kernels) and dU. That product takes the gated q in fp32 (a TF32 product for 16-bit
+    inputs): rounding 2^G q to bf16 made d initial_state 3-4x less accurate than FLA's (H100, bf16)."""
     BS: tl.constexpr = 64
     i_v, i_nh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     i_n, i_hv = i_nh // HV, i_nh % HV
@@ -413,15 +416,15 @@ def _chunk_state_bwd_kernel(
                 if HAS_GB:  # the outer chunk's start state is stabilized by gb at its first row
                     b_gb = tl.load(gb + (bos + i_c * BT) * HV + i_hv)
                     b_gc += tl.where((t0 % BT) == 0, b_gb, 0.0)
-                    b_qs = b_q * (scale * tl.exp2(tl.where(m_t, b_g - b_gb, float("-inf"))))[:, None]
+                    b_qs = b_q.to(ACC) * (scale * tl.exp2(tl.where(m_t, b_g - b_gb, float("-inf"))))[:, None]
                 else:
-                    b_qs = b_q * (scale * tl.exp2(b_g))[:, None]
+                    b_qs = b_q.to(ACC) * (scale * tl.exp2(b_g))[:, None]
             else:
                 b_du += b_kdh
-                b_qs = b_q * scale
+                b_qs = b_q.to(ACC) * scale
             tl.store(du + p_tv, b_du.to(du.dtype.element_ty), mask=m_tv)
             if BT > BS:
-                b_dhi = tl.dot(tl.trans(b_qs.to(dt)), b_do, b_dhi, input_precision=DOT_PREC)
+                b_dhi = tl.dot(tl.trans(b_qs), b_do.to(ACC), b_dhi, input_precision=DOT_PREC)
             if USE_G:
                 b_dh *= tl.exp2(b_gn - b_gc)
             if VEC_G:
@@ -430,7 +433,7 @@ def _chunk_state_bwd_kernel(
                 b_w = tl.load(w + (bos * HV + i_hv) * K + o_t[:, None] * (HV * K) + o_k[None, :], mask=m_tk, other=0.0)
                 b_dh -= tl.dot(tl.trans(b_w), b_du.to(dt), input_precision=DOT_PREC)
             if BT == BS:  # one sub-chunk per chunk: no second accumulator (register pressure)
-                b_dh = tl.dot(tl.trans(b_qs.to(dt)), b_do, b_dh, input_precision=DOT_PREC)
+                b_dh = tl.dot(tl.trans(b_qs), b_do.to(ACC), b_dh, input_precision=DOT_PREC)
         if BT > BS:
             b_dh += b_dhi
     if STORE_INITIAL_STATE_GRADIENT:
@@ -481,7 +484,7 @@ def chunk_state_bwd(
             dh0.copy_(dht if dht is not None else torch.zeros_like(dh0))
         return dh, du, dh0
     # measured on an H200 (docs/perf.md): 64-column value tiles spill registers here
-    cfg = {"BV": 32, "num_warps": 4, "num_stages": 2, **(config or {})}
+    cfg = {"BV": 32, "num_warps": 4, "num_stages": 2 if K <= 128 and gv_cum is None else 1, **(config or {})}
     BK = max(16, next_pow2(K))
     BV = min(max(16, next_pow2(V)), cfg["BV"])
     _chunk_state_bwd_kernel[(cdiv(V, BV), N * HV)](
