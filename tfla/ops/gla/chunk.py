@@ -78,15 +78,11 @@ def _tiled_args(chunk_size, a, DC, varlen, offsets, rowdot=False):
 
 
 def _state_cfg(k):
-    """State kernels with the vector gate: 8 warps (its [64, K] fp32 gate tiles made the 4-warp kernels
-    spill ~0.5-1 KiB at K = V = 128 bf16 in a local sm_90 compile, Triton 3.9, no GPU; 8 warps: 0-28 B)
-    and, for fp32, fewer pipeline stages (the scalar defaults put fp32 over an H100/H200's 227 KiB of
-    shared memory there: K = 128: 263168 B with 3 stages; K = 256: 287744 B / 402432 B with 2). From
-    compile statistics, not timed."""
-    cfg = {"num_warps": 8}
-    if k.element_size() >= 4:
-        cfg["num_stages"] = 2 if k.shape[-1] <= 128 else 1
-    return cfg
+    """State kernels with the vector gate: 8 warps; the pipeline stages stay chunk_state's vector-gate
+    defaults (one stage for K > 64, measured on an H100). A local sm_90 compile (scripts/compile_stats.py,
+    Triton 3.9, no GPU) with those stages: bf16 K = V = 128 spills 0 B (forward) and 456 B (backward) per
+    thread with 8 warps, 112-344 B and 2572 B with 4; fp32 K = 256 forward 0 B vs 1.5 KiB. Not timed."""
+    return {"num_warps": 8}
 
 
 def chunk_gla_fwd(q, k, v, g, scale, initial_state, output_final_state, chunk_size, varlen=None):
