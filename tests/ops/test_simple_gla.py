@@ -84,6 +84,14 @@ def test_simple_gla_varlen(device, mode):
     _check(device, 1, T, 2, 32, 16, 128, mode, cu=cu, num_seqs=4, seed=2)
 
 
+def test_simple_gla_varlen_wide_values(device, poison_empty):
+    """fp32 with V = 200: the tiled kernel switches to 32-row tiles for the 256-wide contraction of dq,
+    and must rebuild the varlen tile table for them (it read the caller's 64-row table before)."""
+    T = 230
+    cu = random_cu_seqlens(T, 3, seed=4, device=device)
+    _check(device, 1, T, 1, 16, 200, 64, "g", cu=cu, num_seqs=3, seed=4)
+
+
 def test_simple_gla_float64_exact(device):
     if device == "cuda":
         pytest.skip("float64 verification runs through the interpreter")

@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tfla.ops.common.utils import acc_dtype, cdiv, dot_precision, next_pow2
+from tfla.ops.common.utils import acc_dtype, cdiv, dot_precision, next_pow2, prepare_chunk_indices, seqlens_to_list
 
 
 @triton.jit
@@ -501,6 +501,7 @@ def chunk_tiled(
     HB, HC, DC = b.shape[2], c.shape[2], c.shape[3]
     HV = max(HA, HB, HC)
     cfg = tiled_config(chunk_size, DA, DC, config)
+    bq_tiles = cfg["BQ"]  # the row tiles the caller's varlen tile_indices were built for
     if rowdot_with is not None:
         cfg["BV"] = max(16, next_pow2(DC))  # the row dot needs the whole row in one program
         cfg["BKV"] = cfg["BQ"]  # and the diagonal tile's rows to be the output rows
@@ -516,6 +517,13 @@ def chunk_tiled(
     acc = torch.float64 if a.dtype == torch.float64 else torch.float32
     xdot = torch.empty(B, T, HV, dtype=acc, device=a.device) if rowdot_with is not None else None
     vec = 0 if gv_cum is None else (2 if gv_on_out else 1)
+    if vec and a.element_size() >= 4 and max(BA, cfg["BV"]) > 128 and not config:
+        # fp32 vector gates at head dim 256: the gate tiles of a, b and c stage in shared memory too
+        # (409600 B requested with 32-row tiles and 2 stages on an H100): 16-row tiles, one stage
+        cfg.update(BQ=16, BKV=16, num_stages=1)
+    if cu_seqlens is not None and cfg["BQ"] != bq_tiles:  # the overrides above changed the row tiles:
+        # rebuild the (sequence, tile) table for them (one host read of cu_seqlens; fp32 at dims > 128 only)
+        tile_indices = prepare_chunk_indices(seqlens_to_list(cu_seqlens), cfg["BQ"], a.device)
     if vec:
         if g_cum is not None or gk_cum is not None or gb is not None or normalizer is not None:
             raise ValueError("a vector gate (gv_cum) excludes the scalar gates and the normalizer")
