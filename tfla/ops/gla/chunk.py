@@ -53,19 +53,22 @@ def _channel_cumsum(x, chunk_size, varlen, reverse=False, scale=1.0):
 
 
 def _tiled_cfg(chunk_size, a, DC, rowdot=False):
-    """Tiles of one ``chunk_tiled`` call under the vector gate, pinned (passed as its config) so that a
-    varlen tile table built for ``BQ`` matches the kernel.
+    """Tiles of one ``chunk_tiled`` call under the vector gate, passed as its config, so the varlen tile
+    table is built once here for the kernel's ``BQ`` (``chunk_tiled`` would otherwise rebuild it with a
+    host read when its own fp32 override changes the tiles).
 
-    32-row tiles with 8 warps (fp32 with more than 128 columns: 16 rows, 4 warps): the diagonal's
-    elementwise steps hold several fp32 [BQ, K] tensors, and a local sm_90 compile (Triton 3.9, ptxas,
-    no GPU) of the scalar defaults (64 rows, 4 warps) spilled 0.6-4 KiB per thread at K = V = 128 bf16
-    (the scalar gate's kernels: 0.3-0.5 KiB); these tiles spill 0-16 B there. Chosen from spill counts,
-    not timed."""
+    32-row tiles with 8 warps; fp32 with more than 128 columns: 16 rows, 4 warps, one stage (the stage
+    count ``chunk_tiled`` uses there: 409600 B of shared memory with 32 rows and 2 stages on an H100).
+    The diagonal's elementwise steps hold several fp32 [BQ, K] tensors: a local sm_90 compile (Triton 3.9,
+    ptxas, no GPU) of the scalar defaults (64 rows, 4 warps) spilled 0.6-4 KiB per thread at K = V = 128
+    bf16 (the scalar gate's kernels: 0.3-0.5 KiB); these tiles spill 0-16 B there. Not timed."""
     cfg = output_config(chunk_size, a.shape[-1], DC)
     bv = max(16, next_pow2(DC)) if rowdot else cfg["BV"]
     wide_fp32 = a.element_size() >= 4 and max(next_pow2(a.shape[-1]), bv) > 128
     cfg["BQ"] = cfg["BKV"] = min(16 if wide_fp32 else 32, chunk_size)
     cfg["num_warps"] = 4 if wide_fp32 else 8
+    if wide_fp32:
+        cfg["num_stages"] = 1
     return cfg
 
 
