@@ -105,6 +105,27 @@ def test_gla_varlen(device, cu_list):
     _check(device, 1, 140, 2, 16, 16, 64, cu=cu, num_seqs=len(cu) - 1, seed=2)
 
 
+def test_gla_varlen_wide_heads(device):
+    """fp32 with more than 128 columns runs 32-row tiles: the varlen tile tables must be built for them."""
+    _check(device, 1, 150, 1, 160, 144, 64, cu=torch.tensor([0, 40, 150], device=device), num_seqs=2, seed=11)
+
+
+@pytest.mark.parametrize("BQ", [16, 64])
+def test_gla_tile_rows(device, monkeypatch, BQ):
+    """The vector gate's diagonal square at other tile heights than the op's default 32 rows (one
+    16-row block; four blocks), forward and backward, L = 128."""
+    import tfla.ops.gla.chunk as gla_chunk
+
+    default = gla_chunk._tiled_cfg
+
+    def tiles(chunk_size, a, DC, rowdot=False):
+        return {**default(chunk_size, a, DC, rowdot), "BQ": BQ, "BKV": BQ, "num_warps": 4}
+
+    monkeypatch.setattr(gla_chunk, "_tiled_cfg", tiles)
+    _check(device, 1, 150, 1, 16, 16, 128, gate="mixed", seed=12)
+    _check(device, 1, 130, 2, 16, 16, 64, cu=torch.tensor([0, 50, 130], device=device), num_seqs=2, seed=13)
+
+
 def test_gla_float64_exact(device):
     if device == "cuda":
         pytest.skip("float64 verification runs through the interpreter")

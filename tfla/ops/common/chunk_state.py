@@ -293,8 +293,10 @@ def chunk_state_fwd(
         cfg.update(unroll=True, num_stages=2)
     if store_every_sub_chunk:
         cfg["unroll"] = False
-    if gv_cum is not None and not config:  # the [64, K] fp32 gate tile per stage: 263168 B > 232448 B of
-        cfg.update(unroll=False, num_stages=1 if K > 64 else 2)  # shared memory at K = V = 128, 3 stages (H100)
+    # the vector gate's [64, K] fp32 tile per stage: 263168 B > 232448 B of shared memory at K = V = 128,
+    # 3 stages (H100); a config that sets num_stages wins
+    if gv_cum is not None and "num_stages" not in (config or {}):
+        cfg.update(unroll=False, num_stages=1 if K > 64 else 2)
     BK = max(16, next_pow2(K))
     BV = min(max(16, next_pow2(V)), cfg["BV"])
     _chunk_state_fwd_kernel[(cdiv(V, BV), N * HV)](

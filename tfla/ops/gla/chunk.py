@@ -20,7 +20,7 @@ from tfla.ops.common.chunk_output import chunk_tiled, output_config
 from tfla.ops.common.chunk_state import chunk_state_bwd, chunk_state_fwd
 from tfla.ops.common.cumsum import chunk_local_cumsum
 from tfla.ops.common.ut_transform import wy_bwd
-from tfla.ops.common.utils import RCP_LN2, SUB_CHUNK
+from tfla.ops.common.utils import RCP_LN2, SUB_CHUNK, next_pow2
 from tfla.ops.gated_delta_rule.chunk import VarlenIndex, _check_cotangent
 from tfla.ops.simple_gla.chunk import _positive_flag, _raise_if_positive
 from tfla.utils.validation import (
@@ -52,6 +52,42 @@ def _channel_cumsum(x, chunk_size, varlen, reverse=False, scale=1.0):
     return out.view(B, T, H, K)
 
 
+def _tiled_cfg(chunk_size, a, DC, rowdot=False):
+    """Tiles of one ``chunk_tiled`` call under the vector gate, passed as its config, so the varlen tile
+    table is built once here for the kernel's ``BQ`` (``chunk_tiled`` would otherwise rebuild it with a
+    host read when its own fp32 override changes the tiles).
+
+    32-row tiles with 8 warps; fp32 with more than 128 columns: 16 rows, 4 warps, one stage (the stage
+    count ``chunk_tiled`` uses there: 409600 B of shared memory with 32 rows and 2 stages on an H100).
+    The diagonal's elementwise steps hold several fp32 [BQ, K] tensors: a local sm_90 compile (Triton 3.9,
+    ptxas, no GPU) of the scalar defaults (64 rows, 4 warps) spilled 0.6-4 KiB per thread at K = V = 128
+    bf16 (the scalar gate's kernels: 0.3-0.5 KiB); these tiles spill 0-16 B there. Not timed."""
+    cfg = output_config(chunk_size, a.shape[-1], DC)
+    bv = max(16, next_pow2(DC)) if rowdot else cfg["BV"]
+    wide_fp32 = a.element_size() >= 4 and max(next_pow2(a.shape[-1]), bv) > 128
+    cfg["BQ"] = cfg["BKV"] = min(16 if wide_fp32 else 32, chunk_size)
+    cfg["num_warps"] = 4 if wide_fp32 else 8
+    if wide_fp32:
+        cfg["num_stages"] = 1
+    return cfg
+
+
+def _tiled_args(chunk_size, a, DC, varlen, offsets, rowdot=False):
+    cfg = _tiled_cfg(chunk_size, a, DC, rowdot)
+    if varlen is None:
+        return {"config": cfg}
+    return {"config": cfg, "cu_seqlens": varlen.cu_seqlens, "tile_indices": varlen.tiles(cfg["BQ"]),
+            "chunk_offsets": offsets}
+
+
+def _state_cfg(k):
+    """State kernels with the vector gate: 8 warps; the pipeline stages stay chunk_state's vector-gate
+    defaults (one stage for K > 64, measured on an H100). A local sm_90 compile (scripts/compile_stats.py,
+    Triton 3.9, no GPU) with those stages: bf16 K = V = 128 spills 0 B (forward) and 456 B (backward) per
+    thread with 8 warps, 112-344 B and 2572 B with 4; fp32 K = 256 forward 0 B vs 1.5 KiB. Not timed."""
+    return {"num_warps": 8}
+
+
 def chunk_gla_fwd(q, k, v, g, scale, initial_state, output_final_state, chunk_size, varlen=None):
     """Plain forward: ``(o, final_state, gv_cum)``; g is the log decay ``[B, T, H, K]`` (natural log)."""
     cu = varlen.cu_seqlens if varlen is not None else None
@@ -60,11 +96,9 @@ def chunk_gla_fwd(q, k, v, g, scale, initial_state, output_final_state, chunk_si
     h, _, final_state = chunk_state_fwd(
         k, v, None, chunk_size, initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu,
         chunk_offsets=varlen.chunk_offsets if varlen is not None else None,
-        num_chunks=varlen.num_chunks if varlen is not None else None, gv_cum=gv_cum)
-    ocfg = output_config(chunk_size, q.shape[-1], v.shape[-1])
-    o = chunk_tiled(q, k, v, None, scale, chunk_size, h=h, cu_seqlens=cu,
-                    tile_indices=varlen.tiles(ocfg["BQ"]) if varlen is not None else None,
-                    chunk_offsets=varlen.chunk_offsets if varlen is not None else None, config=ocfg, gv_cum=gv_cum)
+        num_chunks=varlen.num_chunks if varlen is not None else None, gv_cum=gv_cum, config=_state_cfg(k))
+    o = chunk_tiled(q, k, v, None, scale, chunk_size, h=h, gv_cum=gv_cum,
+                    **_tiled_args(chunk_size, q, v.shape[-1], varlen, varlen.chunk_offsets if varlen else None))
     return o, final_state, gv_cum
 
 
@@ -80,21 +114,21 @@ def chunk_gla_bwd(q, k, v, gv_cum, scale, initial_state, do, dht, chunk_size, va
         k, v, None, L, initial_state=initial_state, cu_seqlens=cu,
         chunk_offsets=varlen.sub_offsets if varlen is not None else None,
         num_chunks=varlen.sub_indices.shape[0] if varlen is not None else None, store_every_sub_chunk=True,
-        gv_cum=gv_cum)
-    tiled = {"cu_seqlens": cu, "gv_cum": gv_cum}
-    if varlen is not None:
-        tiled.update(tile_indices=varlen.tiles(output_config(L, q.shape[-1], v.shape[-1])["BQ"]),
-                     chunk_offsets=varlen.sub_offsets)
-    dvo = chunk_tiled(k, q, do, None, scale, L, reverse=True, **tiled)
+        gv_cum=gv_cum, config=_state_cfg(k))
+    offs = varlen.sub_offsets if varlen is not None else None
+    K, V = q.shape[-1], v.shape[-1]
+    dvo = chunk_tiled(k, q, do, None, scale, L, reverse=True, gv_cum=gv_cum, **_tiled_args(L, k, V, varlen, offs))
     dq, dgq = chunk_tiled(do, v, k, None, scale, L, h=h_sub, state_every=SUB_CHUNK, state_transposed=True,
-                          rowdot_with=q, out_dtype=acc, gv_on_out=True, **tiled)
-    dko, dgk = chunk_tiled(v, do, q, None, scale, L, reverse=True, rowdot_with=k, out_dtype=acc, gv_on_out=True,
-                           **tiled)
+                          rowdot_with=q, out_dtype=acc, gv_cum=gv_cum, gv_on_out=True,
+                          **_tiled_args(L, do, K, varlen, offs, rowdot=True))
+    dko, dgk = chunk_tiled(v, do, q, None, scale, L, reverse=True, rowdot_with=k, out_dtype=acc, gv_cum=gv_cum,
+                           gv_on_out=True, **_tiled_args(L, v, K, varlen, offs, rowdot=True))
     # without the delta rule the state-gradient recurrence's dU is the whole gradient of v
     dh_sub, dv, dh0 = chunk_state_bwd(
         q, k, None, do, dvo, None, scale, L, dht=dht, need_dh0=initial_state is not None, cu_seqlens=cu,
         sub_offsets=varlen.sub_offsets if varlen is not None else None,
-        num_sub_chunks=varlen.sub_indices.shape[0] if varlen is not None else None, gv_cum=gv_cum)
+        num_sub_chunks=varlen.sub_indices.shape[0] if varlen is not None else None, gv_cum=gv_cum,
+        config=_state_cfg(k))
     dks, _, _, dg_sub = wy_bwd(k, None, None, None, None, v, None, h_sub, dh_sub, L, cu_seqlens=cu, sub_indices=sub,
                                gv_cum=gv_cum)
     dk = dko + dks

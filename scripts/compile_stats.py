@@ -1,0 +1,109 @@
+"""Compile every Triton kernel one GLA / simple-GLA forward + backward launches, for sm_90, on a machine
+without a GPU (nothing is launched), and print per kernel: registers, spill stores, shared memory.
+
+python scripts/compile_stats.py [--op gla|simple_gla] [--dtype bf16|fp32] [--K 128] [--V 128] [--L 64]
+
+Catches code-generator errors of GPU-only paths (the interpreter skips Triton's compiler) and shows
+register spills and shared-memory use, which the interpreter cannot. The numbers come from this
+machine's Triton and the ptxas it ships: another Triton version on the GPU machine can differ (compare
+ops relative to each other, not to the 227 KiB limit to the byte). Launches are recorded by replacing
+``JITFunction.run``, so the host code runs on CPU tensors with outputs left unwritten.
+"""
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+os.environ.pop("TRITON_INTERPRET", None)  # the real JIT, not the interpreter
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64",
+         torch.int32: "i32", torch.int64: "i64"}
+launches = []
+
+
+def _record(self, *args, grid, warmup, **kwargs):
+    launches.append((self, args, kwargs))
+
+
+def compile_launch(fn, args, kwargs, arch=90):
+    kwargs = dict(kwargs)
+    opts = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+    vals = {**dict(zip(fn.arg_names, args)), **kwargs}
+    sig, const = {}, {}
+    for p in fn.params:
+        v = vals.get(p.name, p.default if p.has_default else None)
+        if p.is_constexpr or v is None:
+            sig[p.name], const[(fn.arg_names.index(p.name),)] = "constexpr", v
+        elif isinstance(v, torch.Tensor):
+            sig[p.name] = "*" + TYPES[v.dtype]
+        elif isinstance(v, bool):
+            sig[p.name] = "i1"
+        else:
+            sig[p.name] = "i32" if isinstance(v, int) else "fp32"
+    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", arch, 32),
+                          options=opts)
+
+
+def ptxas_stats(ptx: str, arch=90):
+    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    exe = next(os.path.join(bindir, n) for n in ("ptxas-blackwell", "ptxas") if os.path.exists(os.path.join(bindir, n)))
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        r = subprocess.run([exe, f"-arch=sm_{arch}a", "-v", src, "-o", os.path.join(d, "k.cubin")],
+                           capture_output=True, text=True, check=False)
+    out = r.stdout + r.stderr
+    regs = re.search(r"Used (\d+) registers", out)
+    spill = re.search(r"(\d+) bytes spill stores", out)
+    return (int(regs.group(1)) if regs else None, int(spill.group(1)) if spill else None)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--op", choices=["gla", "simple_gla"], default="gla")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
+    p.add_argument("--K", type=int, default=128)
+    p.add_argument("--V", type=int, default=128)
+    p.add_argument("--L", type=int, default=64)
+    args = p.parse_args(argv)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    T, H, K, V, L = 300, 2, args.K, args.V, args.L
+    q, k = torch.randn(1, T, H, K, dtype=dtype), torch.randn(1, T, H, K, dtype=dtype)
+    v, do = torch.randn(1, T, H, V, dtype=dtype), torch.randn(1, T, H, V, dtype=dtype)
+    h0, dht = torch.randn(1, H, K, V), torch.randn(1, H, K, V)
+    JITFunction.run = _record
+    if args.op == "gla":
+        from tfla.ops.gla.chunk import chunk_gla_bwd, chunk_gla_fwd
+
+        _, _, gv = chunk_gla_fwd(q, k, v, -torch.rand(1, T, H, K), 0.1, h0, True, L)
+        chunk_gla_bwd(q, k, v, gv, 0.1, h0, do, dht, L)
+    else:
+        from tfla.ops.simple_gla.chunk import chunk_simple_gla_bwd, chunk_simple_gla_fwd
+
+        _, _, gc = chunk_simple_gla_fwd(q, k, v, -torch.rand(1, T, H), 0.1, h0, True, L)
+        chunk_simple_gla_bwd(q, k, v, gc, 0.1, h0, do, dht, L)
+    flags = ("VEC_G", "VEC_ROWDOT", "ROWDOT", "REVERSE", "HAS_STATE", "STORE_SUB")
+    print(f"{args.op} {args.dtype} K={K} V={V} L={L}, sm_90, Triton {triton.__version__}")
+    for fn, a, kw in launches:
+        name = fn.fn.__name__
+        c = compile_launch(fn, a, kw)
+        regs, spill = ptxas_stats(c.asm["ptx"])
+        fl = " ".join(f"{f}={kw[f]}" for f in flags if f in kw)
+        print(f"  {name:34s} warps={c.metadata.num_warps} regs={regs} spill_stores={spill}B "
+              f"smem={c.metadata.shared}B  {fl}")
+
+
+if __name__ == "__main__":
+    main()
