@@ -240,7 +240,7 @@ def print_table(rows: list[dict], meta: dict) -> None:
     console = Console(width=max(160 if mode == "fwd" else 230, Console().width))
     console.print(t)
     if meta.get("missing_peers", "-") != "-":
-        console.print(f"not installed (skipped): {meta['missing_peers']}")
+        console.print(f"not available (skipped): {meta['missing_peers']}", markup=False)
     console.print(f"versions: fla-core {meta['fla-core']}, flash-qla {meta['flash-qla']}, tfla {meta['tfla']} "
                   f"(git {meta['git']}), {meta['date']}")
 

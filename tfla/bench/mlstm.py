@@ -402,7 +402,7 @@ def print_table(rows: list[dict], meta: dict) -> None:
     console = Console(width=max(190 if mode == "fwd" else 240, Console().width))
     console.print(t)
     if meta.get("missing_peers", "-") != "-":
-        console.print(f"not installed (skipped): {meta['missing_peers']}")
+        console.print(f"not available (skipped): {meta['missing_peers']}", markup=False)
     for k, v in meta.items():
         if k.startswith("reference_error"):
             console.print(f"tfla fp32 reference failed ({k[16:]}; rows use their own fp32 run): {v}")

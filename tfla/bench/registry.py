@@ -48,12 +48,26 @@ def tfla_impl(chunk_size: int) -> Impl:
     return Impl(f"tfla L={chunk_size}", fn, chunk_size, None, _version("tfla"))
 
 
+IMPORT_ERRORS: dict[str, str] = {}  # peer -> why it did not import here (printed with the skipped peers)
+
+
+def _import_failed(peer: str, e: BaseException) -> None:
+    IMPORT_ERRORS[peer] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+
+
+def missing_note(peer: str) -> str:
+    """``peer`` plus the import error that made it unavailable, when one was seen."""
+    why = IMPORT_ERRORS.get(peer)
+    return f"{peer} ({why})" if why else peer
+
+
 def fla_impl() -> Impl | None:
     """FLA's Triton ``chunk_gated_delta_rule`` (chunk 64). FLA reads ``FLA_FLASH_QLA`` at call time,
     so the entry pins it to 0 around each call to time FLA's own kernels, not FlashQLA's."""
     try:
         mod = importlib.import_module("fla.ops.gated_delta_rule")
-    except Exception:  # not installed, or fails to import on this machine
+    except Exception as e:  # not installed, or fails to import on this machine
+        _import_failed("fla", e)
         return None
     fla_gdn = mod.chunk_gated_delta_rule
 
@@ -75,7 +89,8 @@ def fla_impl() -> Impl | None:
 def flashqla_impl() -> Impl | None:
     try:
         fq = importlib.import_module("flash_qla")
-    except Exception:
+    except Exception as e:
+        _import_failed("flashqla", e)
         return None
 
     def fn(x, output_final_state=True):
@@ -93,7 +108,7 @@ def gdn_impls(chunk_sizes=(64, 128, 256, 512), peers=("fla", "flashqla")) -> tup
     for peer in peers:
         impl = {"fla": fla_impl, "flashqla": flashqla_impl}[peer]()
         if impl is None:
-            missing.append(peer)
+            missing.append(missing_note(peer))
         else:
             impls.append(impl)
     return impls, missing
@@ -185,7 +200,8 @@ def fla_linear_attn_impl(kind: str) -> OpImpl | None:
     _, _, mod, name = LINEAR_ATTN_OPS[kind]
     try:
         op = getattr(importlib.import_module(mod), name)
-    except Exception:
+    except Exception as e:
+        _import_failed("fla", e)
         return None
 
     def fn(x):
@@ -203,7 +219,7 @@ def linear_attn_impls(kind: str, chunk_sizes=(64, 128, 256), peers=("fla",)) -> 
     if "fla" in peers:
         impl = fla_linear_attn_impl(kind)
         if impl is None:
-            missing.append("fla")
+            missing.append(missing_note("fla"))
         else:
             impls.append(impl)
     return impls, missing
@@ -240,7 +256,8 @@ def mlstm_kernels_impl(kernel: str, chunk_size: int) -> OpImpl | None:
         from mlstm_kernels.torch import get_mlstm_kernel
 
         fn_k = get_mlstm_kernel(f"chunkwise--{kernel}")
-    except Exception:
+    except Exception as e:
+        _import_failed(f"mlstm_kernels:{kernel}", e)
         return None
     gate = MLSTM_KERNELS[kernel]
 
@@ -274,7 +291,7 @@ def mlstm_impls(input_gate: str, chunk_sizes=(64, 128, 256), kernels=tuple(MLSTM
         for L in ((64,) if kernel == "triton_limit_chunk" else mk_chunk_sizes):
             impl = mlstm_kernels_impl(kernel, L)
             if impl is None:
-                missing.append(f"mlstm_kernels:{kernel}")
+                missing.append(missing_note(f"mlstm_kernels:{kernel}"))
                 break
             impls.append(impl)
     return impls, missing
