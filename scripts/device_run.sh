@@ -15,6 +15,7 @@
 #   profilebwd  per-stage backward times
 #   timemlstm  scripts/time_mlstm.py --mk (mLSTM fwd+bwd, tfla and mlstm_kernels)
 #   testgla  chunk_gla tests on the GPU
+#   profilegla  per-kernel times of chunk_gla (vector decay), forward and fwd+bwd
 #   profileops  per-kernel times of mLSTM / simple GLA / GDN calls (scripts/profile_ops.py)
 #   profile  per-stage times of tfla's forward (scripts/profile_gdn.py)
 # Results go to $OUT (logs, CSV/JSON); the last lines printed are the summary tables.
@@ -132,6 +133,10 @@ print('sanitized fwd+bwd ok')
       ;;
     testgla)
       python3 -m pytest -q -p no:cacheprovider -s --timeout 300 tests/ops/test_gla.py 2>&1 | tee "$OUT/pytest_gla_gpu.log" | grep -E "bf16|passed|failed|rror|Timeout"
+      ;;
+    profilegla)
+      python3 scripts/profile_ops.py gla sgla-scalar --L 64 2>&1 | tee "$OUT/profile_gla_fwd.log"
+      python3 scripts/profile_ops.py gla --mode fwdbwd --L 64 2>&1 | tee "$OUT/profile_gla_fwdbwd.log"
       ;;
     profilebwd)
       python3 scripts/profile_gdn.py --backward 2>&1 | tee "$OUT/profile_bwd.log"
