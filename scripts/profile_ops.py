@@ -55,6 +55,7 @@ def main():
     p.add_argument("--mode", default="fwd", choices=["fwd", "fwdbwd"])
     p.add_argument("--L", type=int, default=64)
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--host", action="store_true", help="also: host (Python) time per call and its top functions")
     a = p.parse_args()
     for op in a.ops:
         x = inputs(op)
@@ -85,6 +86,28 @@ def main():
         print(f"== {op} {a.mode} L={a.L}: call {ms:.3f} ms (do_bench median), kernels {total:.3f} ms per call")
         for name, t, n in rows:
             print(f"   {t:8.3f} ms  x{n:4.1f}  {name[:110]}")
+        if a.host:  # where the host spends a call (a host sync inside shows up as the wait in bool/item)
+            import cProfile
+            import io
+            import pstats
+            import time
+
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(20):
+                run()
+            t1 = time.perf_counter()
+            torch.cuda.synchronize()
+            print(f"   host {1e3 * (t1 - t0) / 20:.3f} ms per call (20 calls, no sync between)")
+            pr = cProfile.Profile()
+            pr.enable()
+            for _ in range(20):
+                run()
+            pr.disable()
+            torch.cuda.synchronize()
+            buf = io.StringIO()
+            pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(14)
+            print("\n".join(buf.getvalue().splitlines()[-20:]))
 
 
 if __name__ == "__main__":

@@ -163,6 +163,10 @@ def test_gla_bad_input(device):
         tfla.chunk_gla(q, k, v, None)
     with pytest.raises(ValueError, match="`g` is a log decay and must be <= 0"):
         tfla.chunk_gla(q, k, v, g.abs() + 0.1)
+    g1 = g.clone()
+    g1[0, 39, 1, 15] = 1e-3  # one positive element: the last token's last channel
+    with pytest.raises(ValueError, match="`g` is a log decay and must be <= 0"):
+        tfla.chunk_gla(q, k, v, g1, cu_seqlens=torch.tensor([0, 17, 40], device=device))
     with pytest.raises(TypeError, match="`g` dtype"):
         tfla.chunk_gla(q, k, v, g.double())
     with pytest.raises(TypeError, match="`k` dtype"):
@@ -173,3 +177,28 @@ def test_gla_bad_input(device):
         tfla.chunk_gla(q, k, v, g, chunk_size=100)
     with pytest.raises(ValueError, match="`initial_state` must have shape"):
         tfla.chunk_gla(q, k, v, g, initial_state=x["h0"][:, :1])
+
+
+@pytest.mark.parametrize("D", [1, 20, 128])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_channel_cumsum_matches_torch(device, D, reverse):
+    """The cumsum kernel's per-channel tiles (``[B, T, H, D]``, channels contiguous) against a per-chunk
+    torch cumsum, dense and varlen, with the positivity flag left at 0 for g <= 0."""
+    from tfla.ops.common.cumsum import chunk_local_cumsum
+    from tfla.ops.common.utils import prepare_chunk_indices
+
+    torch.manual_seed(0)
+    B, T, H, L = 2, 150, 3, 64
+    g = -torch.rand(B, T, H, D, device=device)
+    flag = torch.zeros(1, dtype=torch.int32, device=device)
+    out = chunk_local_cumsum(g, L, scale=2.0, reverse=reverse, positive_flag=flag)
+    ref = torch.cat([(c.flip(1).cumsum(1).flip(1) if reverse else c.cumsum(1)) for c in g.split(L, 1)], 1) * 2
+    assert_rel_close("cumsum", ref.double().cpu(), out.double().cpu(), 1e-6)
+    assert int(flag.item()) == 0
+    cu = [0, 70, 150]
+    gv = g[:1]
+    outv = chunk_local_cumsum(gv, L, reverse=reverse, cu_seqlens=torch.tensor(cu, device=device),
+                              chunk_indices=prepare_chunk_indices(cu, L, device))
+    refv = torch.cat([torch.cat([(c.flip(1).cumsum(1).flip(1) if reverse else c.cumsum(1))
+                                 for c in gv[:, a:b].split(L, 1)], 1) for a, b in zip(cu[:-1], cu[1:])], 1)
+    assert_rel_close("cumsum varlen", refv.double().cpu(), outv.double().cpu(), 1e-6)

@@ -244,6 +244,10 @@ def test_simple_gla_bad_input(device):
         tfla.chunk_simple_gla(q, k, v, g=torch.zeros(1, 40, 2, 16, device=device))
     with pytest.raises(ValueError, match="must be <= 0"):
         tfla.chunk_simple_gla(q, k, v, g=g.abs() + 0.1)
+    g1 = g.clone()
+    g1[0, 37, 1] = 1e-3  # one positive element, in the last (partial) chunk
+    with pytest.raises(ValueError, match="`g` is a log decay and must be <= 0"):
+        tfla.chunk_simple_gla(q, k, v, g=g1, chunk_size=64)
     with pytest.raises(ValueError, match="`g_gamma` is a log decay"):
         tfla.chunk_simple_gla(q, k, v, g_gamma=torch.full((2,), 0.5, device=device))
     with pytest.raises(ValueError, match="at most one"):

@@ -1,4 +1,4 @@
-"""Chunk-local cumulative sum of a per-token scalar gate (log-space decay).
+"""Chunk-local cumulative sum of a per-token log-space decay: scalar ``[B, T, H]`` or per channel ``[B, T, H, D]``.
 
 Notation: B batch, T time, H heads, BT chunk (the outer chunk L: the sum restarts every BT tokens).
 
@@ -19,15 +19,22 @@ from tfla.ops.common.utils import cdiv, prepare_chunk_indices
 def _chunk_local_cumsum_scalar_kernel(
     g,
     out,
+    flag,
     cu_seqlens,
     chunk_indices,
     scale,
     T,
     H: tl.constexpr,
+    D: tl.constexpr,
+    BD: tl.constexpr,
     BT: tl.constexpr,
     REVERSE: tl.constexpr,
     IS_VARLEN: tl.constexpr,
+    FLAG: tl.constexpr,
 ):
+    """One (chunk, batch x head, channel tile) per program. ``BD = 0``: a scalar gate ``[B, T, H]``;
+    else a per-channel gate ``[B, T, H, D]`` in ``[BT, BD]`` tiles (channels contiguous: coalesced).
+    ``FLAG``: also raise ``flag[0]`` to 1 when any loaded ``g`` is positive (a growth, not a decay)."""
     i_t, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
     if IS_VARLEN:
@@ -39,12 +46,21 @@ def _chunk_local_cumsum_scalar_kernel(
         bos = i_b * T
     o_t = i_t * BT + tl.arange(0, BT)
     m_t = o_t < T
-    p = (bos + o_t) * H + i_h
-    b_g = tl.load(g + p, mask=m_t, other=0.0).to(out.dtype.element_ty)  # [BT], summed in the output dtype
+    if BD == 0:
+        p = (bos + o_t) * H + i_h
+        m = m_t
+    else:
+        o_d = tl.program_id(2) * BD + tl.arange(0, BD)
+        p = ((bos + o_t) * H + i_h)[:, None] * D + o_d[None, :]
+        m = m_t[:, None] & (o_d < D)[None, :]
+    b_g = tl.load(g + p, mask=m, other=0.0).to(out.dtype.element_ty)  # summed in the output dtype
+    if FLAG:
+        if tl.max(tl.ravel(b_g), axis=0) > 0:
+            tl.atomic_max(flag, 1)
     # scanned from the end when reversed (not total - prefix, which cancels catastrophically when
     # the suffix sums are small against the total, as gate gradients under strong decay are)
     b_o = tl.cumsum(b_g, axis=0, reverse=REVERSE)
-    tl.store(out + p, (b_o * scale).to(out.dtype.element_ty), mask=m_t)
+    tl.store(out + p, (b_o * scale).to(out.dtype.element_ty), mask=m)
 
 
 def chunk_local_cumsum(
@@ -56,25 +72,32 @@ def chunk_local_cumsum(
     cu_seqlens: torch.Tensor | None = None,
     chunk_indices: torch.Tensor | None = None,
     out_dtype: torch.dtype = torch.float32,
+    positive_flag: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Chunk-local (reverse) cumsum of ``g: [B, T, H]`` over chunks of ``chunk_size`` tokens.
+    """Chunk-local (reverse) cumsum of ``g: [B, T, H]`` (scalar gate) or ``[B, T, H, D]`` (per-channel
+    gate, summed per channel) over chunks of ``chunk_size`` tokens.
 
     For varlen, pass ``cu_seqlens`` (device tensor) and ``bounds`` (the same offsets as a list) or a
-    precomputed ``chunk_indices``. Returns ``[B, T, H]`` in ``out_dtype`` (fp32 by default).
+    precomputed ``chunk_indices``. ``positive_flag``: an int32 device tensor ``[1]`` (zero) that the
+    kernel sets to 1 when any element of ``g`` is > 0 (the ops' ``g <= 0`` check without a second pass
+    over g). Returns g's shape in ``out_dtype`` (fp32 by default).
     """
-    B, T, H = g.shape
-    out = torch.empty(B, T, H, dtype=out_dtype, device=g.device)
+    B, T, H = g.shape[:3]
+    D = g.shape[3] if g.dim() == 4 else 1
+    g = g.contiguous()
+    out = torch.empty(g.shape, dtype=out_dtype, device=g.device)
     if cu_seqlens is not None:
         if chunk_indices is None:
             chunk_indices = prepare_chunk_indices(bounds, chunk_size, g.device)
         NT = chunk_indices.shape[0]
     else:
         NT = cdiv(T, chunk_size)
-    if NT == 0 or B * H == 0:
+    if NT == 0 or B * H * D == 0:
         return out
-    _chunk_local_cumsum_scalar_kernel[(NT, B * H)](
-        g, out, cu_seqlens, chunk_indices, scale, T,
-        H=H, BT=chunk_size, REVERSE=reverse, IS_VARLEN=cu_seqlens is not None,
-        num_warps=4,
+    BD = 0 if g.dim() == 3 else min(triton.next_power_of_2(D), max(16, 4096 // chunk_size))
+    _chunk_local_cumsum_scalar_kernel[(NT, B * H, cdiv(D, BD) if BD else 1)](
+        g, out, positive_flag, cu_seqlens, chunk_indices, scale, T,
+        H=H, D=D, BD=BD, BT=chunk_size, REVERSE=reverse, IS_VARLEN=cu_seqlens is not None,
+        FLAG=positive_flag is not None, num_warps=4,
     )
     return out

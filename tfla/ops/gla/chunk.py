@@ -41,15 +41,14 @@ class GLAOptions:
     output_final_state: bool
 
 
-def _channel_cumsum(x, chunk_size, varlen, reverse=False, scale=1.0):
-    """Chunk-local (reverse) cumsum of ``[B, T, H, K]`` per channel: the scalar cumsum kernel over
-    ``H * K`` heads of a contiguous view. fp32 (float64 for float64)."""
-    B, T, H, K = x.shape
+def _channel_cumsum(x, chunk_size, varlen, reverse=False, scale=1.0, positive_flag=None):
+    """Chunk-local (reverse) cumsum of ``[B, T, H, K]`` per channel (the cumsum kernel's channel tiles).
+    fp32 (float64 for float64)."""
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    out = chunk_local_cumsum(x.contiguous().view(B, T, H * K), chunk_size, scale=scale, reverse=reverse,
-                             cu_seqlens=varlen.cu_seqlens if varlen is not None else None, out_dtype=acc,
-                             chunk_indices=varlen.chunk_indices if varlen is not None else None)
-    return out.view(B, T, H, K)
+    return chunk_local_cumsum(x, chunk_size, scale=scale, reverse=reverse,
+                              cu_seqlens=varlen.cu_seqlens if varlen is not None else None, out_dtype=acc,
+                              chunk_indices=varlen.chunk_indices if varlen is not None else None,
+                              positive_flag=positive_flag)
 
 
 def _tiled_cfg(chunk_size, a, DC, rowdot=False):
@@ -88,11 +87,12 @@ def _state_cfg(k):
     return {"num_warps": 8}
 
 
-def chunk_gla_fwd(q, k, v, g, scale, initial_state, output_final_state, chunk_size, varlen=None):
-    """Plain forward: ``(o, final_state, gv_cum)``; g is the log decay ``[B, T, H, K]`` (natural log)."""
+def chunk_gla_fwd(q, k, v, g, scale, initial_state, output_final_state, chunk_size, varlen=None,
+                  positive_flag=None):
+    """Plain forward: ``(o, final_state, gv_cum)``; g is the log decay ``[B, T, H, K]`` (natural log).
+    ``positive_flag``: int32 ``[1]`` set to 1 by the cumsum kernel when any ``g > 0``."""
     cu = varlen.cu_seqlens if varlen is not None else None
-    gv_cum = _channel_cumsum(g.to(torch.float64 if q.dtype == torch.float64 else torch.float32), chunk_size, varlen,
-                             scale=RCP_LN2)
+    gv_cum = _channel_cumsum(g, chunk_size, varlen, scale=RCP_LN2, positive_flag=positive_flag)
     h, _, final_state = chunk_state_fwd(
         k, v, None, chunk_size, initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu,
         chunk_offsets=varlen.chunk_offsets if varlen is not None else None,
@@ -138,9 +138,9 @@ def chunk_gla_bwd(q, k, v, gv_cum, scale, initial_state, do, dht, chunk_size, va
 
 class ChunkGLAFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, g, initial_state, varlen, opts: GLAOptions):
+    def forward(ctx, q, k, v, g, initial_state, varlen, opts: GLAOptions, positive_flag=None):
         o, final_state, gv_cum = chunk_gla_fwd(q, k, v, g, opts.scale, initial_state, opts.output_final_state,
-                                               opts.chunk_size, varlen)
+                                               opts.chunk_size, varlen, positive_flag)
         ctx.save_for_backward(q, k, v, g, initial_state, gv_cum)
         ctx.varlen, ctx.opts = varlen, opts
         return o, final_state
@@ -156,7 +156,7 @@ class ChunkGLAFunction(torch.autograd.Function):
         dq, dk, dv, dg, dh0 = chunk_gla_bwd(q, k, v, gv_cum, ctx.opts.scale, initial_state, do.contiguous(), dht,
                                             ctx.opts.chunk_size, ctx.varlen)
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype),
-                dh0.to(initial_state.dtype) if dh0 is not None else None, None, None)
+                dh0.to(initial_state.dtype) if dh0 is not None else None, None, None, None)
 
 
 def _check(q, k, v, g, scale, initial_state, cu_seqlens, chunk_size):
@@ -226,6 +226,6 @@ def chunk_gla(
     q, k, v, g = (x.contiguous() for x in (q, k, v, g))
     opts = GLAOptions(float(scale), int(chunk_size), bool(output_final_state))
     out = ChunkGLAFunction.apply(q, k, v, g, initial_state.contiguous() if initial_state is not None else None,
-                                 varlen, opts)
+                                 varlen, opts, positive)
     _raise_if_positive(positive)
     return out
