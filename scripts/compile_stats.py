@@ -72,7 +72,7 @@ def ptxas_stats(ptx: str, arch=90):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--op", choices=["gla", "simple_gla"], default="gla")
+    p.add_argument("--op", choices=["gla", "simple_gla", "mlstm"], default="gla")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
     p.add_argument("--K", type=int, default=128)
     p.add_argument("--V", type=int, default=128)
@@ -89,12 +89,20 @@ def main(argv=None):
 
         _, _, gv = chunk_gla_fwd(q, k, v, -torch.rand(1, T, H, K), 0.1, h0, True, L)
         chunk_gla_bwd(q, k, v, gv, 0.1, h0, do, dht, L)
+    elif args.op == "mlstm":  # sigmoid input gate, normalized, exact gradient, initial and final states
+        from tfla.ops.mlstm.chunk import MLSTMOptions, chunk_mlstm_bwd, chunk_mlstm_fwd
+
+        opts = MLSTMOptions("sigmoid", True, 1e-6, K ** -0.5, L, True, aug=True, detach_normalizer=False)
+        i, f = torch.randn(1, T, H), torch.randn(1, T, H) + 3
+        n0 = torch.randn(1, H, K)
+        h, final, den = chunk_mlstm_fwd(q, k, v, i, f, h0, n0, None, opts)
+        chunk_mlstm_bwd(q, k, v, i, f, h0, n0, None, h, den, final, do, dht, torch.randn(1, H, K), None, opts)
     else:
         from tfla.ops.simple_gla.chunk import chunk_simple_gla_bwd, chunk_simple_gla_fwd
 
         _, _, gc = chunk_simple_gla_fwd(q, k, v, -torch.rand(1, T, H), 0.1, h0, True, L)
         chunk_simple_gla_bwd(q, k, v, gc, 0.1, h0, do, dht, L)
-    flags = ("VEC_G", "VEC_ROWDOT", "ROWDOT", "REVERSE", "HAS_STATE", "STORE_SUB")
+    flags = ("VEC_G", "VEC_ROWDOT", "ROWDOT", "REVERSE", "HAS_STATE", "STORE_SUB", "N_STATE", "NORM", "ROWADD")
     print(f"{args.op} {args.dtype} K={K} V={V} L={L}, sm_90, Triton {triton.__version__}")
     for fn, a, kw in launches:
         name = fn.fn.__name__

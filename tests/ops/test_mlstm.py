@@ -66,7 +66,7 @@ def _check(device, B, T, H, K, V, L, gate, normalize, dtype=torch.float32, h0=Tr
 
 
 @pytest.mark.parametrize("gate,normalize", CONFIGS)
-@pytest.mark.parametrize("L", [64, 128])
+@pytest.mark.parametrize("L", [64, 128, 256])
 def test_mlstm_fp32_matches_recurrence(device, poison_empty, gate, normalize, L):
     _check(device, 2, 150, 2, 16, 32, L, gate, normalize, seed=L)
 

@@ -50,14 +50,21 @@ from tfla.ops.common.utils import acc_dtype, cdiv, dot_precision, next_pow2, pre
 @triton.jit
 def _diag_tile(b_o, b_a, p_b, p_c, p_g, b_gq, t_k0, o_tq, m_tq, m_a, m_c, T, HB: tl.constexpr, HC: tl.constexpr,
                HV: tl.constexpr, DA: tl.constexpr, DC: tl.constexpr, BKV: tl.constexpr, USE_G: tl.constexpr,
-               REVERSE: tl.constexpr, SPLIT_DIAG: tl.constexpr, DOT_PREC: tl.constexpr):
+               REVERSE: tl.constexpr, SPLIT_DIAG: tl.constexpr, DOT_PREC: tl.constexpr, b_addq=None, p_add=None,
+               ROWADD: tl.constexpr = 0):
     """One tile on the diagonal: per-element gates and the causal mask. With SPLIT_DIAG the r = s
-    terms stay out of the accumulator and come back as ``(a_r . b_r, c tile)``."""
+    terms stay out of the accumulator and come back as ``(a_r . b_r, c tile)``. ``ROWADD`` adds a
+    constant to the scores before gating: per output row (1, ``b_addq``) or per looped row (2, read
+    at ``p_add``)."""
     dt = b_a.dtype
     o_tk = t_k0 + tl.arange(0, BKV)
     m_tk = o_tk < T
     b_b = tl.load(p_b + o_tk[:, None] * (HB * DA), mask=m_tk[:, None] & m_a[None, :], other=0.0)  # [BKV, BA]
     b_s = tl.dot(b_a, tl.trans(b_b), input_precision=DOT_PREC)  # [BQ, BKV]
+    if ROWADD == 1:
+        b_s += b_addq[:, None]
+    if ROWADD == 2:
+        b_s += tl.load(p_add + o_tk * HV, mask=m_tk, other=0.0)[None, :]
     if REVERSE:
         m_s = (o_tq[:, None] <= o_tk[None, :]) & m_tq[:, None] & m_tk[None, :]
     else:
@@ -241,6 +248,8 @@ def _chunk_tiled_kernel(
     gv=None,
     VEC_G: tl.constexpr = 0,
     VEC_ROWDOT: tl.constexpr = False,
+    add=None,
+    ROWADD: tl.constexpr = 0,
 ):
     i_c_, i_t, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
     i_b, i_hv = i_bh // HV, i_bh % HV
@@ -268,6 +277,16 @@ def _chunk_tiled_kernel(
     p_c = c + (bos * HC + i_hv // (HV // HC)) * DC + o_c[None, :]
 
     b_a = tl.load(p_a + o_tq[:, None] * (HA * DA), mask=m_tq[:, None] & m_a[None, :], other=0.0)  # [BQ, BA]
+    # ROWADD: the scores a_r . b_s get a constant per output row r (1) or per looped row s (2) before
+    # gating: the mLSTM normalizer's cotangent, the extra column of c = [v, 1] folded into dq / dk
+    if ROWADD > 0:
+        p_add = add + bos * HV + i_hv
+    else:
+        p_add = add
+    if ROWADD == 1:
+        b_addq = tl.load(p_add + o_tq * HV, mask=m_tq, other=0.0)
+    else:
+        b_addq = tl.zeros([BQ], dtype=ACC)
     if USE_G:
         # p_g: gate of the output rows, p_gc: gate of the looped rows (the same tensor unless SPLIT_G;
         # the host passes the key-side gate as the row gate in reverse mode)
@@ -310,6 +329,9 @@ def _chunk_tiled_kernel(
                 p_hs = h + ((boh + i_ch * (BT // HS)) * HV + i_hv) * DA * DC + o_as[:, None] * H_SA + o_c[None, :] * H_SC
                 b_st = tl.load(p_hs, mask=m_as[:, None] & m_c[None, :], other=0.0).to(dt)  # [BAS, BC]
                 b_o = tl.dot(b_ap, b_st, b_o, input_precision=DOT_PREC)
+        if ROWADD == 1:  # the added column's state term: add_r n_c (n: [.., DC] fp32, the output dim)
+            b_o += b_addq[:, None] * tl.load(hn + ((boh + i_ch * (BT // HS)) * HV + i_hv) * DC + o_c, mask=m_c,
+                                             other=0.0)[None, :]
         if NORM > 0:  # the normalizer's state term a_r . n_c (n: [.., DA] fp32, same stride as h / DC)
             b_nst = tl.load(hn + ((boh + i_ch * (BT // HS)) * HV + i_hv) * DA + o_a, mask=m_a, other=0.0)
             b_den = tl.sum(b_a.to(ACC) * b_nst[None, :], 1)
@@ -342,11 +364,11 @@ def _chunk_tiled_kernel(
                                     HB * DA, HC * DC, BQ, VEC_G, REVERSE, VEC_ROWDOT, DOT_PREC, ACC)
     elif ROWDOT:
         b_o, b_sd, b_cd, _ = _diag_tile(b_o, b_a, p_b, p_c, p_gc, b_gq, t_q0, o_tq, m_tq, m_a, m_c, T, HB, HC, HV, DA,
-                                        DC, BKV, USE_G, REVERSE, True, DOT_PREC)
+                                        DC, BKV, USE_G, REVERSE, True, DOT_PREC, b_addq, p_add, ROWADD)
     else:
         for t_k0 in range(t_q0, t_q0 + BQ, BKV):
             b_o, _, _, b_rs = _diag_tile(b_o, b_a, p_b, p_c, p_gc, b_gq, t_k0, o_tq, m_tq, m_a, m_c, T, HB, HC, HV, DA,
-                                         DC, BKV, USE_G, REVERSE, False, DOT_PREC)
+                                         DC, BKV, USE_G, REVERSE, False, DOT_PREC, b_addq, p_add, ROWADD)
             if NORM > 0:
                 b_den += b_rs
 
@@ -384,6 +406,10 @@ def _chunk_tiled_kernel(
         if VEC_G == 1:
             b_b = (b_b * _vec_side(p_gv, s_gv, b_gvm, o_tk, m_tk, o_gd, m_gd, REVERSE)).to(dt)
         b_s = tl.dot(b_a, tl.trans(b_b), input_precision=DOT_PREC)  # [BQ, BKV]
+        if ROWADD == 1:
+            b_s += b_addq[:, None]
+        if ROWADD == 2:
+            b_s += tl.load(p_add + o_tk * HV, mask=m_tk, other=0.0)[None, :]
         if USE_G:
             b_gk = tl.load(p_gc + o_tk * HV, mask=m_tk, other=0.0)
             if REVERSE:  # rows s of this tile precede m = t_q0 + BQ - 1 < r
@@ -472,6 +498,8 @@ def chunk_tiled(
     normalizer: dict | None = None,
     gv_cum: torch.Tensor | None = None,
     gv_on_out: bool = False,
+    row_add: torch.Tensor | None = None,
+    row_add_n: torch.Tensor | None = None,
 ):
     """The tiled chunk product (module docstring) for ``a, b: [B, T, *, DA]``, ``c: [B, T, *, DC]``
     (each with H or HV heads), ``g_cum [B, T, HV]``; output ``[B, T, HV, DC]``.
@@ -495,6 +523,11 @@ def chunk_tiled(
     (``g_cum`` None), on the contraction dim (D = DA; o, dv) or, with ``gv_on_out``, on the output
     columns (D = DC; dq, dk); ``rowdot_with`` then returns the per-channel ``x * out`` as
     ``[B, T, HV, DC]`` fp32 (without the r = s terms, as the scalar row dot).
+    ``row_add [B, T, HV]`` fp32: a constant added to the scores ``a_r . b_s`` before gating, per output row
+    (forward form) or per looped row (reverse form); with states (forward form) the state term gains
+    ``row_add_r n_c`` from ``row_add_n [B, NT, HV, DC]`` fp32. This is the product with one more column
+    ``[b, 1]`` / ``[a, row_add]`` and state ``[S, n]``: the mLSTM normalizer's cotangent folded into dq
+    (``fwd(a=dO, b=v, c=k)``, ``row_add`` = d den) and dk (``rev(a=v, b=dO, c=q)``).
     Returns ``out``, ``(out, rowdot)`` or ``(out, den)``.
     """
     B, T, HA, DA = a.shape
@@ -530,13 +563,19 @@ def chunk_tiled(
     norm = normalizer or {}
     if normalizer is not None and (h is None or reverse or rowdot_with is not None):
         raise ValueError("normalizer needs the forward form with states (h) and no rowdot")
+    rowadd = 0 if row_add is None else (2 if reverse else 1)
+    if rowadd and (vec or normalizer is not None or tuple(row_add.shape) != (B, T, HV)
+                   or (rowadd == 1 and h is not None and row_add_n is None)):
+        raise ValueError("row_add [B, T, HV] excludes the vector gate and the normalizer; with states it "
+                         "needs row_add_n")
     den = torch.empty(B, T, HV, dtype=acc, device=a.device) if normalizer is not None else None
     NQ = cdiv(T, cfg["BQ"]) if cu_seqlens is None else tile_indices.shape[0]
     if NQ > 0 and B * HV > 0:
         _chunk_tiled_kernel[(cdiv(DC, cfg["BV"]), NQ, B * HV)](
             a, b, c, h, gk_cum if (reverse and gk_cum is not None) else g_cum,
             g_cum if (reverse and gk_cum is not None) else gk_cum, gb,
-            out, rowdot_with, xdot, cu_seqlens, tile_indices, chunk_offsets, norm.get("hn"), norm.get("lo"), den,
+            out, rowdot_with, xdot, cu_seqlens, tile_indices, chunk_offsets,
+            row_add_n if rowadd == 1 else norm.get("hn"), norm.get("lo"), den,
             scale, float(norm.get("eps", 0.0)), T,
             HV=HV, HA=HA, HB=HB, HC=HC, HX=rowdot_with.shape[2] if rowdot_with is not None else HV,
             DA=DA, DC=DC, H_SA=1 if state_transposed else DC, H_SC=DA if state_transposed else 1,
@@ -545,7 +584,7 @@ def chunk_tiled(
             USE_G=g_cum is not None, SPLIT_G=gk_cum is not None, HAS_GB=gb is not None, REVERSE=reverse, HAS_STATE=h is not None, ROWDOT=rowdot_with is not None and not vec,
             IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(a.dtype), ACC=acc_dtype(a.dtype),
             NORM=0 if normalizer is None else (2 if norm.get("lo") is not None else 1), BAS=bas,
-            gv=gv_cum, VEC_G=vec, VEC_ROWDOT=bool(vec) and rowdot_with is not None,
+            gv=gv_cum, VEC_G=vec, VEC_ROWDOT=bool(vec) and rowdot_with is not None, add=row_add, ROWADD=rowadd,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
     if rowdot_with is not None:

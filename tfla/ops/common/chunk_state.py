@@ -350,6 +350,12 @@ def _chunk_state_bwd_kernel(
     ACC: tl.constexpr,
     gv=None,
     VEC_G: tl.constexpr = False,
+    dden=None,
+    dnt=None,
+    dhn=None,
+    dn0=None,
+    N_STATE: tl.constexpr = False,
+    USE_DNT: tl.constexpr = False,
 ):
     """Reverse state-gradient recurrence (DELTA: of the delta rule; otherwise of linear attention,
     where the W^T dU term is absent and dU is the whole gradient of V). ``b_dh`` is the gradient of the state
@@ -357,7 +363,12 @@ def _chunk_state_bwd_kernel(
     dS <- 2^(G_n - G_c) dS - W^T dU; at each outer-chunk start the output's use of the state adds
     scale (2^G Q)^T dO of the whole outer chunk. Stores dS at every sub-chunk (for the parallel
     gradient kernels) and dU. That product takes the gated q in fp32 (a TF32 product for 16-bit
-    inputs): rounding 2^G q to bf16 made d initial_state 3-4x less accurate than FLA's (H100, bf16)."""
+    inputs): rounding 2^G q to bf16 made d initial_state 3-4x less accurate than FLA's (H100, bf16).
+
+    N_STATE (linear attention): the gradient of the normalizer state n (the state of v = 1) rides along:
+    ``dn <- 2^(G_n - G_c) dn`` per sub-chunk and, at each outer-chunk start, ``+ scale (2^G Q)^T dden``
+    (``dden [B, T, HV]`` fp32: the cotangent of the output's extra column ``den``); stored per sub-chunk
+    to ``dhn`` and at the start to ``dn0`` (fp32, ``[.., K]``) by the first value tile."""
     BS: tl.constexpr = 64
     i_v, i_nh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     i_n, i_hv = i_nh // HV, i_nh % HV
@@ -381,6 +392,10 @@ def _chunk_state_bwd_kernel(
     b_dh = tl.zeros([BK, BV], dtype=ACC)
     if USE_FINAL_STATE_GRADIENT:
         b_dh += tl.load(dht + i_nh * K * V + o_kv, mask=m_kv, other=0.0).to(ACC)
+    b_dn = tl.zeros([BK], dtype=ACC)
+    m_n = m_k & ((o_k * 0 + i_v) == 0)
+    if USE_DNT:
+        b_dn += tl.load(dnt + i_nh * K + o_k, mask=m_k, other=0.0).to(ACC)
     if USE_G:
         p_g = g + bos * HV + i_hv
     NT = tl.cdiv(T, BT)
@@ -388,6 +403,7 @@ def _chunk_state_bwd_kernel(
         i_c = NT - 1 - i_cr
         if BT > BS:  # the output's use of this chunk's start state, added once the chunk is done
             b_dhi = tl.zeros([BK, BV], dtype=ACC)
+            b_dni = tl.zeros([BK], dtype=ACC)
         NS = tl.minimum(BT // BS, tl.cdiv(T - i_c * BT, BS))
         for i_jr in range(0, NS):
             t0 = i_c * BT + (NS - 1 - i_jr) * BS
@@ -396,6 +412,8 @@ def _chunk_state_bwd_kernel(
             m_tk = m_t[:, None] & m_k[None, :]
             m_tv = m_t[:, None] & m_v[None, :]
             tl.store(dh + ((boh + t0 // BS) * HV + i_hv) * K * V + o_kv, b_dh.to(dh.dtype.element_ty), mask=m_kv)
+            if N_STATE:
+                tl.store(dhn + ((boh + t0 // BS) * HV + i_hv) * K + o_k, b_dn, mask=m_n)
             b_k = tl.load(k + (bos * H + i_h) * K + o_t[:, None] * (H * K) + o_k[None, :], mask=m_tk, other=0.0)
             b_q = tl.load(q + (bos * H + i_h) * K + o_t[:, None] * (H * K) + o_k[None, :], mask=m_tk, other=0.0)
             p_tv = (bos * HV + i_hv) * V + o_t[:, None] * (HV * V) + o_v[None, :]
@@ -425,10 +443,16 @@ def _chunk_state_bwd_kernel(
                 b_du += b_kdh
                 b_qs = b_q.to(ACC) * scale
             tl.store(du + p_tv, b_du.to(du.dtype.element_ty), mask=m_tv)
+            if N_STATE:
+                b_qd = tl.sum(b_qs * tl.load(dden + (bos + o_t) * HV + i_hv, mask=m_t, other=0.0)[:, None], 0)
             if BT > BS:
                 b_dhi = tl.dot(tl.trans(b_qs), b_do.to(ACC), b_dhi, input_precision=DOT_PREC)
+                if N_STATE:
+                    b_dni += b_qd
             if USE_G:
                 b_dh *= tl.exp2(b_gn - b_gc)
+                if N_STATE:
+                    b_dn *= tl.exp2(b_gn - b_gc)
             if VEC_G:
                 b_dh *= b_rd[:, None]
             if DELTA:
@@ -436,10 +460,16 @@ def _chunk_state_bwd_kernel(
                 b_dh -= tl.dot(tl.trans(b_w), b_du.to(dt), input_precision=DOT_PREC)
             if BT == BS:  # one sub-chunk per chunk: no second accumulator (register pressure)
                 b_dh = tl.dot(tl.trans(b_qs), b_do.to(ACC), b_dh, input_precision=DOT_PREC)
+                if N_STATE:
+                    b_dn += b_qd
         if BT > BS:
             b_dh += b_dhi
+            if N_STATE:
+                b_dn += b_dni
     if STORE_INITIAL_STATE_GRADIENT:
         tl.store(dh0 + i_nh * K * V + o_kv, b_dh, mask=m_kv)
+        if N_STATE:
+            tl.store(dn0 + i_nh * K + o_k, b_dn, mask=m_n)
 
 
 def chunk_state_bwd(
@@ -460,7 +490,9 @@ def chunk_state_bwd(
     gk_cum: torch.Tensor | None = None,
     gb: torch.Tensor | None = None,
     gv_cum: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    dden: torch.Tensor | None = None,
+    dnt: torch.Tensor | None = None,
+):
     """State-gradient recurrence of the gated delta rule (reverse, 64-row sub-chunks, outer chunk L).
 
     Args:
@@ -469,10 +501,14 @@ def chunk_state_bwd(
         dht: cotangent of the final state ``[N, HV, K, V]`` or None.
         gk_cum, gb: split gates (as ``chunk_state_fwd``).
         gv_cum: vector gate ``[B, T, HV, K]`` (as ``chunk_state_fwd``; linear attention, g_cum None).
+        dden: ``[B, T, HV]`` fp32, the cotangent of the normalizer's dot (``chunk_state_fwd(n_state=True)``):
+            also run the normalizer state's gradient (linear attention only); dnt ``[N, HV, K]`` its final
+            cotangent or None.
     Returns:
         ``dh [B, NS, HV, K, V]`` (gradient of the state after each 64-row sub-chunk, k's dtype),
         ``du [B, T, HV, V]`` (total gradient of U = Vnew's gradient, k's dtype), ``dh0 [N, HV, K, V]``
-        fp32 or None.
+        fp32 or None; with ``dden`` two more: ``dhn [B, NS, HV, K]`` fp32 (the normalizer state's
+        gradient after each sub-chunk) and ``dn0 [N, HV, K]`` fp32 or None.
     """
     B, T, H, K = k.shape
     HV, V = do.shape[2], do.shape[3]
@@ -481,10 +517,18 @@ def chunk_state_bwd(
     dh = torch.empty(B, NS, HV, K, V, dtype=k.dtype, device=k.device)
     du = torch.empty(B, T, HV, V, dtype=k.dtype, device=k.device)
     dh0 = torch.empty(N, HV, K, V, dtype=_state_acc(k.dtype), device=k.device) if need_dh0 else None
+    n_state = dden is not None
+    if n_state and (w is not None or gv_cum is not None):
+        raise ValueError("the normalizer state's gradient (dden) serves linear attention with scalar gates")
+    dhn = torch.empty(B, NS, HV, K, dtype=_state_acc(k.dtype), device=k.device) if n_state else None
+    dn0 = torch.empty(N, HV, K, dtype=_state_acc(k.dtype), device=k.device) if n_state and need_dh0 else None
+    rets = (dh, du, dh0) + ((dhn, dn0) if n_state else ())
     if N * HV == 0:
         if dh0 is not None:
             dh0.copy_(dht if dht is not None else torch.zeros_like(dh0))
-        return dh, du, dh0
+        if dn0 is not None:
+            dn0.copy_(dnt if dnt is not None else torch.zeros_like(dn0))
+        return rets
     # measured on an H200 (docs/perf.md): 64-column value tiles spill registers here
     cfg = {"BV": 32, "num_warps": 4, "num_stages": 2 if K <= 128 and gv_cum is None else 1, **(config or {})}
     BK = max(16, next_pow2(K))
@@ -496,6 +540,7 @@ def chunk_state_bwd(
         USE_FINAL_STATE_GRADIENT=dht is not None, STORE_INITIAL_STATE_GRADIENT=need_dh0,
         IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(k.dtype), ACC=acc_dtype(k.dtype),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        gv=gv_cum, VEC_G=gv_cum is not None,
+        gv=gv_cum, VEC_G=gv_cum is not None, dden=dden, dnt=dnt, dhn=dhn, dn0=dn0, N_STATE=n_state,
+        USE_DNT=n_state and dnt is not None,
     )
-    return dh, du, dh0
+    return rets

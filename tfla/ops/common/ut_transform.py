@@ -463,6 +463,9 @@ def _gdn_wy_bwd_kernel(
     gv=None,
     dgv=None,
     VEC_G: tl.constexpr = False,
+    hn=None,
+    dhn=None,
+    N_STATE: tl.constexpr = False,
 ):
     """Delta-rule gradients of one 64-row sub-chunk (W = Tm X_k, U = Tm X_v, Tm = (I + A)^-1,
     Vnew = U - W S, S' = 2^(g_n) S + K^T 2^(g_n - g) Vnew):
@@ -476,7 +479,10 @@ def _gdn_wy_bwd_kernel(
     attention only): key weights 2^(GQ_n - GK_r), the previous row's gate at an outer-chunk start is gb;
     the gate gradient is then that of a shift common to GQ and GK (the mLSTM's forget gate).
     Vector gate (VEC_G, linear attention, USE_G off): ``GV [B, T, HV, K]``, key weights
-    ``2^(GV_n - GV_s)`` per channel; the per-channel gate gradient goes to ``dgv`` (``_vec_state_dg``)."""
+    ``2^(GV_n - GV_s)`` per channel; the per-channel gate gradient goes to ``dgv`` (``_vec_state_dg``).
+    N_STATE (linear attention, scalar gates): the normalizer state n (the state of v = 1, ``hn``) and its
+    gradient ``dhn`` (``[.., K]`` fp32 per sub-chunk) add the ones column's terms: ``dk_state += 2^(g_n - g) dn``
+    and ``<S, dS> += n . dn``."""
     BS: tl.constexpr = 64
     i_s, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     i_b, i_hv = i_bh // HV, i_bh % HV
@@ -572,6 +578,10 @@ def _gdn_wy_bwd_kernel(
         b_k = tl.load(p_k + o_k[None, :], mask=m_tk, other=0.0)
         b_dw, b_dks, b_sds_k = _state_terms(du, v_new, h, dh, b_en, p_tv0, p_h, p_dh, o_t, m_t, o_k, m_k, V, HV, BK,
                                             BV, DELTA, True, DOT_PREC, ACC)
+        if N_STATE:  # the ones column of [V, 1] against [dS, dn]
+            b_dnk = tl.load(dhn + (i_sub * HV + i_hv) * K + o_k, mask=m_k, other=0.0)
+            b_dks += b_en[:, None] * b_dnk[None, :]
+            b_sds_k += tl.load(hn + (i_sub * HV + i_hv) * K + o_k, mask=m_k, other=0.0) * b_dnk
         b_sds += tl.sum(b_sds_k, 0)
         if VEC_G:  # vector gate: dk_state gated per channel, and this key tile's dg stored here
             b_dks = _vec_state_dg(b_dks, b_k, b_sds_k, gv, dgv, bos, i_hv, t0, T, o_t, m_t, o_k, m_k, HV, K, BT,
@@ -622,6 +632,8 @@ def wy_bwd(
     gk_cum: torch.Tensor | None = None,
     gb: torch.Tensor | None = None,
     gv_cum: torch.Tensor | None = None,
+    hn_sub: torch.Tensor | None = None,
+    dhn_sub: torch.Tensor | None = None,
 ):
     """Per-64-row-sub-chunk gradients of the state recurrence: the state terms and (delta rule,
     ``ai`` given) the UT/WY backward, one kernel.
@@ -636,8 +648,14 @@ def wy_bwd(
     fp32 (this part's gradient of g itself, the sub-chunk reverse cumsum included; None without gates).
     ``gv_cum [B, T, HV, K]``: vector gate (linear attention, ``g_cum`` None); ``dg_sub`` is then
     ``[B, T, HV, K]`` fp32.
+    ``hn_sub`` / ``dhn_sub`` ``[B, NS, HV, K]`` fp32: the normalizer state at / its gradient after every
+    sub-chunk (``chunk_state_fwd(n_state=True)``, ``chunk_state_bwd(dden=..)``; linear attention with
+    scalar gates), whose terms join dk and dg_sub.
     """
     delta = ai is not None
+    n_state = dhn_sub is not None
+    if n_state and (delta or gv_cum is not None or hn_sub is None):
+        raise ValueError("hn_sub / dhn_sub (both) serve linear attention with scalar gates")
     B, T, H, K = k.shape
     HV, V = v_new.shape[2], v_new.shape[3]
     acc = torch.float64 if k.dtype == torch.float64 else torch.float32
@@ -663,5 +681,6 @@ def wy_bwd(
         IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(k.dtype), ACC=acc_dtype(k.dtype),
         num_warps=cfg["num_warps"],
         gv=gv_cum, dgv=dgam if gv_cum is not None else None, VEC_G=gv_cum is not None,
+        hn=hn_sub, dhn=dhn_sub, N_STATE=n_state,
     )
     return dk, dv, dbeta, dgam

@@ -62,7 +62,7 @@ class MLSTMOptions:
     scale: float
     chunk_size: int
     output_final_state: bool
-    aug: bool  # the normalizer state n is computed (second engine pass): normalize, or n in/out
+    aug: bool  # the normalizer state n is computed (beside C, same kernels): normalize, or n in/out
     detach_normalizer: bool = False
 
 
@@ -203,22 +203,6 @@ def _argmax_grad(dM: torch.Tensor, idx: torch.Tensor, seg: _Segments) -> tuple[t
 # ----------------------------------------------------------------------------------------------
 # forward / backward
 # ----------------------------------------------------------------------------------------------
-NSTATE_COLS = 16  # the normalizer's pass: v = e_0 (a ones column padded to 16 for aligned tiles)
-
-
-def _n_inputs(q, n0, acc):
-    """The normalizer state n is the state of the same gated product with v = 1: a second engine pass
-    with a [.., 16] value tensor whose column 0 is ones (keeps v's tiles and row alignment untouched)."""
-    B, T, H, _K = q.shape
-    ones = q.new_zeros(B, T, H, NSTATE_COLS)
-    ones[..., 0] = 1
-    h0 = None
-    if n0 is not None:
-        h0 = n0.new_zeros(*n0.shape, NSTATE_COLS, dtype=acc)
-        h0[..., 0] = n0
-    return ones, h0
-
-
 def _c0(C0, acc):
     return C0.to(acc) if C0 is not None else None
 
@@ -310,26 +294,23 @@ def chunk_mlstm_bwd(q, k, v, i, f, C0, n0, m0, h, den, final, dh, dC, dn, dm, op
     else:
         do = dh.to(q.dtype)
     C0a = _c0(C0, acc)
-    dq, dk, dv, dlogf, dh0 = chunk_simple_gla_bwd(q, k, v, gt.gq, opts.scale, C0a, do.contiguous(),
-                                                  dC.to(acc).contiguous() if dC is not None else None,
-                                                  opts.chunk_size, varlen, **gates)
     dn0 = None
+    dC = dC.to(acc).contiguous() if dC is not None else None
     if opts.aug and (dden is not None or dn is not None or n0 is not None):
-        ones, hn0 = _n_inputs(q, n0, acc)
-        don = q.new_zeros(B, T, H, NSTATE_COLS)
-        if dden is not None:
-            don[..., 0] = dden.to(q.dtype)  # (rounded to q's dtype: the engine's cotangent dtype)
-        dnt = None
-        if dn is not None:
-            dnt = torch.zeros(N, H, K, NSTATE_COLS, dtype=acc, device=q.device)
-            dnt[..., 0] = dn
-        dq2, dk2, _, dlogf2, dhn0 = chunk_simple_gla_bwd(q, k, ones, gt.gq, opts.scale, hn0, don, dnt,
-                                                         opts.chunk_size, varlen, **gates)
-        dq += dq2
-        dk += dk2
-        dlogf = dlogf + dlogf2
-        if dhn0 is not None:
-            dn0 = dhn0[..., 0]
+        # the normalizer is the same product with one more value column of ones: its cotangent dden and
+        # the n / dn states ride along in the numerator's kernels (one backward pass)
+        if dden is None:
+            dden = torch.zeros(B, T, H, dtype=acc, device=q.device)
+        C0n = C0a if C0a is not None or n0 is None else torch.zeros(N, H, K, _V, dtype=acc, device=q.device)
+        dq, dk, dv, dlogf, dh0, dn0 = chunk_simple_gla_bwd(
+            q, k, v, gt.gq, opts.scale, C0n, do.contiguous(), dC, opts.chunk_size, varlen, **gates,
+            dden=dden.contiguous(), initial_n=n0.to(acc).contiguous() if n0 is not None else None,
+            dnt=dn.to(acc).contiguous() if dn is not None else None)
+        if C0a is None:
+            dh0 = None
+    else:
+        dq, dk, dv, dlogf, dh0 = chunk_simple_gla_bwd(q, k, v, gt.gq, opts.scale, C0a, do.contiguous(), dC,
+                                                      opts.chunk_size, varlen, **gates)
     dC0 = dh0
     dig = (k.to(acc) * dk).sum(-1).double()  # e^{ig_s} scales every use of k_s
     dlogf = dlogf.double()

@@ -67,38 +67,50 @@ def chunk_simple_gla_fwd(q, k, v, g, scale, initial_state, output_final_state, c
 
 
 def chunk_simple_gla_bwd(q, k, v, g_cum, scale, initial_state, do, dht, chunk_size, varlen=None, gk_cum=None,
-                         gb=None):
+                         gb=None, dden=None, initial_n=None, dnt=None):
     """Plain backward: ``(dq, dk, dv, dg, dh0)`` (dg None without decay; dq, dk, dg fp32). With split
-    gates (``gk_cum``, ``gb``) dg is the gradient of a per-token log decay shared by GQ and GK."""
+    gates (``gk_cum``, ``gb``) dg is the gradient of a per-token log decay shared by GQ and GK.
+
+    ``dden [B, T, H]`` fp32 (with ``initial_n [N, H, K]`` or None and ``dnt [N, H, K]`` or None): the
+    cotangent of the forward's normalizer dot ``den`` (``chunk_simple_gla_fwd(n_state=True)``), i.e. of
+    one more value column of ones, folded into the same kernels (the scores of dq and dk gain ``dden`` per
+    row, the states carry n and dn beside S and dS); returns ``(dq, dk, dv, dg, dh0, dn0)`` then."""
     L = chunk_size
     cu = varlen.cu_seqlens if varlen is not None else None
     sub = varlen.sub_indices if varlen is not None else None
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    h_sub, _, _ = chunk_state_fwd(
+    n_state = dden is not None
+    h_sub, _, _, *ns = chunk_state_fwd(
         k, v, g_cum, L, initial_state=initial_state, cu_seqlens=cu,
         chunk_offsets=varlen.sub_offsets if varlen is not None else None,
         num_chunks=varlen.sub_indices.shape[0] if varlen is not None else None, store_every_sub_chunk=True,
-        gk_cum=gk_cum, gb=gb)
+        gk_cum=gk_cum, gb=gb, n_state=n_state, initial_n=initial_n)
+    hn_sub = ns[0] if n_state else None
     tiled = dict(cu_seqlens=cu, gk_cum=gk_cum, gb=gb)
     if varlen is not None:
         tiled.update(tile_indices=varlen.tiles(output_config(L, q.shape[-1], v.shape[-1])["BQ"]),
                      chunk_offsets=varlen.sub_offsets)
     dvo = chunk_tiled(k, q, do, g_cum, scale, L, reverse=True, **tiled)
     dq, dgq = chunk_tiled(do, v, k, g_cum, scale, L, h=h_sub, state_every=SUB_CHUNK, state_transposed=True,
-                          rowdot_with=q, out_dtype=acc, **tiled)
-    dko, dgk = chunk_tiled(v, do, q, g_cum, scale, L, reverse=True, rowdot_with=k, out_dtype=acc, **tiled)
+                          rowdot_with=q, out_dtype=acc, row_add=dden, row_add_n=hn_sub, **tiled)
+    dko, dgk = chunk_tiled(v, do, q, g_cum, scale, L, reverse=True, rowdot_with=k, out_dtype=acc, row_add=dden,
+                           **tiled)
     # without the delta rule the state-gradient recurrence's dU is the whole gradient of v
-    dh_sub, dv, dh0 = chunk_state_bwd(
+    dh_sub, dv, dh0, *dns = chunk_state_bwd(
         q, k, None, do, dvo, g_cum, scale, L, dht=dht, need_dh0=initial_state is not None, cu_seqlens=cu,
         sub_offsets=varlen.sub_offsets if varlen is not None else None,
-        num_sub_chunks=varlen.sub_indices.shape[0] if varlen is not None else None, gk_cum=gk_cum, gb=gb)
+        num_sub_chunks=varlen.sub_indices.shape[0] if varlen is not None else None, gk_cum=gk_cum, gb=gb,
+        dden=dden, dnt=dnt)
+    dhn_sub, dn0 = dns if n_state else (None, None)
     dks, _, _, dg_sub = wy_bwd(k, None, None, g_cum, None, v, None, h_sub, dh_sub, L, cu_seqlens=cu, sub_indices=sub,
-                               gk_cum=gk_cum, gb=gb)
+                               gk_cum=gk_cum, gb=gb, hn_sub=hn_sub, dhn_sub=dhn_sub)
     dk = dko + dks
     dg = None
     if g_cum is not None:
         dg = chunk_local_cumsum(dgq - dgk, L, reverse=True, cu_seqlens=cu, out_dtype=acc,
                                 chunk_indices=varlen.chunk_indices if varlen is not None else None) + dg_sub
+    if n_state:
+        return dq, dk, dv, dg, dh0, dn0
     return dq, dk, dv, dg, dh0
 
 
