@@ -466,6 +466,10 @@ def _gdn_wy_bwd_kernel(
     hn=None,
     dhn=None,
     N_STATE: tl.constexpr = False,
+    dka=None,
+    kdk=None,
+    ADD_DK: tl.constexpr = False,
+    KDOT: tl.constexpr = False,
 ):
     """Delta-rule gradients of one 64-row sub-chunk (W = Tm X_k, U = Tm X_v, Tm = (I + A)^-1,
     Vnew = U - W S, S' = 2^(g_n) S + K^T 2^(g_n - g) Vnew):
@@ -482,7 +486,8 @@ def _gdn_wy_bwd_kernel(
     ``2^(GV_n - GV_s)`` per channel; the per-channel gate gradient goes to ``dgv`` (``_vec_state_dg``).
     N_STATE (linear attention, scalar gates): the normalizer state n (the state of v = 1, ``hn``) and its
     gradient ``dhn`` (``[.., K]`` fp32 per sub-chunk) add the ones column's terms: ``dk_state += 2^(g_n - g) dn``
-    and ``<S, dS> += n . dn``."""
+    and ``<S, dS> += n . dn``. ADD_DK (linear attention): ``dk = dk_state + dka`` (the tiled product's
+    part) in one pass, stored in dk's dtype; KDOT: also ``kdk = k . dk`` per row (fp32, before rounding)."""
     BS: tl.constexpr = 64
     i_s, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     i_b, i_hv = i_bh // HV, i_bh % HV
@@ -571,6 +576,7 @@ def _gdn_wy_bwd_kernel(
     b_dxx = tl.zeros([BS], dtype=ACC)  # dX_k . X_k per row
     b_p = tl.zeros([BS], dtype=ACC)  # P_s = k_s . dk_state_s
     b_sds = tl.sum(tl.zeros([BS], dtype=ACC), 0)  # <S, dS>
+    b_kdk = tl.zeros([BS], dtype=ACC)  # k . dk per row (KDOT)
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = o_k < K
@@ -597,10 +603,16 @@ def _gdn_wy_bwd_kernel(
             b_dxx += b_dxk_k * b_sk
         else:
             b_dk = b_dks
+            if ADD_DK:
+                b_dk += tl.load(dka + p_tk + o_k[None, :], mask=m_tk, other=0.0).to(ACC)
         tl.store(dk + p_tk + o_k[None, :], b_dk.to(dk.dtype.element_ty), mask=m_tk)
         b_p += tl.sum(b_kf * b_dks, 1)
+        if KDOT:
+            b_kdk += tl.sum(b_kf * b_dk, 1)
     if DELTA:
         tl.store(dbeta + (bos + o_t) * HV + i_hv, b_db.to(dbeta.dtype.element_ty), mask=m_t)
+    if KDOT:
+        tl.store(kdk + (bos + o_t) * HV + i_hv, b_kdk, mask=m_t)
     if USE_G:
         # gradient of g itself (the sub-chunk's reverse cumsum done here): for rows t <= n,
         #   dg_t = sum_{r >= t} (rowsum - colsum of dA * A + dX_k . X_k)_r + sum_{s < t} P_s + 2^(g_n) <S, dS>
@@ -634,6 +646,9 @@ def wy_bwd(
     gv_cum: torch.Tensor | None = None,
     hn_sub: torch.Tensor | None = None,
     dhn_sub: torch.Tensor | None = None,
+    dk_add: torch.Tensor | None = None,
+    dk_dtype: torch.dtype | None = None,
+    kdot: bool = False,
 ):
     """Per-64-row-sub-chunk gradients of the state recurrence: the state terms and (delta rule,
     ``ai`` given) the UT/WY backward, one kernel.
@@ -651,6 +666,9 @@ def wy_bwd(
     ``hn_sub`` / ``dhn_sub`` ``[B, NS, HV, K]`` fp32: the normalizer state at / its gradient after every
     sub-chunk (``chunk_state_fwd(n_state=True)``, ``chunk_state_bwd(dden=..)``; linear attention with
     scalar gates), whose terms join dk and dg_sub.
+    Linear attention only: ``dk_add [B, T, HV, K]`` is added to dk in the kernel (the tiled product's part),
+    dk is stored as ``dk_dtype`` (default fp32), and ``kdot`` appends ``k . dk`` per row ``[B, T, HV]`` fp32
+    (the mLSTM's input-gate gradient) to the returned tuple.
     """
     delta = ai is not None
     n_state = dhn_sub is not None
@@ -659,7 +677,10 @@ def wy_bwd(
     B, T, H, K = k.shape
     HV, V = v_new.shape[2], v_new.shape[3]
     acc = torch.float64 if k.dtype == torch.float64 else torch.float32
-    dk = torch.empty(B, T, HV, K, dtype=acc, device=k.device)
+    if (dk_add is not None or kdot) and (delta or gv_cum is not None):
+        raise ValueError("dk_add / kdot serve linear attention with scalar gates")
+    dk = torch.empty(B, T, HV, K, dtype=dk_dtype or acc, device=k.device)
+    kdk = torch.empty(B, T, HV, dtype=acc, device=k.device) if kdot else None
     dv = torch.empty_like(v) if delta else None
     dbeta = torch.empty(B, T, HV, dtype=acc, device=k.device) if delta else None
     dgam = torch.empty(B, T, HV, dtype=acc, device=k.device) if g_cum is not None else None
@@ -668,8 +689,9 @@ def wy_bwd(
             raise ValueError("a vector gate gv_cum [B, T, HV, K] serves linear attention without g_cum")
         dgam = torch.empty(B, T, HV, K, dtype=acc, device=k.device)
     NS = sub_indices.shape[0] if cu_seqlens is not None else cdiv(T, SUB_CHUNK)
+    rets = (dk, dv, dbeta, dgam) + ((kdk,) if kdot else ())
     if NS == 0 or B * HV == 0:
-        return dk, dv, dbeta, dgam
+        return rets
     # measured on an H200 (docs/perf.md): 0.92 ms at B=4, T=8192, H=16, K=V=128; 8 warps crashed
     # Triton 3.6's output there (illegal address) and are not used
     cfg = {"num_warps": 4, "BK": 64, "BV": 64, **(config or {})}
@@ -681,6 +703,6 @@ def wy_bwd(
         IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(k.dtype), ACC=acc_dtype(k.dtype),
         num_warps=cfg["num_warps"],
         gv=gv_cum, dgv=dgam if gv_cum is not None else None, VEC_G=gv_cum is not None,
-        hn=hn_sub, dhn=dhn_sub, N_STATE=n_state,
+        hn=hn_sub, dhn=dhn_sub, N_STATE=n_state, dka=dk_add, kdk=kdk, ADD_DK=dk_add is not None, KDOT=kdot,
     )
-    return dk, dv, dbeta, dgam
+    return rets

@@ -302,17 +302,17 @@ def chunk_mlstm_bwd(q, k, v, i, f, C0, n0, m0, h, den, final, dh, dC, dn, dm, op
         if dden is None:
             dden = torch.zeros(B, T, H, dtype=acc, device=q.device)
         C0n = C0a if C0a is not None or n0 is None else torch.zeros(N, H, K, _V, dtype=acc, device=q.device)
-        dq, dk, dv, dlogf, dh0, dn0 = chunk_simple_gla_bwd(
+        dq, dk, dv, dlogf, dh0, dn0, kdk = chunk_simple_gla_bwd(
             q, k, v, gt.gq, opts.scale, C0n, do.contiguous(), dC, opts.chunk_size, varlen, **gates,
             dden=dden.contiguous(), initial_n=n0.to(acc).contiguous() if n0 is not None else None,
-            dnt=dn.to(acc).contiguous() if dn is not None else None)
+            dnt=dn.to(acc).contiguous() if dn is not None else None, kdot=True)
         if C0a is None:
             dh0 = None
     else:
-        dq, dk, dv, dlogf, dh0 = chunk_simple_gla_bwd(q, k, v, gt.gq, opts.scale, C0a, do.contiguous(), dC,
-                                                      opts.chunk_size, varlen, **gates)
+        dq, dk, dv, dlogf, dh0, kdk = chunk_simple_gla_bwd(q, k, v, gt.gq, opts.scale, C0a, do.contiguous(), dC,
+                                                           opts.chunk_size, varlen, **gates, kdot=True)
     dC0 = dh0
-    dig = (k.to(acc) * dk).sum(-1).double()  # e^{ig_s} scales every use of k_s
+    dig = kdk.double()  # k . dk per row (fp32, in wy_bwd): e^{ig_s} scales every use of k_s
     dlogf = dlogf.double()
     dm0 = None
     if opts.input_gate == "exp":

@@ -67,8 +67,10 @@ def chunk_simple_gla_fwd(q, k, v, g, scale, initial_state, output_final_state, c
 
 
 def chunk_simple_gla_bwd(q, k, v, g_cum, scale, initial_state, do, dht, chunk_size, varlen=None, gk_cum=None,
-                         gb=None, dden=None, initial_n=None, dnt=None):
-    """Plain backward: ``(dq, dk, dv, dg, dh0)`` (dg None without decay; dq, dk, dg fp32). With split
+                         gb=None, dden=None, initial_n=None, dnt=None, kdot=False):
+    """Plain backward: ``(dq, dk, dv, dg, dh0)`` (dg None without decay; dq, dk in q's dtype, each rounded once
+    from its fp32 sum in the kernel that forms it; dg fp32). ``kdot``: append ``k . dk`` per row ``[B, T, H]``
+    fp32 (before rounding). With split
     gates (``gk_cum``, ``gb``) dg is the gradient of a per-token log decay shared by GQ and GK.
 
     ``dden [B, T, H]`` fp32 (with ``initial_n [N, H, K]`` or None and ``dnt [N, H, K]`` or None): the
@@ -92,7 +94,7 @@ def chunk_simple_gla_bwd(q, k, v, g_cum, scale, initial_state, do, dht, chunk_si
                      chunk_offsets=varlen.sub_offsets)
     dvo = chunk_tiled(k, q, do, g_cum, scale, L, reverse=True, **tiled)
     dq, dgq = chunk_tiled(do, v, k, g_cum, scale, L, h=h_sub, state_every=SUB_CHUNK, state_transposed=True,
-                          rowdot_with=q, out_dtype=acc, row_add=dden, row_add_n=hn_sub, **tiled)
+                          rowdot_with=q, out_dtype=q.dtype, row_add=dden, row_add_n=hn_sub, **tiled)
     dko, dgk = chunk_tiled(v, do, q, g_cum, scale, L, reverse=True, rowdot_with=k, out_dtype=acc, row_add=dden,
                            **tiled)
     # without the delta rule the state-gradient recurrence's dU is the whole gradient of v
@@ -102,16 +104,15 @@ def chunk_simple_gla_bwd(q, k, v, g_cum, scale, initial_state, do, dht, chunk_si
         num_sub_chunks=varlen.sub_indices.shape[0] if varlen is not None else None, gk_cum=gk_cum, gb=gb,
         dden=dden, dnt=dnt)
     dhn_sub, dn0 = dns if n_state else (None, None)
-    dks, _, _, dg_sub = wy_bwd(k, None, None, g_cum, None, v, None, h_sub, dh_sub, L, cu_seqlens=cu, sub_indices=sub,
-                               gk_cum=gk_cum, gb=gb, hn_sub=hn_sub, dhn_sub=dhn_sub)
-    dk = dko + dks
+    # dk = dko + the state part, added and rounded to k's dtype in wy_bwd
+    dk, _, _, dg_sub, *kdk = wy_bwd(k, None, None, g_cum, None, v, None, h_sub, dh_sub, L, cu_seqlens=cu,
+                                    sub_indices=sub, gk_cum=gk_cum, gb=gb, hn_sub=hn_sub, dhn_sub=dhn_sub, dk_add=dko,
+                                    dk_dtype=k.dtype, kdot=kdot)
     dg = None
     if g_cum is not None:
         dg = chunk_local_cumsum(dgq - dgk, L, reverse=True, cu_seqlens=cu, out_dtype=acc,
                                 chunk_indices=varlen.chunk_indices if varlen is not None else None) + dg_sub
-    if n_state:
-        return dq, dk, dv, dg, dh0, dn0
-    return dq, dk, dv, dg, dh0
+    return (dq, dk, dv, dg, dh0) + ((dn0,) if n_state else ()) + (tuple(kdk) if kdot else ())
 
 
 class ChunkSimpleGLAFunction(torch.autograd.Function):
