@@ -281,12 +281,10 @@ def _normalizer_bwd_prep(dh, h, den, lo, eps, exact, out_dtype):
 def chunk_mlstm_bwd(q, k, v, i, f, C0, n0, m0, h, den, final, dh, dC, dn, dm, opts: MLSTMOptions, varlen=None):
     """Plain backward: ``(dq, dk, dv, di, df, dC0, dn0, dm0)``."""
     B, T, H, _V = v.shape
-    K = k.shape[-1]
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     seg = _Segments.build(T, varlen.cu_seqlens if varlen is not None else None, q.device)
     gt = _gates(i, f, m0, opts, seg, acc)
     gates = {"gk_cum": gt.gk, "gb": gt.gb}
-    N = seg_count(seg, B)
     dden = sd = None
     if opts.normalize:
         do, sd, dden = _normalizer_bwd_prep(dh, h, den, gt.lo if isinstance(gt.lo, torch.Tensor) else None,
@@ -299,15 +297,13 @@ def chunk_mlstm_bwd(q, k, v, i, f, C0, n0, m0, h, den, final, dh, dC, dn, dm, op
     if opts.aug and (dden is not None or dn is not None or n0 is not None):
         # the normalizer is the same product with one more value column of ones: its cotangent dden and
         # the n / dn states ride along in the numerator's kernels (one backward pass)
+        # (the initial state comes whole: n0 is given exactly when C0 is)
         if dden is None:
             dden = torch.zeros(B, T, H, dtype=acc, device=q.device)
-        C0n = C0a if C0a is not None or n0 is None else torch.zeros(N, H, K, _V, dtype=acc, device=q.device)
         dq, dk, dv, dlogf, dh0, dn0, kdk = chunk_simple_gla_bwd(
-            q, k, v, gt.gq, opts.scale, C0n, do.contiguous(), dC, opts.chunk_size, varlen, **gates,
+            q, k, v, gt.gq, opts.scale, C0a, do.contiguous(), dC, opts.chunk_size, varlen, **gates,
             dden=dden.contiguous(), initial_n=n0.to(acc).contiguous() if n0 is not None else None,
             dnt=dn.to(acc).contiguous() if dn is not None else None, kdot=True)
-        if C0a is None:
-            dh0 = None
     else:
         dq, dk, dv, dlogf, dh0, kdk = chunk_simple_gla_bwd(q, k, v, gt.gq, opts.scale, C0a, do.contiguous(), dC,
                                                            opts.chunk_size, varlen, **gates, kdot=True)

@@ -157,15 +157,16 @@ def _check(q, k, v, g, g_gamma, scale, initial_state, cu_seqlens, chunk_size):
     check_common(q, named, scale, initial_state, cu_seqlens, chunk_size, (H, K, V), "H, K, V")
 
 
-def _positive_flag(g: torch.Tensor | None) -> torch.Tensor | None:
-    """An int32 ``[1]`` zero on g's device that the gate's cumsum kernel raises to 1 when any ``g > 0``
+def _positive_flag(like: torch.Tensor | None) -> torch.Tensor | None:
+    """None when ``like`` is None (nothing to check), else an int32 ``[1]`` zero on ``like``'s device (pass
+    the tensor the kernels run on: q; a ``g_gamma`` may live on the host) that the gate's cumsum kernel raises to 1 when any ``g > 0``
     (no extra pass over g), read after the kernels are queued (``_raise_if_positive``): one host sync
     at the end of the call instead of one before the kernels (measured on an H100: 2.18 ms with the sync
     first vs 0.56 ms without it, B=4 T=8192 H=16 K=V=128). None (no check) during CUDA-graph capture,
     where no host read is possible."""
-    if g is None or (g.is_cuda and torch.cuda.is_current_stream_capturing()):
+    if like is None or (like.is_cuda and torch.cuda.is_current_stream_capturing()):
         return None
-    return torch.zeros(1, dtype=torch.int32, device=g.device)
+    return torch.zeros(1, dtype=torch.int32, device=like.device)
 
 
 def _raise_if_positive(flag: torch.Tensor | None, name: str = "g"):
