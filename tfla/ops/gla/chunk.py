@@ -32,6 +32,10 @@ from tfla.utils.validation import (
 )
 
 DEFAULT_CHUNK_SIZE = 64
+# The tiled kernels' diagonal square as one masked tensor-core product when the gate spans at most this
+# many log2 units over a tile's rows in every channel (checked per tile at run time; otherwise the 16-row
+# elementwise steps). Off for fp32 at more than 128 columns (spill stores there; see _tiled_cfg).
+VEC_SPAN = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +75,7 @@ def _tiled_cfg(chunk_size, a, DC, rowdot=False):
     cfg["num_warps"] = 8
     if wide_fp32:
         cfg["num_stages"] = 1
+    cfg["VEC_SPAN"] = 0 if wide_fp32 else VEC_SPAN
     return cfg
 
 
