@@ -2,6 +2,11 @@
 without a GPU (nothing is launched), and print per kernel: registers, spill stores, shared memory.
 
 python scripts/compile_stats.py [--op gla|simple_gla] [--dtype bf16|fp32] [--K 128] [--V 128] [--L 64]
+                                [--allocs] [--check]
+
+``--allocs`` lists each kernel's shared-memory buffers (``ttg.local_alloc`` in its TTGIR: pipelined loads,
+dot operands staged there; tf32x3 stages a hi and a lo copy of each fp32 operand); ``--check`` exits 1
+when a kernel asks for more than sm_90's 232448 B.
 
 Catches code-generator errors of GPU-only paths (the interpreter skips Triton's compiler) and shows
 register spills and shared-memory use, which the interpreter cannot. The numbers come from this
@@ -70,6 +75,20 @@ def ptxas_stats(ptx: str, arch=90):
     return (int(regs.group(1)) if regs else None, int(spill.group(1)) if spill else None)
 
 
+SMEM_SM90 = 232448  # opt-in shared memory per block on sm_90 (H100 / H200)
+
+
+def shared_allocs(ttgir: str):
+    """``(shape, element type, tensor name)`` of every shared-memory buffer in a TTGIR module (buffers of
+    disjoint lifetimes share bytes, so these can add up to more than the kernel's total)."""
+    out = []
+    for line in ttgir.splitlines():
+        m = re.search(r"(%[\w.]+) = ttg\.local_alloc.*!ttg\.memdesc<([\dx]+)x(\w+),", line)
+        if m:
+            out.append((m.group(2), m.group(3), m.group(1)))
+    return out
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--op", choices=["gla", "simple_gla", "mlstm"], default="gla")
@@ -77,6 +96,8 @@ def main(argv=None):
     p.add_argument("--K", type=int, default=128)
     p.add_argument("--V", type=int, default=128)
     p.add_argument("--L", type=int, default=64)
+    p.add_argument("--allocs", action="store_true", help="list the shared-memory buffers of each kernel")
+    p.add_argument("--check", action="store_true", help="exit 1 if a kernel needs more than 232448 B")
     args = p.parse_args(argv)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     T, H, K, V, L = 300, 2, args.K, args.V, args.L
@@ -102,7 +123,9 @@ def main(argv=None):
 
         _, _, gc = chunk_simple_gla_fwd(q, k, v, -torch.rand(1, T, H), 0.1, h0, True, L)
         chunk_simple_gla_bwd(q, k, v, gc, 0.1, h0, do, dht, L)
-    flags = ("VEC_G", "VEC_ROWDOT", "ROWDOT", "REVERSE", "HAS_STATE", "STORE_SUB", "N_STATE", "NORM", "ROWADD")
+    over = False
+    flags = ("VEC_G", "VEC_ROWDOT", "ROWDOT", "REVERSE", "HAS_STATE", "STORE_SUB", "N_STATE", "NORM", "ROWADD",
+             "VEC_SPAN")
     print(f"{args.op} {args.dtype} K={K} V={V} L={L}, sm_90, Triton {triton.__version__}")
     for fn, a, kw in launches:
         name = fn.fn.__name__
@@ -111,6 +134,12 @@ def main(argv=None):
         fl = " ".join(f"{f}={kw[f]}" for f in flags if f in kw)
         print(f"  {name:34s} warps={c.metadata.num_warps} regs={regs} spill_stores={spill}B "
               f"smem={c.metadata.shared}B  {fl}")
+        over = over or c.metadata.shared > SMEM_SM90
+        if args.allocs:
+            for shape, ty, what in shared_allocs(c.asm["ttgir"]):
+                print(f"      {shape:>14s} x {ty:4s}  {what}")
+    if args.check and over:
+        sys.exit(f"a kernel needs more than {SMEM_SM90} B of shared memory")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 
 python scripts/profile_ops.py OP [OP ...] [--mode fwd|fwdbwd] [--L 64] [--reps 5]
 OPs: mlstm-sig, mlstm-exp (B=8 T=8192 H=16 K=128 V=256), sgla-scalar, sgla-scalar-nocheck (input
-check skipped, last), sgla-none, gla (vector decay [B, T, H, K]), gdn (B=4 T=8192 H=16
+check skipped, last), sgla-none, gla[-strong][-span0] (vector decay [B, T, H, K]; logsigmoid(x) instead of
+logsigmoid(x) / 16; VEC_SPAN = 0), gdn (B=4 T=8192 H=16
 K=V=128); all bf16. Prints, per op, the do_bench median of the whole call, the sum of kernel times per
 call and one line per kernel name (total per call, count per call), longest first. The gap between
 the whole call and the kernel sum is launch/host time (host syncs show up there).
@@ -28,8 +29,8 @@ def inputs(op):
              v=rnd(B, T, H, V))
     if op in ("sgla-scalar", "sgla-scalar-nocheck", "gdn"):
         x["g"] = torch.nn.functional.logsigmoid(rnd(B, T, H, dt=torch.float32) + 4)
-    if op == "gla":  # per-channel log decays, FLA's benchmark style (logsigmoid / 16: mostly near 0)
-        x["g"] = torch.nn.functional.logsigmoid(rnd(B, T, H, K, dt=torch.float32)) / 16
+    if op.startswith("gla"):  # per-channel log decays, FLA's benchmark style (logsigmoid / 16: mostly near 0)
+        x["g"] = torch.nn.functional.logsigmoid(rnd(B, T, H, K, dt=torch.float32)) / (1 if "strong" in op else 16)
     if op == "gdn":
         x["beta"] = torch.rand(B, T, H, device="cuda", generator=gen)
     return x
@@ -42,7 +43,9 @@ def call(op, L):
     if op == "sgla-scalar-nocheck":  # the host-synced `g <= 0` check skipped: its cost in isolation
         import tfla.ops.simple_gla.chunk as sg
         sg._positive_flag = lambda g: None
-    if op == "gla":
+    if op.startswith("gla"):  # gla[-strong][-span0]: strong gates; the diagonal's factored path off
+        import tfla.ops.gla.chunk as gc
+        gc.VEC_SPAN = 0 if "span0" in op else 32
         return lambda x: tfla.chunk_gla(**x, chunk_size=L)[0]
     if op.startswith("sgla"):
         return lambda x: tfla.chunk_simple_gla(**x, chunk_size=L)[0]

@@ -28,6 +28,9 @@ def _gate(z, gate):
         "near_one": -1e-3 * torch.rand_like(z),  # e^g in (0.999, 1]
         "near_zero": -12 + torch.tanh(z),  # e^g ~ 6e-6
         "zero": torch.zeros_like(z),  # no decay
+        # ~0.98 log2 per step: a 32-row tile spans ~30 <= VEC_SPAN = 32, so the diagonal takes the factored
+        # product with factors up to 2^30 (one more row per tile would not: the steps)
+        "span_edge": -0.68 + 0.01 * torch.tanh(z),
     }[gate]
 
 
@@ -85,10 +88,10 @@ def test_gla_strong_decay(device, L, dg_tol):
     _check(device, 1, 150, 1, 16, 16, L, gate="strong", seed=3, tols={"dg": dg_tol})
 
 
-@pytest.mark.parametrize("gate", ["zero", "near_one", "near_zero", "mixed"])
+@pytest.mark.parametrize("gate", ["zero", "near_one", "near_zero", "mixed", "span_edge"])
 def test_gla_decay_regimes(device, gate):
-    """No decay, decays within 1e-3 of 1, decays ~6e-6 (g ~ -12: dg held to ``_dg_tol``), and channels of
-    both kinds in one head."""
+    """No decay, decays within 1e-3 of 1, decays ~6e-6 (g ~ -12: dg held to ``_dg_tol``), channels of
+    both kinds in one head, and a gate at the edge of the factored diagonal's span."""
     tols = {"dg": _dg_tol(13.0, 64)} if gate == "near_zero" else None
     _check(device, 1, 100, 1, 16, 16, 64, gate=gate, seed=5, tols=tols)
 

@@ -123,7 +123,70 @@ def _vec_state_term(a, h, p_gv, s_gv, bos, boh, i_hv, i_ch, o_tq, m_tq, o_c, m_c
 @triton.jit
 def _vec_diag(b_o, b_a, p_b, p_c, p_gv, s_gv, b_gvq, t_q0, o_tq, m_tq, m_a, m_c, o_gd, m_gd, T, SB, SC,
               BQ: tl.constexpr, VEC_G: tl.constexpr, REVERSE: tl.constexpr, SPLIT_DIAG: tl.constexpr,
-              DOT_PREC: tl.constexpr, ACC: tl.constexpr):
+              DOT_PREC: tl.constexpr, ACC: tl.constexpr, SPAN: tl.constexpr = 0):
+    """The diagonal BQ x BQ square (rows t_q0 ..) under the vector gate: ``_vec_diag_factored`` when
+    ``SPAN > 0`` and the gate spans at most SPAN (log2) over the tile's rows in every channel (checked per
+    tile at run time), else ``_vec_diag_steps`` (exact for any decay)."""
+    if SPAN > 0:  # X = GV_r - GV_ref, ref the tile's first row; 0 on masked lanes
+        b_gr = tl.load(p_gv + t_q0 * s_gv + o_gd, mask=m_gd, other=0.0)
+        b_x = tl.where(m_tq[:, None] & m_gd[None, :], b_gvq - b_gr[None, :], 0.0)
+        fast = tl.max(tl.max(tl.abs(b_x), 1), 0) <= SPAN
+    else:
+        b_x = b_gvq
+        fast = False
+    if fast:
+        b_o, b_sd, b_cd = _vec_diag_factored(b_o, b_a, p_b, p_c, b_x, o_tq, m_tq, m_a, m_c, SB, SC, BQ, VEC_G,
+                                             REVERSE, SPLIT_DIAG, DOT_PREC)
+    else:
+        b_o, b_sd, b_cd = _vec_diag_steps(b_o, b_a, p_b, p_c, p_gv, s_gv, b_gvq, t_q0, o_tq, m_tq, m_a, m_c, o_gd,
+                                          m_gd, T, SB, SC, BQ, VEC_G, REVERSE, SPLIT_DIAG, DOT_PREC, ACC)
+    return b_o, b_sd, b_cd
+
+
+@triton.jit
+def _vec_diag_factored(b_o, b_a, p_b, p_c, b_x, o_tq, m_tq, m_a, m_c, SB, SC, BQ: tl.constexpr,
+                       VEC_G: tl.constexpr, REVERSE: tl.constexpr, SPLIT_DIAG: tl.constexpr, DOT_PREC: tl.constexpr):
+    """The diagonal square as one masked tensor-core product, for a gate that spans at most SPAN over
+    the tile: ``2^(GV_r - GV_s) = 2^(X_r) 2^(-X_s)`` with ``X = GV - GV_ref`` in ``[-SPAN, 0]`` (forward;
+    ``2^(-X_r) 2^(X_s)`` reverse), so each factor lies in ``[2^-SPAN, 2^SPAN]``: no overflow or underflow,
+    and 2 exponentials per element of the [BQ, gated dim] tile instead of the 16-row blocks' ~18 (pairs on
+    the wrong side of the diagonal are computed, at most 2^SPAN |a . b| in size, and masked out)."""
+    dt = b_a.dtype
+    b_bt = tl.load(p_b + o_tq[:, None] * SB, mask=m_tq[:, None] & m_a[None, :], other=0.0)  # [BQ, BA]
+    b_ct = tl.load(p_c + o_tq[:, None] * SC, mask=m_tq[:, None] & m_c[None, :], other=0.0)  # [BQ, BC]
+    if REVERSE:
+        b_fo = tl.exp2(-b_x)  # output rows' factor
+        b_fl = tl.exp2(b_x)  # looped rows' factor
+        m_s = (o_tq[:, None] <= o_tq[None, :]) & m_tq[:, None] & m_tq[None, :]
+    else:
+        b_fo = tl.exp2(b_x)
+        b_fl = tl.exp2(-b_x)
+        m_s = (o_tq[:, None] >= o_tq[None, :]) & m_tq[:, None] & m_tq[None, :]
+    m_d = o_tq[:, None] == o_tq[None, :]
+    if VEC_G == 1:
+        b_s = tl.dot((b_a * b_fo).to(dt), tl.trans((b_bt * b_fl).to(dt)), input_precision=DOT_PREC)  # [BQ, BQ]
+        b_sd = tl.sum(tl.zeros_like(b_s), 1)  # (as the steps: no r = s scores kept under VEC_G = 1)
+    else:
+        b_s = tl.dot(b_a, tl.trans(b_bt), input_precision=DOT_PREC)  # [BQ, BQ]: a_r . b_s
+        b_sd = tl.sum(tl.where(m_d & m_s, b_s, 0.0), 1)
+    if SPLIT_DIAG:
+        m_s = m_s & (o_tq[:, None] != o_tq[None, :])
+    b_s = tl.where(m_s, b_s, 0.0).to(dt)
+    if VEC_G == 1:
+        b_o = tl.dot(b_s, b_ct.to(dt), b_o, input_precision=DOT_PREC)
+    else:
+        b_o += tl.dot(b_s, (b_ct * b_fl).to(dt), input_precision=DOT_PREC) * b_fo
+    if SPLIT_DIAG:
+        b_cd = b_ct
+    else:
+        b_cd = b_o
+    return b_o, b_sd, b_cd
+
+
+@triton.jit
+def _vec_diag_steps(b_o, b_a, p_b, p_c, p_gv, s_gv, b_gvq, t_q0, o_tq, m_tq, m_a, m_c, o_gd, m_gd, T, SB, SC,
+                    BQ: tl.constexpr, VEC_G: tl.constexpr, REVERSE: tl.constexpr, SPLIT_DIAG: tl.constexpr,
+                    DOT_PREC: tl.constexpr, ACC: tl.constexpr):
     """The diagonal BQ x BQ square (rows t_q0 ..) under the vector gate, in 16-row blocks.
 
     Level 1, pairs in different blocks: for each block j of looped rows, the row m at its edge (last
@@ -250,6 +313,7 @@ def _chunk_tiled_kernel(
     VEC_ROWDOT: tl.constexpr = False,
     add=None,
     ROWADD: tl.constexpr = 0,
+    VEC_SPAN: tl.constexpr = 0,
 ):
     i_c_, i_t, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
     i_b, i_hv = i_bh // HV, i_bh % HV
@@ -361,7 +425,7 @@ def _chunk_tiled_kernel(
     # output rows).
     if VEC_G > 0:  # the vector gate's diagonal square: 16-row blocks, exact for any decay
         b_o, b_sd, b_cd = _vec_diag(b_o, b_a, p_b, p_c, p_gv, s_gv, b_gvq, t_q0, o_tq, m_tq, m_a, m_c, o_gd, m_gd, T,
-                                    HB * DA, HC * DC, BQ, VEC_G, REVERSE, VEC_ROWDOT, DOT_PREC, ACC)
+                                    HB * DA, HC * DC, BQ, VEC_G, REVERSE, VEC_ROWDOT, DOT_PREC, ACC, VEC_SPAN)
     elif ROWDOT:
         b_o, b_sd, b_cd, _ = _diag_tile(b_o, b_a, p_b, p_c, p_gc, b_gq, t_q0, o_tq, m_tq, m_a, m_c, T, HB, HC, HV, DA,
                                         DC, BKV, USE_G, REVERSE, True, DOT_PREC, b_addq, p_add, ROWADD)
@@ -585,6 +649,7 @@ def chunk_tiled(
             IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(a.dtype), ACC=acc_dtype(a.dtype),
             NORM=0 if normalizer is None else (2 if norm.get("lo") is not None else 1), BAS=bas,
             gv=gv_cum, VEC_G=vec, VEC_ROWDOT=bool(vec) and rowdot_with is not None, add=row_add, ROWADD=rowadd,
+            VEC_SPAN=cfg.get("VEC_SPAN", 0),
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
     if rowdot_with is not None:

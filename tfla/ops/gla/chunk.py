@@ -32,6 +32,10 @@ from tfla.utils.validation import (
 )
 
 DEFAULT_CHUNK_SIZE = 64
+# The tiled kernels' diagonal square as one masked tensor-core product when the gate spans at most this
+# many log2 units over a tile's rows in every channel (checked per tile at run time; otherwise the 16-row
+# elementwise steps). Off for fp32 at more than 128 columns (spill stores there; see _tiled_cfg).
+VEC_SPAN = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,8 +60,10 @@ def _tiled_cfg(chunk_size, a, DC, rowdot=False):
     table is built once here for the kernel's ``BQ`` (``chunk_tiled`` would otherwise rebuild it with a
     host read when its own fp32 override changes the tiles).
 
-    32-row tiles with 8 warps; fp32 with more than 128 columns: 16 rows, 4 warps, one stage (the stage
-    count ``chunk_tiled`` uses there: 409600 B of shared memory with 32 rows and 2 stages on an H100).
+    32-row tiles with 8 warps; fp32 with more than 128 columns: 16 rows, one stage, 8 warps. (The H100's
+    409600 B at fp32 K = V = 256 came from a call that passed no pins: 64-row tiles, 2 stages, where tf32x3
+    stages hi and lo copies of both fp32 dot operands, see the op README. 4 warps at 16 rows spilled
+    840-6572 B per thread at fp32 K = V = 256, 8 warps 0-1916 B; sm_90 compile, Triton 3.6.)
     The diagonal's elementwise steps hold several fp32 [BQ, K] tensors: a local sm_90 compile (Triton 3.9,
     ptxas, no GPU) of the scalar defaults (64 rows, 4 warps) spilled 0.6-4 KiB per thread at K = V = 128
     bf16 (the scalar gate's kernels: 0.3-0.5 KiB); these tiles spill 0-16 B there. Not timed."""
@@ -65,9 +71,10 @@ def _tiled_cfg(chunk_size, a, DC, rowdot=False):
     bv = max(16, next_pow2(DC)) if rowdot else cfg["BV"]
     wide_fp32 = a.element_size() >= 4 and max(next_pow2(a.shape[-1]), bv) > 128
     cfg["BQ"] = cfg["BKV"] = min(16 if wide_fp32 else 32, chunk_size)
-    cfg["num_warps"] = 4 if wide_fp32 else 8
+    cfg["num_warps"] = 8
     if wide_fp32:
         cfg["num_stages"] = 1
+    cfg["VEC_SPAN"] = 0 if wide_fp32 else VEC_SPAN
     return cfg
 
 
