@@ -315,6 +315,22 @@ def chunk_state_fwd(
 
 
 @triton.jit
+def _rowscaled_qdot(b_q, b_x, b_sr, dt: tl.constexpr, ACC: tl.constexpr, DOT_PREC: tl.constexpr):
+    """``q^T diag(sr) x`` ([BK, BS] x [BS, C], ACC result) with the row factors kept unrounded: x sr
+    split into bf16 hi + lo (about 16 mantissa bits) for bf16 inputs, two 16-bit tensor-core products
+    with q as it is; an fp32 product otherwise (fp16 could underflow the split; fp32 keeps its precision)."""
+    b_xs = b_x.to(ACC) * b_sr.to(ACC)[:, None]
+    if dt == tl.bfloat16:
+        b_hi = b_xs.to(dt)
+        b_lo = (b_xs - b_hi.to(ACC)).to(dt)
+        b_r = tl.dot(tl.trans(b_q), b_hi, input_precision=DOT_PREC, out_dtype=ACC)
+        b_r = tl.dot(tl.trans(b_q), b_lo, b_r, input_precision=DOT_PREC)
+    else:
+        b_r = tl.dot(tl.trans(b_q.to(ACC)), b_xs, input_precision=DOT_PREC)
+    return b_r
+
+
+@triton.jit
 def _chunk_state_bwd_kernel(
     q,
     k,
@@ -362,8 +378,9 @@ def _chunk_state_bwd_kernel(
     after the current sub-chunk; per sub-chunk (reverse): dU = dvo + 2^(G_n - G) (K dS),
     dS <- 2^(G_n - G_c) dS - W^T dU; at each outer-chunk start the output's use of the state adds
     scale (2^G Q)^T dO of the whole outer chunk. Stores dS at every sub-chunk (for the parallel
-    gradient kernels) and dU. That product takes the gated q in fp32 (a TF32 product for 16-bit
-    inputs): rounding 2^G q to bf16 made d initial_state 3-4x less accurate than FLA's (H100, bf16).
+    gradient kernels) and dU. That product keeps the row factor scale 2^G unrounded on dO's side
+    (``_rowscaled_qdot``): rounding 2^G q to bf16 made d initial_state 3-4x less accurate than FLA's (H100,
+    bf16); the fp32 q tile that fixed it (a TF32 product) spilled registers and doubled this kernel's time.
 
     N_STATE (linear attention): the gradient of the normalizer state n (the state of v = 1) rides along:
     ``dn <- 2^(G_n - G_c) dn`` per sub-chunk and, at each outer-chunk start, ``+ scale (2^G Q)^T dden``
@@ -439,20 +456,24 @@ def _chunk_state_bwd_kernel(
                 if HAS_GB:  # the outer chunk's start state is stabilized by gb at its first row
                     b_gb = tl.load(gb + (bos + i_c * BT) * HV + i_hv)
                     b_gc += tl.where((t0 % BT) == 0, b_gb, 0.0)
-                    b_qs = b_q.to(ACC) * (scale * tl.exp2(tl.where(m_t, b_g - b_gb, float("-inf"))))[:, None]
+                    b_sr = scale * tl.exp2(tl.where(m_t, b_g - b_gb, float("-inf")))
                 else:
-                    b_qs = b_q.to(ACC) * (scale * tl.exp2(b_g))[:, None]
+                    b_sr = scale * tl.exp2(b_g)
             else:
                 b_du += b_kdh
-                b_qs = b_q.to(ACC) * scale
+                b_sr = tl.full([BS], scale, dtype=tl.float32)
             tl.store(du + p_tv, b_du.to(du.dtype.element_ty), mask=m_tv)
             if N_STATE:
                 b_dd = tl.where(o_16[None, :] == 0, tl.load(dden + (bos + o_t) * HV + i_hv, mask=m_t, other=0.0)[:, None],
                                 0.0)  # [BS, 16]
+            # the output's q-term (scale 2^G q)^T dO with the row factor on dO's side ([BS, BV], not [BS, BK])
+            b_qt = _rowscaled_qdot(b_q, b_do, b_sr, dt, ACC, DOT_PREC)
+            if N_STATE:
+                b_nt = _rowscaled_qdot(b_q, b_dd, b_sr, dt, ACC, DOT_PREC)
             if BT > BS:
-                b_dhi = tl.dot(tl.trans(b_qs), b_do.to(ACC), b_dhi, input_precision=DOT_PREC)
+                b_dhi += b_qt
                 if N_STATE:
-                    b_dni = tl.dot(tl.trans(b_qs), b_dd, b_dni, input_precision=DOT_PREC)
+                    b_dni += b_nt
             if USE_G:
                 b_dh *= tl.exp2(b_gn - b_gc)
                 if N_STATE:
@@ -463,9 +484,9 @@ def _chunk_state_bwd_kernel(
                 b_w = tl.load(w + (bos * HV + i_hv) * K + o_t[:, None] * (HV * K) + o_k[None, :], mask=m_tk, other=0.0)
                 b_dh -= tl.dot(tl.trans(b_w), b_du.to(dt), input_precision=DOT_PREC)
             if BT == BS:  # one sub-chunk per chunk: no second accumulator (register pressure)
-                b_dh = tl.dot(tl.trans(b_qs), b_do.to(ACC), b_dh, input_precision=DOT_PREC)
+                b_dh += b_qt
                 if N_STATE:
-                    b_dn = tl.dot(tl.trans(b_qs), b_dd, b_dn, input_precision=DOT_PREC)
+                    b_dn += b_nt
         if BT > BS:
             b_dh += b_dhi
             if N_STATE:
