@@ -1,7 +1,7 @@
-"""Compile every Triton kernel one GLA / simple-GLA forward + backward launches, for sm_90, on a machine
+"""Compile every Triton kernel one GLA / simple-GLA / mLSTM / GDN forward + backward launches, for sm_90, on a machine
 without a GPU (nothing is launched), and print per kernel: registers, spill stores, shared memory.
 
-python scripts/compile_stats.py [--op gla|simple_gla] [--dtype bf16|fp32] [--K 128] [--V 128] [--L 64]
+python scripts/compile_stats.py [--op gla|simple_gla|mlstm|gdn] [--dtype bf16|fp32] [--K 128] [--V 128] [--L 64]
                                 [--allocs] [--check]
 
 ``--allocs`` lists each kernel's shared-memory buffers (``ttg.local_alloc`` in its TTGIR: pipelined loads,
@@ -91,7 +91,7 @@ def shared_allocs(ttgir: str):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--op", choices=["gla", "simple_gla", "mlstm"], default="gla")
+    p.add_argument("--op", choices=["gla", "simple_gla", "mlstm", "gdn"], default="gla")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
     p.add_argument("--K", type=int, default=128)
     p.add_argument("--V", type=int, default=128)
@@ -118,6 +118,12 @@ def main(argv=None):
         n0 = torch.randn(1, H, K)
         h, final, den = chunk_mlstm_fwd(q, k, v, i, f, h0, n0, None, opts)
         chunk_mlstm_bwd(q, k, v, i, f, h0, n0, None, h, den, final, do, dht, torch.randn(1, H, K), None, opts)
+    elif args.op == "gdn":
+        from tfla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_bwd, chunk_gated_delta_rule_fwd
+
+        g, beta = -torch.rand(1, T, H), torch.rand(1, T, H, dtype=dtype)
+        _, _, inter = chunk_gated_delta_rule_fwd(q, k, v, g, beta, 0.1, h0, True, L)
+        chunk_gated_delta_rule_bwd(q, k, v, inter["g_cum"], beta, inter["ai"], 0.1, h0, do, dht, L)
     else:
         from tfla.ops.simple_gla.chunk import chunk_simple_gla_bwd, chunk_simple_gla_fwd
 

@@ -148,7 +148,7 @@ def tune_backward(a, stages, Ls, q, k, v, g, beta, scale, bench):
                 bench("bstate", L, c, lambda c=c: chunk_state_bwd(q, k, w, do, dvo, g_cum, scale, L, config=c)[1], du)
         if "bwy" in stages and L == Ls[0]:
             ref = wy_bwd(k, v, beta, g_cum, ai, v_new, du, h_sub, dh_sub, L)[0]
-            for c in grid(num_warps=[4, 8], BK=[32, 64], BV=[32, 64]):
+            for c in grid(num_warps=[4], BK=[32, 64], BV=[32, 64]):  # 8 warps: illegal address (Triton 3.6)
                 bench("bwy", L, c, lambda c=c: wy_bwd(k, v, beta, g_cum, ai, v_new, du, h_sub, dh_sub, L, config=c)[0],
                       ref)
         if "btiled" in stages:
@@ -156,7 +156,7 @@ def tune_backward(a, stages, Ls, q, k, v, g, beta, scale, bench):
                 bench("b_dv", L, c, lambda c=c: chunk_tiled(k, q, do, g_cum, scale, L, reverse=True, config=c), dvo)
                 bench("b_dq", L, c, lambda c=c: chunk_tiled(do, v_new, k, g_cum, scale, L, h=h_sub, state_every=64,
                                                             state_transposed=True, rowdot_with=q,
-                                                            out_dtype=torch.float32, config=c)[0])
+                                                            out_dtype=q.dtype, config=c)[0])
                 bench("b_dk", L, c, lambda c=c: chunk_tiled(v_new, do, q, g_cum, scale, L, reverse=True, rowdot_with=k,
                                                             out_dtype=torch.float32, config=c)[0])
         if "bfull" in stages:

@@ -148,7 +148,7 @@ def chunk_gated_delta_rule_bwd(
     config: dict | None = None,
 ):
     """Plain backward (no autograd) from the forward's saved ``g_cum`` (log2, restarting every L) and
-    ``ai`` (Tm). Returns ``(dq, dk, dv, dg, dbeta, dh0)``: dq, dk ``[B, T, H, K]`` fp32, dv in v's
+    ``ai`` (Tm). Returns ``(dq, dk, dv, dg, dbeta, dh0)``: dq, dk ``[B, T, H, K]`` in q's dtype, dv in v's
     dtype, dg and dbeta ``[B, T, HV]`` fp32, dh0 fp32 or None.
 
     Stages: recompute W, U (from Tm) and the state at every 64-row sub-chunk with Vnew; the output's
@@ -176,25 +176,26 @@ def chunk_gated_delta_rule_bwd(
     # the output's gradients: one tiled launch each (ULA: same product, permuted arguments)
     dvo = chunk_tiled(k, q, do, g_cum, scale, L, reverse=True, **tiled)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    grouped = HV != H  # grouped value heads: dq, dk summed over a key head's value heads afterwards, in fp32
     dq, dgq = chunk_tiled(do, v_new, k, g_cum, scale, L, h=h_sub, state_every=SUB_CHUNK, state_transposed=True,
-                          rowdot_with=q, out_dtype=acc, **tiled)
+                          rowdot_with=q, out_dtype=acc if grouped else q.dtype, **tiled)
     dko, dgk = chunk_tiled(v_new, do, q, g_cum, scale, L, reverse=True, rowdot_with=k, out_dtype=acc, **tiled)
     dh_sub, du, dh0 = chunk_state_bwd(
         q, k, w, do, dvo, g_cum, scale, L, dht=dht, need_dh0=initial_state is not None, cu_seqlens=cu,
         sub_offsets=varlen.sub_offsets if varlen is not None else None,
         num_sub_chunks=varlen.sub_indices.shape[0] if varlen is not None else None, config=config.get("state_bwd"))
     del dvo, w
+    # dk = the tiled product's part (dko) + the state and WY parts, added in wy_bwd's kernel and rounded once
     dk, dv, dbeta, dgam = wy_bwd(k, v, beta, g_cum, ai, v_new, du, h_sub, dh_sub, L, cu_seqlens=cu, sub_indices=sub,
-                                 config=config.get("wy_bwd"))
-    del h_sub, dh_sub, du
+                                 config=config.get("wy_bwd"), dk_add=dko, dk_dtype=acc if grouped else k.dtype)
+    del h_sub, dh_sub, du, dko
     ck = dict(cu_seqlens=cu)
     dg = chunk_local_cumsum(dgq - dgk, L, reverse=True, chunk_indices=varlen.chunk_indices if varlen else None,
                             out_dtype=acc, **ck)
     dg += dgam  # the delta part's gradient of g, reverse cumsum over its sub-chunk done in wy_bwd
-    dk += dko
-    if HV != H:  # grouped value heads: a key head's gradient sums over its value heads
-        dq = dq.view(B, T, H, HV // H, K).sum(3)
-        dk = dk.view(B, T, H, HV // H, K).sum(3)
+    if grouped:  # a key head's gradient sums over its value heads
+        dq = dq.view(B, T, H, HV // H, K).sum(3).to(q.dtype)
+        dk = dk.view(B, T, H, HV // H, K).sum(3).to(k.dtype)
     return dq, dk, dv, dg, dbeta, dh0
 
 
