@@ -1,0 +1,78 @@
+"""Time whole forward+backward calls of tfla ops with one backward stage's launch config overridden (GPU).
+
+python scripts/tune_bwd_ops.py --ops gdn,sgla-scalar,mlstm-sig --stage state_bwd \
+    --configs '[{}, {"BV": 64, "num_warps": 8}]'
+
+For each op (the workloads of scripts/profile_ops.py) and each config: the do_bench median of one
+forward+backward call and the profiler time of the stage's kernel per call. ``{}`` is the default.
+Stages: ``state_bwd`` (chunk_state.chunk_state_bwd) and ``wy_bwd`` (ut_transform.wy_bwd), patched where
+the ops import them, so every op's call picks the config up.
+"""
+import argparse
+import json
+import os
+import sys
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+from triton.testing import do_bench
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from profile_ops import call, inputs  # noqa: E402
+
+import tfla.ops.gated_delta_rule.chunk as gdn  # noqa: E402
+import tfla.ops.simple_gla.chunk as sgla  # noqa: E402
+
+KERNELS = {"state_bwd": "_chunk_state_bwd_kernel", "wy_bwd": "_gdn_wy_bwd_kernel"}
+FUNCS = {"state_bwd": "chunk_state_bwd", "wy_bwd": "wy_bwd"}
+
+
+def patch(stage, cfg):
+    name = FUNCS[stage]
+    for mod in (gdn, sgla):
+        orig = getattr(mod, "_orig_" + name, None) or getattr(mod, name)
+        setattr(mod, "_orig_" + name, orig)
+
+        def wrapped(*a, _o=orig, **kw):
+            kw["config"] = {**(kw.get("config") or {}), **cfg}
+            return _o(*a, **kw)
+
+        setattr(mod, name, wrapped)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--ops", default="gdn,sgla-scalar,mlstm-sig")
+    p.add_argument("--stage", choices=list(KERNELS), default="state_bwd")
+    p.add_argument("--configs", default='[{}]', help="JSON list of config dicts")
+    p.add_argument("--L", type=int, default=64)
+    a = p.parse_args()
+    for op in a.ops.split(","):
+        x = inputs(op)
+        fn = call(op, a.L)
+        leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
+        do = torch.randn_like(fn(leaves))
+
+        def run():
+            torch.autograd.grad(fn(leaves), list(leaves.values()), do)
+
+        for cfg in json.loads(a.configs):
+            patch(a.stage, cfg)
+            try:
+                run()
+                torch.cuda.synchronize()
+                ms = do_bench(run, warmup=10, rep=50, return_mode="median")
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    for _ in range(3):
+                        run()
+                    torch.cuda.synchronize()
+                kt = sum(e.device_time_total for e in prof.key_averages() if e.key == KERNELS[a.stage]) / 3e3
+                print(f"{op:12s} {a.stage} {json.dumps(cfg):40s} call {ms:7.3f} ms  kernel {kt:6.3f} ms", flush=True)
+            except Exception as e:  # noqa: BLE001 (a config that does not compile or fit)
+                print(f"{op:12s} {a.stage} {json.dumps(cfg):40s} FAILED {type(e).__name__}: {str(e)[:100]}", flush=True)
+                if "illegal" in str(e):
+                    return
+
+
+if __name__ == "__main__":
+    main()
