@@ -381,7 +381,7 @@ def _chunk_state_bwd_kernel(
     scale (2^G Q)^T dO of the whole outer chunk. Stores dS at every sub-chunk (for the parallel
     gradient kernels) and dU. That product keeps the row factor scale 2^G unrounded on dO's side
     (``_rowscaled_qdot``): rounding 2^G q to bf16 made d initial_state 3-4x less accurate than FLA's (H100,
-    bf16); the fp32 q tile that fixed it (a TF32 product) spilled registers and doubled this kernel's time.
+    bf16); the fp32 q tile that fixed it (a TF32 product) spilled registers (GDN on the H100: 0.49 -> 0.89 ms).
 
     N_STATE (linear attention): the gradient of the normalizer state n (the state of v = 1) rides along:
     ``dn <- 2^(G_n - G_c) dn`` per sub-chunk and, at each outer-chunk start, ``+ scale (2^G Q)^T dden``
@@ -556,7 +556,8 @@ def chunk_state_bwd(
             dn0.copy_(dnt if dnt is not None else torch.zeros_like(dn0))
         return rets
     # measured (docs/perf.md): the delta rule at K <= 128 runs best on 64-column value tiles with 8 warps
-    # (H100: 0.53 vs 0.73 ms at 32 columns / 4 warps); linear attention keeps 32 columns and 4 warps (H200)
+    # (H100: 0.53 vs 0.73 ms at 32 columns / 4 warps); linear attention keeps 32 columns and 4 warps (H100:
+    # simple GLA 0.53 ms, other tiles 0.51-0.59; the mLSTM's V = 256 state backward 2.41 ms, others 2.50-3.95)
     wide = w is not None and K <= 128
     cfg = {"BV": 64 if wide else 32, "num_warps": 8 if wide else 4,
            "num_stages": 2 if K <= 128 and gv_cum is None else 1, **(config or {})}
