@@ -558,7 +558,7 @@ def chunk_state_bwd(
     # measured (docs/perf.md): the delta rule at K <= 128 runs best on 64-column value tiles with 8 warps
     # (H100: 0.53 vs 0.73 ms at 32 columns / 4 warps); linear attention keeps 32 columns and 4 warps (H100:
     # simple GLA 0.53 ms, other tiles 0.51-0.59; the mLSTM's V = 256 state backward 2.41 ms, others 2.50-3.95)
-    wide = w is not None and K <= 128
+    wide = w is not None and K <= 128 and k.element_size() == 2  # 16-bit only: fp32 tiles double the smem
     cfg = {"BV": 64 if wide else 32, "num_warps": 8 if wide else 4,
            "num_stages": 2 if K <= 128 and gv_cum is None else 1, **(config or {})}
     BK = max(16, next_pow2(K))
