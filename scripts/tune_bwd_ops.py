@@ -6,7 +6,9 @@ python scripts/tune_bwd_ops.py --ops gdn,sgla-scalar,mlstm-sig --stage state_bwd
 For each op (the workloads of scripts/profile_ops.py) and each config: the do_bench median of one
 forward+backward call and the profiler time of the stage's kernel per call. ``{}`` is the default.
 Stages: ``state_bwd`` (chunk_state.chunk_state_bwd) and ``wy_bwd`` (ut_transform.wy_bwd), patched where
-the ops import them, so every op's call picks the config up.
+the ops import them, so every op's call picks the config up; ``tiled``: every launch of the tiled kernel
+(forward output and the three backward products; ``chunk_output.tiled_config`` and its ``output_config``
+aliases patched), e.g. ``'[{"num_stages": 1}, {"num_stages": 2}]'``.
 """
 import argparse
 import json
@@ -23,11 +25,26 @@ from profile_ops import call, inputs  # noqa: E402
 import tfla.ops.gated_delta_rule.chunk as gdn  # noqa: E402
 import tfla.ops.simple_gla.chunk as sgla  # noqa: E402
 
-KERNELS = {"state_bwd": "_chunk_state_bwd_kernel", "wy_bwd": "_gdn_wy_bwd_kernel"}
+import tfla.ops.common.chunk_output as co  # noqa: E402
+import tfla.ops.gla.chunk as gla  # noqa: E402
+
+KERNELS = {"state_bwd": "_chunk_state_bwd_kernel", "wy_bwd": "_gdn_wy_bwd_kernel", "tiled": "_chunk_tiled_kernel"}
 FUNCS = {"state_bwd": "chunk_state_bwd", "wy_bwd": "wy_bwd"}
 
 
 def patch(stage, cfg):
+    if stage == "tiled":  # the config resolver every tiled launch goes through
+        orig = getattr(co, "_orig_tiled_config", None) or co.tiled_config
+        co._orig_tiled_config = orig
+
+        def resolved(L, DA, DC, config=None, _o=orig):
+            return _o(L, DA, DC, {**(config or {}), **cfg})
+
+        co.tiled_config = resolved
+        for mod in (co, gdn, sgla, gla):
+            if hasattr(mod, "output_config"):
+                mod.output_config = resolved
+        return
     name = FUNCS[stage]
     for mod in (gdn, sgla):
         orig = getattr(mod, "_orig_" + name, None) or getattr(mod, name)
