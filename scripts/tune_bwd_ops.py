@@ -28,8 +28,8 @@ import tfla.ops.simple_gla.chunk as sgla  # noqa: E402
 import tfla.ops.common.chunk_output as co  # noqa: E402
 import tfla.ops.gla.chunk as gla  # noqa: E402
 
-KERNELS = {"state_bwd": "_chunk_state_bwd_kernel", "wy_bwd": "_gdn_wy_bwd_kernel", "tiled": "_chunk_tiled_kernel"}
-FUNCS = {"state_bwd": "chunk_state_bwd", "wy_bwd": "wy_bwd"}
+KERNELS = {"state_fwd": "_chunk_state_fwd_kernel", "state_bwd": "_chunk_state_bwd_kernel", "wy_bwd": "_gdn_wy_bwd_kernel", "tiled": "_chunk_tiled_kernel"}
+FUNCS = {"state_fwd": "chunk_state_fwd", "state_bwd": "chunk_state_bwd", "wy_bwd": "wy_bwd"}
 
 
 def patch(stage, cfg):

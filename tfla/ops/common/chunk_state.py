@@ -464,21 +464,24 @@ def _chunk_state_bwd_kernel(
                 b_du += b_kdh
                 b_sr = tl.full([BS], scale, dtype=tl.float32)
             tl.store(du + p_tv, b_du.to(du.dtype.element_ty), mask=m_tv)
-            if N_STATE:
-                b_dd = tl.where(o_16[None, :] == 0, tl.load(dden + (bos + o_t) * HV + i_hv, mask=m_t, other=0.0)[:, None],
-                                0.0)  # [BS, 16]
             # the output's q-term (scale 2^G q)^T dO with the row factor on dO's side ([BS, BV], not [BS, BK])
             b_qt = _rowscaled_qdot(b_q, b_do, b_sr, dt, ACC, DOT_PREC, True)
-            if N_STATE:  # fp32: the split [BK, BS] x [BS, 16] products hit an illegal address (H100, Triton 3.6)
-                b_nt = _rowscaled_qdot(b_q, b_dd, b_sr, dt, ACC, DOT_PREC, False)
+            if N_STATE:
+                if i_v == 0:  # dn: only the value tile that stores it (the others skip the product)
+                    b_dd = tl.where(o_16[None, :] == 0,
+                                    tl.load(dden + (bos + o_t) * HV + i_hv, mask=m_t, other=0.0)[:, None], 0.0)
+                    # fp32: the split [BK, BS] x [BS, 16] products hit an illegal address (H100, Triton 3.6)
+                    b_nt = _rowscaled_qdot(b_q, b_dd, b_sr, dt, ACC, DOT_PREC, False)
+                    if USE_G:
+                        b_dn *= tl.exp2(b_gn - b_gc)
+                    if BT > BS:
+                        b_dni += b_nt
+                    else:
+                        b_dn += b_nt
             if BT > BS:
                 b_dhi += b_qt
-                if N_STATE:
-                    b_dni += b_nt
             if USE_G:
                 b_dh *= tl.exp2(b_gn - b_gc)
-                if N_STATE:
-                    b_dn *= tl.exp2(b_gn - b_gc)
             if VEC_G:
                 b_dh *= b_rd[:, None]
             if DELTA:
@@ -486,8 +489,6 @@ def _chunk_state_bwd_kernel(
                 b_dh -= tl.dot(tl.trans(b_w), b_du.to(dt), input_precision=DOT_PREC)
             if BT == BS:  # one sub-chunk per chunk: no second accumulator (register pressure)
                 b_dh += b_qt
-                if N_STATE:
-                    b_dn += b_nt
         if BT > BS:
             b_dh += b_dhi
             if N_STATE:

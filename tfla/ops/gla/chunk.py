@@ -136,6 +136,7 @@ def chunk_gla_bwd(q, k, v, gv_cum, scale, initial_state, do, dht, chunk_size, va
         sub_offsets=varlen.sub_offsets if varlen is not None else None,
         num_sub_chunks=varlen.sub_indices.shape[0] if varlen is not None else None, gv_cum=gv_cum,
         config=_state_cfg(k))
+    del dvo  # freed before wy_bwd's outputs are allocated (peak memory)
     dks, _, _, dg_sub = wy_bwd(k, None, None, None, None, v, None, h_sub, dh_sub, L, cu_seqlens=cu, sub_indices=sub,
                                gv_cum=gv_cum)
     dk = dko + dks

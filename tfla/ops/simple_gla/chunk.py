@@ -103,6 +103,7 @@ def chunk_simple_gla_bwd(q, k, v, g_cum, scale, initial_state, do, dht, chunk_si
         sub_offsets=varlen.sub_offsets if varlen is not None else None,
         num_sub_chunks=varlen.sub_indices.shape[0] if varlen is not None else None, gk_cum=gk_cum, gb=gb,
         dden=dden, dnt=dnt)
+    del dvo  # not needed by wy_bwd: freed before its outputs are allocated (peak memory)
     dhn_sub, dn0 = dns if n_state else (None, None)
     # dk = dko + the state part, added and rounded to k's dtype in wy_bwd
     dk, _, _, dg_sub, *kdk = wy_bwd(k, None, None, g_cum, None, v, None, h_sub, dh_sub, L, cu_seqlens=cu,
