@@ -470,7 +470,6 @@ def _gdn_wy_bwd_kernel(
     kdk=None,
     ADD_DK: tl.constexpr = False,
     KDOT: tl.constexpr = False,
-    DK_PARTIAL: tl.constexpr = False,
 ):
     """Delta-rule gradients of one 64-row sub-chunk (W = Tm X_k, U = Tm X_v, Tm = (I + A)^-1,
     Vnew = U - W S, S' = 2^(g_n) S + K^T 2^(g_n - g) Vnew):
@@ -488,10 +487,7 @@ def _gdn_wy_bwd_kernel(
     N_STATE (linear attention, scalar gates): the normalizer state n (the state of v = 1, ``hn``) and its
     gradient ``dhn`` (``[.., K]`` fp32 per sub-chunk) add the ones column's terms: ``dk_state += 2^(g_n - g) dn``
     and ``<S, dS> += n . dn``. ADD_DK (scalar gates): ``dk = dk_state (+ WY part) + dka`` (the tiled product's
-    part) in one pass, stored in dk's dtype; KDOT: also ``kdk = k . dk`` per row (fp32, before rounding).
-    DK_PARTIAL (DELTA with ADD_DK, ``dka`` fp32 and writable): the first key pass forms every term that needs
-    S, dS, dU or Vnew (dW, dk_state, ``(beta 2^g) Tm^T dW``) and adds them to ``dka`` in place, so the second
-    pass only adds ``M K + M^T K``: S, dS, dU and Vnew are read once instead of S and dU twice."""
+    part) in one pass, stored in dk's dtype; KDOT: also ``kdk = k . dk`` per row (fp32, before rounding)."""
     BS: tl.constexpr = 64
     i_s, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     i_b, i_hv = i_bh // HV, i_bh % HV
@@ -540,34 +536,20 @@ def _gdn_wy_bwd_kernel(
     p_h = h + (i_sub * HV + i_hv) * K * V
     p_dh = dh + (i_sub * HV + i_hv) * K * V
 
-    b_dxx = tl.zeros([BS], dtype=ACC)  # dX_k . X_k per row
-    b_p = tl.zeros([BS], dtype=ACC)  # P_s = k_s . dk_state_s
-    b_sds = tl.sum(tl.zeros([BS], dtype=ACC), 0)  # <S, dS>
-    b_db = tl.zeros([BS], dtype=ACC)
     if DELTA:
-        # pass 1 over key tiles: dTm += dW X_k^T, K K^T (DK_PARTIAL: and dk's S / dS / dW terms into dka)
+        # pass 1 over key tiles: dTm += dW X_k^T, K K^T
         b_dtm = tl.zeros([BS, BS], dtype=ACC)
         b_kk = tl.zeros([BS, BS], dtype=ACC)
         for i_k in range(tl.cdiv(K, BK)):
             o_k = i_k * BK + tl.arange(0, BK)
             m_k = o_k < K
-            m_tk = m_t[:, None] & m_k[None, :]
-            b_k = tl.load(p_k + o_k[None, :], mask=m_tk, other=0.0)  # [BS, BK]
-            b_dw, b_dks, b_sds_k = _state_terms(du, v_new, h, dh, b_en, p_tv0, p_h, p_dh, o_t, m_t, o_k, m_k, V, HV,
-                                                BK, BV, True, DK_PARTIAL, DOT_PREC, ACC)
-            if DK_PARTIAL:
-                b_kf = b_k.to(ACC)
-                b_sds += tl.sum(b_sds_k, 0)
-                b_dxk = tl.dot(tl.trans(b_tm), b_dw.to(dt), input_precision=DOT_PREC)  # [BS, BK]
-                b_part = b_dks + b_dxk * b_sk[:, None] + tl.load(dka + p_tk + o_k[None, :], mask=m_tk, other=0.0)
-                tl.store(dka + p_tk + o_k[None, :], b_part, mask=m_tk)
-                b_dxk_k = tl.sum(b_dxk * b_kf, 1)
-                b_db += b_dxk_k * b_eg
-                b_dxx += b_dxk_k * b_sk
-                b_p += tl.sum(b_kf * b_dks, 1)
+            b_k = tl.load(p_k + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)  # [BS, BK]
+            b_dw, _, _ = _state_terms(du, v_new, h, dh, b_en, p_tv0, p_h, p_dh, o_t, m_t, o_k, m_k, V, HV, BK, BV,
+                                      True, False, DOT_PREC, ACC)
             b_dtm = tl.dot(b_dw.to(dt), tl.trans((b_k * b_sk[:, None]).to(dt)), b_dtm, input_precision=DOT_PREC)
             b_kk = tl.dot(b_k, tl.trans(b_k), b_kk, input_precision=DOT_PREC)
         # pass over value tiles: dTm += dU X_v^T; dX_v = Tm^T dU gives dv and part of dbeta
+        b_db = tl.zeros([BS], dtype=ACC)
         for i_v in range(tl.cdiv(V, BV)):
             o_v = i_v * BV + tl.arange(0, BV)
             m_tv = m_t[:, None] & (o_v < V)[None, :]
@@ -591,18 +573,11 @@ def _gdn_wy_bwd_kernel(
         b_db += tl.sum(b_dakk, 1)
 
     # pass 2 over key tiles: dk = dk_state + (beta 2^g) Tm^T dW + M K + M^T K
+    b_dxx = tl.zeros([BS], dtype=ACC)  # dX_k . X_k per row
+    b_p = tl.zeros([BS], dtype=ACC)  # P_s = k_s . dk_state_s
+    b_sds = tl.sum(tl.zeros([BS], dtype=ACC), 0)  # <S, dS>
     b_kdk = tl.zeros([BS], dtype=ACC)  # k . dk per row (KDOT)
-    if DK_PARTIAL:
-        tl.debug_barrier()  # dka's pass-1 stores are read back below, possibly by other threads of this program
-        b_md = b_m.to(dt)
-        for i_k in range(tl.cdiv(K, BK)):
-            o_k = i_k * BK + tl.arange(0, BK)
-            m_tk = m_t[:, None] & (o_k < K)[None, :]
-            b_k = tl.load(p_k + o_k[None, :], mask=m_tk, other=0.0)
-            b_dk = tl.load(dka + p_tk + o_k[None, :], mask=m_tk, other=0.0) + tl.dot(
-                b_md, b_k, input_precision=DOT_PREC) + tl.dot(tl.trans(b_md), b_k, input_precision=DOT_PREC)
-            tl.store(dk + p_tk + o_k[None, :], b_dk.to(dk.dtype.element_ty), mask=m_tk)
-    for i_k in range(0 if DK_PARTIAL else tl.cdiv(K, BK)):
+    for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = o_k < K
         m_tk = m_t[:, None] & m_k[None, :]
@@ -692,8 +667,7 @@ def wy_bwd(
     sub-chunk (``chunk_state_fwd(n_state=True)``, ``chunk_state_bwd(dden=..)``; linear attention with
     scalar gates), whose terms join dk and dg_sub.
     Scalar gates (or none): ``dk_add [B, T, HV, K]`` is added to dk in the kernel (the tiled product's part),
-    dk is stored as ``dk_dtype`` (default fp32); with the delta rule an fp32 ``dk_add`` is used as scratch
-    (overwritten with a partial sum; config ``dk_partial=False`` leaves it alone); linear attention only: ``kdot`` appends ``k . dk`` per row
+    dk is stored as ``dk_dtype`` (default fp32); linear attention only: ``kdot`` appends ``k . dk`` per row
     ``[B, T, HV]`` fp32 (the mLSTM's input-gate gradient) to the returned tuple.
     """
     delta = ai is not None
@@ -718,14 +692,14 @@ def wy_bwd(
     rets = (dk, dv, dbeta, dgam) + ((kdk,) if kdot else ())
     if NS == 0 or B * HV == 0:
         return rets
-    # delta rule: 4 warps, 64-wide tiles (H100, B=4 T=8192 H=16 K=V=128: 1.04 ms; 32/32 1.25, 8 warps 1.46;
+    # delta rule: 4 warps, 64-wide tiles, 3 stages (H100, B=4 T=8192 H=16 K=V=128: 1.04 ms; 32/32 1.25, 8 warps 1.46,
+    # 1 / 2 stages 1.17 / 1.20; forming dk's S / dS terms in the first key pass (S and dU read once) 1.80:
+    # its extra fp32 accumulators spilled;
     # 8 warps had also hit an illegal address with an earlier form of this kernel on an H200, Triton 3.6)
     # linear attention (no WY part) at K <= 128, 16-bit: one 128-wide key tile (H100, B=4 T=8192 H=16 K=V=128:
     # 0.46 vs 0.51 ms; mLSTM B=8 V=256: 1.45 vs 1.63 ms)
     one_k = not delta and gv_cum is None and K <= 128 and k.element_size() == 2
-    cfg = {"num_warps": 4, "num_stages": 3, "BK": 128 if one_k else 64, "BV": 64, "dk_partial": True, **(config or {})}
-    # the delta rule's S / dS / dW terms of dk formed in the first key pass, into dk_add (fp32, overwritten)
-    partial = bool(cfg["dk_partial"]) and delta and dk_add is not None and dk_add.dtype == acc
+    cfg = {"num_warps": 4, "num_stages": 3, "BK": 128 if one_k else 64, "BV": 64, **(config or {})}
     _gdn_wy_bwd_kernel[(NS, B * HV)](
         k, v, beta, g_cum, ai, v_new, du, h_sub, dh_sub, dk, dv, dbeta, dgam, gk_cum, gb, cu_seqlens, sub_indices, T,
         H=H, HV=HV, K=K, V=V, BT=chunk_size, BK=min(max(16, next_pow2(K)), cfg["BK"]),
@@ -735,6 +709,5 @@ def wy_bwd(
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         gv=gv_cum, dgv=dgam if gv_cum is not None else None, VEC_G=gv_cum is not None,
         hn=hn_sub, dhn=dhn_sub, N_STATE=n_state, dka=dk_add, kdk=kdk, ADD_DK=dk_add is not None, KDOT=kdot,
-        DK_PARTIAL=partial,
     )
     return rets
