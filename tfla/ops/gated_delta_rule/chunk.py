@@ -62,9 +62,13 @@ class VarlenIndex:
             return self.sub_indices
         return prepare_chunk_indices(self.bounds, size, self.cu_seqlens.device)
 
+    def with_chunk_size(self, chunk_size: int) -> "VarlenIndex":
+        """The same sequences indexed for another outer chunk size (no host sync)."""
+        return VarlenIndex.build(self.cu_seqlens, chunk_size, bounds=self.bounds)
+
     @classmethod
-    def build(cls, cu_seqlens: torch.Tensor, chunk_size: int) -> "VarlenIndex":
-        bounds = seqlens_to_list(cu_seqlens)
+    def build(cls, cu_seqlens: torch.Tensor, chunk_size: int, bounds: list[int] | None = None) -> "VarlenIndex":
+        bounds = seqlens_to_list(cu_seqlens) if bounds is None else bounds
         dev = cu_seqlens.device
         return cls(
             cu_seqlens=cu_seqlens,

@@ -50,7 +50,12 @@ from tfla.utils.validation import (
     check_varlen_bounds,
 )
 
-DEFAULT_CHUNK_SIZE = 64
+DEFAULT_CHUNK_SIZE = 128
+# The backward runs at L = 64 whatever the forward's chunk_size: it recomputes the gates (restarting every
+# L) and stores states at every 64-row sub-chunk anyway, so a larger L only adds intra-chunk work there
+# (H100, bf16, B = 8, T = 8192, H = 16, K = 128, V = 256, sigmoid: fwd+bwd 10.52 ms at L = 64, 11.11 at
+# L = 128), while the forward is faster at L = 128 (2.01 vs 2.30 ms; 1048 vs 1564 MiB). docs/perf.md.
+BWD_CHUNK_SIZE = 64
 LOG2E = 1.0 / math.log(2.0)
 
 
@@ -357,7 +362,9 @@ class ChunkMLSTMFunction(torch.autograd.Function):
         h, final, den = chunk_mlstm_fwd(q, k, v, i, f, C0, n0, m0, opts, varlen)
         ctx.save_for_backward(q, k, v, i, f, C0, n0, m0, h, den,
                               *(final if final is not None and opts.input_gate == "exp" else ()))
-        ctx.varlen, ctx.opts = varlen, opts
+        # the backward's chunk size (see BWD_CHUNK_SIZE); den and h do not depend on L
+        ctx.opts = dataclasses.replace(opts, chunk_size=BWD_CHUNK_SIZE)
+        ctx.varlen = varlen.with_chunk_size(BWD_CHUNK_SIZE) if varlen is not None else None
         if final is None:
             return h, None, None, None
         if opts.input_gate == "exp":
@@ -431,7 +438,9 @@ def chunk_mlstm(
             (C, n stabilized by m as in mlstm_kernels); N = B, or the number of sequences with cu_seqlens.
         output_final_state: also return the final state (same structure, fp32).
         cu_seqlens: ``[N + 1]`` offsets of packed sequences (B = 1); each starts from its initial state.
-        chunk_size: outer chunk L in {64, 128, 256, 512}.
+        chunk_size: the forward's outer chunk L in {64, 128, 256, 512} (default 128); the backward
+            always runs at L = 64 (it stores states every 64 rows regardless; a larger L there only adds
+            intra-chunk work), so L trades forward speed against the forward's state memory.
         detach_normalizer: treat the normalizer ``max(|n . q|, e^{-m}) + eps`` and the max state as
             constants in the backward pass, as mlstm_kernels' Triton kernels do (TFLA paper, Appendix
             B.3); the default False gives the exact gradient of the output. The forward is the same.
