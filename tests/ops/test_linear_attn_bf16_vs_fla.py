@@ -1,6 +1,8 @@
 """bf16 on the GPU: tfla's linear-attention ops (chunk_linear_attn, chunk_retention, chunk_simple_gla,
 chunk_gla), output and every gradient, no worse than FLA's on the same inputs; both measured against the
 float64 step-by-step recurrence on the same rounded inputs (relative L2 per tensor)."""
+import os
+
 import pytest
 import torch
 
@@ -15,6 +17,10 @@ from tfla.bench.registry import fla_linear_attn_impl, tfla_linear_attn_impl
 @pytest.mark.parametrize("kind", ["none", "constant", "scalar", "vector"])
 def test_bf16_no_worse_than_fla(kind, L):
     pytest.importorskip("fla.ops")
+    if kind == "vector" and not os.environ.get("TFLA_TEST_FLA_GLA"):
+        # FLA 0.6.0's chunk_gla did not finish compiling/autotuning within 400 s on an H100 (Triton 3.6),
+        # and pytest-timeout could not interrupt it; opt in with TFLA_TEST_FLA_GLA=1
+        pytest.skip("FLA's chunk_gla compile is too slow here; set TFLA_TEST_FLA_GLA=1 to run")
     fla = fla_linear_attn_impl(kind)
     if fla is None:
         pytest.skip(f"FLA's {kind} op does not import here")
