@@ -5,7 +5,7 @@ python scripts/tune_bwd_ops.py --ops gdn,sgla-scalar,mlstm-sig --stage state_bwd
 
 For each op (the workloads of scripts/profile_ops.py) and each config: the do_bench median of one
 forward+backward call and the profiler time of the stage's kernel per call. ``{}`` is the default.
-Stages: ``state_bwd`` (chunk_state.chunk_state_bwd) and ``wy_bwd`` (ut_transform.wy_bwd), patched where
+Stages: ``state_fwd`` / ``state_bwd`` (chunk_state.chunk_state_fwd / _bwd) and ``wy_bwd`` (ut_transform.wy_bwd), patched where
 the ops import them, so every op's call picks the config up; ``tiled``: every launch of the tiled kernel
 (forward output and the three backward products; ``chunk_output.tiled_config`` and its ``output_config``
 aliases patched), e.g. ``'[{"num_stages": 1}, {"num_stages": 2}]'``.
@@ -28,7 +28,8 @@ import tfla.ops.simple_gla.chunk as sgla  # noqa: E402
 import tfla.ops.common.chunk_output as co  # noqa: E402
 import tfla.ops.gla.chunk as gla  # noqa: E402
 
-KERNELS = {"state_fwd": "_chunk_state_fwd_kernel", "state_bwd": "_chunk_state_bwd_kernel", "wy_bwd": "_gdn_wy_bwd_kernel", "tiled": "_chunk_tiled_kernel"}
+KERNELS = {"state_fwd": "_chunk_state_fwd_kernel", "state_bwd": "_chunk_state_bwd_kernel",
+           "wy_bwd": "_gdn_wy_bwd_kernel", "tiled": "_chunk_tiled_kernel"}
 FUNCS = {"state_fwd": "chunk_state_fwd", "state_bwd": "chunk_state_bwd", "wy_bwd": "wy_bwd"}
 
 

@@ -693,8 +693,8 @@ def wy_bwd(
     if NS == 0 or B * HV == 0:
         return rets
     # delta rule: 4 warps, 64-wide tiles, 3 stages (H100, B=4 T=8192 H=16 K=V=128: 1.04 ms; 32/32 1.25, 8 warps 1.46,
-    # 1 / 2 stages 1.17 / 1.20; forming dk's S / dS terms in the first key pass (S and dU read once) 1.80:
-    # its extra fp32 accumulators spilled;
+    # 1 / 2 stages 1.17 / 1.20; forming dk's S / dS terms in the first key pass (S and dU read once) 1.80,
+    # with two more live fp32 [64, 64] accumulators in that pass;
     # 8 warps had also hit an illegal address with an earlier form of this kernel on an H200, Triton 3.6)
     # linear attention (no WY part) at K <= 128, 16-bit: one 128-wide key tile (H100, B=4 T=8192 H=16 K=V=128:
     # 0.46 vs 0.51 ms; mLSTM B=8 V=256: 1.45 vs 1.63 ms)
