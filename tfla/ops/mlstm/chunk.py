@@ -362,9 +362,7 @@ class ChunkMLSTMFunction(torch.autograd.Function):
         h, final, den = chunk_mlstm_fwd(q, k, v, i, f, C0, n0, m0, opts, varlen)
         ctx.save_for_backward(q, k, v, i, f, C0, n0, m0, h, den,
                               *(final if final is not None and opts.input_gate == "exp" else ()))
-        # the backward's chunk size (see BWD_CHUNK_SIZE); den and h do not depend on L
-        ctx.opts = dataclasses.replace(opts, chunk_size=BWD_CHUNK_SIZE)
-        ctx.varlen = varlen.with_chunk_size(BWD_CHUNK_SIZE) if varlen is not None else None
+        ctx.varlen, ctx.opts = varlen, opts
         if final is None:
             return h, None, None, None
         if opts.input_gate == "exp":
@@ -373,14 +371,19 @@ class ChunkMLSTMFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dh, dC, dn, dm):
-        opts = ctx.opts
+        # the backward's chunk size (see BWD_CHUNK_SIZE); den and h do not depend on L. The varlen tables
+        # for it are built here (from the bounds already on the host), not on every forward call
+        opts, varlen = ctx.opts, ctx.varlen
+        if opts.chunk_size != BWD_CHUNK_SIZE:
+            opts = dataclasses.replace(opts, chunk_size=BWD_CHUNK_SIZE)
+            varlen = varlen.with_chunk_size(BWD_CHUNK_SIZE) if varlen is not None else None
         q, k, v, i, f, C0, n0, m0, h, den, *final = ctx.saved_tensors
         if dh is None:
             dh = torch.zeros_like(v)
         _check_cotangent("h", dh, v.shape, v.dtype)
         dq, dk, dv, di, df, dC0, dn0, dm0 = chunk_mlstm_bwd(
             q, k, v, i, f, C0, n0, m0, h, den, tuple(final) if final else None, dh.contiguous(), dC, dn, dm,
-            opts, ctx.varlen)
+            opts, varlen)
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), di.to(i.dtype), df.to(f.dtype),
                 dC0.to(C0.dtype) if (C0 is not None and dC0 is not None) else None,
                 dn0.to(n0.dtype) if (n0 is not None and dn0 is not None) else None,
