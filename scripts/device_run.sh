@@ -16,6 +16,8 @@
 #   timemlstm  scripts/time_mlstm.py --mk (mLSTM fwd+bwd, tfla and mlstm_kernels)
 #   testgla  chunk_gla tests on the GPU
 #   profilegla  per-kernel times of chunk_gla (vector decay), forward and fwd+bwd
+#   fuse     fwd+bwd per-kernel profiles at L = 64, fused backward paths on and off (profile_ops --unfused)
+#   testfuse GPU tests of the fused L = 64 backward (GDN, simple GLA family, mLSTM)
 #   profileops  per-kernel times of mLSTM / simple GLA / GDN calls (scripts/profile_ops.py)
 #   profile  per-stage times of tfla's forward (scripts/profile_gdn.py)
 # Results go to $OUT (logs, CSV/JSON); the last lines printed are the summary tables.
@@ -121,6 +123,20 @@ print('sanitized fwd+bwd ok')
       ;;
     benchbwdsweep)
       python3 -m tfla bench gdn --mode fwdbwd --impls tfla,fla --no-progress --T 4096,16384,32768 --json "$OUT/bench_fwdbwd_sweepT.json" --csv "$OUT/bench_fwdbwd_sweepT.csv" 2>&1 | tee "$OUT/bench_fwdbwd_sweepT.log"
+      ;;
+    fuse)
+      # the L = 64 backward with and without its fused paths (dvo in the state backward, dq + dk in one launch)
+      python3 scripts/profile_ops.py gdn sgla-scalar mlstm-sig mlstm-exp --mode fwdbwd --L 64 2>&1 | tee "$OUT/profile_fused.log"
+      python3 scripts/profile_ops.py gdn sgla-scalar mlstm-sig mlstm-exp --mode fwdbwd --L 64 --unfused 2>&1 | tee "$OUT/profile_unfused.log"
+      grep "==" "$OUT/profile_fused.log" "$OUT/profile_unfused.log"
+      ;;
+    testfuse)
+      # GPU checks of the fused L = 64 backward: GDN fp32 shapes / determinism / bf16 vs FLA (when installed),
+      # the simple GLA family and mLSTM at L = 64 (fp32 vs float64), mLSTM determinism and bf16 vs mlstm_kernels
+      python3 -m pytest -q -p no:cacheprovider -s -rf -m gpu --timeout 200 tests/ops/test_gated_delta_rule_bwd.py \
+          2>&1 | tee "$OUT/pytest_gdn_bwd_gpu.log" | grep -E "bf16 bwd|passed|failed|rror|Timeout" ;
+      python3 -m pytest -q -p no:cacheprovider -rf --timeout 200 -k "64 or deterministic or bf16" tests/ops/test_simple_gla.py \
+          tests/ops/test_mlstm.py 2>&1 | tee "$OUT/pytest_la_mlstm_gpu.log" | grep -E "bf16|passed|failed|rror|Timeout" ;
       ;;
     profileops)
       # per-kernel times (torch.profiler) of the mLSTM, simple GLA and GDN calls, forward and fwd+bwd

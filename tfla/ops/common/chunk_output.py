@@ -81,8 +81,9 @@ def _diag_tile(b_o, b_a, p_b, p_c, p_g, b_gq, t_k0, o_tq, m_tq, m_a, m_c, T, HB:
     else:
         b_s = tl.where(m_s, b_s, 0.0)
     b_cc = tl.load(p_c + o_tk[:, None] * (HC * DC), mask=m_tk[:, None] & m_c[None, :], other=0.0)  # [BKV, BC]
-    b_o = tl.dot(b_s.to(dt), b_cc.to(dt), b_o, input_precision=DOT_PREC)
-    return b_o, b_sd, b_cc, tl.sum(b_s, 1)
+    b_ps = b_s.to(dt)
+    b_o = tl.dot(b_ps, b_cc.to(dt), b_o, input_precision=DOT_PREC)
+    return b_o, b_sd, b_cc, tl.sum(b_s, 1), b_ps
 
 
 @triton.jit
@@ -314,6 +315,9 @@ def _chunk_tiled_kernel(
     add=None,
     ROWADD: tl.constexpr = 0,
     VEC_SPAN: tl.constexpr = 0,
+    out2=None,
+    xdot2=None,
+    DUAL: tl.constexpr = False,
 ):
     i_c_, i_t, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
     i_b, i_hv = i_bh // HV, i_bh % HV
@@ -427,12 +431,12 @@ def _chunk_tiled_kernel(
         b_o, b_sd, b_cd = _vec_diag(b_o, b_a, p_b, p_c, p_gv, s_gv, b_gvq, t_q0, o_tq, m_tq, m_a, m_c, o_gd, m_gd, T,
                                     HB * DA, HC * DC, BQ, VEC_G, REVERSE, VEC_ROWDOT, DOT_PREC, ACC, VEC_SPAN)
     elif ROWDOT:
-        b_o, b_sd, b_cd, _ = _diag_tile(b_o, b_a, p_b, p_c, p_gc, b_gq, t_q0, o_tq, m_tq, m_a, m_c, T, HB, HC, HV, DA,
-                                        DC, BKV, USE_G, REVERSE, True, DOT_PREC, b_addq, p_add, ROWADD)
+        b_o, b_sd, b_cd, _, b_ps = _diag_tile(b_o, b_a, p_b, p_c, p_gc, b_gq, t_q0, o_tq, m_tq, m_a, m_c, T, HB, HC,
+                                              HV, DA, DC, BKV, USE_G, REVERSE, True, DOT_PREC, b_addq, p_add, ROWADD)
     else:
         for t_k0 in range(t_q0, t_q0 + BQ, BKV):
-            b_o, _, _, b_rs = _diag_tile(b_o, b_a, p_b, p_c, p_gc, b_gq, t_k0, o_tq, m_tq, m_a, m_c, T, HB, HC, HV, DA,
-                                         DC, BKV, USE_G, REVERSE, False, DOT_PREC, b_addq, p_add, ROWADD)
+            b_o, _, _, b_rs, _ = _diag_tile(b_o, b_a, p_b, p_c, p_gc, b_gq, t_k0, o_tq, m_tq, m_a, m_c, T, HB, HC, HV,
+                                            DA, DC, BKV, USE_G, REVERSE, False, DOT_PREC, b_addq, p_add, ROWADD)
             if NORM > 0:
                 b_den += b_rs
 
@@ -510,7 +514,8 @@ def _chunk_tiled_kernel(
         b_o += (scale * b_sd)[:, None] * b_cd.to(ACC)
     if ROWDOT:  # x . out without the diagonal terms, then add them to the output
         p_x = x + (bos * HX + i_hv // (HV // HX)) * DC + o_tq[:, None] * (HX * DC) + o_c[None, :]
-        b_x = tl.load(p_x, mask=m_tq[:, None] & m_c[None, :], other=0.0).to(ACC)
+        b_xr = tl.load(p_x, mask=m_tq[:, None] & m_c[None, :], other=0.0)
+        b_x = b_xr.to(ACC)
         tl.store(xdot + (bos + o_tq) * HV + i_hv, tl.sum(b_x * b_o, 1), mask=m_tq)
         if SPLIT_G:  # the diagonal's own gate 2^(GQ_r - GK_r) (1 with one shared gate)
             b_gd = tl.load(p_gc + o_tq * HV, mask=m_tq, other=0.0)
@@ -521,6 +526,14 @@ def _chunk_tiled_kernel(
         b_o += (scale * b_sd)[:, None] * b_cd.to(ACC)
     p_o = out + (bos * HV + i_hv) * DC + o_tq[:, None] * (HV * DC) + o_c[None, :]
     tl.store(p_o, b_o.to(out.dtype.element_ty), mask=m_tq[:, None] & m_c[None, :])
+    if DUAL:  # the reverse form from the same gated scores (one diagonal tile, BT = BQ = BKV, ROWDOT): with
+        # a = dO, b = Vnew, c = k, x = q it is dk_s = scale sum_{r >= s} P_rs q_r, with its row dot with k (the
+        # c tile's rows) without the r = s terms, then those terms (the same a_r . b_r and diagonal gate)
+        b_o = tl.dot(tl.trans(b_ps), b_xr.to(dt), input_precision=DOT_PREC) * scale
+        tl.store(xdot2 + (bos + o_tq) * HV + i_hv, tl.sum(b_cd.to(ACC) * b_o, 1), mask=m_tq)
+        b_o += (scale * b_sd)[:, None] * b_x
+        tl.store(out2 + (bos * HV + i_hv) * DC + o_tq[:, None] * (HV * DC) + o_c[None, :],
+                 b_o.to(out2.dtype.element_ty), mask=m_tq[:, None] & m_c[None, :])
 
 
 def tiled_config(chunk_size: int, DA: int, DC: int, config: dict | None = None) -> dict:
@@ -547,6 +560,16 @@ def tiled_config(chunk_size: int, DA: int, DC: int, config: dict | None = None) 
 output_config = tiled_config
 
 
+def dual_supported(chunk_size: int, DA: int, DC: int, dtype: torch.dtype, config: dict | None = None) -> bool:
+    """Whether ``chunk_tiled(.., dual_dtype=..)`` applies: the chunk is one diagonal tile (``BQ = BKV =
+    chunk_size``, so L = 64 with the default tiles; fp32 tiles at dims above 128 use 32 rows and do not)."""
+    cfg = tiled_config(chunk_size, DA, DC, config)
+    if torch.tensor([], dtype=dtype).element_size() >= 4 and max(next_pow2(DA), next_pow2(DC)) > 128 \
+            and not (config and "BQ" in config):
+        return False
+    return cfg["BQ"] == cfg["BKV"] == chunk_size
+
+
 def chunk_tiled(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -571,6 +594,7 @@ def chunk_tiled(
     gv_on_out: bool = False,
     row_add: torch.Tensor | None = None,
     row_add_n: torch.Tensor | None = None,
+    dual_dtype: torch.dtype | None = None,
 ):
     """The tiled chunk product (module docstring) for ``a, b: [B, T, *, DA]``, ``c: [B, T, *, DC]``
     (each with H or HV heads), ``g_cum [B, T, HV]``; output ``[B, T, HV, DC]``.
@@ -599,6 +623,10 @@ def chunk_tiled(
     ``row_add_r n_c`` from ``row_add_n [B, NT, HV, DC]`` fp32. This is the product with one more column
     ``[b, 1]`` / ``[a, row_add]`` and state ``[S, n]``: the mLSTM normalizer's cotangent folded into dq
     (``fwd(a=dO, b=v, c=k)``, ``row_add`` = d den) and dk (``rev(a=v, b=dO, c=q)``).
+    ``dual_dtype`` (forward form with ``rowdot_with``, one diagonal tile per chunk: ``dual_supported``): also
+    the reverse form ``rev(a=b, b=a, c=rowdot_with)`` of the same call and its row dot with ``c``, from the same
+    gated score tile (dq and dk in one launch: ``fwd(dO, Vnew, k; x=q)`` gives dk = ``rev(Vnew, dO, q; x=k)``);
+    returns ``(out, rowdot, out2, rowdot2)`` then, ``out2 [B, T, HV, DC]`` in ``dual_dtype``.
     Returns ``out``, ``(out, rowdot)`` or ``(out, den)``.
     """
     B, T, HA, DA = a.shape
@@ -640,6 +668,13 @@ def chunk_tiled(
         raise ValueError("row_add [B, T, HV] excludes the vector gate and the normalizer; with states it "
                          "needs row_add_n")
     den = torch.empty(B, T, HV, dtype=acc, device=a.device) if normalizer is not None else None
+    dual = dual_dtype is not None
+    if dual and (reverse or rowdot_with is None or vec or normalizer is not None
+                 or not cfg["BQ"] == cfg["BKV"] == chunk_size or c.shape[2] != rowdot_with.shape[2]):
+        raise ValueError("dual_dtype needs the forward form with rowdot_with, no vector gate or normalizer, "
+                         "one diagonal tile per chunk (BQ = BKV = chunk_size) and c, rowdot_with of one head count")
+    out2 = torch.empty(B, T, HV, DC, dtype=dual_dtype, device=a.device) if dual else None
+    xdot2 = torch.empty(B, T, HV, dtype=acc, device=a.device) if dual else None
     NQ = cdiv(T, cfg["BQ"]) if cu_seqlens is None else tile_indices.shape[0]
     if NQ > 0 and B * HV > 0:
         _chunk_tiled_kernel[(cdiv(DC, cfg["BV"]), NQ, B * HV)](
@@ -656,9 +691,11 @@ def chunk_tiled(
             IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(a.dtype), ACC=acc_dtype(a.dtype),
             NORM=0 if normalizer is None else (2 if norm.get("lo") is not None else 1), BAS=bas,
             gv=gv_cum, VEC_G=vec, VEC_ROWDOT=bool(vec) and rowdot_with is not None, add=row_add, ROWADD=rowadd,
-            VEC_SPAN=cfg.get("VEC_SPAN", 0),
+            VEC_SPAN=cfg.get("VEC_SPAN", 0), out2=out2, xdot2=xdot2, DUAL=dual,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
+    if dual:
+        return out, xdot, out2, xdot2
     if rowdot_with is not None:
         return out, xdot
     return (out, den) if normalizer is not None else out

@@ -373,6 +373,7 @@ def _chunk_state_bwd_kernel(
     dn0=None,
     N_STATE: tl.constexpr = False,
     USE_DNT: tl.constexpr = False,
+    INTRA: tl.constexpr = False,
 ):
     """Reverse state-gradient recurrence (DELTA: of the delta rule; otherwise of linear attention,
     where the W^T dU term is absent and dU is the whole gradient of V). ``b_dh`` is the gradient of the state
@@ -386,7 +387,12 @@ def _chunk_state_bwd_kernel(
     N_STATE (linear attention): the gradient of the normalizer state n (the state of v = 1) rides along:
     ``dn <- 2^(G_n - G_c) dn`` per sub-chunk and, at each outer-chunk start, ``+ scale (2^G Q)^T dden``
     (``dden [B, T, HV]`` fp32: the cotangent of the output's extra column ``den``); stored per sub-chunk
-    to ``dhn`` and at the start to ``dn0`` (fp32, ``[.., K]``) by the first value tile."""
+    to ``dhn`` and at the start to ``dn0`` (fp32, ``[.., K]``) by the first value tile.
+
+    INTRA (BT = BS = 64, scalar or no gate): the output's intra-chunk gradient of Vnew,
+    ``dvo_s = scale sum_{r >= s} (k_s . q_r) 2^(GQ_r - GK_s) dO_r`` over the sub-chunk, is formed here from
+    the q, k and dO tiles this step loads anyway (two products) instead of read from ``dvo``: at L = 64
+    it is one diagonal tile, so its separate tiled launch and the fp32 round trip of dvo go away."""
     BS: tl.constexpr = 64
     i_v, i_nh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     i_n, i_hv = i_nh // HV, i_nh % HV
@@ -439,7 +445,22 @@ def _chunk_state_bwd_kernel(
             b_q = tl.load(q + (bos * H + i_h) * K + o_t[:, None] * (H * K) + o_k[None, :], mask=m_tk, other=0.0)
             p_tv = (bos * HV + i_hv) * V + o_t[:, None] * (HV * V) + o_v[None, :]
             b_do = tl.load(do + p_tv, mask=m_tv, other=0.0)
-            b_du = tl.load(dvo + p_tv, mask=m_tv, other=0.0).to(ACC)
+            if USE_G:
+                b_g = tl.load(p_g + o_t * HV, mask=m_t, other=0.0)
+                if SPLIT_G:
+                    b_gkey = tl.load(gk + bos * HV + i_hv + o_t * HV, mask=m_t, other=0.0)
+                else:
+                    b_gkey = b_g
+            if INTRA:  # dvo of this sub-chunk's diagonal tile: rows s (keys), columns r >= s (queries)
+                b_a = tl.dot(b_k, tl.trans(b_q), input_precision=DOT_PREC)  # [BS, BS]
+                m_a = (o_c[:, None] <= o_c[None, :]) & m_t[:, None] & m_t[None, :]
+                if USE_G:
+                    b_a *= tl.exp2(tl.where(m_a, b_g[None, :] - b_gkey[:, None], float("-inf")))
+                else:
+                    b_a = tl.where(m_a, b_a, 0.0)
+                b_du = tl.dot(b_a.to(dt), b_do, input_precision=DOT_PREC) * scale
+            else:
+                b_du = tl.load(dvo + p_tv, mask=m_tv, other=0.0).to(ACC)
             if VEC_G:  # per key row: K * 2^(GV_n - GV), Q * 2^GV, and dS's row decays 2^(GV_n - GV_c)
                 b_wv, b_rd, b_wq = _vec_decays(gv, bos, i_hv, t0, T, o_t, m_t, o_k, m_k, HV, K, BT, BS)
                 b_k = (b_k * b_wv).to(dt)
@@ -448,11 +469,6 @@ def _chunk_state_bwd_kernel(
             if USE_G:
                 b_gn = tl.load(p_g + (tl.minimum(t0 + BS, T) - 1) * HV)
                 b_gc = tl.load(p_g + (t0 - 1) * HV, mask=(t0 % BT) != 0, other=0.0)
-                b_g = tl.load(p_g + o_t * HV, mask=m_t, other=0.0)
-                if SPLIT_G:
-                    b_gkey = tl.load(gk + bos * HV + i_hv + o_t * HV, mask=m_t, other=0.0)
-                else:
-                    b_gkey = b_g
                 b_du += b_kdh * tl.exp2(tl.where(m_t, b_gn - b_gkey, float("-inf")))[:, None]
                 if HAS_GB:  # the outer chunk's start state is stabilized by gb at its first row
                     b_gb = tl.load(gb + (bos + i_c * BT) * HV + i_hv)
@@ -504,7 +520,7 @@ def chunk_state_bwd(
     k: torch.Tensor,
     w: torch.Tensor | None,
     do: torch.Tensor,
-    dvo: torch.Tensor,
+    dvo: torch.Tensor | None,
     g_cum: torch.Tensor | None,
     scale: float,
     chunk_size: int,
@@ -524,7 +540,8 @@ def chunk_state_bwd(
 
     Args:
         q, k: ``[B, T, H, K]``; w: ``[B, T, HV, K]`` WY keys (None: linear attention); do: ``[B, T, HV, V]``; dvo: the output's
-            gradient of Vnew, ``[B, T, HV, V]``; g_cum: ``[B, T, HV]`` (log2, restarting every L).
+            gradient of Vnew, ``[B, T, HV, V]``, or None to form it in the kernel (``intra_supported``:
+            ``chunk_size`` 64, scalar or no gate); g_cum: ``[B, T, HV]`` (log2, restarting every L).
         dht: cotangent of the final state ``[N, HV, K, V]`` or None.
         gk_cum, gb: split gates (as ``chunk_state_fwd``).
         gv_cum: vector gate ``[B, T, HV, K]`` (as ``chunk_state_fwd``; linear attention, g_cum None).
@@ -545,6 +562,9 @@ def chunk_state_bwd(
     du = torch.empty(B, T, HV, V, dtype=k.dtype, device=k.device)
     dh0 = torch.empty(N, HV, K, V, dtype=_state_acc(k.dtype), device=k.device) if need_dh0 else None
     n_state = dden is not None
+    intra = dvo is None
+    if intra and not intra_supported(chunk_size, gv_cum):
+        raise ValueError("dvo=None (formed in the kernel) needs chunk_size 64 and no vector gate")
     if n_state and (w is not None or gv_cum is not None):
         raise ValueError("the normalizer state's gradient (dden) serves linear attention with scalar gates")
     dhn = torch.empty(B, NS, HV, K, dtype=_state_acc(k.dtype), device=k.device) if n_state else None
@@ -572,6 +592,12 @@ def chunk_state_bwd(
         IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(k.dtype), ACC=acc_dtype(k.dtype),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         gv=gv_cum, VEC_G=gv_cum is not None, dden=dden, dnt=dnt, dhn=dhn, dn0=dn0, N_STATE=n_state,
-        USE_DNT=n_state and dnt is not None,
+        USE_DNT=n_state and dnt is not None, INTRA=intra,
     )
     return rets
+
+
+def intra_supported(chunk_size: int, gv_cum: torch.Tensor | None = None) -> bool:
+    """Whether ``chunk_state_bwd`` can form the output's intra-chunk dvo itself (``dvo=None``): one 64-row
+    diagonal tile per chunk (L = 64) and a scalar or no gate."""
+    return chunk_size == SUB_CHUNK and gv_cum is None

@@ -18,8 +18,8 @@ import dataclasses
 
 import torch
 
-from tfla.ops.common.chunk_output import chunk_output_fwd, chunk_tiled, output_config
-from tfla.ops.common.chunk_state import chunk_state_bwd, chunk_state_fwd
+from tfla.ops.common.chunk_output import chunk_output_fwd, chunk_tiled, dual_supported, output_config
+from tfla.ops.common.chunk_state import chunk_state_bwd, chunk_state_fwd, intra_supported
 from tfla.ops.common.cumsum import chunk_local_cumsum
 from tfla.ops.common.utils import RCP_LN2, SUB_CHUNK, prepare_chunk_indices, prepare_chunk_offsets, seqlens_to_list
 from tfla.ops.common.ut_transform import ut_inverse_fwd, ut_transform_fwd, wy_bwd
@@ -177,13 +177,19 @@ def chunk_gated_delta_rule_bwd(
     ocfg = output_config(L, K, v.shape[-1], config.get("output"))
     if varlen is not None:
         tiled.update(tile_indices=varlen.tiles(ocfg["BQ"]), chunk_offsets=varlen.sub_offsets)
-    # the output's gradients: one tiled launch each (ULA: same product, permuted arguments)
-    dvo = chunk_tiled(k, q, do, g_cum, scale, L, reverse=True, **tiled)
+    # the output's gradients: one tiled launch each (ULA: same product, permuted arguments). At L = 64 (one
+    # diagonal tile per chunk) dq and dk come from one launch (the same gated score tile) and dvo is formed
+    # inside the state-gradient recurrence (no launch, no fp32 round trip)
+    dvo = None if intra_supported(L) else chunk_tiled(k, q, do, g_cum, scale, L, reverse=True, **tiled)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     grouped = HV != H  # grouped value heads: dq, dk summed over a key head's value heads afterwards, in fp32
-    dq, dgq = chunk_tiled(do, v_new, k, g_cum, scale, L, h=h_sub, state_every=SUB_CHUNK, state_transposed=True,
-                          rowdot_with=q, out_dtype=acc if grouped else q.dtype, **tiled)
-    dko, dgk = chunk_tiled(v_new, do, q, g_cum, scale, L, reverse=True, rowdot_with=k, out_dtype=acc, **tiled)
+    dq_args = dict(h=h_sub, state_every=SUB_CHUNK, state_transposed=True, rowdot_with=q,
+                   out_dtype=acc if grouped else q.dtype, **tiled)
+    if dual_supported(L, v.shape[-1], K, q.dtype, config.get("output")):
+        dq, dgq, dko, dgk = chunk_tiled(do, v_new, k, g_cum, scale, L, dual_dtype=acc, **dq_args)
+    else:
+        dq, dgq = chunk_tiled(do, v_new, k, g_cum, scale, L, **dq_args)
+        dko, dgk = chunk_tiled(v_new, do, q, g_cum, scale, L, reverse=True, rowdot_with=k, out_dtype=acc, **tiled)
     dh_sub, du, dh0 = chunk_state_bwd(
         q, k, w, do, dvo, g_cum, scale, L, dht=dht, need_dh0=initial_state is not None, cu_seqlens=cu,
         sub_offsets=varlen.sub_offsets if varlen is not None else None,

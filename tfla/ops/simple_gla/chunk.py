@@ -14,8 +14,8 @@ import dataclasses
 
 import torch
 
-from tfla.ops.common.chunk_output import chunk_output_fwd, chunk_tiled, output_config
-from tfla.ops.common.chunk_state import chunk_state_bwd, chunk_state_fwd
+from tfla.ops.common.chunk_output import chunk_output_fwd, chunk_tiled, dual_supported, output_config
+from tfla.ops.common.chunk_state import chunk_state_bwd, chunk_state_fwd, intra_supported
 from tfla.ops.common.cumsum import chunk_local_cumsum
 from tfla.ops.common.utils import RCP_LN2, SUB_CHUNK
 from tfla.ops.common.ut_transform import wy_bwd
@@ -92,11 +92,17 @@ def chunk_simple_gla_bwd(q, k, v, g_cum, scale, initial_state, do, dht, chunk_si
     if varlen is not None:
         tiled.update(tile_indices=varlen.tiles(output_config(L, q.shape[-1], v.shape[-1])["BQ"]),
                      chunk_offsets=varlen.sub_offsets)
-    dvo = chunk_tiled(k, q, do, g_cum, scale, L, reverse=True, **tiled)
-    dq, dgq = chunk_tiled(do, v, k, g_cum, scale, L, h=h_sub, state_every=SUB_CHUNK, state_transposed=True,
-                          rowdot_with=q, out_dtype=q.dtype, row_add=dden, row_add_n=hn_sub, **tiled)
-    dko, dgk = chunk_tiled(v, do, q, g_cum, scale, L, reverse=True, rowdot_with=k, out_dtype=acc, row_add=dden,
-                           **tiled)
+    # at L = 64 (one diagonal tile per chunk): dvo formed inside the state-gradient recurrence, dq and dk from
+    # one tiled launch (the same gated score tile)
+    dvo = None if intra_supported(L) else chunk_tiled(k, q, do, g_cum, scale, L, reverse=True, **tiled)
+    dq_args = dict(h=h_sub, state_every=SUB_CHUNK, state_transposed=True, rowdot_with=q, out_dtype=q.dtype,
+                   row_add=dden, row_add_n=hn_sub, **tiled)
+    if dual_supported(L, v.shape[-1], q.shape[-1], q.dtype):
+        dq, dgq, dko, dgk = chunk_tiled(do, v, k, g_cum, scale, L, dual_dtype=acc, **dq_args)
+    else:
+        dq, dgq = chunk_tiled(do, v, k, g_cum, scale, L, **dq_args)
+        dko, dgk = chunk_tiled(v, do, q, g_cum, scale, L, reverse=True, rowdot_with=k, out_dtype=acc, row_add=dden,
+                               **tiled)
     # without the delta rule the state-gradient recurrence's dU is the whole gradient of v
     dh_sub, dv, dh0, *dns = chunk_state_bwd(
         q, k, None, do, dvo, g_cum, scale, L, dht=dht, need_dh0=initial_state is not None, cu_seqlens=cu,
