@@ -64,7 +64,12 @@ def main():
     p.add_argument("--stage", choices=list(KERNELS), default="state_bwd")
     p.add_argument("--configs", default='[{}]', help="JSON list of config dicts")
     p.add_argument("--L", type=int, default=64)
+    p.add_argument("--no-intra", action="store_true",
+                   help="dvo from its own tiled launch instead of inside the state backward (chunk_state.intra_supported)")
     a = p.parse_args()
+    if a.no_intra:
+        for mod in (gdn, sgla):
+            mod.intra_supported = lambda *args, **kw: False
     for op in a.ops.split(","):
         x = inputs(op)
         fn = call(op, a.L)
@@ -85,7 +90,7 @@ def main():
                         run()
                     torch.cuda.synchronize()
                 kt = sum(e.device_time_total for e in prof.key_averages() if e.key == KERNELS[a.stage]) / 3e3
-                print(f"{op:12s} {a.stage} {json.dumps(cfg):40s} call {ms:7.3f} ms  kernel {kt:6.3f} ms", flush=True)
+                print(f"{op:12s} {a.stage}{' no-intra' if a.no_intra else ''} {json.dumps(cfg):40s} call {ms:7.3f} ms  kernel {kt:6.3f} ms", flush=True)
             except Exception as e:  # noqa: BLE001 (a config that does not compile or fit)
                 print(f"{op:12s} {a.stage} {json.dumps(cfg):40s} FAILED {type(e).__name__}: {str(e)[:100]}", flush=True)
                 if "illegal" in str(e):
