@@ -18,6 +18,7 @@
 #   profilegla  per-kernel times of chunk_gla (vector decay), forward and fwd+bwd
 #   fuse     fwd+bwd per-kernel profiles at L = 64, fused backward paths on and off (profile_ops --unfused)
 #   testfuse GPU tests of the fused L = 64 backward (GDN, simple GLA family, mLSTM)
+#   benchA / benchB  this session's fwd+bwd benches without / with tilelang (two calls, machine kept warm)
 #   profileops  per-kernel times of mLSTM / simple GLA / GDN calls (scripts/profile_ops.py)
 #   profile  per-stage times of tfla's forward (scripts/profile_gdn.py)
 # Results go to $OUT (logs, CSV/JSON); the last lines printed are the summary tables.
@@ -137,6 +138,25 @@ print('sanitized fwd+bwd ok')
           2>&1 | tee "$OUT/pytest_gdn_bwd_gpu.log" | grep -E "bf16 bwd|passed|failed|rror|Timeout" ;
       python3 -m pytest -q -p no:cacheprovider -rf --timeout 200 -k "64 or deterministic or bf16" tests/ops/test_simple_gla.py \
           tests/ops/test_mlstm.py 2>&1 | tee "$OUT/pytest_la_mlstm_gpu.log" | grep -E "bf16|passed|failed|rror|Timeout" ;
+      ;;
+    benchA)
+      # peers without tilelang (FLA's gated backward refuses Triton 3.6 on Hopper then): mLSTM vs mlstm_kernels,
+      # linear attention without / with constant decay vs FLA, tfla GDN rows (recompute vs save_states)
+      python3 -m pytest -q -p no:cacheprovider -rf --timeout 200 -k "save_states or deterministic" \
+          tests/ops/test_gated_delta_rule_bwd.py 2>&1 | tee "$OUT/pytest_save_states_gpu.log" | grep -E "passed|failed|rror" ;
+      python3 -m tfla bench mlstm --mode fwdbwd --chunk-sizes 64,128 --no-progress --warmup 10 --rep 50 \
+          --json "$OUT/bench_mlstm_fwdbwd.json" 2>&1 | tee "$OUT/bench_mlstm_fwdbwd.log" | tail -14
+      python3 -m tfla bench linear-attn --mode fwdbwd --kinds none,constant --chunk-sizes 64 --no-progress --warmup 10 \
+          --rep 50 --json "$OUT/bench_la_fwdbwd.json" 2>&1 | tee "$OUT/bench_la_fwdbwd.log" | tail -10
+      ;;
+    benchB)
+      # with tilelang (FLA's gated backward routed to TileLang): GDN vs FLA (T sweep), scalar decay vs FLA, FlashQLA last
+      python3 -m tfla bench gdn --mode fwdbwd --impls tfla,fla --chunk-sizes 64,64s --T 4096,8192,16384,32768 \
+          --no-progress --warmup 10 --rep 50 --json "$OUT/bench_gdn_fwdbwd_sweepT.json" 2>&1 | tee "$OUT/bench_gdn_fwdbwd_sweepT.log" | tail -16
+      python3 -m tfla bench linear-attn --mode fwdbwd --kinds scalar --chunk-sizes 64 --no-progress --warmup 10 \
+          --rep 50 --json "$OUT/bench_la_scalar_fwdbwd.json" 2>&1 | tee "$OUT/bench_la_scalar_fwdbwd.log" | tail -8
+      python3 -m tfla bench gdn --mode fwdbwd --impls flashqla --no-progress --warmup 10 --rep 50 \
+          --json "$OUT/bench_gdn_fwdbwd_flashqla.json" 2>&1 | tee "$OUT/bench_gdn_fwdbwd_flashqla.log" | tail -6
       ;;
     profileops)
       # per-kernel times (torch.profiler) of the mLSTM, simple GLA and GDN calls, forward and fwd+bwd

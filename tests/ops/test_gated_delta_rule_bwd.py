@@ -20,7 +20,7 @@ FP16_TOL = 1e-2
 
 
 def _grads(device, B, T, H, HV, K, V, L, dtype=torch.float32, gate="default", h0=True, final=True, seed=0,
-           l2norm=False, cu_seqlens=None, num_seqs=None):
+           l2norm=False, cu_seqlens=None, num_seqs=None, save_states=False):
     """tfla's and the float64 recurrence's gradients on the same (rounded) inputs and cotangents."""
     x = gdn_inputs(B, T, H, K, V, HV=HV, dtype=dtype, device=device, gate=gate, initial_state=h0, seed=seed,
                    num_seqs=num_seqs, gate_dtype=torch.float64 if dtype == torch.float64 else torch.float32)
@@ -32,7 +32,8 @@ def _grads(device, B, T, H, HV, K, V, L, dtype=torch.float32, gate="default", h0
     leaves = [x[n].clone().requires_grad_() for n in names]
     h0_leaf = leaves[5] if h0 else None
     o, s = tfla.chunk_gated_delta_rule(*leaves[:5], initial_state=h0_leaf, output_final_state=final,
-                                       use_qk_l2norm_in_kernel=l2norm, cu_seqlens=cu_seqlens, chunk_size=L)
+                                       use_qk_l2norm_in_kernel=l2norm, cu_seqlens=cu_seqlens, chunk_size=L,
+                                       save_states=save_states)
     gen = torch.Generator().manual_seed(seed + 1)
     do = torch.randn(o.shape, generator=gen).to(device=device, dtype=o.dtype)
     loss = (o * do).sum()
@@ -99,6 +100,30 @@ def test_gradcheck_float64(device):
         return tfla.chunk_gated_delta_rule(q, k, v, g, b, initial_state=h0, output_final_state=True, chunk_size=64)
 
     assert torch.autograd.gradcheck(f, args, eps=1e-6, atol=1e-8, rtol=1e-6, fast_mode=True)
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_bwd_save_states_matches_recurrence(device, poison_empty, varlen):
+    """save_states: the backward uses the forward's W, Vnew and 64-row states instead of recomputing them."""
+    T = 300
+    cu = random_cu_seqlens(T, 3, seed=5, device=device) if varlen else None
+    got, ref = _grads(device, 1, T, 2, 4, 32, 16, 64, gate="strong", cu_seqlens=cu, num_seqs=3 if varlen else None,
+                      seed=7, save_states=True)
+    _check(got, ref, FP32_TOL)
+
+
+def test_save_states_and_fused_paths_reject_what_they_do_not_serve(device):
+    from tfla.ops.common.chunk_output import chunk_tiled
+    from tfla.ops.common.chunk_state import chunk_state_bwd
+
+    x = gdn_inputs(1, 128, 1, 16, 16, device=device)
+    with pytest.raises(ValueError, match="save_states"):
+        tfla.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], chunk_size=128, save_states=True)
+    q, k, v = x["q"], x["k"], x["v"]
+    with pytest.raises(ValueError, match="dvo=None"):  # the in-kernel dvo serves one 64-row tile per chunk
+        chunk_state_bwd(q, k, None, v, None, x["g"], 1.0, 128)
+    with pytest.raises(ValueError, match="dual_dtype"):  # dq + dk in one launch: one diagonal tile per chunk
+        chunk_tiled(v, v, k, x["g"], 1.0, 128, rowdot_with=q, dual_dtype=torch.float32)
 
 
 @pytest.mark.parametrize("L", [64, 256])

@@ -37,15 +37,21 @@ def _version(dist: str) -> str:
         return "?"
 
 
-def tfla_impl(chunk_size: int) -> Impl:
+def tfla_impl(chunk_size: int | str) -> Impl:
+    """tfla at outer chunk ``chunk_size``; ``"64s"``: L = 64 with ``save_states=True`` (the forward keeps W,
+    Vnew and its states for the backward)."""
     from tfla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    save = isinstance(chunk_size, str) and chunk_size.endswith("s")
+    L = int(str(chunk_size).rstrip("s"))
 
     def fn(x, output_final_state=True, **kw):
         return chunk_gated_delta_rule(
             x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x.get("initial_state"),
-            output_final_state=output_final_state, cu_seqlens=x.get("cu_seqlens"), chunk_size=chunk_size, **kw)
+            output_final_state=output_final_state, cu_seqlens=x.get("cu_seqlens"), chunk_size=L,
+            save_states=save, **kw)
 
-    return Impl(f"tfla L={chunk_size}", fn, chunk_size, None, _version("tfla"))
+    return Impl(f"tfla L={L}{' save_states' if save else ''}", fn, L, None, _version("tfla"))
 
 
 IMPORT_ERRORS: dict[str, str] = {}  # peer -> why it did not import here (printed with the skipped peers)

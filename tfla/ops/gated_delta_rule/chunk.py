@@ -39,6 +39,7 @@ class GDNOptions:
     chunk_size: int
     output_final_state: bool
     use_qk_l2norm_in_kernel: bool
+    save_states: bool = False
 
 
 @dataclasses.dataclass
@@ -150,9 +151,11 @@ def chunk_gated_delta_rule_bwd(
     chunk_size: int,
     varlen: VarlenIndex | None = None,
     config: dict | None = None,
+    saved: tuple | None = None,
 ):
     """Plain backward (no autograd) from the forward's saved ``g_cum`` (log2, restarting every L) and
-    ``ai`` (Tm). Returns ``(dq, dk, dv, dg, dbeta, dh0)``: dq, dk ``[B, T, H, K]`` in q's dtype, dv in v's
+    ``ai`` (Tm); ``saved = (w, v_new, h)`` from a forward at L = 64 (its states are then the 64-row ones)
+    skips their recomputation. Returns ``(dq, dk, dv, dg, dbeta, dh0)``: dq, dk ``[B, T, H, K]`` in q's dtype, dv in v's
     dtype, dg and dbeta ``[B, T, HV]`` fp32, dh0 fp32 or None.
 
     Stages: recompute W, U (from Tm) and the state at every 64-row sub-chunk with Vnew; the output's
@@ -166,13 +169,19 @@ def chunk_gated_delta_rule_bwd(
     L = chunk_size
     cu = varlen.cu_seqlens if varlen is not None else None
     sub = varlen.sub_indices if varlen is not None else None
-    w, u, _ = ut_transform_fwd(k, v, g_cum, beta, L, cu_seqlens=cu, sub_indices=sub, config=config.get("ut"), ai=ai)
-    h_sub, v_new, _ = chunk_state_fwd(
-        k, u, g_cum, L, w=w, initial_state=initial_state, cu_seqlens=cu,
-        chunk_offsets=varlen.sub_offsets if varlen is not None else None,
-        num_chunks=varlen.sub_indices.shape[0] if varlen is not None else None,
-        config=config.get("state"), store_every_sub_chunk=True)
-    del u
+    if saved is not None:
+        if L != SUB_CHUNK:
+            raise ValueError(f"saved states need the 64-row states of a forward at chunk_size 64, not {L}")
+        w, v_new, h_sub = saved
+    else:
+        w, u, _ = ut_transform_fwd(k, v, g_cum, beta, L, cu_seqlens=cu, sub_indices=sub, config=config.get("ut"),
+                                   ai=ai)
+        h_sub, v_new, _ = chunk_state_fwd(
+            k, u, g_cum, L, w=w, initial_state=initial_state, cu_seqlens=cu,
+            chunk_offsets=varlen.sub_offsets if varlen is not None else None,
+            num_chunks=varlen.sub_indices.shape[0] if varlen is not None else None,
+            config=config.get("state"), store_every_sub_chunk=True)
+        del u
     tiled = dict(cu_seqlens=cu, config=config.get("output"))
     ocfg = output_config(L, K, v.shape[-1], config.get("output"))
     if varlen is not None:
@@ -227,14 +236,16 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
         o, final_state, inter = chunk_gated_delta_rule_fwd(
             q, k, v, g, beta, opts.scale, initial_state, opts.output_final_state, opts.chunk_size, varlen)
         # saved: inputs, the cumulative gates (fp32, B*T*HV) and Tm (B*T*HV*64, input dtype); W, U,
-        # Vnew and the per-sub-chunk states are recomputed in backward (README: memory)
-        ctx.save_for_backward(q, k, v, g, beta, initial_state, inter["g_cum"], inter["ai"])
+        # Vnew and the per-sub-chunk states are recomputed in backward (README: memory) unless save_states
+        # (L = 64: the forward's states are the 64-row ones) keeps W, Vnew and the states
+        extra = (inter["w"], inter["v_new"], inter["h"]) if opts.save_states else ()
+        ctx.save_for_backward(q, k, v, g, beta, initial_state, inter["g_cum"], inter["ai"], *extra)
         ctx.varlen, ctx.opts = varlen, opts
         return o, final_state
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, g, beta, initial_state, g_cum, ai = ctx.saved_tensors
+        q, k, v, g, beta, initial_state, g_cum, ai, *saved = ctx.saved_tensors
         opts = ctx.opts
         if do is None:
             do = torch.zeros(*v.shape, dtype=q.dtype, device=q.device)
@@ -245,7 +256,8 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
             _check_cotangent("final_state", dht, (N, v.shape[2], q.shape[3], v.shape[3]), None)
             dht = dht.contiguous()
         dq, dk, dv, dg, dbeta, dh0 = chunk_gated_delta_rule_bwd(
-            q, k, v, g_cum, beta, ai, opts.scale, initial_state, do.contiguous(), dht, opts.chunk_size, ctx.varlen)
+            q, k, v, g_cum, beta, ai, opts.scale, initial_state, do.contiguous(), dht, opts.chunk_size, ctx.varlen,
+            saved=tuple(saved) if saved else None)
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), dbeta.to(beta.dtype),
                 dh0.to(initial_state.dtype) if dh0 is not None else None, None, None)
 
@@ -272,6 +284,7 @@ def chunk_gated_delta_rule(
     cu_seqlens: torch.LongTensor | None = None,
     *,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
+    save_states: bool = False,
 ):
     r"""Gated delta rule (Gated DeltaNet), chunkwise with two-level TFLA tiling.
 
@@ -296,6 +309,11 @@ def chunk_gated_delta_rule(
         cu_seqlens: ``[N + 1]`` int offsets of N packed sequences (then B must be 1).
         chunk_size: outer chunk L in {64, 128, 256, 512} (keyword-only). 64 is the single-level
             (FLA-style) algorithm.
+        save_states: keep W, Vnew and the states (every 64 rows) from the forward for the backward
+            instead of recomputing them there (keyword-only; ``chunk_size`` 64 only). Faster training
+            step, more saved activations: ``B*T*HV*(K + V) + B*ceil(T/64)*HV*K*V`` more elements in the
+            input dtype (512 MiB more than the default at B=4, T=8192, H=16, K=V=128, bf16, which saves
+            66 MiB besides the inputs); README of this op.
 
     Returns:
         ``o [B, T, HV, V]`` in q's dtype, and ``final_state [N, HV, K, V]`` fp32 (or None).
@@ -314,6 +332,9 @@ def chunk_gated_delta_rule(
     (as in FLA); fp32 inputs use IEEE fp32 dots throughout.
     """
     check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size)
+    if save_states and chunk_size != SUB_CHUNK:
+        raise ValueError(f"save_states needs chunk_size=64 (the forward's states are the 64-row ones there), "
+                         f"got chunk_size={chunk_size}")
     B, T, H, K = q.shape
     varlen = None
     if cu_seqlens is not None:
@@ -321,7 +342,8 @@ def chunk_gated_delta_rule(
         check_varlen_bounds(varlen.bounds, T)
     if scale is None:
         scale = K ** -0.5
-    opts = GDNOptions(float(scale), int(chunk_size), bool(output_final_state), bool(use_qk_l2norm_in_kernel))
+    opts = GDNOptions(float(scale), int(chunk_size), bool(output_final_state), bool(use_qk_l2norm_in_kernel),
+                      bool(save_states))
     if use_qk_l2norm_in_kernel:  # differentiable PyTorch ops: autograd carries the gradient through them
         q, k = _l2norm(q), _l2norm(k)
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
