@@ -97,7 +97,7 @@ def _state_cfg(k):
 def chunk_gla_fwd(q, k, v, g, scale, initial_state, output_final_state, chunk_size, varlen=None,
                   positive_flag=None):
     """Plain forward: ``(o, final_state, gv_cum)``; g is the log decay ``[B, T, H, K]`` (natural log).
-    ``positive_flag``: int32 ``[1]`` set to 1 by the cumsum kernel when any ``g > 0``."""
+    ``positive_flag``: a ``PositiveFlag`` the cumsum kernel raises when any ``g > 0``."""
     cu = varlen.cu_seqlens if varlen is not None else None
     gv_cum = _channel_cumsum(g, chunk_size, varlen, scale=RCP_LN2, positive_flag=positive_flag)
     h, _, final_state = chunk_state_fwd(
@@ -218,9 +218,9 @@ def chunk_gla(
     q, k, v, g and initial_state.
 
     Raises ValueError/TypeError naming the argument for wrong shapes or dtypes (a scalar decay
-    ``[B, T, H]`` passed as ``g`` points to ``chunk_simple_gla``), positive log decays (checked with one
-    host sync at the end of the call, after the kernels are queued; not while a CUDA graph is being
-    captured), unsupported sizes, chunk sizes or devices.
+    ``[B, T, H]`` passed as ``g`` points to ``chunk_simple_gla``), positive log decays (checked at the
+    end of the call, after the kernels are queued, waiting for the gate's cumsum kernel only; not while a
+    CUDA graph is being captured), unsupported sizes, chunk sizes or devices.
     """
     _check(q, k, v, g, scale, initial_state, cu_seqlens, chunk_size)
     positive = _positive_flag(g)

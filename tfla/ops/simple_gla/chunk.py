@@ -16,7 +16,7 @@ import torch
 
 from tfla.ops.common.chunk_output import chunk_output_fwd, chunk_tiled, dual_supported, output_config
 from tfla.ops.common.chunk_state import chunk_state_bwd, chunk_state_fwd, intra_supported
-from tfla.ops.common.cumsum import chunk_local_cumsum
+from tfla.ops.common.cumsum import PositiveFlag, chunk_local_cumsum
 from tfla.ops.common.utils import RCP_LN2, SUB_CHUNK
 from tfla.ops.common.ut_transform import wy_bwd
 from tfla.ops.gated_delta_rule.chunk import VarlenIndex, _check_cotangent
@@ -42,7 +42,7 @@ def chunk_simple_gla_fwd(q, k, v, g, scale, initial_state, output_final_state, c
     carries the normalizer state n (v = 1; start ``initial_n``) and the call returns
     ``(o, final_state, g_cum, den, final_n)``; ``normalizer`` (``dict(lo=, eps=)``, needs ``n_state``)
     divides the output by it in the tiled kernel and ``den`` is its dot (else None). ``positive_flag``:
-    int32 ``[1]`` that the cumsum kernel sets to 1 when any ``g > 0``."""
+    a ``PositiveFlag`` that the cumsum kernel raises when any ``g > 0``."""
     cu = varlen.cu_seqlens if varlen is not None else None
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     if g is not None:
@@ -164,21 +164,21 @@ def _check(q, k, v, g, g_gamma, scale, initial_state, cu_seqlens, chunk_size):
     check_common(q, named, scale, initial_state, cu_seqlens, chunk_size, (H, K, V), "H, K, V")
 
 
-def _positive_flag(like: torch.Tensor | None) -> torch.Tensor | None:
-    """None when ``like`` is None (nothing to check), else an int32 ``[1]`` zero on ``like``'s device (pass
-    the tensor the kernels run on: q; a ``g_gamma`` may live on the host) that the gate's cumsum kernel raises to 1 when any ``g > 0``
-    (no extra pass over g), read after the kernels are queued (``_raise_if_positive``): one host sync
-    at the end of the call instead of one before the kernels (measured on an H100: 2.18 ms with the sync
-    first vs 0.56 ms without it, B=4 T=8192 H=16 K=V=128). None (no check) during CUDA-graph capture,
-    where no host read is possible."""
+def _positive_flag(like: torch.Tensor | None) -> PositiveFlag | None:
+    """None when ``like`` is None (nothing to check), else a ``PositiveFlag`` on ``like``'s device (pass the
+    tensor the kernels run on: q; a ``g_gamma`` may live on the host) that the gate's cumsum kernel raises
+    when any ``g > 0`` (no extra pass over g), read after the kernels are queued (``_raise_if_positive``),
+    waiting for the cumsum kernel only (measured on an H100 with a host read before the kernels: 2.18 ms
+    vs 0.56 ms without it, B=4 T=8192 H=16 K=V=128). None (no check) during CUDA-graph capture, where no
+    host read is possible."""
     if like is None or (like.is_cuda and torch.cuda.is_current_stream_capturing()):
         return None
-    return torch.zeros(1, dtype=torch.int32, device=like.device)
+    return PositiveFlag(like.device)
 
 
-def _raise_if_positive(flag: torch.Tensor | None, name: str = "g"):
-    if flag is not None and bool(flag.item()):  # a positive log decay is a growth, not a decay
-        raise ValueError(f"`{name}` is a log decay and must be <= 0 everywhere; got positive values")
+def _raise_if_positive(flag: PositiveFlag | None, name: str = "g"):
+    if flag is not None:
+        flag.raise_if_positive(name)
 
 
 def chunk_simple_gla(
@@ -212,8 +212,8 @@ def chunk_simple_gla(
     q, k, v, g and initial_state (``g_gamma`` is a constant, as in FLA).
 
     Raises ValueError/TypeError naming the argument for wrong shapes or dtypes, a vector decay passed
-    as ``g``, positive log decays (checked with one host sync at the end of the call, after the kernels
-    are queued; not checked while a CUDA graph is being captured), unsupported sizes or devices.
+    as ``g``, positive log decays (checked at the end of the call, after the kernels are queued, waiting
+    for the gate's cumsum kernel only; not checked while a CUDA graph is being captured), unsupported sizes or devices.
     """
     _check(q, k, v, g, g_gamma, scale, initial_state, cu_seqlens, chunk_size)
     return _chunk_simple_gla(q, k, v, g, g_gamma, scale, initial_state, output_final_state, cu_seqlens, chunk_size,
