@@ -187,17 +187,23 @@ def test_gla_bad_input(device):
 def test_channel_cumsum_matches_torch(device, D, reverse):
     """The cumsum kernel's per-channel tiles (``[B, T, H, D]``, channels contiguous) against a per-chunk
     torch cumsum, dense and varlen, with the positivity flag left at 0 for g <= 0."""
-    from tfla.ops.common.cumsum import chunk_local_cumsum
+    from tfla.ops.common.cumsum import PositiveFlag, chunk_local_cumsum
     from tfla.ops.common.utils import prepare_chunk_indices
 
     torch.manual_seed(0)
     B, T, H, L = 2, 150, 3, 64
     g = -torch.rand(B, T, H, D, device=device)
-    flag = torch.zeros(1, dtype=torch.int32, device=device)
+    flag = PositiveFlag(g.device)
     out = chunk_local_cumsum(g, L, scale=2.0, reverse=reverse, positive_flag=flag)
     ref = torch.cat([(c.flip(1).cumsum(1).flip(1) if reverse else c.cumsum(1)) for c in g.split(L, 1)], 1) * 2
     assert_rel_close("cumsum", ref.double().cpu(), out.double().cpu(), 1e-6)
-    assert int(flag.item()) == 0
+    flag.raise_if_positive()  # g <= 0: no error
+    assert int(flag.flag.item()) == 0
+    g[1, 149, 2, D - 1] = 1e-6  # one positive element, the last one
+    flag = PositiveFlag(g.device)
+    chunk_local_cumsum(g, L, reverse=reverse, positive_flag=flag)
+    with pytest.raises(ValueError, match="`g` is a log decay"):
+        flag.raise_if_positive()
     cu = [0, 70, 150]
     gv = g[:1]
     outv = chunk_local_cumsum(gv, L, reverse=reverse, cu_seqlens=torch.tensor(cu, device=device),
