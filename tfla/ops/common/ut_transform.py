@@ -486,7 +486,7 @@ def _gdn_wy_bwd_kernel(
     ``2^(GV_n - GV_s)`` per channel; the per-channel gate gradient goes to ``dgv`` (``_vec_state_dg``).
     N_STATE (linear attention, scalar gates): the normalizer state n (the state of v = 1, ``hn``) and its
     gradient ``dhn`` (``[.., K]`` fp32 per sub-chunk) add the ones column's terms: ``dk_state += 2^(g_n - g) dn``
-    and ``<S, dS> += n . dn``. ADD_DK (scalar gates): ``dk = dk_state (+ WY part) + dka`` (the tiled product's
+    and ``<S, dS> += n . dn``. ADD_DK: ``dk = dk_state (+ WY part) + dka`` (the tiled product's
     part) in one pass, stored in dk's dtype; KDOT: also ``kdk = k . dk`` per row (fp32, before rounding)."""
     BS: tl.constexpr = 64
     i_s, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
@@ -666,8 +666,8 @@ def wy_bwd(
     ``hn_sub`` / ``dhn_sub`` ``[B, NS, HV, K]`` fp32: the normalizer state at / its gradient after every
     sub-chunk (``chunk_state_fwd(n_state=True)``, ``chunk_state_bwd(dden=..)``; linear attention with
     scalar gates), whose terms join dk and dg_sub.
-    Scalar gates (or none): ``dk_add [B, T, HV, K]`` is added to dk in the kernel (the tiled product's part),
-    dk is stored as ``dk_dtype`` (default fp32); linear attention only: ``kdot`` appends ``k . dk`` per row
+    ``dk_add [B, T, HV, K]`` (any gate) is added to dk in the kernel (the tiled product's part), dk is stored
+    as ``dk_dtype`` (default fp32); linear attention with scalar gates only: ``kdot`` appends ``k . dk`` per row
     ``[B, T, HV]`` fp32 (the mLSTM's input-gate gradient) to the returned tuple.
     """
     delta = ai is not None
@@ -677,8 +677,8 @@ def wy_bwd(
     B, T, H, K = k.shape
     HV, V = v_new.shape[2], v_new.shape[3]
     acc = torch.float64 if k.dtype == torch.float64 else torch.float32
-    if (dk_add is not None and gv_cum is not None) or (kdot and (delta or gv_cum is not None)):
-        raise ValueError("dk_add serves scalar gates, kdot linear attention with scalar gates")
+    if kdot and (delta or gv_cum is not None):
+        raise ValueError("kdot serves linear attention with scalar gates")
     dk = torch.empty(B, T, HV, K, dtype=dk_dtype or acc, device=k.device)
     kdk = torch.empty(B, T, HV, dtype=acc, device=k.device) if kdot else None
     dv = torch.empty_like(v) if delta else None
