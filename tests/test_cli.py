@@ -26,18 +26,26 @@ def test_bench_gdn_small(tmp_path, capsys):
     assert csv_path.read_text().startswith("impl,")
 
 
-@pytest.mark.parametrize("mode", ["fwdbwd", "bwd"])
-def test_bench_gdn_backward_modes(tmp_path, capsys, mode):
+@pytest.mark.parametrize("mode,sizes", [("fwdbwd", "64,64s"), ("bwd", "64")])
+def test_bench_gdn_backward_modes(tmp_path, capsys, mode, sizes):
     json_path = tmp_path / "r.json"
     args = ["bench", "gdn", "--mode", mode, "--T", "100", "--B", "1", "--H", "1", "--HV", "2", "--K", "16",
-            "--V", "16", "--chunk-sizes", "64", "--dtype", "fp32", "--no-progress", "--json", str(json_path)]
+            "--V", "16", "--chunk-sizes", sizes, "--dtype", "fp32", "--no-progress", "--json", str(json_path)]
     if torch.cuda.is_available():
         args += ["--warmup", "1", "--rep", "5"]
     assert main(args) == 0
     assert f"Gated DeltaNet {mode}" in capsys.readouterr().out
-    (row,) = [r for r in json.loads(json_path.read_text())["rows"] if r["impl"].startswith("tfla")]
-    assert row["status"] == "ok" and row["ms"] > 0
-    assert all(row[f"err_{n}"] < 1e-5 for n in ("dq", "dk", "dv", "dbeta")) and row["err_dg"] < 5e-5
+    rows = [r for r in json.loads(json_path.read_text())["rows"] if r["impl"].startswith("tfla")]
+    assert [r["impl"] for r in rows] == ["tfla L=64"] + (["tfla L=64 save_states"] if "64s" in sizes else [])
+    for row in rows:
+        assert row["status"] == "ok" and row["ms"] > 0
+        assert all(row[f"err_{n}"] < 1e-5 for n in ("dq", "dk", "dv", "dbeta")) and row["err_dg"] < 5e-5
+
+
+def test_bench_gdn_rejects_bad_chunk_sizes(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "gdn", "--chunk-sizes", "64,big", "--no-progress"])
+    assert "--chunk-sizes" in capsys.readouterr().err
 
 
 def test_bench_refuses_wrong_kernel(monkeypatch, capsys):

@@ -48,6 +48,17 @@ def _ints(s: str) -> list[int]:
     return [int(x) for x in str(s).split(",") if x.strip()]
 
 
+def _chunk_sizes(spec: str) -> list:
+    """``"64,64s,256"`` -> ``[64, "64s", 256]`` (a trailing s: save_states); anything else is a clear error."""
+    out = []
+    for part in spec.split(","):
+        part = part.strip()
+        if not part.rstrip("s").isdigit():
+            raise argparse.ArgumentTypeError(f"expected integers (64s for save_states), got {part!r}")
+        out.append(part if part.endswith("s") else int(part))
+    return out
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     gpu = torch.cuda.is_available()
     p.add_argument("--mode", choices=["fwd", "fwdbwd", "bwd"], default="fwd",
@@ -62,7 +73,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--K", type=int, default=128 if gpu else 32)
     p.add_argument("--V", type=int, default=128 if gpu else 32)
     p.add_argument("--dtype", choices=list(DTYPES), default="bf16" if gpu else "fp32")
-    p.add_argument("--chunk-sizes", type=str, default="64,128,256,512",
+    p.add_argument("--chunk-sizes", type=_chunk_sizes, default="64,128,256,512",
                    help="tfla outer chunk sizes L (64s: L = 64 with save_states=True)")
     p.add_argument("--impls", type=str, default="tfla,fla,flashqla",
                    help="comma-separated subset of tfla,fla,flashqla (peers only when installed)")
@@ -135,23 +146,12 @@ def _timed_call(impl, x: dict, do: torch.Tensor | None, mode: str):
     return call
 
 
-def _chunk_sizes(spec: str) -> list:
-    """``"64,64s,256"`` -> ``[64, "64s", 256]`` (a trailing s: save_states); anything else is a clear error."""
-    out = []
-    for part in spec.split(","):
-        part = part.strip()
-        if not part.rstrip("s").isdigit():
-            raise ValueError(f"--chunk-sizes: expected integers (64s for save_states), got {part!r}")
-        out.append(part if part.endswith("s") else int(part))
-    return out
-
-
 def run(args) -> tuple[list[dict], dict]:
     from rich.progress import Progress
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     wls = workloads_from_args(args)
-    chunk_sizes = _chunk_sizes(args.chunk_sizes) if "tfla" in args.impls else []
+    chunk_sizes = args.chunk_sizes if "tfla" in args.impls else []
     peers = [p for p in ("fla", "flashqla") if p in args.impls.split(",")]
     impls, missing = gdn_impls(chunk_sizes, peers)
     meta = env_info()
