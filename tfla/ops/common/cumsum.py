@@ -31,10 +31,16 @@ def _chunk_local_cumsum_scalar_kernel(
     REVERSE: tl.constexpr,
     IS_VARLEN: tl.constexpr,
     FLAG: tl.constexpr,
+    sub=None,
+    add=None,
+    HAS_SUB: tl.constexpr = False,
+    HAS_ADD: tl.constexpr = False,
 ):
     """One (chunk, batch x head, channel tile) per program. ``BD = 0``: a scalar gate ``[B, T, H]``;
     else a per-channel gate ``[B, T, H, D]`` in ``[BT, BD]`` tiles (channels contiguous: coalesced).
-    ``FLAG``: also raise ``flag[0]`` to 1 when any loaded ``g`` is positive (a growth, not a decay)."""
+    ``FLAG``: also raise ``flag[0]`` to 1 when any loaded ``g`` is positive (a growth, not a decay).
+    ``HAS_SUB`` / ``HAS_ADD``: scan ``g - sub`` and add ``add`` to the result (same shape as g; the backward's
+    ``dG = q.dq - k.dk`` difference and the sub-chunk part of dg, without their own passes over HBM)."""
     i_t, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
     if IS_VARLEN:
@@ -54,13 +60,17 @@ def _chunk_local_cumsum_scalar_kernel(
         p = ((bos + o_t) * H + i_h)[:, None] * D + o_d[None, :]
         m = m_t[:, None] & (o_d < D)[None, :]
     b_g = tl.load(g + p, mask=m, other=0.0).to(out.dtype.element_ty)  # summed in the output dtype
+    if HAS_SUB:
+        b_g -= tl.load(sub + p, mask=m, other=0.0).to(out.dtype.element_ty)
     if FLAG:
         if tl.max(tl.ravel(b_g), axis=0) > 0:
             tl.atomic_max(flag, 1)
     # scanned from the end when reversed (not total - prefix, which cancels catastrophically when
     # the suffix sums are small against the total, as gate gradients under strong decay are)
-    b_o = tl.cumsum(b_g, axis=0, reverse=REVERSE)
-    tl.store(out + p, (b_o * scale).to(out.dtype.element_ty), mask=m)
+    b_o = tl.cumsum(b_g, axis=0, reverse=REVERSE) * scale
+    if HAS_ADD:
+        b_o += tl.load(add + p, mask=m, other=0.0).to(out.dtype.element_ty)
+    tl.store(out + p, b_o.to(out.dtype.element_ty), mask=m)
 
 
 def chunk_local_cumsum(
@@ -73,6 +83,8 @@ def chunk_local_cumsum(
     chunk_indices: torch.Tensor | None = None,
     out_dtype: torch.dtype = torch.float32,
     positive_flag: "PositiveFlag | None" = None,
+    sub: torch.Tensor | None = None,
+    add: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Chunk-local (reverse) cumsum of ``g: [B, T, H]`` (scalar gate) or ``[B, T, H, D]`` (per-channel
     gate, summed per channel) over chunks of ``chunk_size`` tokens.
@@ -80,11 +92,15 @@ def chunk_local_cumsum(
     For varlen, pass ``cu_seqlens`` (device tensor) and ``bounds`` (the same offsets as a list) or a
     precomputed ``chunk_indices``. ``positive_flag``: a ``PositiveFlag`` whose int32 device tensor ``[1]``
     (zero) the kernel sets to 1 when any element of ``g`` is > 0 (the ops' ``g <= 0`` check without a
-    second pass over g); its host copy is queued right after the kernel. Returns g's shape in ``out_dtype`` (fp32 by default).
+    second pass over g); its host copy is queued right after the kernel. ``sub`` / ``add`` (g's shape): the
+    result is ``scale * cumsum(g - sub) + add`` in one pass. Returns g's shape in ``out_dtype`` (fp32 by default).
     """
     B, T, H = g.shape[:3]
     D = g.shape[3] if g.dim() == 4 else 1
     g = g.contiguous()
+    for name, x in (("sub", sub), ("add", add)):
+        if x is not None and (x.shape != g.shape or not x.is_contiguous()):
+            raise ValueError(f"`{name}` must be a contiguous tensor of g's shape {tuple(g.shape)}")
     out = torch.empty(g.shape, dtype=out_dtype, device=g.device)
     if cu_seqlens is not None:
         if chunk_indices is None:
@@ -100,7 +116,8 @@ def chunk_local_cumsum(
     _chunk_local_cumsum_scalar_kernel[(NT, B * H, cdiv(D, BD) if BD else 1)](
         g, out, positive_flag.flag if positive_flag is not None else None, cu_seqlens, chunk_indices, scale, T,
         H=H, D=D, BD=BD, BT=chunk_size, REVERSE=reverse, IS_VARLEN=cu_seqlens is not None,
-        FLAG=positive_flag is not None, num_warps=4,
+        FLAG=positive_flag is not None, sub=sub, add=add, HAS_SUB=sub is not None, HAS_ADD=add is not None,
+        num_warps=4,
     )
     if positive_flag is not None:
         positive_flag.queued()

@@ -209,9 +209,9 @@ def chunk_gated_delta_rule_bwd(
                                  config=config.get("wy_bwd"), dk_add=dko, dk_dtype=acc if grouped else k.dtype)
     del h_sub, dh_sub, du, dko
     ck = dict(cu_seqlens=cu)
-    dg = chunk_local_cumsum(dgq - dgk, L, reverse=True, chunk_indices=varlen.chunk_indices if varlen else None,
-                            out_dtype=acc, **ck)
-    dg += dgam  # the delta part's gradient of g, reverse cumsum over its sub-chunk done in wy_bwd
+    # + the delta part's gradient of g (its reverse cumsum over the sub-chunk done in wy_bwd), in the same pass
+    dg = chunk_local_cumsum(dgq, L, reverse=True, chunk_indices=varlen.chunk_indices if varlen else None,
+                            out_dtype=acc, sub=dgk, add=dgam, **ck)
     if grouped:  # a key head's gradient sums over its value heads
         dq = dq.view(B, T, H, HV // H, K).sum(3).to(q.dtype)
         dk = dk.view(B, T, H, HV // H, K).sum(3).to(k.dtype)

@@ -45,14 +45,14 @@ class GLAOptions:
     output_final_state: bool
 
 
-def _channel_cumsum(x, chunk_size, varlen, reverse=False, scale=1.0, positive_flag=None):
-    """Chunk-local (reverse) cumsum of ``[B, T, H, K]`` per channel (the cumsum kernel's channel tiles).
-    fp32 (float64 for float64)."""
+def _channel_cumsum(x, chunk_size, varlen, reverse=False, scale=1.0, positive_flag=None, sub=None, add=None):
+    """Chunk-local (reverse) cumsum of ``[B, T, H, K]`` per channel (the cumsum kernel's channel tiles),
+    of ``x - sub`` plus ``add`` when given. fp32 (float64 for float64)."""
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     return chunk_local_cumsum(x, chunk_size, scale=scale, reverse=reverse,
                               cu_seqlens=varlen.cu_seqlens if varlen is not None else None, out_dtype=acc,
                               chunk_indices=varlen.chunk_indices if varlen is not None else None,
-                              positive_flag=positive_flag)
+                              positive_flag=positive_flag, sub=sub, add=add)
 
 
 def _tiled_cfg(chunk_size, a, DC, rowdot=False):
@@ -143,7 +143,8 @@ def chunk_gla_bwd(q, k, v, gv_cum, scale, initial_state, do, dht, chunk_size, va
     dk, _, _, dg_sub = wy_bwd(k, None, None, None, None, v, None, h_sub, dh_sub, L, cu_seqlens=cu, sub_indices=sub,
                               gv_cum=gv_cum, dk_add=dko, dk_dtype=k.dtype)
     del dko
-    dg = _channel_cumsum(dgq.sub_(dgk), L, varlen, reverse=True).add_(dg_sub)
+    dg = _channel_cumsum(dgq, L, varlen, reverse=True, sub=dgk, add=dg_sub)  # one pass: the difference and
+    # the sub-chunk part inside the cumsum kernel (two fp32 [B, T, H, K] passes less)
     return dq, dk, dv, dg, dh0
 
 

@@ -117,8 +117,8 @@ def chunk_simple_gla_bwd(q, k, v, g_cum, scale, initial_state, do, dht, chunk_si
                                     dk_dtype=k.dtype, kdot=kdot)
     dg = None
     if g_cum is not None:
-        dg = chunk_local_cumsum(dgq - dgk, L, reverse=True, cu_seqlens=cu, out_dtype=acc,
-                                chunk_indices=varlen.chunk_indices if varlen is not None else None) + dg_sub
+        dg = chunk_local_cumsum(dgq, L, reverse=True, cu_seqlens=cu, out_dtype=acc, sub=dgk, add=dg_sub,
+                                chunk_indices=varlen.chunk_indices if varlen is not None else None)
     return (dq, dk, dv, dg, dh0) + ((dn0,) if n_state else ()) + (tuple(kdk) if kdot else ())
 
 
