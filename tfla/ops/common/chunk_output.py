@@ -564,7 +564,7 @@ def dual_supported(chunk_size: int, DA: int, DC: int, dtype: torch.dtype, config
     """Whether ``chunk_tiled(.., dual_dtype=..)`` applies: the chunk is one diagonal tile (``BQ = BKV =
     chunk_size``, so L = 64 with the default tiles; fp32 tiles at dims above 128 use 32 rows and do not)."""
     cfg = tiled_config(chunk_size, DA, DC, config)
-    if torch.tensor([], dtype=dtype).element_size() >= 4 and max(next_pow2(DA), next_pow2(DC)) > 128 \
+    if dtype.itemsize >= 4 and max(next_pow2(DA), next_pow2(DC)) > 128 \
             and not (config and "BQ" in config):
         return False
     return cfg["BQ"] == cfg["BKV"] == chunk_size
