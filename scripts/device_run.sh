@@ -19,6 +19,8 @@
 #   fuse     fwd+bwd per-kernel profiles at L = 64, fused backward paths on and off (profile_ops --unfused)
 #   testfuse GPU tests of the fused L = 64 backward (GDN, simple GLA family, mLSTM)
 #   benchA / benchB  this session's fwd+bwd benches without / with tilelang (two calls, machine kept warm)
+#   s23a     second 2026-11-23 session, call A: fwd+bwd kernel profiles (retention / no decay / scalar / GDN / mLSTM),
+#            wy_bwd launch configs (GDN), bf16 tests of the linear-attention family and mLSTM, mLSTM / LA benches
 #   profileops  per-kernel times of mLSTM / simple GLA / GDN calls (scripts/profile_ops.py)
 #   profile  per-stage times of tfla's forward (scripts/profile_gdn.py)
 # Results go to $OUT (logs, CSV/JSON); the last lines printed are the summary tables.
@@ -157,6 +159,19 @@ print('sanitized fwd+bwd ok')
           --rep 50 --json "$OUT/bench_la_scalar_fwdbwd.json" 2>&1 | tee "$OUT/bench_la_scalar_fwdbwd.log" | tail -8
       python3 -m tfla bench gdn --mode fwdbwd --impls flashqla --no-progress --warmup 10 --rep 50 \
           --json "$OUT/bench_gdn_fwdbwd_flashqla.json" 2>&1 | tee "$OUT/bench_gdn_fwdbwd_flashqla.log" | tail -6
+      ;;
+    s23a)
+      python3 scripts/profile_ops.py retention sgla-none sgla-scalar gdn mlstm-sig --mode fwdbwd --L 64 2>&1 \
+          | tee "$OUT/profile_fwdbwd.log" | grep -A8 "=="
+      python3 scripts/tune_bwd_ops.py --ops gdn --stage wy_bwd --configs '[{}, {"BK": 128}, {"BK": 128, "num_warps": 8},
+          {"BV": 128}, {"num_stages": 4}, {"num_warps": 8, "num_stages": 2}]' 2>&1 | tee "$OUT/tune_wy_bwd.log" | tail -8
+      python3 -m pytest -q -p no:cacheprovider -rf --timeout 200 -k "bf16 or deterministic" tests/ops/test_simple_gla.py \
+          tests/ops/test_mlstm.py tests/ops/test_linear_attn_bf16_vs_fla.py 2>&1 | tee "$OUT/pytest_bf16_la_mlstm.log" \
+          | grep -E "bf16|passed|failed|rror|Timeout" ;
+      python3 -m tfla bench mlstm --mode fwdbwd --chunk-sizes 128 --input-gates sigmoid --no-progress --warmup 10 --rep 50 \
+          --json "$OUT/bench_mlstm_fwdbwd.json" 2>&1 | tee "$OUT/bench_mlstm_fwdbwd.log" | tail -6
+      python3 -m tfla bench linear-attn --mode fwdbwd --kinds none,constant --chunk-sizes 64 --no-progress --warmup 10 \
+          --rep 50 --json "$OUT/bench_la_fwdbwd.json" 2>&1 | tee "$OUT/bench_la_fwdbwd.log" | tail -8
       ;;
     profileops)
       # per-kernel times (torch.profiler) of the mLSTM, simple GLA and GDN calls, forward and fwd+bwd

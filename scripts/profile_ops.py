@@ -3,7 +3,7 @@
 python scripts/profile_ops.py OP [OP ...] [--mode fwd|fwdbwd] [--L 64] [--reps 5]
 OPs: mlstm-sig, mlstm-exp (B=8 T=8192 H=16 K=128 V=256), sgla-scalar, sgla-scalar-nocheck (input
 check skipped, last), sgla-none, gla[-strong][-span0] (vector decay [B, T, H, K]; logsigmoid(x) instead of
-logsigmoid(x) / 16; VEC_SPAN = 0), gdn (B=4 T=8192 H=16
+logsigmoid(x) / 16; VEC_SPAN = 0), retention (constant decay), gdn (B=4 T=8192 H=16
 K=V=128); all bf16. Prints, per op, the do_bench median of the whole call, the sum of kernel times per
 call and one line per kernel name (total per call, count per call), longest first. The gap between
 the whole call and the kernel sum is launch/host time (host syncs show up there).
@@ -49,6 +49,8 @@ def call(op, L):
         return lambda x: tfla.chunk_gla(**x, chunk_size=L)[0]
     if op.startswith("sgla"):
         return lambda x: tfla.chunk_simple_gla(**x, chunk_size=L)[0]
+    if op == "retention":  # constant decay per head (FLA's chunk_retention)
+        return lambda x: tfla.chunk_retention(**x, chunk_size=L)[0]
     return lambda x: tfla.chunk_gated_delta_rule(**x, chunk_size=L)[0]
 
 

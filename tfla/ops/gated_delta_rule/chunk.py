@@ -192,13 +192,16 @@ def chunk_gated_delta_rule_bwd(
     dvo = None if intra_supported(L) else chunk_tiled(k, q, do, g_cum, scale, L, reverse=True, **tiled)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     grouped = HV != H  # grouped value heads: dq, dk summed over a key head's value heads afterwards, in fp32
+    # dk's tiled part (added to the state / WY part in wy_bwd) in the input dtype, as FLA's dk of chunk_bwd_dqkwg:
+    # half the bytes of its write and read (fp32 with grouped heads, whose sum comes later)
+    part = acc if grouped else k.dtype
     dq_args = dict(h=h_sub, state_every=SUB_CHUNK, state_transposed=True, rowdot_with=q,
                    out_dtype=acc if grouped else q.dtype, **tiled)
     if dual_supported(L, v.shape[-1], K, q.dtype, config.get("output")):
-        dq, dgq, dko, dgk = chunk_tiled(do, v_new, k, g_cum, scale, L, dual_dtype=acc, **dq_args)
+        dq, dgq, dko, dgk = chunk_tiled(do, v_new, k, g_cum, scale, L, dual_dtype=part, **dq_args)
     else:
         dq, dgq = chunk_tiled(do, v_new, k, g_cum, scale, L, **dq_args)
-        dko, dgk = chunk_tiled(v_new, do, q, g_cum, scale, L, reverse=True, rowdot_with=k, out_dtype=acc, **tiled)
+        dko, dgk = chunk_tiled(v_new, do, q, g_cum, scale, L, reverse=True, rowdot_with=k, out_dtype=part, **tiled)
     dh_sub, du, dh0 = chunk_state_bwd(
         q, k, w, do, dvo, g_cum, scale, L, dht=dht, need_dh0=initial_state is not None, cu_seqlens=cu,
         sub_offsets=varlen.sub_offsets if varlen is not None else None,

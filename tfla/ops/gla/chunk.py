@@ -129,7 +129,7 @@ def chunk_gla_bwd(q, k, v, gv_cum, scale, initial_state, do, dht, chunk_size, va
     dq, dgq = chunk_tiled(do, v, k, None, scale, L, h=h_sub, state_every=SUB_CHUNK, state_transposed=True,
                           rowdot_with=q, out_dtype=q.dtype, gv_cum=gv_cum, gv_on_out=True,
                           **_tiled_args(L, do, K, varlen, offs, rowdot=True))
-    dko, dgk = chunk_tiled(v, do, q, None, scale, L, reverse=True, rowdot_with=k, out_dtype=acc, gv_cum=gv_cum,
+    dko, dgk = chunk_tiled(v, do, q, None, scale, L, reverse=True, rowdot_with=k, out_dtype=k.dtype, gv_cum=gv_cum,
                            gv_on_out=True, **_tiled_args(L, v, K, varlen, offs, rowdot=True))
     # without the delta rule the state-gradient recurrence's dU is the whole gradient of v
     dh_sub, dv, dh0 = chunk_state_bwd(

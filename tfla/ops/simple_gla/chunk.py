@@ -98,10 +98,10 @@ def chunk_simple_gla_bwd(q, k, v, g_cum, scale, initial_state, do, dht, chunk_si
     dq_args = dict(h=h_sub, state_every=SUB_CHUNK, state_transposed=True, rowdot_with=q, out_dtype=q.dtype,
                    row_add=dden, row_add_n=hn_sub, **tiled)
     if dual_supported(L, v.shape[-1], q.shape[-1], q.dtype):
-        dq, dgq, dko, dgk = chunk_tiled(do, v, k, g_cum, scale, L, dual_dtype=acc, **dq_args)
+        dq, dgq, dko, dgk = chunk_tiled(do, v, k, g_cum, scale, L, dual_dtype=k.dtype, **dq_args)
     else:
         dq, dgq = chunk_tiled(do, v, k, g_cum, scale, L, **dq_args)
-        dko, dgk = chunk_tiled(v, do, q, g_cum, scale, L, reverse=True, rowdot_with=k, out_dtype=acc, row_add=dden,
+        dko, dgk = chunk_tiled(v, do, q, g_cum, scale, L, reverse=True, rowdot_with=k, out_dtype=k.dtype, row_add=dden,
                                **tiled)
     # without the delta rule the state-gradient recurrence's dU is the whole gradient of v
     dh_sub, dv, dh0, *dns = chunk_state_bwd(
