@@ -21,6 +21,9 @@
 #   benchA / benchB  this session's fwd+bwd benches without / with tilelang (two calls, machine kept warm)
 #   s23a     second 2026-11-23 session, call A: fwd+bwd kernel profiles (retention / no decay / scalar / GDN / mLSTM),
 #            wy_bwd launch configs (GDN), bf16 tests of the linear-attention family and mLSTM, mLSTM / LA benches
+#   s23b1 / s23b2  call B1 (no tilelang): constant-decay profile, linear attention and mLSTM fwd+bwd vs peers;
+#            call B2 (tilelang, machine kept warm): GDN GPU backward tests vs FLA, GDN fwd+bwd bench vs FLA
+#   paper    tfla bench mlstm --paper (TFLA paper sweep, 65536 tokens), fwd+bwd, L = 128
 #   profileops  per-kernel times of mLSTM / simple GLA / GDN calls (scripts/profile_ops.py)
 #   profile  per-stage times of tfla's forward (scripts/profile_gdn.py)
 # Results go to $OUT (logs, CSV/JSON); the last lines printed are the summary tables.
@@ -172,6 +175,24 @@ print('sanitized fwd+bwd ok')
           --json "$OUT/bench_mlstm_fwdbwd.json" 2>&1 | tee "$OUT/bench_mlstm_fwdbwd.log" | tail -6
       python3 -m tfla bench linear-attn --mode fwdbwd --kinds none,constant --chunk-sizes 64 --no-progress --warmup 10 \
           --rep 50 --json "$OUT/bench_la_fwdbwd.json" 2>&1 | tee "$OUT/bench_la_fwdbwd.log" | tail -8
+      ;;
+    s23b1)
+      python3 scripts/profile_ops.py retention sgla-scalar --mode fwdbwd --L 64 2>&1 | tee "$OUT/profile_retention.log" \
+          | grep -A6 "=="
+      python3 -m tfla bench linear-attn --mode fwdbwd --kinds none,constant --chunk-sizes 64 --no-progress --warmup 10 \
+          --rep 50 --json "$OUT/bench_la_fwdbwd.json" 2>&1 | tee "$OUT/bench_la_fwdbwd.log" | tail -8
+      python3 -m tfla bench mlstm --mode fwdbwd --chunk-sizes 128 --input-gates sigmoid,exp --no-progress --warmup 10 \
+          --rep 50 --json "$OUT/bench_mlstm_fwdbwd.json" 2>&1 | tee "$OUT/bench_mlstm_fwdbwd.log" | tail -8
+      ;;
+    s23b2)
+      python3 -m pytest -q -p no:cacheprovider -s -rf -m gpu --timeout 200 tests/ops/test_gated_delta_rule_bwd.py \
+          2>&1 | tee "$OUT/pytest_gdn_bwd_gpu.log" | grep -E "bf16 bwd|passed|failed|rror|Timeout" ;
+      python3 -m tfla bench gdn --mode fwdbwd --impls tfla,fla --chunk-sizes 64,64s --T 8192,32768 \
+          --no-progress --warmup 10 --rep 50 --json "$OUT/bench_gdn_fwdbwd.json" 2>&1 | tee "$OUT/bench_gdn_fwdbwd.log" | tail -10
+      ;;
+    paper)
+      python3 -m tfla bench mlstm --paper --mode fwdbwd --chunk-sizes 128 --no-progress --warmup 5 --rep 20 \
+          --json "$OUT/bench_mlstm_paper_fwdbwd.json" 2>&1 | tee "$OUT/bench_mlstm_paper_fwdbwd.log" | tail -40
       ;;
     profileops)
       # per-kernel times (torch.profiler) of the mLSTM, simple GLA and GDN calls, forward and fwd+bwd

@@ -102,6 +102,24 @@ def test_simple_gla_without_final_state(device):
     _check(device, 1, 100, 1, 16, 16, 64, "g", final=False, seed=5)
 
 
+@pytest.mark.parametrize("L", [64, 128])
+def test_simple_gla_g_without_grad(device, L):
+    """A g that needs no gradient skips the gate gradient's work (wy_bwd's DG off, no states read there):
+    dq, dk, dv and d initial_state are the same as with dg computed (bitwise), and dg is None."""
+    x = _inputs(1, 200, 2, 32, 16, "g", torch.float32, device, 8)
+    grads = []
+    for g_grad in (True, False):
+        leaves = {n: x[n].clone().requires_grad_(n != "g" or g_grad) for n in ("q", "k", "v", "g", "h0")}
+        o, s = tfla.chunk_simple_gla(leaves["q"], leaves["k"], leaves["v"], g=leaves["g"], initial_state=leaves["h0"],
+                                     output_final_state=True, chunk_size=L)
+        loss = (o * torch.cos(o.detach())).sum() + s.sum()
+        want = [leaves[n] for n in ("q", "k", "v", "h0")] + ([leaves["g"]] if g_grad else [])
+        grads.append(torch.autograd.grad(loss, want))
+    for name, a, b in zip(("dq", "dk", "dv", "dh0"), grads[0], grads[1]):
+        assert torch.equal(a, b), name
+    assert grads[0][4].abs().sum() > 0
+
+
 def test_retention_is_simple_gla_with_fixed_decays(device):
     x = _inputs(1, 150, 4, 16, 16, "none", torch.float32, device, 6)
     o1, s1 = tfla.chunk_retention(x["q"], x["k"], x["v"], initial_state=x["h0"], output_final_state=True)

@@ -470,6 +470,7 @@ def _gdn_wy_bwd_kernel(
     kdk=None,
     ADD_DK: tl.constexpr = False,
     KDOT: tl.constexpr = False,
+    DG: tl.constexpr = True,
 ):
     """Delta-rule gradients of one 64-row sub-chunk (W = Tm X_k, U = Tm X_v, Tm = (I + A)^-1,
     Vnew = U - W S, S' = 2^(g_n) S + K^T 2^(g_n - g) Vnew):
@@ -487,7 +488,9 @@ def _gdn_wy_bwd_kernel(
     N_STATE (linear attention, scalar gates): the normalizer state n (the state of v = 1, ``hn``) and its
     gradient ``dhn`` (``[.., K]`` fp32 per sub-chunk) add the ones column's terms: ``dk_state += 2^(g_n - g) dn``
     and ``<S, dS> += n . dn``. ADD_DK: ``dk = dk_state (+ WY part) + dka`` (the tiled product's
-    part) in one pass, stored in dk's dtype; KDOT: also ``kdk = k . dk`` per row (fp32, before rounding)."""
+    part) in one pass, stored in dk's dtype; KDOT: also ``kdk = k . dk`` per row (fp32, before rounding).
+    DG off (linear attention with a constant decay, whose gradient nobody needs): no gradient of g; S is then
+    not read at all (it only enters ``<S, dS>``) and ``dgam`` is not written."""
     BS: tl.constexpr = 64
     i_s, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     i_b, i_hv = i_bh // HV, i_bh % HV
@@ -588,7 +591,8 @@ def _gdn_wy_bwd_kernel(
             b_dnk = tl.load(dhn + (i_sub * HV + i_hv) * K + o_k, mask=m_k, other=0.0)
             b_dks += b_en[:, None] * b_dnk[None, :]
             b_sds_k += tl.load(hn + (i_sub * HV + i_hv) * K + o_k, mask=m_k, other=0.0) * b_dnk
-        b_sds += tl.sum(b_sds_k, 0)
+        if DG:
+            b_sds += tl.sum(b_sds_k, 0)
         if VEC_G:  # vector gate: dk_state gated per channel, and this key tile's dg stored here
             b_dks = _vec_state_dg(b_dks, b_k, b_sds_k, gv, dgv, bos, i_hv, t0, T, o_t, m_t, o_k, m_k, HV, K, BT,
                                   DOT_PREC, ACC)
@@ -613,7 +617,7 @@ def _gdn_wy_bwd_kernel(
         tl.store(dbeta + (bos + o_t) * HV + i_hv, b_db.to(dbeta.dtype.element_ty), mask=m_t)
     if KDOT:
         tl.store(kdk + (bos + o_t) * HV + i_hv, b_kdk, mask=m_t)
-    if USE_G:
+    if USE_G and DG:
         # gradient of g itself (the sub-chunk's reverse cumsum done here): for rows t <= n,
         #   dg_t = sum_{r >= t} (rowsum - colsum of dA * A + dX_k . X_k)_r + sum_{s < t} P_s + 2^(g_n) <S, dS>
         # sums over masks, never a total minus a prefix
@@ -649,6 +653,7 @@ def wy_bwd(
     dk_add: torch.Tensor | None = None,
     dk_dtype: torch.dtype | None = None,
     kdot: bool = False,
+    need_dg: bool = True,
 ):
     """Per-64-row-sub-chunk gradients of the state recurrence: the state terms and (delta rule,
     ``ai`` given) the UT/WY backward, one kernel.
@@ -669,6 +674,7 @@ def wy_bwd(
     ``dk_add [B, T, HV, K]`` (any gate) is added to dk in the kernel (the tiled product's part), dk is stored
     as ``dk_dtype`` (default fp32); linear attention with scalar gates only: ``kdot`` appends ``k . dk`` per row
     ``[B, T, HV]`` fp32 (the mLSTM's input-gate gradient) to the returned tuple.
+    ``need_dg=False`` (linear attention with a scalar gate only): no gradient of g (``dg_sub`` None), S not read.
     """
     delta = ai is not None
     n_state = dhn_sub is not None
@@ -683,7 +689,9 @@ def wy_bwd(
     kdk = torch.empty(B, T, HV, dtype=acc, device=k.device) if kdot else None
     dv = torch.empty_like(v) if delta else None
     dbeta = torch.empty(B, T, HV, dtype=acc, device=k.device) if delta else None
-    dgam = torch.empty(B, T, HV, dtype=acc, device=k.device) if g_cum is not None else None
+    if not need_dg and (delta or gv_cum is not None or n_state or kdot):
+        raise ValueError("need_dg=False serves linear attention with a scalar gate (no normalizer, no kdot)")
+    dgam = torch.empty(B, T, HV, dtype=acc, device=k.device) if g_cum is not None and need_dg else None
     if gv_cum is not None:
         if delta or g_cum is not None or tuple(gv_cum.shape) != (B, T, HV, K):
             raise ValueError("a vector gate gv_cum [B, T, HV, K] serves linear attention without g_cum")
@@ -709,5 +717,6 @@ def wy_bwd(
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         gv=gv_cum, dgv=dgam if gv_cum is not None else None, VEC_G=gv_cum is not None,
         hn=hn_sub, dhn=dhn_sub, N_STATE=n_state, dka=dk_add, kdk=kdk, ADD_DK=dk_add is not None, KDOT=kdot,
+        DG=need_dg,
     )
     return rets

@@ -67,10 +67,11 @@ def chunk_simple_gla_fwd(q, k, v, g, scale, initial_state, output_final_state, c
 
 
 def chunk_simple_gla_bwd(q, k, v, g_cum, scale, initial_state, do, dht, chunk_size, varlen=None, gk_cum=None,
-                         gb=None, dden=None, initial_n=None, dnt=None, kdot=False):
+                         gb=None, dden=None, initial_n=None, dnt=None, kdot=False, need_dg=True):
     """Plain backward: ``(dq, dk, dv, dg, dh0)`` (dg None without decay; dq, dk in q's dtype, each rounded once
     from its fp32 sum in the kernel that forms it; dg fp32). ``kdot``: append ``k . dk`` per row ``[B, T, H]``
-    fp32 (before rounding). With split
+    fp32 (before rounding). ``need_dg=False`` (a constant decay: ``g_gamma``, retention): dg is None and its
+    work is skipped (wy_bwd then reads no states). With split
     gates (``gk_cum``, ``gb``) dg is the gradient of a per-token log decay shared by GQ and GK.
 
     ``dden [B, T, H]`` fp32 (with ``initial_n [N, H, K]`` or None and ``dnt [N, H, K]`` or None): the
@@ -114,9 +115,9 @@ def chunk_simple_gla_bwd(q, k, v, g_cum, scale, initial_state, do, dht, chunk_si
     # dk = dko + the state part, added and rounded to k's dtype in wy_bwd
     dk, _, _, dg_sub, *kdk = wy_bwd(k, None, None, g_cum, None, v, None, h_sub, dh_sub, L, cu_seqlens=cu,
                                     sub_indices=sub, gk_cum=gk_cum, gb=gb, hn_sub=hn_sub, dhn_sub=dhn_sub, dk_add=dko,
-                                    dk_dtype=k.dtype, kdot=kdot)
+                                    dk_dtype=k.dtype, kdot=kdot, need_dg=need_dg)
     dg = None
-    if g_cum is not None:
+    if g_cum is not None and need_dg:
         dg = chunk_local_cumsum(dgq, L, reverse=True, cu_seqlens=cu, out_dtype=acc, sub=dgk, add=dg_sub,
                                 chunk_indices=varlen.chunk_indices if varlen is not None else None)
     return (dq, dk, dv, dg, dh0) + ((dn0,) if n_state else ()) + (tuple(kdk) if kdot else ())
@@ -139,9 +140,11 @@ class ChunkSimpleGLAFunction(torch.autograd.Function):
         _check_cotangent("o", do, v.shape, q.dtype)
         if dht is not None:
             dht = dht.contiguous()
+        # a constant decay (g_gamma expanded, detached) or a g that needs no gradient: its work is skipped
+        need_dg = g is not None and ctx.needs_input_grad[3]
         dq, dk, dv, dg, dh0 = chunk_simple_gla_bwd(q, k, v, g_cum, ctx.opts.scale, initial_state, do.contiguous(),
-                                                   dht, ctx.opts.chunk_size, ctx.varlen)
-        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype) if g is not None else None,
+                                                   dht, ctx.opts.chunk_size, ctx.varlen, need_dg=need_dg)
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype) if dg is not None else None,
                 dh0.to(initial_state.dtype) if dh0 is not None else None, None, None, None)
 
 
