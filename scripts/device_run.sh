@@ -23,6 +23,7 @@
 #            wy_bwd launch configs (GDN), bf16 tests of the linear-attention family and mLSTM, mLSTM / LA benches
 #   s23b1 / s23b2  call B1 (no tilelang): constant-decay profile, linear attention and mLSTM fwd+bwd vs peers;
 #            call B2 (tilelang, machine kept warm): GDN GPU backward tests vs FLA, GDN fwd+bwd bench vs FLA
+#   s23c1 / s23c2  mLSTM sigmoid fwd+bwd vs xl_chunk_siging; GDN fwd+bwd vs FLA (tilelang) and the strong-gate bf16 tests
 #   paper    tfla bench mlstm --paper (TFLA paper sweep, 65536 tokens), fwd+bwd, L = 128
 #   profileops  per-kernel times of mLSTM / simple GLA / GDN calls (scripts/profile_ops.py)
 #   profile  per-stage times of tfla's forward (scripts/profile_gdn.py)
@@ -190,9 +191,32 @@ print('sanitized fwd+bwd ok')
       python3 -m tfla bench gdn --mode fwdbwd --impls tfla,fla --chunk-sizes 64,64s --T 8192,32768 \
           --no-progress --warmup 10 --rep 50 --json "$OUT/bench_gdn_fwdbwd.json" 2>&1 | tee "$OUT/bench_gdn_fwdbwd.log" | tail -10
       ;;
+    s23c1)
+      python3 -m tfla bench mlstm --mode fwdbwd --chunk-sizes 128 --input-gates sigmoid --no-progress --warmup 10 \
+          --rep 50 --json "$OUT/bench_mlstm_fwdbwd.json" 2>&1 | tee "$OUT/bench_mlstm_fwdbwd.log" | tail -8
+      ;;
+    s23c2)
+      python3 -m tfla bench gdn --mode fwdbwd --impls tfla,fla --chunk-sizes 64,64s --T 8192 \
+          --no-progress --warmup 10 --rep 50 --json "$OUT/bench_gdn_fwdbwd.json" 2>&1 | tee "$OUT/bench_gdn_fwdbwd.log" | tail -10
+      python3 -m pytest -q -p no:cacheprovider -s -rf -m gpu --timeout 200 -k "bf16 and strong and not 64" \
+          tests/ops/test_gated_delta_rule_bwd.py 2>&1 | tee "$OUT/pytest_gdn_bwd_strong.log" | grep -E "bf16 bwd|passed|failed|rror|Timeout" ;
+      ;;
     paper)
-      python3 -m tfla bench mlstm --paper --mode fwdbwd --chunk-sizes 128 --no-progress --warmup 5 --rep 20 \
-          --json "$OUT/bench_mlstm_paper_fwdbwd.json" 2>&1 | tee "$OUT/bench_mlstm_paper_fwdbwd.log" | tail -40
+      # one process per T (rows merged into one JSON after each, so a cut call keeps what ran); xl_chunk left
+      # out (it crashes Triton 3.6's compiler: README)
+      for T in ${PAPER_T:-512 1024 2048 4096 8192 16384 32768 65536}; do
+        python3 -m tfla bench mlstm --tokens 65536 --T $T --H 16 --K 128 --V 256 --mode fwdbwd --chunk-sizes 128 \
+            --impls tfla,xl_chunk_siging,limit_chunk --no-progress --warmup 5 --rep 20 \
+            --json "/tmp/paper_T$T.json" >> "$OUT/paper_fwdbwd.log" 2>&1
+        python3 -c "
+import glob, json
+rows, env = [], None
+for f in sorted(glob.glob('/tmp/paper_T*.json')):
+    d = json.load(open(f)); rows += d['rows']; env = d['env']
+json.dump({'env': env, 'rows': rows}, open('$OUT/paper_fwdbwd.json', 'w'), indent=1)
+for r in json.load(open('/tmp/paper_T$T.json'))['rows']:
+    print($T, r['impl'], r['input_gate'], r.get('ms'), r.get('peak_mib'), r['status'][:40])" 2>&1 | tail -6
+      done
       ;;
     profileops)
       # per-kernel times (torch.profiler) of the mLSTM, simple GLA and GDN calls, forward and fwd+bwd

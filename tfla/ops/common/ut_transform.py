@@ -672,7 +672,7 @@ def wy_bwd(
     sub-chunk (``chunk_state_fwd(n_state=True)``, ``chunk_state_bwd(dden=..)``; linear attention with
     scalar gates), whose terms join dk and dg_sub.
     ``dk_add [B, T, HV, K]`` (any gate) is added to dk in the kernel (the tiled product's part), dk is stored
-    as ``dk_dtype`` (default fp32); linear attention with scalar gates only: ``kdot`` appends ``k . dk`` per row
+    as ``dk_dtype`` (default fp32), in dk_add's memory when that has this dtype (dk_add is overwritten then); linear attention with scalar gates only: ``kdot`` appends ``k . dk`` per row
     ``[B, T, HV]`` fp32 (the mLSTM's input-gate gradient) to the returned tuple.
     ``need_dg=False`` (linear attention with a scalar gate only): no gradient of g (``dg_sub`` None), S not read.
     """
@@ -685,7 +685,11 @@ def wy_bwd(
     acc = torch.float64 if k.dtype == torch.float64 else torch.float32
     if kdot and (delta or gv_cum is not None):
         raise ValueError("kdot serves linear attention with scalar gates")
-    dk = torch.empty(B, T, HV, K, dtype=dk_dtype or acc, device=k.device)
+    if dk_add is not None and dk_add.dtype == (dk_dtype or acc) and dk_add.is_contiguous() \
+            and tuple(dk_add.shape) == (B, T, HV, K):
+        dk = dk_add  # in place: each program reads its dk_add tile before it stores the same tile (peak memory)
+    else:
+        dk = torch.empty(B, T, HV, K, dtype=dk_dtype or acc, device=k.device)
     kdk = torch.empty(B, T, HV, dtype=acc, device=k.device) if kdot else None
     dv = torch.empty_like(v) if delta else None
     dbeta = torch.empty(B, T, HV, dtype=acc, device=k.device) if delta else None
