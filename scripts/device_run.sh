@@ -24,6 +24,7 @@
 #   s23b1 / s23b2  call B1 (no tilelang): constant-decay profile, linear attention and mLSTM fwd+bwd vs peers;
 #            call B2 (tilelang, machine kept warm): GDN GPU backward tests vs FLA, GDN fwd+bwd bench vs FLA
 #   s23c1 / s23c2  mLSTM sigmoid fwd+bwd vs xl_chunk_siging; GDN fwd+bwd vs FLA (tilelang) and the strong-gate bf16 tests
+#   s23d     fused dO (mLSTM) and in-place dk on the GPU: tests, then mLSTM / GDN / linear-attention fwd+bwd rows
 #   paper    tfla bench mlstm --paper (TFLA paper sweep, 65536 tokens), fwd+bwd, L = 128
 #   profileops  per-kernel times of mLSTM / simple GLA / GDN calls (scripts/profile_ops.py)
 #   profile  per-stage times of tfla's forward (scripts/profile_gdn.py)
@@ -200,6 +201,22 @@ print('sanitized fwd+bwd ok')
           --no-progress --warmup 10 --rep 50 --json "$OUT/bench_gdn_fwdbwd.json" 2>&1 | tee "$OUT/bench_gdn_fwdbwd.log" | tail -10
       python3 -m pytest -q -p no:cacheprovider -s -rf -m gpu --timeout 200 -k "bf16 and strong and not 64" \
           tests/ops/test_gated_delta_rule_bwd.py 2>&1 | tee "$OUT/pytest_gdn_bwd_strong.log" | grep -E "bf16 bwd|passed|failed|rror|Timeout" ;
+      ;;
+    s23d)
+      python3 -m pytest -q -p no:cacheprovider -rf --timeout 200 \
+          -k "fused or (deterministic and sigmoid-True) or (bf16 and sigmoid)" tests/ops/test_mlstm.py \
+          2>&1 | tee "$OUT/pytest_mlstm_fused_gpu.log" | grep -E "passed|failed|rror|Timeout" ;
+      python3 -m pytest -q -p no:cacheprovider -rf -m gpu --timeout 200 -k "deterministic and 64" \
+          tests/ops/test_gated_delta_rule_bwd.py 2>&1 | tee "$OUT/pytest_gdn_det_gpu.log" | grep -E "passed|failed|rror" ;
+      python3 -m tfla bench mlstm --mode fwdbwd --chunk-sizes 128 --input-gates sigmoid,exp --no-progress --warmup 10 \
+          --rep 50 --json "$OUT/bench_mlstm_fwdbwd.json" 2>&1 | tee "$OUT/bench_mlstm_fwdbwd.log" | tail -7
+      python3 -m tfla bench gdn --mode fwdbwd --impls tfla --chunk-sizes 64,64s --T 8192 --no-progress --warmup 10 \
+          --rep 50 --json "$OUT/bench_gdn_tfla.json" 2>&1 | tee "$OUT/bench_gdn_tfla.log" | tail -5
+      python3 -m tfla bench linear-attn --mode fwdbwd --kinds none,constant,scalar --impls tfla --chunk-sizes 64 \
+          --no-progress --warmup 10 --rep 50 --json "$OUT/bench_la_tfla.json" 2>&1 | tee "$OUT/bench_la_tfla.log" | tail -6
+      python3 -m tfla bench mlstm --mode fwdbwd --B 4 --T 8192 --H 16 --K 128 --V 128 --chunk-sizes 64,128 \
+          --input-gates sigmoid --impls tfla --no-progress --warmup 10 --rep 50 \
+          --json "$OUT/bench_mlstm_k128.json" 2>&1 | tail -5
       ;;
     paper)
       # one process per T (rows merged into one JSON after each, so a cut call keeps what ran); xl_chunk left
