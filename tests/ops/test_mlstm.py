@@ -147,25 +147,6 @@ def test_mlstm_detached_normalizer(device, gate):
     assert rel_l2(exact["dq"].cpu().double(), ref["dq"]) > 1e-3  # the conventions do differ
 
 
-@pytest.mark.parametrize("gate,normalize,detach", [("exp", True, False), ("sigmoid", True, False),
-                                                    ("sigmoid", True, True)])
-def test_mlstm_fused_do_matches_stored_do(device, monkeypatch, gate, normalize, detach):
-    """dO = dH / d formed where the backward's kernels load dH (``do_scale``) gives the same gradients, bitwise,
-    as the stored dO of the prep kernel (same rounding), with and without the normalizer's gradient."""
-    import tfla.ops.mlstm.chunk as mc
-
-    x = _inputs(1, 150, 2, 32, 48, gate, torch.float32, device, 9)
-    kw = dict(detach_normalizer=True) if detach else {}
-    runs = []
-    for fused in (True, False):
-        if not fused:
-            monkeypatch.setattr(mc, "fused_do_supported", lambda *a: False)
-        runs.append(_run(lambda *a, **k: tfla.chunk_mlstm(*a, **k, **kw), x, gate, normalize, True, True, None,
-                         L=64, seed=9))
-    for name in runs[0]:
-        assert torch.equal(runs[0][name], runs[1][name]), name
-
-
 def test_mlstm_bad_input(device):
     x = _inputs(1, 40, 2, 16, 16, "exp", torch.float32, device, 11)
     q, k, v, i, f = (x[n] for n in ("q", "k", "v", "i", "f"))

@@ -44,7 +44,6 @@ import torch
 import triton
 import triton.language as tl
 
-from tfla.ops.common.chunk_state import _row_unscale
 from tfla.ops.common.utils import acc_dtype, cdiv, dot_precision, next_pow2, prepare_chunk_indices, seqlens_to_list
 
 
@@ -319,10 +318,6 @@ def _chunk_tiled_kernel(
     out2=None,
     xdot2=None,
     DUAL: tl.constexpr = False,
-    rs_den=None,
-    rs_lo=None,
-    rs_eps=0.0,
-    ROWSCALE: tl.constexpr = 0,
 ):
     i_c_, i_t, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
     i_b, i_hv = i_bh // HV, i_bh % HV
@@ -350,8 +345,6 @@ def _chunk_tiled_kernel(
     p_c = c + (bos * HC + i_hv // (HV // HC)) * DC + o_c[None, :]
 
     b_a = tl.load(p_a + o_tq[:, None] * (HA * DA), mask=m_tq[:, None] & m_a[None, :], other=0.0)  # [BQ, BA]
-    if ROWSCALE > 0:  # a = the mLSTM's dH: dO = dH / d formed here (``row_scale``)
-        b_a = _row_unscale(b_a, rs_den, rs_lo, rs_eps, bos, o_tq, m_tq, i_hv, HV, ROWSCALE)
     # ROWADD: the scores a_r . b_s get a constant per output row r (1) or per looped row s (2) before
     # gating: the mLSTM normalizer's cotangent, the extra column of c = [v, 1] folded into dq / dk
     if ROWADD > 0:
@@ -602,7 +595,6 @@ def chunk_tiled(
     row_add: torch.Tensor | None = None,
     row_add_n: torch.Tensor | None = None,
     dual_dtype: torch.dtype | None = None,
-    row_scale: dict | None = None,
 ):
     """The tiled chunk product (module docstring) for ``a, b: [B, T, *, DA]``, ``c: [B, T, *, DC]``
     (each with H or HV heads), ``g_cum [B, T, HV]``; output ``[B, T, HV, DC]``.
@@ -635,9 +627,6 @@ def chunk_tiled(
     the reverse form ``rev(a=b, b=a, c=rowdot_with)`` of the same call and its row dot with ``c``, from the same
     gated score tile (dq and dk in one launch: ``fwd(dO, Vnew, k; x=q)`` gives dk = ``rev(Vnew, dO, q; x=k)``);
     returns ``(out, rowdot, out2, rowdot2)`` then, ``out2 [B, T, HV, DC]`` in ``dual_dtype``.
-    ``row_scale`` (forward form, a with HV heads, the contraction in one piece, no vector gate): ``dict(den=[B, T, HV],
-    lo=[B, T, HV] or None, eps=float)``; each row of ``a`` is divided by ``max(|den|, lo) + eps`` (and rounded
-    to a's dtype) as it is loaded: a is the mLSTM's dH, the product sees dO (no dO tensor in HBM).
     Returns ``out``, ``(out, rowdot)`` or ``(out, den)``.
     """
     B, T, HA, DA = a.shape
@@ -684,9 +673,6 @@ def chunk_tiled(
                  or not cfg["BQ"] == cfg["BKV"] == chunk_size or c.shape[2] != rowdot_with.shape[2]):
         raise ValueError("dual_dtype needs the forward form with rowdot_with, no vector gate or normalizer, "
                          "one diagonal tile per chunk (BQ = BKV = chunk_size) and c, rowdot_with of one head count")
-    rs = row_scale or {}
-    if row_scale is not None and (reverse or HA != HV or bas != BA or vec):
-        raise ValueError("row_scale needs the forward form, a with HV heads and the contraction in one piece")
     out2 = torch.empty(B, T, HV, DC, dtype=dual_dtype, device=a.device) if dual else None
     xdot2 = torch.empty(B, T, HV, dtype=acc, device=a.device) if dual else None
     NQ = cdiv(T, cfg["BQ"]) if cu_seqlens is None else tile_indices.shape[0]
@@ -706,8 +692,6 @@ def chunk_tiled(
             NORM=0 if normalizer is None else (2 if norm.get("lo") is not None else 1), BAS=bas,
             gv=gv_cum, VEC_G=vec, VEC_ROWDOT=bool(vec) and rowdot_with is not None, add=row_add, ROWADD=rowadd,
             VEC_SPAN=cfg.get("VEC_SPAN", 0), out2=out2, xdot2=xdot2, DUAL=dual,
-            rs_den=rs.get("den"), rs_lo=rs.get("lo"), rs_eps=float(rs.get("eps", 0.0)),
-            ROWSCALE=0 if row_scale is None else (2 if rs.get("lo") is not None else 1),
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
     if dual:

@@ -315,20 +315,6 @@ def chunk_state_fwd(
 
 
 @triton.jit
-def _row_unscale(b_x, den, lo, eps, bos, o_t, m_t, i_hv, HV: tl.constexpr, ROWSCALE: tl.constexpr):
-    """``x_r / (max(|den_r|, lo_r) + eps)`` rounded back to x's dtype (lo = 1 when ROWSCALE is 1): the mLSTM's
-    cotangent of the normalized output's numerator, ``dO = dH / d``, formed where dH is loaded, with the same
-    rounding as ``mlstm.chunk._normalizer_bwd_prep`` gives a stored dO (den, lo ``[B, T, HV]``, ACC dtype)."""
-    b_den = tl.load(den + (bos + o_t) * HV + i_hv, mask=m_t, other=1.0)
-    if ROWSCALE == 2:
-        b_lo = tl.load(lo + (bos + o_t) * HV + i_hv, mask=m_t, other=1.0)
-    else:
-        b_lo = tl.zeros_like(b_den) + 1.0
-    b_d = tl.maximum(tl.abs(b_den), b_lo) + eps
-    return (b_x.to(b_den.dtype) / b_d[:, None]).to(b_x.dtype)
-
-
-@triton.jit
 def _rowscaled_qdot(b_q, b_x, b_sr, dt: tl.constexpr, ACC: tl.constexpr, DOT_PREC: tl.constexpr, SPLIT: tl.constexpr):
     """``q^T diag(sr) x`` ([BK, BS] x [BS, C], ACC result) with the row factors kept unrounded: x sr
     split into bf16 hi + lo (about 16 mantissa bits) for bf16 inputs, two 16-bit tensor-core products
@@ -388,10 +374,6 @@ def _chunk_state_bwd_kernel(
     N_STATE: tl.constexpr = False,
     USE_DNT: tl.constexpr = False,
     INTRA: tl.constexpr = False,
-    rs_den=None,
-    rs_lo=None,
-    rs_eps=0.0,
-    ROWSCALE: tl.constexpr = 0,
 ):
     """Reverse state-gradient recurrence (DELTA: of the delta rule; otherwise of linear attention,
     where the W^T dU term is absent and dU is the whole gradient of V). ``b_dh`` is the gradient of the state
@@ -410,10 +392,7 @@ def _chunk_state_bwd_kernel(
     INTRA (BT = BS = 64, scalar or no gate): the output's intra-chunk gradient of Vnew,
     ``dvo_s = scale sum_{r >= s} (k_s . q_r) 2^(GQ_r - GK_s) dO_r`` over the sub-chunk, is formed here from
     the q, k and dO tiles this step loads anyway (two products) instead of read from ``dvo``: at L = 64
-    it is one diagonal tile, so its separate tiled launch and the fp32 round trip of dvo go away.
-
-    ROWSCALE (1: lo = 1, 2: lo read; with INTRA): ``do`` holds the mLSTM's dH and every dO tile is formed as
-    it is loaded (``_row_unscale``), so no dO tensor is written and read back."""
+    it is one diagonal tile, so its separate tiled launch and the fp32 round trip of dvo go away."""
     BS: tl.constexpr = 64
     i_v, i_nh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     i_n, i_hv = i_nh // HV, i_nh % HV
@@ -466,8 +445,6 @@ def _chunk_state_bwd_kernel(
             b_q = tl.load(q + (bos * H + i_h) * K + o_t[:, None] * (H * K) + o_k[None, :], mask=m_tk, other=0.0)
             p_tv = (bos * HV + i_hv) * V + o_t[:, None] * (HV * V) + o_v[None, :]
             b_do = tl.load(do + p_tv, mask=m_tv, other=0.0)
-            if ROWSCALE > 0:
-                b_do = _row_unscale(b_do, rs_den, rs_lo, rs_eps, bos, o_t, m_t, i_hv, HV, ROWSCALE)
             if USE_G:
                 b_g = tl.load(p_g + o_t * HV, mask=m_t, other=0.0)
                 if SPLIT_G:
@@ -558,7 +535,6 @@ def chunk_state_bwd(
     gv_cum: torch.Tensor | None = None,
     dden: torch.Tensor | None = None,
     dnt: torch.Tensor | None = None,
-    do_scale: dict | None = None,
 ):
     """State-gradient recurrence of the gated delta rule (reverse, 64-row sub-chunks, outer chunk L).
 
@@ -572,8 +548,6 @@ def chunk_state_bwd(
         dden: ``[B, T, HV]`` fp32, the cotangent of the normalizer's dot (``chunk_state_fwd(n_state=True)``):
             also run the normalizer state's gradient (linear attention only); dnt ``[N, HV, K]`` its final
             cotangent or None.
-        do_scale: ``dict(den=[B, T, HV], lo=[B, T, HV] or None, eps=float)`` (with ``dvo=None``): ``do`` is the
-            mLSTM's dH and the kernel forms ``dO = dH / (max(|den|, lo) + eps)`` as it loads it.
     Returns:
         ``dh [B, NS, HV, K, V]`` (gradient of the state after each 64-row sub-chunk, k's dtype),
         ``du [B, T, HV, V]`` (total gradient of U = Vnew's gradient, k's dtype), ``dh0 [N, HV, K, V]``
@@ -593,9 +567,6 @@ def chunk_state_bwd(
         raise ValueError("dvo=None (formed in the kernel) needs chunk_size 64 and no vector gate")
     if n_state and (w is not None or gv_cum is not None):
         raise ValueError("the normalizer state's gradient (dden) serves linear attention with scalar gates")
-    if do_scale is not None and not intra:
-        raise ValueError("do_scale needs dvo=None (every use of dO inside this kernel)")
-    rs = do_scale or {}
     dhn = torch.empty(B, NS, HV, K, dtype=_state_acc(k.dtype), device=k.device) if n_state else None
     dn0 = torch.empty(N, HV, K, dtype=_state_acc(k.dtype), device=k.device) if n_state and need_dh0 else None
     rets = (dh, du, dh0) + ((dhn, dn0) if n_state else ())
@@ -622,8 +593,6 @@ def chunk_state_bwd(
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         gv=gv_cum, VEC_G=gv_cum is not None, dden=dden, dnt=dnt, dhn=dhn, dn0=dn0, N_STATE=n_state,
         USE_DNT=n_state and dnt is not None, INTRA=intra,
-        rs_den=rs.get("den"), rs_lo=rs.get("lo"), rs_eps=float(rs.get("eps", 0.0)),
-        ROWSCALE=0 if do_scale is None else (2 if rs.get("lo") is not None else 1),
     )
     return rets
 

@@ -42,7 +42,7 @@ import triton.language as tl
 from tfla.ops.gated_delta_rule.chunk import VarlenIndex, _check_cotangent
 from tfla.ops.mlstm.step import INPUT_GATES, check_mlstm_options, check_mlstm_state  # noqa: F401
 from tfla.ops.common.utils import cdiv, next_pow2
-from tfla.ops.simple_gla.chunk import chunk_simple_gla_bwd, chunk_simple_gla_fwd, fused_do_supported
+from tfla.ops.simple_gla.chunk import chunk_simple_gla_bwd, chunk_simple_gla_fwd
 from tfla.utils.validation import (
     check_common,
     check_qkv,
@@ -241,12 +241,10 @@ def chunk_mlstm_fwd(q, k, v, i, f, C0, n0, m0, opts: MLSTMOptions, varlen=None):
 
 @triton.jit
 def _normalizer_bwd_prep_kernel(dh, h, den, lo, do, sd, dden, R, eps, V: tl.constexpr, BR: tl.constexpr,
-                                BV: tl.constexpr, HAS_LO: tl.constexpr, EXACT: tl.constexpr, ACC: tl.constexpr,
-                                STORE_DO: tl.constexpr = True):
+                                BV: tl.constexpr, HAS_LO: tl.constexpr, EXACT: tl.constexpr, ACC: tl.constexpr):
     """Per row r of ``h = o / d`` with ``d = max(|den|, lo) + eps``: ``do = dh / d`` (the numerator's
     cotangent), ``sd = (dh . h) / d`` and, for the exact gradient, ``dden = -sd sign(den)`` where
-    ``|den| > lo`` (else 0). One pass over dh and h instead of six PyTorch ops over [B, T, H, V]. Without
-    STORE_DO the backward's kernels form do from dh themselves (``chunk_state._row_unscale``, same rounding)."""
+    ``|den| > lo`` (else 0). One pass over dh and h instead of six PyTorch ops over [B, T, H, V]."""
     i_r = tl.program_id(0).to(tl.int64)
     o_r = i_r * BR + tl.arange(0, BR)
     m_r = o_r < R
@@ -260,8 +258,7 @@ def _normalizer_bwd_prep_kernel(dh, h, den, lo, do, sd, dden, R, eps, V: tl.cons
     else:
         b_lo = tl.full([BR], 1.0, dtype=ACC)
     b_d = tl.maximum(tl.abs(b_den), b_lo) + eps
-    if STORE_DO:
-        tl.store(do + o_r[:, None] * V + o_v[None, :], (b_dh / b_d[:, None]).to(do.dtype.element_ty), mask=m)
+    tl.store(do + o_r[:, None] * V + o_v[None, :], (b_dh / b_d[:, None]).to(do.dtype.element_ty), mask=m)
     b_sd = tl.sum(b_dh * b_h, 1) / b_d
     tl.store(sd + o_r, b_sd, mask=m_r)
     if EXACT:
@@ -269,12 +266,11 @@ def _normalizer_bwd_prep_kernel(dh, h, den, lo, do, sd, dden, R, eps, V: tl.cons
         tl.store(dden + o_r, tl.where(tl.abs(b_den) > b_lo, -b_sd * b_sg, 0.0), mask=m_r)
 
 
-def _normalizer_bwd_prep(dh, h, den, lo, eps, exact, out_dtype, store_do=True):
-    """``(do [B, T, H, V] out_dtype (None without store_do), sd [B, T, H] fp32, dden [B, T, H] fp32 or None)``;
-    see the kernel."""
+def _normalizer_bwd_prep(dh, h, den, lo, eps, exact, out_dtype):
+    """``(do [B, T, H, V] out_dtype, sd [B, T, H] fp32, dden [B, T, H] fp32 or None)``; see the kernel."""
     B, T, H, V = dh.shape
     acc = torch.float64 if dh.dtype == torch.float64 else torch.float32
-    do = torch.empty(B, T, H, V, dtype=out_dtype, device=dh.device) if store_do else None
+    do = torch.empty(B, T, H, V, dtype=out_dtype, device=dh.device)
     sd = torch.empty(B, T, H, dtype=acc, device=dh.device)
     dden = torch.empty_like(sd) if exact else None
     R = B * T * H
@@ -283,7 +279,7 @@ def _normalizer_bwd_prep(dh, h, den, lo, eps, exact, out_dtype, store_do=True):
     if R > 0:
         _normalizer_bwd_prep_kernel[(cdiv(R, BR),)](
             dh, h, den, lo, do, sd, dden, R, eps, V=V, BR=BR, BV=BV, HAS_LO=lo is not None, EXACT=exact,
-            ACC=tl.float64 if acc == torch.float64 else tl.float32, STORE_DO=store_do)
+            ACC=tl.float64 if acc == torch.float64 else tl.float32)
     return do, sd, dden
 
 
@@ -294,16 +290,10 @@ def chunk_mlstm_bwd(q, k, v, i, f, C0, n0, m0, h, den, final, dh, dC, dn, dm, op
     seg = _Segments.build(T, varlen.cu_seqlens if varlen is not None else None, q.device)
     gt = _gates(i, f, m0, opts, seg, acc)
     gates = {"gk_cum": gt.gk, "gb": gt.gb}
-    dden = sd = do_scale = None
+    dden = sd = None
     if opts.normalize:
-        lo = gt.lo if isinstance(gt.lo, torch.Tensor) else None
-        # at L = 64 (the backward's L) the kernels that read dO form it from dH as they load it: no dO tensor
-        # (H100, B=8 T=8192 H=16 K=128 V=256 bf16: 512 MiB less written and read, and held at the peak)
-        fused = dh.dtype == q.dtype and fused_do_supported(opts.chunk_size, q, v)
-        do, sd, dden = _normalizer_bwd_prep(dh, h, den, lo, opts.eps, not opts.detach_normalizer, q.dtype,
-                                            store_do=not fused)
-        if fused:
-            do, do_scale = dh, dict(den=den, lo=lo, eps=opts.eps)
+        do, sd, dden = _normalizer_bwd_prep(dh, h, den, gt.lo if isinstance(gt.lo, torch.Tensor) else None,
+                                            opts.eps, not opts.detach_normalizer, q.dtype)
     else:
         do = dh.to(q.dtype)
     C0a = _c0(C0, acc)
@@ -318,11 +308,10 @@ def chunk_mlstm_bwd(q, k, v, i, f, C0, n0, m0, h, den, final, dh, dC, dn, dm, op
         dq, dk, dv, dlogf, dh0, dn0, kdk = chunk_simple_gla_bwd(
             q, k, v, gt.gq, opts.scale, C0a, do.contiguous(), dC, opts.chunk_size, varlen, **gates,
             dden=dden.contiguous(), initial_n=n0.to(acc).contiguous() if n0 is not None else None,
-            dnt=dn.to(acc).contiguous() if dn is not None else None, kdot=True, do_scale=do_scale)
+            dnt=dn.to(acc).contiguous() if dn is not None else None, kdot=True)
     else:
         dq, dk, dv, dlogf, dh0, kdk = chunk_simple_gla_bwd(q, k, v, gt.gq, opts.scale, C0a, do.contiguous(), dC,
-                                                           opts.chunk_size, varlen, **gates, kdot=True,
-                                                           do_scale=do_scale)
+                                                           opts.chunk_size, varlen, **gates, kdot=True)
     dC0 = dh0
     dig = kdk.double()  # k . dk per row (fp32, in wy_bwd): e^{ig_s} scales every use of k_s
     dlogf = dlogf.double()

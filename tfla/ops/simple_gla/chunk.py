@@ -67,7 +67,7 @@ def chunk_simple_gla_fwd(q, k, v, g, scale, initial_state, output_final_state, c
 
 
 def chunk_simple_gla_bwd(q, k, v, g_cum, scale, initial_state, do, dht, chunk_size, varlen=None, gk_cum=None,
-                         gb=None, dden=None, initial_n=None, dnt=None, kdot=False, need_dg=True, do_scale=None):
+                         gb=None, dden=None, initial_n=None, dnt=None, kdot=False, need_dg=True):
     """Plain backward: ``(dq, dk, dv, dg, dh0)`` (dg None without decay; dq, dk in q's dtype, each rounded once
     from its fp32 sum in the kernel that forms it; dg fp32). ``kdot``: append ``k . dk`` per row ``[B, T, H]``
     fp32 (before rounding). ``need_dg=False`` (a constant decay: ``g_gamma``, retention): dg is None and its
@@ -77,11 +77,7 @@ def chunk_simple_gla_bwd(q, k, v, g_cum, scale, initial_state, do, dht, chunk_si
     ``dden [B, T, H]`` fp32 (with ``initial_n [N, H, K]`` or None and ``dnt [N, H, K]`` or None): the
     cotangent of the forward's normalizer dot ``den`` (``chunk_simple_gla_fwd(n_state=True)``), i.e. of
     one more value column of ones, folded into the same kernels (the scores of dq and dk gain ``dden`` per
-    row, the states carry n and dn beside S and dS); returns ``(dq, dk, dv, dg, dh0, dn0)`` then.
-
-    ``do_scale`` (``dict(den=, lo=, eps=)``, the mLSTM; needs ``fused_do_supported``): ``do`` is dH and each
-    kernel that loads it forms ``dO = dH / (max(|den|, lo) + eps)`` itself (``chunk_tiled(row_scale=..)``,
-    ``chunk_state_bwd(do_scale=..)``): no dO tensor is written and read back."""
+    row, the states carry n and dn beside S and dS); returns ``(dq, dk, dv, dg, dh0, dn0)`` then."""
     L = chunk_size
     cu = varlen.cu_seqlens if varlen is not None else None
     sub = varlen.sub_indices if varlen is not None else None
@@ -99,14 +95,11 @@ def chunk_simple_gla_bwd(q, k, v, g_cum, scale, initial_state, do, dht, chunk_si
                      chunk_offsets=varlen.sub_offsets)
     # at L = 64 (one diagonal tile per chunk): dvo formed inside the state-gradient recurrence, dq and dk from
     # one tiled launch (the same gated score tile)
-    if do_scale is not None and not fused_do_supported(L, q, v):
-        raise ValueError("do_scale needs the fused L = 64 backward (fused_do_supported)")
     dvo = None if intra_supported(L) else chunk_tiled(k, q, do, g_cum, scale, L, reverse=True, **tiled)
     dq_args = dict(h=h_sub, state_every=SUB_CHUNK, state_transposed=True, rowdot_with=q, out_dtype=q.dtype,
                    row_add=dden, row_add_n=hn_sub, **tiled)
     if dual_supported(L, v.shape[-1], q.shape[-1], q.dtype):
-        dq, dgq, dko, dgk = chunk_tiled(do, v, k, g_cum, scale, L, dual_dtype=k.dtype, row_scale=do_scale,
-                                        **dq_args)
+        dq, dgq, dko, dgk = chunk_tiled(do, v, k, g_cum, scale, L, dual_dtype=k.dtype, **dq_args)
     else:
         dq, dgq = chunk_tiled(do, v, k, g_cum, scale, L, **dq_args)
         dko, dgk = chunk_tiled(v, do, q, g_cum, scale, L, reverse=True, rowdot_with=k, out_dtype=k.dtype, row_add=dden,
@@ -116,7 +109,7 @@ def chunk_simple_gla_bwd(q, k, v, g_cum, scale, initial_state, do, dht, chunk_si
         q, k, None, do, dvo, g_cum, scale, L, dht=dht, need_dh0=initial_state is not None, cu_seqlens=cu,
         sub_offsets=varlen.sub_offsets if varlen is not None else None,
         num_sub_chunks=varlen.sub_indices.shape[0] if varlen is not None else None, gk_cum=gk_cum, gb=gb,
-        dden=dden, dnt=dnt, do_scale=do_scale)
+        dden=dden, dnt=dnt)
     del dvo  # not needed by wy_bwd: freed before its outputs are allocated (peak memory)
     dhn_sub, dn0 = dns if n_state else (None, None)
     # dk = dko + the state part, added and rounded to k's dtype in wy_bwd
@@ -128,12 +121,6 @@ def chunk_simple_gla_bwd(q, k, v, g_cum, scale, initial_state, do, dht, chunk_si
         dg = chunk_local_cumsum(dgq, L, reverse=True, cu_seqlens=cu, out_dtype=acc, sub=dgk, add=dg_sub,
                                 chunk_indices=varlen.chunk_indices if varlen is not None else None)
     return (dq, dk, dv, dg, dh0) + ((dn0,) if n_state else ()) + (tuple(kdk) if kdot else ())
-
-
-def fused_do_supported(chunk_size: int, q: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether ``chunk_simple_gla_bwd(do_scale=..)`` applies: the L = 64 backward whose only uses of dO are the
-    dual tiled launch (dq, dk) and the state-gradient recurrence (dvo inside it)."""
-    return intra_supported(chunk_size) and dual_supported(chunk_size, v.shape[-1], q.shape[-1], q.dtype)
 
 
 class ChunkSimpleGLAFunction(torch.autograd.Function):
