@@ -14,7 +14,8 @@ TIMING = ["--warmup", "1", "--rep", "5"] if torch.cuda.is_available() else []
 TINY = ["--B", "1", "--H", "1", "--K", "16", "--V", "16", "--impls", "tfla", "--chunk-sizes", "64",
         "--dtype", "fp32", "--no-progress", *TIMING]
 COLUMNS = {"impl", "version", "kind", "mode", "chunk", "B", "T", "H", "K", "V", "dtype", "op", "ref", "slice_T",
-           "err_o", "slice_err_o", "ms", "tflops", "peak_mib", "status", "speedup_vs_fla", "env_torch", "env_git"}
+           "err_o", "slice_err_o", "ms", "tflops", "peak_mib", "status", "speedup_vs_fla", "env_torch", "env_git",
+           "env_src"}
 
 
 def _rows(path):
@@ -144,3 +145,21 @@ def test_help(op, flags):
     r = subprocess.run([sys.executable, "-m", "tfla", "bench", op, "--help"], check=False, capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0 and all(f in r.stdout for f in flags)
+
+
+def test_source_hash_names_the_sources(tmp_path):
+    """The bench's ``src`` field: the same for the same files, different when one byte or one name changes."""
+    from tfla.bench.common import env_info, source_hash
+
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "a.py").write_text("x = 1\n")
+    (tmp_path / "b.py").write_text("y = 2\n")
+    h = source_hash(tmp_path)
+    assert h == source_hash(tmp_path) and len(h) == 12
+    (tmp_path / "b.py").write_text("y = 3\n")
+    assert source_hash(tmp_path) != h
+    (tmp_path / "b.py").write_text("y = 2\n")
+    assert source_hash(tmp_path) == h
+    (tmp_path / "b.py").rename(tmp_path / "c.py")
+    assert source_hash(tmp_path) != h
+    assert env_info()["src"] == source_hash()

@@ -58,6 +58,19 @@ def git_sha() -> str:
         return "?"
 
 
+def source_hash(root: Path | None = None) -> str:
+    """12 hex digits of SHA-1 over the package's ``*.py`` files (relative path and bytes, sorted): names the
+    code a bench row ran even where ``git`` reads a stale or missing ``.git`` (the device copies of the tree).
+    The same function at a checkout gives the same value for the same sources."""
+    import hashlib
+
+    root = Path(__file__).resolve().parents[1] if root is None else Path(root)
+    h = hashlib.sha1()
+    for f in sorted(root.rglob("*.py")):
+        h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()[:12]
+
+
 def _ver(dist: str) -> str:
     try:
         return importlib.metadata.version(dist)
@@ -75,6 +88,7 @@ def env_info() -> dict:
         "triton": triton.__version__,
         "tfla": _ver("tfla"),
         "git": git_sha(),
+        "src": source_hash(),
         "fla-core": _ver("fla-core"),
         "flash-qla": _ver("flash-qla"),
         "python": platform.python_version(),
