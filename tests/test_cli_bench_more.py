@@ -32,10 +32,10 @@ def test_bench_linear_attn_small(tmp_path, capsys, mode):
     assert f"Linear attention {mode}" in capsys.readouterr().out
     data, rows = _rows(json_path)
     assert data["env"]["torch"] == torch.__version__
-    assert [r["kind"] for r in rows] == ["none", "constant", "scalar", "vector"]
+    assert [r["kind"] for r in rows] == ["none", "constant", "scalar", "vector", "lightning"]
     ran = [r for r in rows if r["status"] == "ok"]
-    assert {r["kind"] for r in ran} >= {"none", "constant", "scalar"}
-    vector = rows[-1]
+    assert {r["kind"] for r in ran} >= {"none", "constant", "scalar", "lightning"}
+    vector = rows[3]
     assert vector["status"] == "ok" or vector["status"].startswith("not implemented")
     grads = ("dq", "dk", "dv") if mode == "fwdbwd" else ()
     for r in ran:
@@ -45,12 +45,12 @@ def test_bench_linear_attn_small(tmp_path, capsys, mode):
             assert r[f"err_{n}"] < 1e-5 and r[f"slice_err_{n}"] < 1e-5
         if mode == "fwdbwd" and r["kind"] in ("scalar", "vector"):
             assert r["err_dg"] < 5e-5 and r["slice_err_dg"] < 5e-5
-        if mode == "fwdbwd" and r["kind"] in ("none", "constant"):
+        if mode == "fwdbwd" and r["kind"] in ("none", "constant", "lightning"):
             assert "err_dg" not in r
     with open(csv_path, newline="") as f:
         reader = csv.DictReader(f)
         header = set(reader.fieldnames)
-        assert len(list(reader)) == 4
+        assert len(list(reader)) == 5
     assert COLUMNS <= header
     if mode == "fwdbwd":
         assert {"err_dq", "err_dk", "err_dv", "err_dg", "slice_err_dg"} <= header

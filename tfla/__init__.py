@@ -14,6 +14,7 @@ _OPS = {
     "chunk_simple_gla": "tfla.ops.simple_gla",
     "chunk_retention": "tfla.ops.simple_gla",
     "chunk_linear_attn": "tfla.ops.simple_gla",
+    "chunk_lightning_attn": "tfla.ops.simple_gla",
     "chunk_gla": "tfla.ops.gla",
     "chunk_mlstm": "tfla.ops.mlstm.chunk",
     "mlstm_step": "tfla.ops.mlstm.step",

@@ -1,4 +1,4 @@
-"""Linear attention with scalar / constant / no decay (chunk_simple_gla, chunk_retention,
+"""Linear attention with scalar / constant / no decay (chunk_simple_gla, chunk_retention, chunk_lightning_attn,
 chunk_linear_attn, normalized or not) against the float64 recurrence: output, final state and every gradient."""
 import pytest
 import torch
@@ -7,6 +7,7 @@ import torch.nn.functional as F
 import tfla
 from tfla.bench.inputs import random_cu_seqlens
 from tfla.ops.simple_gla.reference import (
+    lightning_log_decay,
     recurrent_linear_attn_ref,
     recurrent_simple_gla_ref,
     retention_log_decay,
@@ -128,6 +129,40 @@ def test_retention_is_simple_gla_with_fixed_decays(device):
                                       output_final_state=True)
     assert_rel_close("o", o1.cpu(), ro, FP32_TOL)
     assert_rel_close("final_state", s1.cpu(), rs, FP32_TOL)
+
+
+@pytest.mark.parametrize("layer_idx,num_layers,L", [(0, 4, 64), (3, 4, 128), (4, 4, 64)])
+def test_lightning_attn_matches_recurrence(device, layer_idx, num_layers, L):
+    """Lightning Attention's decays (FLA's chunk_lightning_attn): output, final state and every gradient
+    against the float64 recurrence with the same constant decays; layer_idx = num_layers is no decay."""
+    x = _inputs(1, 150, 4, 16, 16, "none", torch.float32, device, 10)
+    names = ("q", "k", "v", "h0")
+    leaves = {n: x[n].clone().requires_grad_() for n in names}
+    o, s = tfla.chunk_lightning_attn(leaves["q"], leaves["k"], leaves["v"], layer_idx, num_layers,
+                                     initial_state=leaves["h0"], output_final_state=True, chunk_size=L)
+    gen = torch.Generator().manual_seed(11)
+    do, dht = torch.randn(o.shape, generator=gen), torch.randn(s.shape, generator=gen)
+    got = torch.autograd.grad((o * do.to(device)).sum() + (s * dht.to(device)).sum(), list(leaves.values()))
+    ref_leaves = {n: t.detach().cpu().double().requires_grad_() for n, t in leaves.items()}
+    gg = lightning_log_decay(4, layer_idx, num_layers).double()
+    assert gg[0] == 0 and bool((gg <= 0).all())
+    ro, rs = recurrent_simple_gla_ref(ref_leaves["q"], ref_leaves["k"], ref_leaves["v"], g_gamma=gg,
+                                      initial_state=ref_leaves["h0"], output_final_state=True)
+    ref = torch.autograd.grad((ro * do.double()).sum() + (rs * dht.double()).sum(), list(ref_leaves.values()))
+    assert_rel_close("o", o.detach().cpu(), ro, FP32_TOL)
+    assert_rel_close("final_state", s.detach().cpu(), rs, FP32_TOL)
+    for name, a, b in zip(names, got, ref):
+        assert_rel_close(f"d{name}", a.cpu(), b, FP32_TOL)
+
+
+def test_lightning_attn_bad_input(device):
+    q = torch.randn(1, 8, 2, 16, device=device)
+    with pytest.raises(ValueError, match="layer_idx"):
+        tfla.chunk_lightning_attn(q, q, q, 5, 4)
+    with pytest.raises(ValueError, match="num_layers"):
+        tfla.chunk_lightning_attn(q, q, q, 0, 0)
+    with pytest.raises(TypeError, match="`layer_idx` must be an int"):
+        tfla.chunk_lightning_attn(q, q, q, 0.5, 4)
 
 
 def test_linear_attn_matches_no_decay(device):

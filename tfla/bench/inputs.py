@@ -83,7 +83,7 @@ def random_cu_seqlens(T: int, num_seqs: int, seed: int = 0, device="cpu") -> tor
     return torch.tensor(bounds, dtype=torch.int64, device=device)
 
 
-DECAY_KINDS = ("none", "constant", "scalar", "vector")
+DECAY_KINDS = ("none", "constant", "scalar", "vector", "lightning")
 
 
 def linear_attn_inputs(
@@ -100,7 +100,7 @@ def linear_attn_inputs(
     seed: int = 0,
 ) -> dict:
     """Random inputs for linear attention with decay ``kind``: dict with q, k, v [B, T, H, K|V] (keys
-    L2-normalised) and g: None for "none" (no decay) and "constant" (the op's fixed per-head decay),
+    L2-normalised) and g: None for "none" (no decay), "constant" and "lightning" (the op's fixed per-head decays),
     the log decay ``[B, T, H]`` for "scalar" (simple GLA), ``[B, T, H, K]`` for "vector" (GLA), drawn
     from the ``gate`` regime in ``gate_dtype``."""
     if kind not in DECAY_KINDS:

@@ -7,6 +7,9 @@ Decay kinds and the ops compared (same arguments and layout ``[B, T, H, K|V]`` o
     constant  tfla.chunk_retention                      fla.ops.retention.chunk_retention
     scalar    tfla.chunk_simple_gla(g [B, T, H])        fla.ops.simple_gla.chunk_simple_gla
     vector    tfla.chunk_gla(g [B, T, H, K])            fla.ops.gla.chunk_gla   (tfla row 'not implemented' if absent)
+    lightning tfla.chunk_lightning_attn                 fla.ops.lightning_attn.chunk_lightning_attn
+              (Lightning Attention's constant decays of layer LIGHTNING_LAYER of LIGHTNING_LAYERS: the first
+              layer of a 24-layer model, the strongest decays, -(8 / H) h per token for head h)
 
 FLA runs at its own chunk size (64) with ``FLA_FLASH_QLA=0``. For each workload, before any timing:
 
@@ -140,6 +143,12 @@ def _slice_reference_fn(kind: str):
     if kind == "constant":
         return lambda x: recurrent_simple_gla_ref(
             x["q"], x["k"], x["v"], g_gamma=retention_log_decay(x["q"].shape[2], device=x["q"].device).double())[0]
+    if kind == "lightning":
+        from tfla.bench.registry import LIGHTNING_LAYER, LIGHTNING_LAYERS
+        from tfla.ops.simple_gla.reference import lightning_log_decay
+
+        return lambda x: recurrent_simple_gla_ref(x["q"], x["k"], x["v"], g_gamma=lightning_log_decay(
+            x["q"].shape[2], LIGHTNING_LAYER, LIGHTNING_LAYERS, device=x["q"].device).double())[0]
     if kind == "scalar":
         return lambda x: recurrent_simple_gla_ref(x["q"], x["k"], x["v"], g=x["g"])[0]
     return lambda x: recurrent_gla_ref(x["q"], x["k"], x["v"], x["g"])[0]

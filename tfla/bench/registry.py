@@ -177,7 +177,10 @@ LINEAR_ATTN_OPS = {  # kind -> (tfla op, modules to look in, FLA module, FLA op)
     "constant": ("chunk_retention", (), "fla.ops.retention", "chunk_retention"),
     "scalar": ("chunk_simple_gla", (), "fla.ops.simple_gla", "chunk_simple_gla"),
     "vector": ("chunk_gla", ("tfla.ops.gla",), "fla.ops.gla", "chunk_gla"),
+    "lightning": ("chunk_lightning_attn", (), "fla.ops.lightning_attn", "chunk_lightning_attn"),
 }
+# the Lightning Attention layer the bench runs (its decays: reference.lightning_log_decay)
+LIGHTNING_LAYER, LIGHTNING_LAYERS = 0, 24
 
 
 def _linear_attn_call(op, kind: str, x: dict, **kw):
@@ -186,6 +189,8 @@ def _linear_attn_call(op, kind: str, x: dict, **kw):
         return op(q, k, v, normalize=False, **kw)[0]
     if kind == "constant":
         return op(q, k, v, **kw)[0]
+    if kind == "lightning":
+        return op(q, k, v, LIGHTNING_LAYER, LIGHTNING_LAYERS, **kw)[0]
     return op(q, k, v, g=x["g"], **kw)[0]
 
 

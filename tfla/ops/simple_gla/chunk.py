@@ -368,3 +368,38 @@ def chunk_linear_attn(
                                       chunk_size=chunk_size)
     o, z_state = _normalize_linear_attn(o, q, k, float(scale), z_init, cu_seqlens)
     return o, (final_state, z_state)
+
+
+def chunk_lightning_attn(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer_idx: int,
+    num_layers: int,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.LongTensor | None = None,
+    *,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+):
+    """Lightning Attention (FLA's ``chunk_lightning_attn``): ``chunk_simple_gla`` with the constant per-head log
+    decays ``-(8 / H) (1 - layer_idx / num_layers) h`` (``reference.lightning_log_decay``; Qin et al.,
+    "Lightning Attention-2", 2024). Shapes, dtypes and returns as ``chunk_simple_gla``; the decays are constants
+    (no gradient).
+
+    Raises ValueError/TypeError for the arguments ``chunk_simple_gla`` checks, and for ``layer_idx`` /
+    ``num_layers`` that are not integers with ``num_layers >= 1`` and ``0 <= layer_idx <= num_layers`` (a
+    larger ``layer_idx`` would make the decays positive)."""
+    for name, val in (("layer_idx", layer_idx), ("num_layers", num_layers)):
+        if isinstance(val, bool) or not isinstance(val, int):
+            raise TypeError(f"`{name}` must be an int, got {type(val).__name__}")
+    if num_layers < 1 or not 0 <= layer_idx <= num_layers:
+        raise ValueError(f"need num_layers >= 1 and 0 <= layer_idx <= num_layers, got layer_idx={layer_idx}, "
+                         f"num_layers={num_layers}")
+    from tfla.ops.simple_gla.reference import lightning_log_decay
+
+    _check(q, k, v, None, None, scale, initial_state, cu_seqlens, chunk_size)
+    g_gamma = lightning_log_decay(q.shape[2], layer_idx, num_layers, device=q.device)
+    return _chunk_simple_gla(q, k, v, None, g_gamma, scale, initial_state, output_final_state, cu_seqlens,
+                             chunk_size, check_positive=False)

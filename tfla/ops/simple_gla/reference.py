@@ -109,6 +109,13 @@ def recurrent_linear_attn_ref(
     return (o, (S, z[:, None])) if normalize else (o, S)
 
 
+def lightning_log_decay(H: int, layer_idx: int, num_layers: int, device=None) -> torch.Tensor:
+    """Lightning Attention's per-head log decays for layer ``layer_idx`` of ``num_layers`` (ALiBi-style slopes
+    scaled down with depth, Qin et al., "Lightning Attention-2", 2024; the values FLA's ``chunk_lightning_attn``
+    uses): ``-(8 / H) (1 - layer_idx / num_layers) h`` for head h = 0 .. H - 1 (head 0: no decay)."""
+    return -(8.0 / H) * (1.0 - layer_idx / num_layers) * torch.arange(H, dtype=torch.float32, device=device)
+
+
 def retention_log_decay(H: int, device=None) -> torch.Tensor:
     """RetNet's per-head decays as FLA's ``chunk_retention`` uses them: ``log(1 - 2^(-5 - h))``."""
     return torch.log(1 - 2.0 ** (-5.0 - torch.arange(H, dtype=torch.float32, device=device)))
