@@ -25,6 +25,8 @@
 #            call B2 (tilelang, machine kept warm): GDN GPU backward tests vs FLA, GDN fwd+bwd bench vs FLA
 #   s23c1 / s23c2  mLSTM sigmoid fwd+bwd vs xl_chunk_siging; GDN fwd+bwd vs FLA (tilelang) and the strong-gate bf16 tests
 #   s23d     fused dO (mLSTM) and in-place dk on the GPU: tests, then mLSTM / GDN / linear-attention fwd+bwd rows
+#   benchla2 linear attention fwd+bwd vs FLA: none / constant / lightning, then vector (FLA's chunk_gla compile
+#            given at most 300 s; a Triton cache under .site keeps compiled kernels while the machine is warm)
 #   paper    tfla bench mlstm --paper (TFLA paper sweep, 65536 tokens), fwd+bwd, L = 128
 #   profileops  per-kernel times of mLSTM / simple GLA / GDN calls (scripts/profile_ops.py)
 #   profile  per-stage times of tfla's forward (scripts/profile_gdn.py)
@@ -217,6 +219,13 @@ print('sanitized fwd+bwd ok')
       python3 -m tfla bench mlstm --mode fwdbwd --B 4 --T 8192 --H 16 --K 128 --V 128 --chunk-sizes 64,128 \
           --input-gates sigmoid --impls tfla --no-progress --warmup 10 --rep 50 \
           --json "$OUT/bench_mlstm_k128.json" 2>&1 | tail -5
+      ;;
+    benchla2)
+      export TRITON_CACHE_DIR="$PWD/.site/triton-cache"
+      python3 -m tfla bench linear-attn --mode fwdbwd --kinds none,constant,lightning --chunk-sizes 64 --no-progress \
+          --warmup 10 --rep 50 --json "$OUT/bench_la_fwdbwd.json" 2>&1 | tee "$OUT/bench_la_fwdbwd.log" | tail -8
+      timeout 300 python3 -m tfla bench linear-attn --mode fwdbwd --kinds vector --chunk-sizes 64 --no-progress \
+          --warmup 10 --rep 50 --json "$OUT/bench_la_vector.json" 2>&1 | tee "$OUT/bench_la_vector.log" | tail -5
       ;;
     paper)
       # one process per T (rows merged into one JSON after each, so a cut call keeps what ran); xl_chunk left
