@@ -284,10 +284,20 @@ def chunk_gated_delta_rule(
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
     use_qk_l2norm_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    state_v_first: bool = False,
     cu_seqlens: torch.LongTensor | None = None,
+    cu_seqlens_cpu: torch.LongTensor | None = None,
+    chunk_indices: torch.LongTensor | None = None,
+    cp_context=None,
     *,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     save_states: bool = False,
+    use_gate_in_kernel: bool = False,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    transpose_state_layout: bool | None = None,
 ):
     r"""Gated delta rule (Gated DeltaNet), chunkwise with two-level TFLA tiling.
 
@@ -317,6 +327,18 @@ def chunk_gated_delta_rule(
             step, more saved activations: ``B*T*HV*(K + V) + B*ceil(T/64)*HV*K*V`` more elements in the
             input dtype (512 MiB more than the default at B=4, T=8192, H=16, K=V=128, bf16, which saves
             66 MiB besides the inputs); README of this op.
+        use_beta_sigmoid_in_kernel: beta holds pre-activations; ``sigmoid(beta)`` is used (FLA 0.6.0's
+            option; here a differentiable PyTorch op before the kernels, fp32).
+        allow_neg_eigval: with ``use_beta_sigmoid_in_kernel``, ``2 sigmoid(beta)`` (beta in [0, 2)).
+        state_v_first: ``initial_state`` and the final state in the ``[N, HV, V, K]`` layout (transposed at the
+            boundary; the kernels keep ``[K, V]``). ``transpose_state_layout``: its deprecated name.
+        cu_seqlens_cpu: a host copy of ``cu_seqlens`` (same values; not compared, as in FLA): the index tables
+            are built from it without reading ``cu_seqlens`` back from the device.
+        chunk_indices: accepted for FLA compatibility and unused (tfla builds its own tables for its L).
+        cp_context: context parallelism is not supported yet: anything but None raises ValueError.
+        use_gate_in_kernel, A_log, dt_bias (keyword-only): g holds pre-activations and the log decay is
+            ``-exp(A_log) softplus(g + dt_bias)`` (A_log, dt_bias ``[HV]``; dt_bias optional), FLA's GDN gate,
+            here a differentiable PyTorch op before the kernels (fp32), so A_log and dt_bias get gradients.
 
     Returns:
         ``o [B, T, HV, V]`` in q's dtype, and ``final_state [N, HV, K, V]`` fp32 (or None).
@@ -334,6 +356,9 @@ def chunk_gated_delta_rule(
     Precision: the recurrence and gates are fp32; materialized states and W/U use the input dtype
     (as in FLA); fp32 inputs use IEEE fp32 dots throughout.
     """
+    q, k, v, g, beta, initial_state, state_v_first = _fla_options(
+        q, k, v, g, beta, initial_state, use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, cu_seqlens,
+        cu_seqlens_cpu, cp_context, use_gate_in_kernel, A_log, dt_bias, transpose_state_layout)
     check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size)
     if save_states and chunk_size != SUB_CHUNK:
         raise ValueError(f"save_states needs chunk_size=64 (the forward's states are the 64-row ones there), "
@@ -341,7 +366,8 @@ def chunk_gated_delta_rule(
     B, T, H, K = q.shape
     varlen = None
     if cu_seqlens is not None:
-        varlen = VarlenIndex.build(cu_seqlens, chunk_size)
+        bounds = [int(x) for x in cu_seqlens_cpu.tolist()] if cu_seqlens_cpu is not None else None
+        varlen = VarlenIndex.build(cu_seqlens, chunk_size, bounds=bounds)
         check_varlen_bounds(varlen.bounds, T)
     if scale is None:
         scale = K ** -0.5
@@ -352,4 +378,52 @@ def chunk_gated_delta_rule(
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     if initial_state is not None:
         initial_state = initial_state.contiguous()
-    return ChunkGatedDeltaRuleFunction.apply(q, k, v, g, beta, initial_state, varlen, opts)
+    o, final_state = ChunkGatedDeltaRuleFunction.apply(q, k, v, g, beta, initial_state, varlen, opts)
+    if state_v_first and final_state is not None:
+        final_state = final_state.transpose(-1, -2).contiguous()
+    return o, final_state
+
+
+def _fla_options(q, k, v, g, beta, initial_state, use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first,
+                 cu_seqlens, cu_seqlens_cpu, cp_context, use_gate_in_kernel, A_log, dt_bias, transpose_state_layout):
+    """FLA 0.6.0's extra options of ``chunk_gated_delta_rule``, checked and applied as differentiable PyTorch ops
+    before the kernels: returns ``(q, k, v, g, beta, initial_state, state_v_first)`` with the gate and beta
+    activated and the initial state in ``[N, HV, K, V]``."""
+    import warnings
+
+    if transpose_state_layout is not None:
+        if state_v_first:
+            raise ValueError("pass `state_v_first` or the deprecated `transpose_state_layout`, not both")
+        warnings.warn("`transpose_state_layout` is deprecated: use `state_v_first`", DeprecationWarning, stacklevel=3)
+        state_v_first = bool(transpose_state_layout)
+    if cp_context is not None:
+        raise ValueError("`cp_context` (context parallelism) is not supported by tfla yet; pass None")
+    if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
+        raise ValueError("`allow_neg_eigval=True` requires `use_beta_sigmoid_in_kernel=True`")
+    if cu_seqlens_cpu is not None:
+        if cu_seqlens is None:
+            raise ValueError("`cu_seqlens_cpu` is the host copy of `cu_seqlens`: pass both")
+        if not isinstance(cu_seqlens_cpu, torch.Tensor) or cu_seqlens_cpu.device.type != "cpu" \
+                or cu_seqlens_cpu.dim() != 1 or cu_seqlens_cpu.dtype not in (torch.int32, torch.int64) \
+                or cu_seqlens_cpu.numel() != cu_seqlens.numel():
+            raise ValueError("`cu_seqlens_cpu` must be a 1-D int32/int64 CPU tensor with as many offsets as "
+                             "`cu_seqlens`")
+    HV = v.shape[2] if isinstance(v, torch.Tensor) and v.dim() == 4 else None
+    if use_gate_in_kernel:
+        for name, x, need in (("A_log", A_log, True), ("dt_bias", dt_bias, False)):
+            if x is None and not need:
+                continue
+            if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.numel() != HV:
+                raise ValueError(f"`{name}` must be a float tensor of HV = {HV} elements with use_gate_in_kernel")
+        if isinstance(g, torch.Tensor):
+            x = g.float() + (dt_bias.float().reshape(HV) if dt_bias is not None else 0.0)
+            g = -A_log.float().reshape(HV).exp() * torch.nn.functional.softplus(x)
+    elif A_log is not None or dt_bias is not None:
+        raise ValueError("`A_log` / `dt_bias` are used only with `use_gate_in_kernel=True`")
+    if use_beta_sigmoid_in_kernel and isinstance(beta, torch.Tensor):
+        beta = torch.sigmoid(beta.float()) * (2.0 if allow_neg_eigval else 1.0)
+    if state_v_first and initial_state is not None:
+        if not isinstance(initial_state, torch.Tensor) or initial_state.dim() != 4:
+            raise ValueError("with `state_v_first`, `initial_state` must be a 4-D tensor [N, HV, V, K]")
+        initial_state = initial_state.transpose(-1, -2)
+    return q, k, v, g, beta, initial_state, state_v_first
