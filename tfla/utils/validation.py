@@ -89,3 +89,27 @@ def check_varlen_bounds(bounds: list[int], T: int) -> None:
         raise ValueError(f"`cu_seqlens` must start at 0 and end at T={T}, got {bounds[0]} ... {bounds[-1]}")
     if any(b1 < b0 for b0, b1 in zip(bounds[:-1], bounds[1:])):
         raise ValueError("`cu_seqlens` must be non-decreasing")
+
+
+def state_in_kv_layout(initial_state, state_v_first: bool):
+    """FLA's ``state_v_first``: an initial state given as ``[N, HV, V, K]`` viewed as tfla's ``[N, HV, K, V]``
+    (the final state goes back with ``.transpose(-1, -2)``). ValueError for a state that is not 4-D."""
+    if not state_v_first or initial_state is None:
+        return initial_state
+    if not isinstance(initial_state, torch.Tensor) or initial_state.dim() != 4:
+        raise ValueError("with `state_v_first`, `initial_state` must be a 4-D tensor [N, HV, V, K]")
+    return initial_state.transpose(-1, -2)
+
+
+def host_bounds(cu_seqlens, cu_seqlens_cpu) -> list[int] | None:
+    """The sequence offsets from FLA's ``cu_seqlens_cpu`` (a host copy of ``cu_seqlens``, trusted to hold the same
+    values, as FLA does: comparing them would cost the device read it saves), or None when not given."""
+    if cu_seqlens_cpu is None:
+        return None
+    if cu_seqlens is None:
+        raise ValueError("`cu_seqlens_cpu` is the host copy of `cu_seqlens`: pass both")
+    if not isinstance(cu_seqlens_cpu, torch.Tensor) or cu_seqlens_cpu.device.type != "cpu" \
+            or cu_seqlens_cpu.dim() != 1 or cu_seqlens_cpu.dtype not in (torch.int32, torch.int64) \
+            or cu_seqlens_cpu.numel() != cu_seqlens.numel():
+        raise ValueError("`cu_seqlens_cpu` must be a 1-D int32/int64 CPU tensor with as many offsets as `cu_seqlens`")
+    return [int(x) for x in cu_seqlens_cpu.tolist()]

@@ -23,7 +23,15 @@ from tfla.ops.common.chunk_state import chunk_state_bwd, chunk_state_fwd, intra_
 from tfla.ops.common.cumsum import chunk_local_cumsum
 from tfla.ops.common.utils import RCP_LN2, SUB_CHUNK, prepare_chunk_indices, prepare_chunk_offsets, seqlens_to_list
 from tfla.ops.common.ut_transform import ut_inverse_fwd, ut_transform_fwd, wy_bwd
-from tfla.utils.validation import check_common, check_gate_dtype, check_qkv, check_tensor, check_varlen_bounds
+from tfla.utils.validation import (
+    check_common,
+    check_gate_dtype,
+    check_qkv,
+    check_tensor,
+    check_varlen_bounds,
+    host_bounds,
+    state_in_kv_layout,
+)
 
 # fastest forward measured on an H200 (docs/perf.md); larger L trades speed for state memory
 DEFAULT_CHUNK_SIZE = 64
@@ -359,6 +367,7 @@ def chunk_gated_delta_rule(
     q, k, v, g, beta, initial_state, state_v_first = _fla_options(
         q, k, v, g, beta, initial_state, use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, cu_seqlens,
         cu_seqlens_cpu, cp_context, use_gate_in_kernel, A_log, dt_bias, transpose_state_layout)
+    bounds = host_bounds(cu_seqlens, cu_seqlens_cpu)
     check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size)
     if save_states and chunk_size != SUB_CHUNK:
         raise ValueError(f"save_states needs chunk_size=64 (the forward's states are the 64-row ones there), "
@@ -366,7 +375,6 @@ def chunk_gated_delta_rule(
     B, T, H, K = q.shape
     varlen = None
     if cu_seqlens is not None:
-        bounds = [int(x) for x in cu_seqlens_cpu.tolist()] if cu_seqlens_cpu is not None else None
         varlen = VarlenIndex.build(cu_seqlens, chunk_size, bounds=bounds)
         check_varlen_bounds(varlen.bounds, T)
     if scale is None:
@@ -400,14 +408,6 @@ def _fla_options(q, k, v, g, beta, initial_state, use_beta_sigmoid_in_kernel, al
         raise ValueError("`cp_context` (context parallelism) is not supported by tfla yet; pass None")
     if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
         raise ValueError("`allow_neg_eigval=True` requires `use_beta_sigmoid_in_kernel=True`")
-    if cu_seqlens_cpu is not None:
-        if cu_seqlens is None:
-            raise ValueError("`cu_seqlens_cpu` is the host copy of `cu_seqlens`: pass both")
-        if not isinstance(cu_seqlens_cpu, torch.Tensor) or cu_seqlens_cpu.device.type != "cpu" \
-                or cu_seqlens_cpu.dim() != 1 or cu_seqlens_cpu.dtype not in (torch.int32, torch.int64) \
-                or cu_seqlens_cpu.numel() != cu_seqlens.numel():
-            raise ValueError("`cu_seqlens_cpu` must be a 1-D int32/int64 CPU tensor with as many offsets as "
-                             "`cu_seqlens`")
     HV = v.shape[2] if isinstance(v, torch.Tensor) and v.dim() == 4 else None
     if use_gate_in_kernel:
         for name, x, need in (("A_log", A_log, True), ("dt_bias", dt_bias, False)):
@@ -422,8 +422,4 @@ def _fla_options(q, k, v, g, beta, initial_state, use_beta_sigmoid_in_kernel, al
         raise ValueError("`A_log` / `dt_bias` are used only with `use_gate_in_kernel=True`")
     if use_beta_sigmoid_in_kernel and isinstance(beta, torch.Tensor):
         beta = torch.sigmoid(beta.float()) * (2.0 if allow_neg_eigval else 1.0)
-    if state_v_first and initial_state is not None:
-        if not isinstance(initial_state, torch.Tensor) or initial_state.dim() != 4:
-            raise ValueError("with `state_v_first`, `initial_state` must be a 4-D tensor [N, HV, V, K]")
-        initial_state = initial_state.transpose(-1, -2)
-    return q, k, v, g, beta, initial_state, state_v_first
+    return q, k, v, g, beta, state_in_kv_layout(initial_state, state_v_first), state_v_first

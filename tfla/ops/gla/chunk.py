@@ -29,6 +29,8 @@ from tfla.utils.validation import (
     check_qkv,
     check_tensor,
     check_varlen_bounds,
+    host_bounds,
+    state_in_kv_layout,
 )
 
 DEFAULT_CHUNK_SIZE = 64
@@ -194,7 +196,9 @@ def chunk_gla(
     scale: float | None = None,
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
+    state_v_first: bool = False,
     cu_seqlens: torch.LongTensor | None = None,
+    cu_seqlens_cpu: torch.LongTensor | None = None,
     *,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
 ):
@@ -214,8 +218,11 @@ def chunk_gla(
         initial_state: ``[N, H, K, V]`` (N = B, or the number of sequences with ``cu_seqlens``), any
             float dtype (read as fp32), or None (zeros).
         output_final_state: also return ``S_T`` per sequence.
+        state_v_first: initial and final state in FLA's ``[N, H, V, K]`` layout (transposed at the boundary).
         cu_seqlens: ``[N + 1]`` int32/int64 offsets of packed sequences (B = 1); each restarts from its
             own initial state.
+        cu_seqlens_cpu: FLA's host copy of ``cu_seqlens`` (same values; the index tables are built from it
+            without a device read).
         chunk_size: outer chunk L in {64, 128, 256, 512} (keyword-only; states live every L tokens).
 
     Returns ``(o [B, T, H, V] in q's dtype, final_state [N, H, K, V] fp32 or None)``; differentiable in
@@ -226,18 +233,22 @@ def chunk_gla(
     end of the call, after the kernels are queued, waiting for the gate's cumsum kernel only; not while a
     CUDA graph is being captured), unsupported sizes, chunk sizes or devices.
     """
+    initial_state = state_in_kv_layout(initial_state, state_v_first)
+    bounds = host_bounds(cu_seqlens, cu_seqlens_cpu)
     _check(q, k, v, g, scale, initial_state, cu_seqlens, chunk_size)
     positive = _positive_flag(g)
     K = q.shape[-1]
     varlen = None
     if cu_seqlens is not None:
-        varlen = VarlenIndex.build(cu_seqlens, chunk_size)
+        varlen = VarlenIndex.build(cu_seqlens, chunk_size, bounds=bounds)
         check_varlen_bounds(varlen.bounds, q.shape[1])
     if scale is None:
         scale = K ** -0.5
     q, k, v, g = (x.contiguous() for x in (q, k, v, g))
     opts = GLAOptions(float(scale), int(chunk_size), bool(output_final_state))
-    out = ChunkGLAFunction.apply(q, k, v, g, initial_state.contiguous() if initial_state is not None else None,
-                                 varlen, opts, positive)
+    o, final_state = ChunkGLAFunction.apply(q, k, v, g, initial_state.contiguous() if initial_state is not None
+                                            else None, varlen, opts, positive)
     _raise_if_positive(positive)
-    return out
+    if state_v_first and final_state is not None:
+        final_state = final_state.transpose(-1, -2).contiguous()
+    return o, final_state

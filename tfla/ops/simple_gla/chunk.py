@@ -20,7 +20,15 @@ from tfla.ops.common.cumsum import PositiveFlag, chunk_local_cumsum
 from tfla.ops.common.utils import RCP_LN2, SUB_CHUNK
 from tfla.ops.common.ut_transform import wy_bwd
 from tfla.ops.gated_delta_rule.chunk import VarlenIndex, _check_cotangent
-from tfla.utils.validation import check_common, check_gate_dtype, check_qkv, check_tensor, check_varlen_bounds
+from tfla.utils.validation import (
+    check_common,
+    check_gate_dtype,
+    check_qkv,
+    check_tensor,
+    check_varlen_bounds,
+    host_bounds,
+    state_in_kv_layout,
+)
 
 DEFAULT_CHUNK_SIZE = 64
 
@@ -193,7 +201,9 @@ def chunk_simple_gla(
     scale: float | None = None,
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
+    state_v_first: bool = False,
     cu_seqlens: torch.LongTensor | None = None,
+    cu_seqlens_cpu: torch.LongTensor | None = None,
     *,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
 ):
@@ -208,30 +218,38 @@ def chunk_simple_gla(
         g: log decay ``[B, T, H]`` (natural log, <= 0; fp32 or q's dtype) or None.
         g_gamma: constant log decay per head ``[H]`` (<= 0) or None; at most one of g, g_gamma.
         scale: default ``K ** -0.5``. initial_state: ``[N, H, K, V]``. output_final_state: return it.
+        state_v_first: initial and final state in FLA's ``[N, H, V, K]`` layout (transposed at the boundary).
         cu_seqlens: ``[N + 1]`` offsets of packed sequences (B = 1).
+        cu_seqlens_cpu: FLA's host copy of ``cu_seqlens`` (same values; the index tables are built from it
+            without a device read).
         chunk_size: outer chunk L in {64, 128, 256, 512} (keyword-only).
 
     Returns ``(o [B, T, H, V] in q's dtype, final_state [N, H, K, V] fp32 or None)``; differentiable in
-    q, k, v, g and initial_state (``g_gamma`` is a constant, as in FLA).
+    q, k, v, g and initial_state (``g_gamma`` is a constant, as in FLA). The argument order is FLA 0.6.0's.
 
     Raises ValueError/TypeError naming the argument for wrong shapes or dtypes, a vector decay passed
     as ``g``, positive log decays (checked at the end of the call, after the kernels are queued, waiting
     for the gate's cumsum kernel only; not checked while a CUDA graph is being captured), unsupported sizes or devices.
     """
+    initial_state = state_in_kv_layout(initial_state, state_v_first)
+    bounds = host_bounds(cu_seqlens, cu_seqlens_cpu)
     _check(q, k, v, g, g_gamma, scale, initial_state, cu_seqlens, chunk_size)
-    return _chunk_simple_gla(q, k, v, g, g_gamma, scale, initial_state, output_final_state, cu_seqlens, chunk_size,
-                             check_positive=True)
+    o, final_state = _chunk_simple_gla(q, k, v, g, g_gamma, scale, initial_state, output_final_state, cu_seqlens,
+                                       chunk_size, check_positive=True, bounds=bounds)
+    if state_v_first and final_state is not None:
+        final_state = final_state.transpose(-1, -2).contiguous()
+    return o, final_state
 
 
 def _chunk_simple_gla(q, k, v, g, g_gamma, scale, initial_state, output_final_state, cu_seqlens, chunk_size,
-                      check_positive):
+                      check_positive, bounds=None):
     """``chunk_simple_gla`` after its argument checks; ``check_positive=False`` for decays known to be
-    <= 0 (chunk_retention's own), which then cost no host read."""
+    <= 0 (chunk_retention's own), which then cost no host read; ``bounds``: the offsets as a host list."""
     positive = _positive_flag(q if (g is not None or g_gamma is not None) and check_positive else None)
     B, T, H, K = q.shape
     varlen = None
     if cu_seqlens is not None:
-        varlen = VarlenIndex.build(cu_seqlens, chunk_size)
+        varlen = VarlenIndex.build(cu_seqlens, chunk_size, bounds=bounds)
         check_varlen_bounds(varlen.bounds, T)
     if g_gamma is not None:
         g = g_gamma.detach().to(device=q.device, dtype=torch.float32).view(1, 1, H).expand(B, T, H)

@@ -1,7 +1,7 @@
-"""FLA 0.6.0's extra options of chunk_gated_delta_rule (activated gate / beta, V-first state layout, host copy of
-cu_seqlens, unused chunk_indices): each equals the plain call on inputs activated / laid out by hand, outputs and
-gradients (bitwise: the options are the same PyTorch ops in front of the same kernels), and bad combinations
-raise ValueError naming the argument."""
+"""FLA 0.6.0's extra options: chunk_gated_delta_rule's activated gate / beta, V-first state layout, host copy of
+cu_seqlens and unused chunk_indices, and chunk_simple_gla / chunk_gla's state_v_first and cu_seqlens_cpu. Each equals
+the plain call on inputs activated / laid out by hand, outputs and gradients (bitwise: the options are the same
+PyTorch ops in front of the same kernels); bad combinations raise ValueError naming the argument."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -127,3 +127,29 @@ def test_cu_seqlens_cpu_bad_input(x, device):
     for bad in (torch.tensor([0, 150]), torch.tensor([0.0, 70.0, 150.0]), [0, 70, 150]):
         with pytest.raises(ValueError, match="`cu_seqlens_cpu` must be"):
             tfla.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], cu_seqlens=cu, cu_seqlens_cpu=bad)
+
+
+@pytest.mark.parametrize("op", ["chunk_simple_gla", "chunk_gla"])
+def test_linear_attn_state_v_first_and_cu_seqlens_cpu(device, op):
+    """chunk_simple_gla / chunk_gla take FLA 0.6.0's state_v_first and cu_seqlens_cpu too (same order)."""
+    gen = torch.Generator().manual_seed(6)
+    B, T, H, K, V = 1, 120, 2, 16, 24
+    x = {"q": torch.randn(B, T, H, K, generator=gen), "k": torch.randn(B, T, H, K, generator=gen) * 0.25,
+         "v": torch.randn(B, T, H, V, generator=gen), "initial_state": torch.randn(2, H, K, V, generator=gen)}
+    gshape = (B, T, H) if op == "chunk_simple_gla" else (B, T, H, K)
+    x["g"] = F.logsigmoid(torch.randn(gshape, generator=gen) + 3)
+    x = {n: t.to(device) for n, t in x.items()}
+    cu = torch.tensor([0, 50, T], device=device)
+    fn = getattr(tfla, op)
+    names = ("q", "k", "v", "g", "initial_state")
+    lv = _leaves(x, names)
+    lv["initial_state"] = lv["initial_state"].detach().transpose(-1, -2).contiguous().requires_grad_()
+    got = _run(lambda **a: fn(state_v_first=True, cu_seqlens=cu, cu_seqlens_cpu=cu.cpu(), output_final_state=True,
+                              **a), lv, v_first=True)
+    want = _run(lambda **a: fn(cu_seqlens=cu, output_final_state=True, **a), _leaves(x, names))
+    assert got[1].shape == (2, H, V, K)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1].transpose(-1, -2))
+    _same(got[2:6], want[2:6])
+    assert torch.equal(got[6], want[6].transpose(-1, -2))
+    with pytest.raises(ValueError, match="`cu_seqlens_cpu`"):
+        fn(x["q"], x["k"], x["v"], x["g"], cu_seqlens_cpu=cu.cpu())
