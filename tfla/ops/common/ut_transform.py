@@ -672,8 +672,9 @@ def wy_bwd(
     sub-chunk (``chunk_state_fwd(n_state=True)``, ``chunk_state_bwd(dden=..)``; linear attention with
     scalar gates), whose terms join dk and dg_sub.
     ``dk_add [B, T, HV, K]`` (any gate) is added to dk in the kernel (the tiled product's part), dk is stored
-    as ``dk_dtype`` (default fp32), in dk_add's memory when that has this dtype (dk_add is overwritten then); linear attention with scalar gates only: ``kdot`` appends ``k . dk`` per row
-    ``[B, T, HV]`` fp32 (the mLSTM's input-gate gradient) to the returned tuple.
+    as ``dk_dtype`` (default fp32), in dk_add's memory when that has this dtype (dk_add is overwritten then);
+    linear attention with scalar gates only: ``kdot`` appends ``k . dk`` per row ``[B, T, HV]`` fp32 (the mLSTM's
+    input-gate gradient) to the returned tuple.
     ``need_dg=False`` (linear attention with a scalar gate only): no gradient of g (``dg_sub`` None), S not read.
     """
     delta = ai is not None
