@@ -27,6 +27,11 @@
 #   s23d     fused dO (mLSTM) and in-place dk on the GPU: tests, then mLSTM / GDN / linear-attention fwd+bwd rows
 #   benchla2 linear attention fwd+bwd vs FLA: none / constant / lightning, then vector (FLA's chunk_gla compile
 #            given at most 300 s; a Triton cache under .site keeps compiled kernels while the machine is warm)
+#   tri39    assemble the newest Triton (scripts/pack_triton.sh: .tri1 carried in one call, .tri2 in the next) into
+#            .site39 and check that it imports
+#   newest   under that Triton (PYTHONPATH .site39 first): GPU tests (GDN fp32 shapes + determinism, simple GLA /
+#            mLSTM at L = 64), then linear attention fwd+bwd vs FLA incl. the scalar decay (FLA 0.6.0 runs its
+#            gated backward on Triton >= 3.7.1), GDN fwd+bwd vs FLA
 #   paper    tfla bench mlstm --paper (TFLA paper sweep, 65536 tokens), fwd+bwd, L = 128
 #   profileops  per-kernel times of mLSTM / simple GLA / GDN calls (scripts/profile_ops.py)
 #   profile  per-stage times of tfla's forward (scripts/profile_gdn.py)
@@ -226,6 +231,29 @@ print('sanitized fwd+bwd ok')
           --warmup 10 --rep 50 --json "$OUT/bench_la_fwdbwd.json" 2>&1 | tee "$OUT/bench_la_fwdbwd.log" | tail -8
       timeout 300 python3 -m tfla bench linear-attn --mode fwdbwd --kinds vector --chunk-sizes 64 --no-progress \
           --warmup 10 --rep 50 --json "$OUT/bench_la_vector.json" 2>&1 | tee "$OUT/bench_la_vector.log" | tail -5
+      ;;
+    tri39)
+      if [ -f .tri1/part0 ] && [ -f .tri2/part1 ]; then
+        cat .tri1/part0 .tri2/part1 > /tmp/triton_new.tar.xz
+        echo "$(cat .tri1/SHA256)  /tmp/triton_new.tar.xz" | sha256sum -c - || exit 3
+        rm -rf .site39 && mkdir -p .site39 && tar -xJf /tmp/triton_new.tar.xz -C .site39
+        chmod +x .site39/triton/backends/nvidia/bin/*  # (python -m zipfile keeps no file modes)
+        ln -sf ptxas .site39/triton/backends/nvidia/bin/ptxas-blackwell
+      fi
+      PYTHONPATH="$PWD/.site39:$PYTHONPATH" python3 -c "import triton, torch; print('triton', triton.__version__, triton.__file__, 'torch', torch.__version__)"
+      ;;
+    newest)
+      export PYTHONPATH="$PWD/.site39:$PYTHONPATH"
+      export TRITON_CACHE_DIR="$PWD/.site39/triton-cache"
+      python3 -c "import triton; print('triton', triton.__version__)" | tee "$OUT/newest_env.txt"
+      python3 -m pytest -q -p no:cacheprovider -rf -m gpu --timeout 200 -k "fp32_gpu or deterministic" \
+          tests/ops/test_gated_delta_rule_bwd.py 2>&1 | tee "$OUT/newest_pytest_gdn.log" | grep -E "passed|failed|rror" ;
+      python3 -m pytest -q -p no:cacheprovider -rf --timeout 200 -k "64 and not bf16" tests/ops/test_simple_gla.py \
+          tests/ops/test_mlstm.py 2>&1 | tee "$OUT/newest_pytest_la_mlstm.log" | grep -E "passed|failed|rror" ;
+      python3 -m tfla bench linear-attn --mode fwdbwd --kinds scalar,none --chunk-sizes 64 --no-progress --warmup 10 \
+          --rep 50 --json "$OUT/newest_bench_la.json" 2>&1 | tee "$OUT/newest_bench_la.log" | tail -8
+      python3 -m tfla bench gdn --mode fwdbwd --impls tfla,fla --chunk-sizes 64,64s --no-progress --warmup 10 \
+          --rep 50 --json "$OUT/newest_bench_gdn.json" 2>&1 | tee "$OUT/newest_bench_gdn.log" | tail -8
       ;;
     paper)
       # one process per T (rows merged into one JSON after each, so a cut call keeps what ran); xl_chunk left
