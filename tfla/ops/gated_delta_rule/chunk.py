@@ -349,12 +349,15 @@ def chunk_gated_delta_rule(
             here a differentiable PyTorch op before the kernels (fp32), so A_log and dt_bias get gradients.
 
     Returns:
-        ``o [B, T, HV, V]`` in q's dtype, and ``final_state [N, HV, K, V]`` fp32 (or None).
+        ``o [B, T, HV, V]`` in q's dtype, and ``final_state [N, HV, K, V]`` fp32 (``[N, HV, V, K]`` with
+        ``state_v_first``) or None.
 
     Raises:
         TypeError / ValueError naming the argument for wrong types, ranks, shapes, dtypes, head
-        dims above 256, unsupported ``chunk_size``, malformed ``cu_seqlens`` or ``initial_state``,
-        tensors on a device the kernels cannot run on.
+        dims above 256, unsupported ``chunk_size``, malformed ``cu_seqlens``, ``cu_seqlens_cpu`` or
+        ``initial_state``, tensors on a device the kernels cannot run on, ``cp_context`` given, A_log /
+        dt_bias without ``use_gate_in_kernel`` (or of the wrong size), ``allow_neg_eigval`` without
+        ``use_beta_sigmoid_in_kernel``.
         In backward: autograd's own error if a saved input was modified in place; ValueError for a
         cotangent of the wrong shape.
 
