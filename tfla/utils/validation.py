@@ -101,6 +101,13 @@ def state_in_kv_layout(initial_state, state_v_first: bool):
     return initial_state.transpose(-1, -2)
 
 
+def state_in_fla_layout(final_state, state_v_first: bool):
+    """The final state ``[N, HV, K, V]`` returned as ``[N, HV, V, K]`` (contiguous) with FLA's ``state_v_first``."""
+    if not state_v_first or final_state is None:
+        return final_state
+    return final_state.transpose(-1, -2).contiguous()
+
+
 def host_bounds(cu_seqlens, cu_seqlens_cpu) -> list[int] | None:
     """The sequence offsets from FLA's ``cu_seqlens_cpu`` (a host copy of ``cu_seqlens``, trusted to hold the same
     values, as FLA does: comparing them would cost the device read it saves), or None when not given."""

@@ -30,6 +30,7 @@ from tfla.utils.validation import (
     check_tensor,
     check_varlen_bounds,
     host_bounds,
+    state_in_fla_layout,
     state_in_kv_layout,
 )
 
@@ -390,9 +391,7 @@ def chunk_gated_delta_rule(
     if initial_state is not None:
         initial_state = initial_state.contiguous()
     o, final_state = ChunkGatedDeltaRuleFunction.apply(q, k, v, g, beta, initial_state, varlen, opts)
-    if state_v_first and final_state is not None:
-        final_state = final_state.transpose(-1, -2).contiguous()
-    return o, final_state
+    return o, state_in_fla_layout(final_state, state_v_first)
 
 
 def _fla_options(q, k, v, g, beta, initial_state, use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first,

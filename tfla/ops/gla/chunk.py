@@ -30,6 +30,7 @@ from tfla.utils.validation import (
     check_tensor,
     check_varlen_bounds,
     host_bounds,
+    state_in_fla_layout,
     state_in_kv_layout,
 )
 
@@ -249,6 +250,4 @@ def chunk_gla(
     o, final_state = ChunkGLAFunction.apply(q, k, v, g, initial_state.contiguous() if initial_state is not None
                                             else None, varlen, opts, positive)
     _raise_if_positive(positive)
-    if state_v_first and final_state is not None:
-        final_state = final_state.transpose(-1, -2).contiguous()
-    return o, final_state
+    return o, state_in_fla_layout(final_state, state_v_first)

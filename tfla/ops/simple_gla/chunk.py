@@ -27,6 +27,7 @@ from tfla.utils.validation import (
     check_tensor,
     check_varlen_bounds,
     host_bounds,
+    state_in_fla_layout,
     state_in_kv_layout,
 )
 
@@ -236,9 +237,7 @@ def chunk_simple_gla(
     _check(q, k, v, g, g_gamma, scale, initial_state, cu_seqlens, chunk_size)
     o, final_state = _chunk_simple_gla(q, k, v, g, g_gamma, scale, initial_state, output_final_state, cu_seqlens,
                                        chunk_size, check_positive=True, bounds=bounds)
-    if state_v_first and final_state is not None:
-        final_state = final_state.transpose(-1, -2).contiguous()
-    return o, final_state
+    return o, state_in_fla_layout(final_state, state_v_first)
 
 
 def _chunk_simple_gla(q, k, v, g, g_gamma, scale, initial_state, output_final_state, cu_seqlens, chunk_size,
