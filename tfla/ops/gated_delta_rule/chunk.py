@@ -369,8 +369,8 @@ def chunk_gated_delta_rule(
     (as in FLA); fp32 inputs use IEEE fp32 dots throughout.
     """
     q, k, v, g, beta, initial_state, state_v_first = _fla_options(
-        q, k, v, g, beta, initial_state, use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, cu_seqlens,
-        cu_seqlens_cpu, cp_context, use_gate_in_kernel, A_log, dt_bias, transpose_state_layout)
+        q, k, v, g, beta, initial_state, use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, cp_context,
+        use_gate_in_kernel, A_log, dt_bias, transpose_state_layout)
     bounds = host_bounds(cu_seqlens, cu_seqlens_cpu)
     check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size)
     if save_states and chunk_size != SUB_CHUNK:
@@ -395,7 +395,7 @@ def chunk_gated_delta_rule(
 
 
 def _fla_options(q, k, v, g, beta, initial_state, use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first,
-                 cu_seqlens, cu_seqlens_cpu, cp_context, use_gate_in_kernel, A_log, dt_bias, transpose_state_layout):
+                 cp_context, use_gate_in_kernel, A_log, dt_bias, transpose_state_layout):
     """FLA 0.6.0's extra options of ``chunk_gated_delta_rule``, checked and applied as differentiable PyTorch ops
     before the kernels: returns ``(q, k, v, g, beta, initial_state, state_v_first)`` with the gate and beta
     activated and the initial state in ``[N, HV, K, V]``."""
