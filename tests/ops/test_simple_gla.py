@@ -313,3 +313,40 @@ def test_simple_gla_bad_input(device):
         tfla.chunk_simple_gla(q, k, v, g=g, chunk_size=100)
     with pytest.raises(TypeError, match="`k` dtype"):
         tfla.chunk_simple_gla(q, k.half(), v, g=g)
+
+
+@pytest.mark.parametrize("gate", ["scalar", "vector"])
+@pytest.mark.parametrize("T,V,cu_list", [(200, 40, None), (190, 32, [0, 70, 70, 190])])
+def test_state_bwd_in_place_of_the_states(device, poison_empty, gate, T, V, cu_list):
+    """The state-gradient recurrence writing dS over S (``h_sub``) gives the same dS, dU and d initial_state as
+    into a fresh buffer (bitwise), and its rows of <S, dS> (one partial per value tile) sum to those of the
+    states and gradients of the out-of-place run; varlen slots included (an empty sequence among them)."""
+    from tfla.ops.common.chunk_state import chunk_state_bwd, chunk_state_fwd
+    from tfla.ops.gated_delta_rule.chunk import VarlenIndex
+
+    gen = torch.Generator().manual_seed(T + V)
+    B, H, K, L = 1, 2, 32, 64
+    q, k = (torch.randn(B, T, H, K, generator=gen).to(device) for _ in range(2))
+    v, do = (torch.randn(B, T, H, V, generator=gen).to(device) for _ in range(2))
+    N = B if cu_list is None else len(cu_list) - 1
+    h0 = torch.randn(N, H, K, V, generator=gen).to(device)
+    cu = torch.tensor(cu_list, device=device) if cu_list is not None else None
+    vl = VarlenIndex.build(cu, L) if cu is not None else None
+    if gate == "scalar":  # log2 cumulative gates restarting every L (any values <= 0 do here)
+        g_cum, gv_cum, dvo = (F.logsigmoid(torch.randn(B, T, H, generator=gen) + 2) * 0.3).to(device), None, None
+    else:
+        g_cum, gv_cum = None, (F.logsigmoid(torch.randn(B, T, H, K, generator=gen) + 2) * 0.3).to(device)
+        dvo = do * 0.5  # the vector gate reads dvo (no in-kernel product)
+    h_sub, _, _ = chunk_state_fwd(k, v, g_cum, L, initial_state=h0, cu_seqlens=cu, gv_cum=gv_cum,
+                                  chunk_offsets=vl.sub_offsets if vl else None,
+                                  num_chunks=vl.sub_indices.shape[0] if vl else None, store_every_sub_chunk=True)
+    kw = dict(cu_seqlens=cu, sub_offsets=vl.sub_offsets if vl else None, gv_cum=gv_cum, need_dh0=True,
+              num_sub_chunks=vl.sub_indices.shape[0] if vl else None)
+    dh, du, dh0 = chunk_state_bwd(q, k, None, do, dvo, g_cum, 0.7, L, **kw)
+    s = h_sub.clone()
+    dh2, du2, dh02, sds = chunk_state_bwd(q, k, None, do, dvo, g_cum, 0.7, L, **kw, h_sub=s, sds=True)
+    assert dh2.data_ptr() == s.data_ptr()
+    for name, a, b in (("dh", dh2, dh), ("du", du2, du), ("dh0", dh02, dh0)):
+        assert torch.equal(a, b), name
+    want = (h_sub.double() * dh.double()).sum(-1)  # [B, NS, H, K]
+    assert_rel_close("sds", sds.sum(3).double().cpu(), want.cpu(), 1e-6)

@@ -374,6 +374,8 @@ def _chunk_state_bwd_kernel(
     N_STATE: tl.constexpr = False,
     USE_DNT: tl.constexpr = False,
     INTRA: tl.constexpr = False,
+    sds=None,
+    SDS: tl.constexpr = False,
 ):
     """Reverse state-gradient recurrence (DELTA: of the delta rule; otherwise of linear attention,
     where the W^T dU term is absent and dU is the whole gradient of V). ``b_dh`` is the gradient of the state
@@ -392,7 +394,12 @@ def _chunk_state_bwd_kernel(
     INTRA (BT = BS = 64, scalar or no gate): the output's intra-chunk gradient of Vnew,
     ``dvo_s = scale sum_{r >= s} (k_s . q_r) 2^(GQ_r - GK_s) dO_r`` over the sub-chunk, is formed here from
     the q, k and dO tiles this step loads anyway (two products) instead of read from ``dvo``: at L = 64
-    it is one diagonal tile, so its separate tiled launch and the fp32 round trip of dvo go away."""
+    it is one diagonal tile, so its separate tiled launch and the fp32 round trip of dvo go away.
+
+    SDS (linear attention): ``dh`` holds the states S at every sub-chunk on entry (the forward recompute's
+    ``h_sub``) and each dS overwrites the S of its own slot, after this program has read it for the rows of
+    ``<S, dS>`` over its value tile (``sds [B, NS, HV, NV, K]`` fp32): the state-terms kernel then reads
+    neither S nor a second ``[B, NS, HV, K, V]`` buffer (peak memory: one such buffer less)."""
     BS: tl.constexpr = 64
     i_v, i_nh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     i_n, i_hv = i_nh // HV, i_nh % HV
@@ -438,7 +445,14 @@ def _chunk_state_bwd_kernel(
             m_t = o_t < T
             m_tk = m_t[:, None] & m_k[None, :]
             m_tv = m_t[:, None] & m_v[None, :]
-            tl.store(dh + ((boh + t0 // BS) * HV + i_hv) * K * V + o_kv, b_dh.to(dh.dtype.element_ty), mask=m_kv)
+            p_dhs = dh + ((boh + t0 // BS) * HV + i_hv) * K * V + o_kv
+            if SDS:  # S of this slot read (and used) before dS overwrites it; the barrier orders every thread's
+                # read before any thread's store (the load and the store tiles' layouts need not match)
+                b_s = tl.load(p_dhs, mask=m_kv, other=0.0).to(ACC)
+                tl.store(sds + (((boh + t0 // BS) * HV + i_hv) * tl.cdiv(V, BV) + i_v) * K + o_k,
+                         tl.sum(b_s * b_dh, 1), mask=m_k)
+                tl.debug_barrier()
+            tl.store(p_dhs, b_dh.to(dh.dtype.element_ty), mask=m_kv)
             if N_STATE:
                 tl.store(dhn + ((boh + t0 // BS) * HV + i_hv) * K + o_k, tl.sum(b_dn, 1), mask=m_n)
             b_k = tl.load(k + (bos * H + i_h) * K + o_t[:, None] * (H * K) + o_k[None, :], mask=m_tk, other=0.0)
@@ -535,6 +549,8 @@ def chunk_state_bwd(
     gv_cum: torch.Tensor | None = None,
     dden: torch.Tensor | None = None,
     dnt: torch.Tensor | None = None,
+    h_sub: torch.Tensor | None = None,
+    sds: bool = False,
 ):
     """State-gradient recurrence of the gated delta rule (reverse, 64-row sub-chunks, outer chunk L).
 
@@ -548,6 +564,10 @@ def chunk_state_bwd(
         dden: ``[B, T, HV]`` fp32, the cotangent of the normalizer's dot (``chunk_state_fwd(n_state=True)``):
             also run the normalizer state's gradient (linear attention only); dnt ``[N, HV, K]`` its final
             cotangent or None.
+        h_sub: the states at every sub-chunk ``[B, NS, HV, K, V]`` (``chunk_state_fwd(store_every_sub_chunk=True)``,
+            k's dtype) or None; given, dh is written into it (S is overwritten; read what needs S first) and,
+            with ``sds`` (linear attention), the rows of ``<S, dS>`` are returned last: ``[B, NS, HV, NV, K]`` fp32,
+            one partial per value tile (for ``wy_bwd(sds_sub=..)``).
     Returns:
         ``dh [B, NS, HV, K, V]`` (gradient of the state after each 64-row sub-chunk, k's dtype),
         ``du [B, T, HV, V]`` (total gradient of U = Vnew's gradient, k's dtype), ``dh0 [N, HV, K, V]``
@@ -558,7 +578,14 @@ def chunk_state_bwd(
     HV, V = do.shape[2], do.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     NS = cdiv(T, SUB_CHUNK) if cu_seqlens is None else num_sub_chunks
-    dh = torch.empty(B, NS, HV, K, V, dtype=k.dtype, device=k.device)
+    if h_sub is not None:
+        if tuple(h_sub.shape) != (B, NS, HV, K, V) or h_sub.dtype != k.dtype or not h_sub.is_contiguous():
+            raise ValueError(f"h_sub must be a contiguous {(B, NS, HV, K, V)} tensor of k's dtype")
+        dh = h_sub  # in place: each slot's S is read (SDS) before its dS is stored
+    else:
+        dh = torch.empty(B, NS, HV, K, V, dtype=k.dtype, device=k.device)
+    if sds and (h_sub is None or w is not None):
+        raise ValueError("sds (the rows of <S, dS>) needs h_sub and serves linear attention (w None)")
     du = torch.empty(B, T, HV, V, dtype=k.dtype, device=k.device)
     dh0 = torch.empty(N, HV, K, V, dtype=_state_acc(k.dtype), device=k.device) if need_dh0 else None
     n_state = dden is not None
@@ -571,6 +598,8 @@ def chunk_state_bwd(
     dn0 = torch.empty(N, HV, K, dtype=_state_acc(k.dtype), device=k.device) if n_state and need_dh0 else None
     rets = (dh, du, dh0) + ((dhn, dn0) if n_state else ())
     if N * HV == 0:
+        if sds:
+            rets = rets + (torch.zeros(B, NS, HV, 1, K, dtype=_state_acc(k.dtype), device=k.device),)
         if dh0 is not None:
             dh0.copy_(dht if dht is not None else torch.zeros_like(dh0))
         if dn0 is not None:
@@ -584,6 +613,9 @@ def chunk_state_bwd(
            "num_stages": 2 if K <= 128 and gv_cum is None else 1, **(config or {})}
     BK = max(16, next_pow2(K))
     BV = min(max(16, next_pow2(V)), cfg["BV"])
+    if sds:
+        sds_t = torch.empty(B, NS, HV, cdiv(V, BV), K, dtype=_state_acc(k.dtype), device=k.device)
+        rets = rets + (sds_t,)
     _chunk_state_bwd_kernel[(cdiv(V, BV), N * HV)](
         q, k, w, do, dvo, g_cum, du, dh, dht, dh0, gk_cum, gb, cu_seqlens, sub_offsets, scale, T,
         H=H, HV=HV, K=K, V=V, BT=chunk_size, BK=BK, BV=BV, USE_G=g_cum is not None,
@@ -592,7 +624,7 @@ def chunk_state_bwd(
         IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(k.dtype), ACC=acc_dtype(k.dtype),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         gv=gv_cum, VEC_G=gv_cum is not None, dden=dden, dnt=dnt, dhn=dhn, dn0=dn0, N_STATE=n_state,
-        USE_DNT=n_state and dnt is not None, INTRA=intra,
+        USE_DNT=n_state and dnt is not None, INTRA=intra, sds=sds_t if sds else None, SDS=sds,
     )
     return rets
 

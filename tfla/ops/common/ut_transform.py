@@ -377,11 +377,11 @@ def _ut_launch(k, v, g_cum, beta, chunk_size, cu_seqlens, sub_indices, config, f
 @triton.jit
 def _state_terms(du, v_new, h, dh, b_en, p_tv0, p_h, p_dh, o_t, m_t, o_k, m_k, V: tl.constexpr, HV: tl.constexpr,
                  BK: tl.constexpr, BV: tl.constexpr, WITH_DW: tl.constexpr, WITH_DK: tl.constexpr,
-                 DOT_PREC: tl.constexpr, ACC: tl.constexpr):
-    """For one key tile: ``dW = -dU S^T`` and (WITH_DK) ``dk_state = 2^(g_n - g) Vnew dS^T`` and the
+                 DOT_PREC: tl.constexpr, ACC: tl.constexpr, WITH_SDS: tl.constexpr = True):
+    """For one key tile: ``dW = -dU S^T`` and (WITH_DK) ``dk_state = 2^(g_n - g) Vnew dS^T`` and (WITH_SDS) the
     tile's rows of ``<S, dS>`` (``[BK]``, summed over V), looping over value tiles (S, dS: the
-    sub-chunk's start state and the gradient of the state after it)."""
-    dt = h.dtype.element_ty
+    sub-chunk's start state and the gradient of the state after it). S is read only for dW or <S, dS>."""
+    dt = dh.dtype.element_ty
     b_dw = tl.zeros([64, BK], dtype=ACC)
     b_dks = tl.zeros([64, BK], dtype=ACC)
     b_sds = tl.zeros([BK], dtype=ACC)
@@ -390,7 +390,8 @@ def _state_terms(du, v_new, h, dh, b_en, p_tv0, p_h, p_dh, o_t, m_t, o_k, m_k, V
         m_v = o_v < V
         m_tv = m_t[:, None] & m_v[None, :]
         m_kv = m_k[:, None] & m_v[None, :]
-        b_s = tl.load(p_h + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.0)  # [BK, BV]
+        if WITH_DW or WITH_SDS:
+            b_s = tl.load(p_h + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.0)  # [BK, BV]
         if WITH_DW:
             b_du = tl.load(du + p_tv0 + o_v[None, :], mask=m_tv, other=0.0)  # [BS, BV]
             b_dw -= tl.dot(b_du.to(dt), tl.trans(b_s), input_precision=DOT_PREC)
@@ -398,7 +399,8 @@ def _state_terms(du, v_new, h, dh, b_en, p_tv0, p_h, p_dh, o_t, m_t, o_k, m_k, V
             b_vn = tl.load(v_new + p_tv0 + o_v[None, :], mask=m_tv, other=0.0)
             b_ds = tl.load(p_dh + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.0)
             b_dks = tl.dot((b_vn * b_en[:, None]).to(dt), tl.trans(b_ds), b_dks, input_precision=DOT_PREC)
-            b_sds += tl.sum(b_s.to(ACC) * b_ds.to(ACC), 1)
+            if WITH_SDS:
+                b_sds += tl.sum(b_s.to(ACC) * b_ds.to(ACC), 1)
     return b_dw, b_dks, b_sds
 
 
@@ -471,6 +473,8 @@ def _gdn_wy_bwd_kernel(
     ADD_DK: tl.constexpr = False,
     KDOT: tl.constexpr = False,
     DG: tl.constexpr = True,
+    sds=None,
+    NVS: tl.constexpr = 0,
 ):
     """Delta-rule gradients of one 64-row sub-chunk (W = Tm X_k, U = Tm X_v, Tm = (I + A)^-1,
     Vnew = U - W S, S' = 2^(g_n) S + K^T 2^(g_n - g) Vnew):
@@ -490,7 +494,10 @@ def _gdn_wy_bwd_kernel(
     and ``<S, dS> += n . dn``. ADD_DK: ``dk = dk_state (+ WY part) + dka`` (the tiled product's
     part) in one pass, stored in dk's dtype; KDOT: also ``kdk = k . dk`` per row (fp32, before rounding).
     DG off (linear attention with a constant decay, whose gradient nobody needs): no gradient of g; S is then
-    not read at all (it only enters ``<S, dS>``) and ``dgam`` is not written."""
+    not read at all (it only enters ``<S, dS>``) and ``dgam`` is not written.
+    NVS > 0 (linear attention): ``<S, dS>`` per key row comes precomputed from the state-gradient recurrence
+    (``sds [B, NS, HV, NVS, K]`` fp32, one partial per value tile of that kernel, summed here) and S is not
+    read: ``h`` may then be None and ``dh`` the buffer where dS overwrote S (``chunk_state_bwd(h_sub=..)``)."""
     BS: tl.constexpr = 64
     i_s, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     i_b, i_hv = i_bh // HV, i_bh % HV
@@ -586,7 +593,10 @@ def _gdn_wy_bwd_kernel(
         m_tk = m_t[:, None] & m_k[None, :]
         b_k = tl.load(p_k + o_k[None, :], mask=m_tk, other=0.0)
         b_dw, b_dks, b_sds_k = _state_terms(du, v_new, h, dh, b_en, p_tv0, p_h, p_dh, o_t, m_t, o_k, m_k, V, HV, BK,
-                                            BV, DELTA, True, DOT_PREC, ACC)
+                                            BV, DELTA, True, DOT_PREC, ACC, DG and NVS == 0)
+        if DG and NVS > 0:  # <S, dS> rows from the state-gradient recurrence's value tiles
+            for i_p in range(NVS):
+                b_sds_k += tl.load(sds + ((i_sub * HV + i_hv) * NVS + i_p) * K + o_k, mask=m_k, other=0.0)
         if N_STATE:  # the ones column of [V, 1] against [dS, dn]
             b_dnk = tl.load(dhn + (i_sub * HV + i_hv) * K + o_k, mask=m_k, other=0.0)
             b_dks += b_en[:, None] * b_dnk[None, :]
@@ -654,6 +664,7 @@ def wy_bwd(
     dk_dtype: torch.dtype | None = None,
     kdot: bool = False,
     need_dg: bool = True,
+    sds_sub: torch.Tensor | None = None,
 ):
     """Per-64-row-sub-chunk gradients of the state recurrence: the state terms and (delta rule,
     ``ai`` given) the UT/WY backward, one kernel.
@@ -676,9 +687,16 @@ def wy_bwd(
     linear attention with scalar gates only: ``kdot`` appends ``k . dk`` per row ``[B, T, HV]`` fp32 (the mLSTM's
     input-gate gradient) to the returned tuple.
     ``need_dg=False`` (linear attention with a scalar gate only): no gradient of g (``dg_sub`` None), S not read.
+    ``sds_sub [B, NS, HV, NV, K]`` fp32 (linear attention; ``chunk_state_bwd(.., h_sub=.., sds=True)``): the rows
+    of ``<S, dS>`` per value tile, precomputed; S is then not read and ``h_sub`` may be None (``dh_sub`` is the
+    buffer where dS overwrote S).
     """
     delta = ai is not None
     n_state = dhn_sub is not None
+    if sds_sub is not None and (delta or sds_sub.dim() != 5 or sds_sub.shape[:3] != dh_sub.shape[:3]):
+        raise ValueError("sds_sub [B, NS, HV, NV, K] serves linear attention (no delta rule)")
+    if h_sub is None and (delta or ((g_cum is not None or gv_cum is not None) and need_dg and sds_sub is None)):
+        raise ValueError("h_sub is needed unless sds_sub is given or no gate gradient is (need_dg=False)")
     if n_state and (delta or gv_cum is not None or hn_sub is None):
         raise ValueError("hn_sub / dhn_sub (both) serve linear attention with scalar gates")
     B, T, H, K = k.shape
@@ -713,8 +731,9 @@ def wy_bwd(
     # 0.46 vs 0.51 ms; mLSTM B=8 V=256: 1.45 vs 1.63 ms)
     one_k = not delta and gv_cum is None and K <= 128 and k.element_size() == 2
     cfg = {"num_warps": 4, "num_stages": 3, "BK": 128 if one_k else 64, "BV": 64, **(config or {})}
+    # h_sub None: S is never read (sds_sub or no gate gradient); dh_sub stands in for the unused pointer
     _gdn_wy_bwd_kernel[(NS, B * HV)](
-        k, v, beta, g_cum, ai, v_new, du, h_sub, dh_sub, dk, dv, dbeta, dgam, gk_cum, gb, cu_seqlens, sub_indices, T,
+        k, v, beta, g_cum, ai, v_new, du, h_sub if h_sub is not None else dh_sub, dh_sub, dk, dv, dbeta, dgam, gk_cum, gb, cu_seqlens, sub_indices, T,
         H=H, HV=HV, K=K, V=V, BT=chunk_size, BK=min(max(16, next_pow2(K)), cfg["BK"]),
         BV=min(max(16, next_pow2(V)), cfg["BV"]), USE_G=g_cum is not None, SPLIT_G=gk_cum is not None,
         HAS_GB=gb is not None, DELTA=delta,
@@ -722,6 +741,6 @@ def wy_bwd(
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         gv=gv_cum, dgv=dgam if gv_cum is not None else None, VEC_G=gv_cum is not None,
         hn=hn_sub, dhn=dhn_sub, N_STATE=n_state, dka=dk_add, kdk=kdk, ADD_DK=dk_add is not None, KDOT=kdot,
-        DG=need_dg,
+        DG=need_dg, sds=sds_sub, NVS=sds_sub.shape[3] if sds_sub is not None else 0,
     )
     return rets

@@ -114,17 +114,21 @@ def chunk_simple_gla_bwd(q, k, v, g_cum, scale, initial_state, do, dht, chunk_si
         dko, dgk = chunk_tiled(v, do, q, g_cum, scale, L, reverse=True, rowdot_with=k, out_dtype=k.dtype, row_add=dden,
                                **tiled)
     # without the delta rule the state-gradient recurrence's dU is the whole gradient of v
-    dh_sub, dv, dh0, *dns = chunk_state_bwd(
+    # dS overwrites S in h_sub's buffer (S's last reader, the dq launch, has run); with a gate gradient the
+    # recurrence also returns the rows of <S, dS> (S's only use in wy_bwd): one [B, NS, H, K, V] buffer less
+    gate_grad = g_cum is not None and need_dg
+    dh_sub, dv, dh0, *rest = chunk_state_bwd(
         q, k, None, do, dvo, g_cum, scale, L, dht=dht, need_dh0=initial_state is not None, cu_seqlens=cu,
         sub_offsets=varlen.sub_offsets if varlen is not None else None,
         num_sub_chunks=varlen.sub_indices.shape[0] if varlen is not None else None, gk_cum=gk_cum, gb=gb,
-        dden=dden, dnt=dnt)
-    del dvo  # not needed by wy_bwd: freed before its outputs are allocated (peak memory)
-    dhn_sub, dn0 = dns if n_state else (None, None)
+        dden=dden, dnt=dnt, h_sub=h_sub, sds=gate_grad)
+    del dvo, h_sub  # dvo: not needed by wy_bwd, freed before its outputs are allocated (peak memory)
+    dhn_sub, dn0 = rest[:2] if n_state else (None, None)
+    sds_sub = rest[-1] if gate_grad else None
     # dk = dko + the state part, added and rounded to k's dtype in wy_bwd
-    dk, _, _, dg_sub, *kdk = wy_bwd(k, None, None, g_cum, None, v, None, h_sub, dh_sub, L, cu_seqlens=cu,
+    dk, _, _, dg_sub, *kdk = wy_bwd(k, None, None, g_cum, None, v, None, None, dh_sub, L, cu_seqlens=cu,
                                     sub_indices=sub, gk_cum=gk_cum, gb=gb, hn_sub=hn_sub, dhn_sub=dhn_sub, dk_add=dko,
-                                    dk_dtype=k.dtype, kdot=kdot, need_dg=need_dg)
+                                    dk_dtype=k.dtype, kdot=kdot, need_dg=need_dg, sds_sub=sds_sub)
     dg = None
     if g_cum is not None and need_dg:
         dg = chunk_local_cumsum(dgq, L, reverse=True, cu_seqlens=cu, out_dtype=acc, sub=dgk, add=dg_sub,
