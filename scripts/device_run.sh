@@ -27,6 +27,10 @@
 #   s23d     fused dO (mLSTM) and in-place dk on the GPU: tests, then mLSTM / GDN / linear-attention fwd+bwd rows
 #   benchla2 linear attention fwd+bwd vs FLA: none / constant / lightning, then vector (FLA's chunk_gla compile
 #            given at most 300 s; a Triton cache under .site keeps compiled kernels while the machine is warm)
+#   s24a / s24b  third 2026-11-23 session: GPU tests of dS in place of S (linear attention, mLSTM, GLA), mLSTM / linear
+#            attention tfla rows; then FLA's linear-attention rows (none / constant / lightning, vector)
+#   s24c     under the newest Triton (after tri39): scalar decay vs FLA, the linear-attention 65536-token sweep,
+#            GDN vs FLA, linear-attention GPU tests (fp32 L = 64, in place, scalar bf16 vs FLA)
 #   tri39    assemble the newest Triton (scripts/pack_triton.sh: .tri1 carried in one call, .tri2 in the next) into
 #            .site39 and check that it imports
 #   newest   under that Triton (PYTHONPATH .site39 first): GPU tests (GDN fp32 shapes + determinism, simple GLA /
@@ -224,6 +228,46 @@ print('sanitized fwd+bwd ok')
       python3 -m tfla bench mlstm --mode fwdbwd --B 4 --T 8192 --H 16 --K 128 --V 128 --chunk-sizes 64,128 \
           --input-gates sigmoid --impls tfla --no-progress --warmup 10 --rep 50 \
           --json "$OUT/bench_mlstm_k128.json" 2>&1 | tail -5
+      ;;
+    s24a)
+      # third 2026-11-23 session, call A: dS over S in place (linear attention / mLSTM) on the GPU, then tfla rows
+      python3 -m pytest -q -p no:cacheprovider -rf --timeout 200 -k "in_place or varlen or strong" \
+          tests/ops/test_simple_gla.py 2>&1 | tee "$OUT/s24a_pytest_sgla.log" | grep -E "passed|failed|rror|Timeout" ;
+      python3 -m pytest -q -p no:cacheprovider -rf --timeout 200 -k "(deterministic and sigmoid-True) or bf16" \
+          tests/ops/test_mlstm.py 2>&1 | tee "$OUT/s24a_pytest_mlstm.log" | grep -E "bf16|passed|failed|rror|Timeout" ;
+      python3 -m pytest -q -p no:cacheprovider -rf -s --timeout 200 -k "none-64 or constant-64" \
+          tests/ops/test_linear_attn_bf16_vs_fla.py 2>&1 | tee "$OUT/s24a_pytest_la_bf16.log" | grep -E "passed|failed|rror|Timeout" ;
+      python3 -m tfla bench mlstm --mode fwdbwd --chunk-sizes 128 --input-gates sigmoid,exp --impls tfla,xl_chunk_siging \
+          --no-progress --warmup 10 --rep 50 --json "$OUT/s24a_bench_mlstm.json" 2>&1 | tail -6
+      python3 -m tfla bench linear-attn --mode fwdbwd --kinds none,constant,scalar,vector --impls tfla --chunk-sizes 64 \
+          --no-progress --warmup 10 --rep 50 --json "$OUT/s24a_bench_la_tfla.json" 2>&1 | tail -6
+      python3 -m pytest -q -p no:cacheprovider -rf --timeout 200 -k "fp32 and 1-63" tests/ops/test_gla.py 2>&1 \
+          | tee "$OUT/s24a_pytest_gla.log" | grep -E "passed|failed|rror|Timeout" ;
+      ;;
+    s24b)
+      # call B: FLA's rows of linear attention (none / constant / lightning; vector with 300 s for FLA's compile)
+      export TRITON_CACHE_DIR="$PWD/.site/triton-cache"
+      python3 -m tfla bench linear-attn --mode fwdbwd --kinds none,constant,lightning --chunk-sizes 64 --no-progress \
+          --warmup 10 --rep 50 --json "$OUT/s24b_bench_la.json" 2>&1 | tail -8
+      timeout 330 python3 -m tfla bench linear-attn --mode fwdbwd --kinds vector --chunk-sizes 64 --no-progress \
+          --warmup 10 --rep 50 --json "$OUT/s24b_bench_la_vector.json" 2>&1 | tail -5
+      ;;
+    s24c)
+      # call C, under the newest Triton (after tri39): scalar decay vs FLA (FLA 0.6.0 runs its gated backward on
+      # Triton >= 3.7.1 on Hopper), the 65536-token sweep of the linear-attention family, GDN vs FLA, GPU tests
+      export PYTHONPATH="$PWD/.site39:$PYTHONPATH"
+      export TRITON_CACHE_DIR="$PWD/.site39/triton-cache"
+      python3 -c "import triton; print('triton', triton.__version__)" | tee "$OUT/s24c_env.txt"
+      python3 -m tfla bench linear-attn --mode fwdbwd --kinds scalar,none,constant --chunk-sizes 64 --no-progress \
+          --warmup 10 --rep 50 --json "$OUT/s24c_bench_la.json" 2>&1 | tail -8
+      python3 -m tfla bench linear-attn --mode fwdbwd --tokens 65536 --T 2048,4096,8192,16384,32768 \
+          --kinds scalar,none,constant --chunk-sizes 64 --no-progress --warmup 5 --rep 25 \
+          --json "$OUT/s24c_sweep_la.json" 2>&1 | tail -32
+      python3 -m tfla bench gdn --mode fwdbwd --impls tfla,fla --chunk-sizes 64,64s --no-progress --warmup 10 \
+          --rep 50 --json "$OUT/s24c_bench_gdn.json" 2>&1 | tail -6
+      python3 -m pytest -q -p no:cacheprovider -rf --timeout 200 -k "in_place or (fp32 and 64) or scalar-64" \
+          tests/ops/test_simple_gla.py tests/ops/test_linear_attn_bf16_vs_fla.py 2>&1 \
+          | tee "$OUT/s24c_pytest_la.log" | grep -E "passed|failed|rror|Timeout" ;
       ;;
     benchla2)
       export TRITON_CACHE_DIR="$PWD/.site/triton-cache"
