@@ -252,6 +252,20 @@ print('sanitized fwd+bwd ok')
       timeout 330 python3 -m tfla bench linear-attn --mode fwdbwd --kinds vector --chunk-sizes 64 --no-progress \
           --warmup 10 --rep 50 --json "$OUT/s24b_bench_la_vector.json" 2>&1 | tail -5
       ;;
+    dbgsds)
+      # the dS-over-S path's variants, one process each (scripts/debug_sds.py)
+      for dt in bfloat16 float32; do for m in 1 2; do for st in 2 1; do
+        timeout 120 python3 scripts/debug_sds.py $m $st $dt 2>&1 | grep -E "mode=|Error" | tail -3
+      done; done; done 2>&1 | tee "$OUT/dbgsds.log"
+      ;;
+    s24b2)
+      # FLA's rows of linear attention without the gate-gradient path (none / constant / lightning), FLA's vector row
+      export TRITON_CACHE_DIR="$PWD/.site/triton-cache"
+      python3 -m tfla bench linear-attn --mode fwdbwd --kinds none,constant,lightning --chunk-sizes 64 --no-progress \
+          --warmup 10 --rep 50 --json "$OUT/s24b_bench_la.json" 2>&1 | tail -8
+      timeout 300 python3 -m tfla bench linear-attn --mode fwdbwd --kinds vector --impls fla --no-progress \
+          --warmup 10 --rep 50 --json "$OUT/s24b_bench_la_vector_fla.json" 2>&1 | tail -5
+      ;;
     s24c)
       # call C, under the newest Triton (after tri39): scalar decay vs FLA (FLA 0.6.0 runs its gated backward on
       # Triton >= 3.7.1 on Hopper), the 65536-token sweep of the linear-attention family, GDN vs FLA, GPU tests

@@ -375,7 +375,7 @@ def _chunk_state_bwd_kernel(
     USE_DNT: tl.constexpr = False,
     INTRA: tl.constexpr = False,
     sds=None,
-    SDS: tl.constexpr = False,
+    SDS: tl.constexpr = 0,
 ):
     """Reverse state-gradient recurrence (DELTA: of the delta rule; otherwise of linear attention,
     where the W^T dU term is absent and dU is the whole gradient of V). ``b_dh`` is the gradient of the state
@@ -446,13 +446,17 @@ def _chunk_state_bwd_kernel(
             m_tk = m_t[:, None] & m_k[None, :]
             m_tv = m_t[:, None] & m_v[None, :]
             p_dhs = dh + ((boh + t0 // BS) * HV + i_hv) * K * V + o_kv
-            if SDS:  # S of this slot read (and used) before dS overwrites it; the barrier orders every thread's
-                # read before any thread's store (the load and the store tiles' layouts need not match)
+            if SDS > 0:  # S of this slot read (and used) before dS overwrites it
                 b_s = tl.load(p_dhs, mask=m_kv, other=0.0).to(ACC)
-                tl.store(sds + (((boh + t0 // BS) * HV + i_hv) * tl.cdiv(V, BV) + i_v) * K + o_k,
-                         tl.sum(b_s * b_dh, 1), mask=m_k)
-                tl.debug_barrier()
-            tl.store(p_dhs, b_dh.to(dh.dtype.element_ty), mask=m_kv)
+                b_sdsr = tl.sum(b_s * b_dh, 1)
+                tl.store(sds + (((boh + t0 // BS) * HV + i_hv) * tl.cdiv(V, BV) + i_v) * K + o_k, b_sdsr, mask=m_k)
+                if SDS == 1:  # every thread's read before any thread's store
+                    tl.debug_barrier()
+                    tl.store(p_dhs, b_dh.to(dh.dtype.element_ty), mask=m_kv)
+                else:  # each stored element depends on its row's sum, i.e. on every read of that row
+                    tl.store(p_dhs, (b_dh + 0.0 * b_sdsr[:, None]).to(dh.dtype.element_ty), mask=m_kv)
+            else:
+                tl.store(p_dhs, b_dh.to(dh.dtype.element_ty), mask=m_kv)
             if N_STATE:
                 tl.store(dhn + ((boh + t0 // BS) * HV + i_hv) * K + o_k, tl.sum(b_dn, 1), mask=m_n)
             b_k = tl.load(k + (bos * H + i_h) * K + o_t[:, None] * (H * K) + o_k[None, :], mask=m_tk, other=0.0)
@@ -527,6 +531,9 @@ def _chunk_state_bwd_kernel(
         tl.store(dh0 + i_nh * K * V + o_kv, b_dh, mask=m_kv)
         if N_STATE:
             tl.store(dn0 + i_nh * K + o_k, tl.sum(b_dn, 1), mask=m_n)
+
+
+SDS_MODE = 1  # how the in-place store waits for S's reads: 1 a barrier, 2 a data dependency (experiment)
 
 
 def chunk_state_bwd(
@@ -624,7 +631,7 @@ def chunk_state_bwd(
         IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(k.dtype), ACC=acc_dtype(k.dtype),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         gv=gv_cum, VEC_G=gv_cum is not None, dden=dden, dnt=dnt, dhn=dhn, dn0=dn0, N_STATE=n_state,
-        USE_DNT=n_state and dnt is not None, INTRA=intra, sds=sds_t if sds else None, SDS=sds,
+        USE_DNT=n_state and dnt is not None, INTRA=intra, sds=sds_t if sds else None, SDS=SDS_MODE if sds else 0,
     )
     return rets
 
