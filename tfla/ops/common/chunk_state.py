@@ -533,7 +533,7 @@ def _chunk_state_bwd_kernel(
             tl.store(dn0 + i_nh * K + o_k, tl.sum(b_dn, 1), mask=m_n)
 
 
-SDS_MODE = 1  # how the in-place store waits for S's reads: 1 a barrier, 2 a data dependency (experiment)
+SDS_MODE = 2  # how the in-place store waits for S's reads: 1 a barrier, 2 a data dependency (experiment)
 
 
 def chunk_state_bwd(
