@@ -29,6 +29,8 @@
 #            given at most 300 s; a Triton cache under .site keeps compiled kernels while the machine is warm)
 #   s24a / s24b  third 2026-11-23 session: GPU tests of dS in place of S (linear attention, mLSTM, GLA), mLSTM / linear
 #            attention tfla rows; then FLA's linear-attention rows (none / constant / lightning, vector)
+#   s24d / s24e / s24f  the last lease of that session: mLSTM and GLA rows (3.6), the linear-attention sweep (3.6),
+#            the scalar decay vs FLA under the newest Triton
 #   s24c     under the newest Triton (after tri39): scalar decay vs FLA, the linear-attention 65536-token sweep,
 #            GDN vs FLA, linear-attention GPU tests (fp32 L = 64, in place, scalar bf16 vs FLA)
 #   tri39    assemble the newest Triton (scripts/pack_triton.sh: .tri1 carried in one call, .tri2 in the next) into
@@ -254,9 +256,9 @@ print('sanitized fwd+bwd ok')
       ;;
     dbgsds)
       # the dS-over-S path's variants, one process each (scripts/debug_sds.py)
-      for dt in bfloat16 float32; do for m in 1 2; do for st in 2 1; do
-        timeout 120 python3 scripts/debug_sds.py $m $st $dt 2>&1 | grep -E "mode=|Error" | tail -3
-      done; done; done 2>&1 | tee "$OUT/dbgsds.log"
+      for dt in bfloat16 float32; do for st in 2 1; do
+        timeout 120 python3 scripts/debug_sds.py $st $dt 2>&1 | grep -E "stages=|Error" | tail -3
+      done; done 2>&1 | tee "$OUT/dbgsds.log"
       ;;
     s24b2)
       # FLA's rows of linear attention without the gate-gradient path (none / constant / lightning), FLA's vector row
@@ -265,6 +267,37 @@ print('sanitized fwd+bwd ok')
           --warmup 10 --rep 50 --json "$OUT/s24b_bench_la.json" 2>&1 | tail -8
       timeout 300 python3 -m tfla bench linear-attn --mode fwdbwd --kinds vector --impls fla --no-progress \
           --warmup 10 --rep 50 --json "$OUT/s24b_bench_la_vector_fla.json" 2>&1 | tail -5
+      ;;
+    s24d)
+      # last lease, call 1 (Triton 3.6, peers): mLSTM vs xl_chunk_siging with dS over S, mLSTM bf16 tests, GLA rows
+      python3 -m tfla bench mlstm --mode fwdbwd --chunk-sizes 128 --input-gates sigmoid,exp --impls tfla,xl_chunk_siging \
+          --no-progress --warmup 10 --rep 50 --json "$OUT/s24d_bench_mlstm.json" 2>&1 | tail -6
+      python3 -m pytest -q -p no:cacheprovider -rf --timeout 200 -k "(deterministic and sigmoid-True) or bf16" \
+          tests/ops/test_mlstm.py 2>&1 | tee "$OUT/s24d_pytest_mlstm.log" | grep -E "passed|failed|rror|Timeout" ;
+      python3 -m tfla bench linear-attn --mode fwdbwd --kinds scalar,vector --impls tfla --chunk-sizes 64 \
+          --no-progress --warmup 10 --rep 50 --json "$OUT/s24d_bench_la_tfla.json" 2>&1 | tail -5
+      export TRITON_CACHE_DIR="$PWD/.site/triton-cache"
+      timeout 240 python3 -m tfla bench linear-attn --mode fwdbwd --kinds vector --impls fla --no-progress \
+          --warmup 10 --rep 50 --json "$OUT/s24d_bench_la_vector_fla.json" 2>&1 | tail -4
+      ;;
+    s24e)
+      # call 2 (Triton 3.6, peers kept): the 65536-token sweep of no / constant decay vs FLA, Lightning at T = 8192
+      python3 -m tfla bench linear-attn --mode fwdbwd --tokens 65536 --T 2048,8192,32768 --kinds none,constant \
+          --chunk-sizes 64 --no-progress --warmup 5 --rep 25 --json "$OUT/s24e_sweep_la.json" 2>&1 | tail -16
+      python3 -m tfla bench linear-attn --mode fwdbwd --kinds lightning --chunk-sizes 64 --no-progress --warmup 10 \
+          --rep 50 --json "$OUT/s24e_bench_lightning.json" 2>&1 | tail -5
+      bash scripts/device_run.sh dbgsds 2>&1 | tail -8
+      ;;
+    s24f)
+      # call 3 (after tri39): scalar decay vs FLA under the newest Triton: the sweep, constant at T = 8192, bf16 test
+      export PYTHONPATH="$PWD/.site39:$PYTHONPATH"
+      export TRITON_CACHE_DIR="$PWD/.site39/triton-cache"
+      python3 -m tfla bench linear-attn --mode fwdbwd --tokens 65536 --T 2048,8192,32768 --kinds scalar \
+          --chunk-sizes 64 --no-progress --warmup 5 --rep 25 --json "$OUT/s24f_sweep_scalar.json" 2>&1 | tail -10
+      python3 -m pytest -q -p no:cacheprovider -rf -s --timeout 200 -k "scalar-64" tests/ops/test_linear_attn_bf16_vs_fla.py \
+          2>&1 | tee "$OUT/s24f_pytest_scalar_bf16.log" | grep -E "passed|failed|rror|Timeout|rel" ;
+      python3 -m tfla bench linear-attn --mode fwdbwd --kinds constant --chunk-sizes 64 --no-progress --warmup 10 \
+          --rep 50 --json "$OUT/s24f_bench_constant.json" 2>&1 | tail -5
       ;;
     s24c)
       # call C, under the newest Triton (after tri39): scalar decay vs FLA (FLA 0.6.0 runs its gated backward on

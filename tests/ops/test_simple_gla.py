@@ -350,3 +350,20 @@ def test_state_bwd_in_place_of_the_states(device, poison_empty, gate, T, V, cu_l
         assert torch.equal(a, b), name
     want = (h_sub.double() * dh.double()).sum(-1)  # [B, NS, H, K]
     assert_rel_close("sds", sds.sum(3).double().cpu(), want.cpu(), 1e-6)
+
+
+def test_state_bwd_keeps_ds_apart_on_one_stage_16bit(device):
+    """16-bit inputs on a one-stage launch do not take the dS-over-S path (Triton 3.6 faulted there on the H100):
+    the rows of <S, dS> come back None, dS gets a buffer of its own and S is left as it was."""
+    from tfla.ops.common.chunk_state import chunk_state_bwd, chunk_state_fwd
+
+    gen = torch.Generator().manual_seed(9)
+    B, T, H, K, V, L = 1, 130, 1, 16, 16, 64
+    q, k, v, do = (torch.randn(B, T, H, K, generator=gen).half().to(device) for _ in range(4))
+    g = (F.logsigmoid(torch.randn(B, T, H, generator=gen) + 2) * 0.3).to(device)
+    h_sub, _, _ = chunk_state_fwd(k, v, g, L, store_every_sub_chunk=True)
+    s = h_sub.clone()
+    dh, _, _, sds = chunk_state_bwd(q, k, None, do, None, g, 0.5, L, h_sub=s, sds=True, config={"num_stages": 1})
+    assert sds is None and dh.data_ptr() != s.data_ptr() and torch.equal(s, h_sub)
+    dh2, _, _, sds2 = chunk_state_bwd(q, k, None, do, None, g, 0.5, L, h_sub=s, sds=True)  # two stages: in place
+    assert sds2 is not None and dh2.data_ptr() == s.data_ptr() and torch.equal(dh2, dh)

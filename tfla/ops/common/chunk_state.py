@@ -375,7 +375,7 @@ def _chunk_state_bwd_kernel(
     USE_DNT: tl.constexpr = False,
     INTRA: tl.constexpr = False,
     sds=None,
-    SDS: tl.constexpr = 0,
+    SDS: tl.constexpr = False,
 ):
     """Reverse state-gradient recurrence (DELTA: of the delta rule; otherwise of linear attention,
     where the W^T dU term is absent and dU is the whole gradient of V). ``b_dh`` is the gradient of the state
@@ -446,15 +446,13 @@ def _chunk_state_bwd_kernel(
             m_tk = m_t[:, None] & m_k[None, :]
             m_tv = m_t[:, None] & m_v[None, :]
             p_dhs = dh + ((boh + t0 // BS) * HV + i_hv) * K * V + o_kv
-            if SDS > 0:  # S of this slot read (and used) before dS overwrites it
+            if SDS:  # S of this slot read (and used) before dS overwrites it: each stored element depends on
+                # its row's sum, i.e. on every read of that row (a barrier there hit an illegal address in bf16 on
+                # the H100 under Triton 3.6)
                 b_s = tl.load(p_dhs, mask=m_kv, other=0.0).to(ACC)
                 b_sdsr = tl.sum(b_s * b_dh, 1)
                 tl.store(sds + (((boh + t0 // BS) * HV + i_hv) * tl.cdiv(V, BV) + i_v) * K + o_k, b_sdsr, mask=m_k)
-                if SDS == 1:  # every thread's read before any thread's store
-                    tl.debug_barrier()
-                    tl.store(p_dhs, b_dh.to(dh.dtype.element_ty), mask=m_kv)
-                else:  # each stored element depends on its row's sum, i.e. on every read of that row
-                    tl.store(p_dhs, (b_dh + 0.0 * b_sdsr[:, None]).to(dh.dtype.element_ty), mask=m_kv)
+                tl.store(p_dhs, (b_dh + 0.0 * b_sdsr[:, None]).to(dh.dtype.element_ty), mask=m_kv)
             else:
                 tl.store(p_dhs, b_dh.to(dh.dtype.element_ty), mask=m_kv)
             if N_STATE:
@@ -533,9 +531,6 @@ def _chunk_state_bwd_kernel(
             tl.store(dn0 + i_nh * K + o_k, tl.sum(b_dn, 1), mask=m_n)
 
 
-SDS_MODE = 2  # how the in-place store waits for S's reads: 1 a barrier, 2 a data dependency (experiment)
-
-
 def chunk_state_bwd(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -572,9 +567,11 @@ def chunk_state_bwd(
             also run the normalizer state's gradient (linear attention only); dnt ``[N, HV, K]`` its final
             cotangent or None.
         h_sub: the states at every sub-chunk ``[B, NS, HV, K, V]`` (``chunk_state_fwd(store_every_sub_chunk=True)``,
-            k's dtype) or None; given, dh is written into it (S is overwritten; read what needs S first) and,
-            with ``sds`` (linear attention), the rows of ``<S, dS>`` are returned last: ``[B, NS, HV, NV, K]`` fp32,
-            one partial per value tile (for ``wy_bwd(sds_sub=..)``).
+            k's dtype) or None; given, dh is written into it (S is overwritten; read what needs S first), and
+            with ``sds`` (linear attention) the rows of ``<S, dS>`` are returned last: ``[B, NS, HV, NV, K]`` fp32,
+            one partial per value tile (for ``wy_bwd(sds_sub=..)``), or None where that path is not used (16-bit
+            inputs on a one-stage launch: Triton 3.6 faults there on the H100); dh is then a new buffer and
+            h_sub keeps S.
     Returns:
         ``dh [B, NS, HV, K, V]`` (gradient of the state after each 64-row sub-chunk, k's dtype),
         ``du [B, T, HV, V]`` (total gradient of U = Vnew's gradient, k's dtype), ``dh0 [N, HV, K, V]``
@@ -585,14 +582,25 @@ def chunk_state_bwd(
     HV, V = do.shape[2], do.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     NS = cdiv(T, SUB_CHUNK) if cu_seqlens is None else num_sub_chunks
-    if h_sub is not None:
+    if sds and (h_sub is None or w is not None):
+        raise ValueError("sds (the rows of <S, dS>) needs h_sub and serves linear attention (w None)")
+    # measured (docs/perf.md): the delta rule at K <= 128 runs best on 64-column value tiles with 8 warps
+    # (H100: 0.53 vs 0.73 ms at 32 columns / 4 warps); linear attention keeps 32 columns and 4 warps (H100:
+    # simple GLA 0.53 ms, other tiles 0.51-0.59; the mLSTM's V = 256 state backward 2.41 ms, others 2.50-3.95)
+    wide = w is not None and K <= 128 and k.element_size() == 2  # 16-bit only: fp32 tiles double the smem
+    cfg = {"BV": 64 if wide else 32, "num_warps": 8 if wide else 4,
+           "num_stages": 2 if K <= 128 and gv_cum is None else 1, **(config or {})}
+    BK = max(16, next_pow2(K))
+    BV = min(max(16, next_pow2(V)), cfg["BV"])
+    # 16-bit inputs read S in this kernel only on pipelined launches: one stage faulted (illegal address, H100,
+    # Triton 3.6: scripts/debug_sds.py; fine under 3.9)
+    sds_on = sds and (k.element_size() > 2 or cfg["num_stages"] >= 2)
+    if h_sub is not None and (sds_on or not sds):
         if tuple(h_sub.shape) != (B, NS, HV, K, V) or h_sub.dtype != k.dtype or not h_sub.is_contiguous():
             raise ValueError(f"h_sub must be a contiguous {(B, NS, HV, K, V)} tensor of k's dtype")
         dh = h_sub  # in place: each slot's S is read (SDS) before its dS is stored
     else:
         dh = torch.empty(B, NS, HV, K, V, dtype=k.dtype, device=k.device)
-    if sds and (h_sub is None or w is not None):
-        raise ValueError("sds (the rows of <S, dS>) needs h_sub and serves linear attention (w None)")
     du = torch.empty(B, T, HV, V, dtype=k.dtype, device=k.device)
     dh0 = torch.empty(N, HV, K, V, dtype=_state_acc(k.dtype), device=k.device) if need_dh0 else None
     n_state = dden is not None
@@ -603,26 +611,16 @@ def chunk_state_bwd(
         raise ValueError("the normalizer state's gradient (dden) serves linear attention with scalar gates")
     dhn = torch.empty(B, NS, HV, K, dtype=_state_acc(k.dtype), device=k.device) if n_state else None
     dn0 = torch.empty(N, HV, K, dtype=_state_acc(k.dtype), device=k.device) if n_state and need_dh0 else None
-    rets = (dh, du, dh0) + ((dhn, dn0) if n_state else ())
+    sds_t = torch.empty(B, NS, HV, cdiv(V, BV), K, dtype=_state_acc(k.dtype), device=k.device) if sds_on else None
+    rets = (dh, du, dh0) + ((dhn, dn0) if n_state else ()) + ((sds_t,) if sds else ())
     if N * HV == 0:
-        if sds:
-            rets = rets + (torch.zeros(B, NS, HV, 1, K, dtype=_state_acc(k.dtype), device=k.device),)
+        if sds_t is not None:
+            sds_t.zero_()
         if dh0 is not None:
             dh0.copy_(dht if dht is not None else torch.zeros_like(dh0))
         if dn0 is not None:
             dn0.copy_(dnt if dnt is not None else torch.zeros_like(dn0))
         return rets
-    # measured (docs/perf.md): the delta rule at K <= 128 runs best on 64-column value tiles with 8 warps
-    # (H100: 0.53 vs 0.73 ms at 32 columns / 4 warps); linear attention keeps 32 columns and 4 warps (H100:
-    # simple GLA 0.53 ms, other tiles 0.51-0.59; the mLSTM's V = 256 state backward 2.41 ms, others 2.50-3.95)
-    wide = w is not None and K <= 128 and k.element_size() == 2  # 16-bit only: fp32 tiles double the smem
-    cfg = {"BV": 64 if wide else 32, "num_warps": 8 if wide else 4,
-           "num_stages": 2 if K <= 128 and gv_cum is None else 1, **(config or {})}
-    BK = max(16, next_pow2(K))
-    BV = min(max(16, next_pow2(V)), cfg["BV"])
-    if sds:
-        sds_t = torch.empty(B, NS, HV, cdiv(V, BV), K, dtype=_state_acc(k.dtype), device=k.device)
-        rets = rets + (sds_t,)
     _chunk_state_bwd_kernel[(cdiv(V, BV), N * HV)](
         q, k, w, do, dvo, g_cum, du, dh, dht, dh0, gk_cum, gb, cu_seqlens, sub_offsets, scale, T,
         H=H, HV=HV, K=K, V=V, BT=chunk_size, BK=BK, BV=BV, USE_G=g_cum is not None,
@@ -631,7 +629,7 @@ def chunk_state_bwd(
         IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(k.dtype), ACC=acc_dtype(k.dtype),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         gv=gv_cum, VEC_G=gv_cum is not None, dden=dden, dnt=dnt, dhn=dhn, dn0=dn0, N_STATE=n_state,
-        USE_DNT=n_state and dnt is not None, INTRA=intra, sds=sds_t if sds else None, SDS=SDS_MODE if sds else 0,
+        USE_DNT=n_state and dnt is not None, INTRA=intra, sds=sds_t, SDS=sds_on,
     )
     return rets
 

@@ -140,10 +140,11 @@ def chunk_gla_bwd(q, k, v, gv_cum, scale, initial_state, do, dht, chunk_size, va
         sub_offsets=varlen.sub_offsets if varlen is not None else None,
         num_sub_chunks=varlen.sub_indices.shape[0] if varlen is not None else None, gv_cum=gv_cum,
         config=_state_cfg(k), h_sub=h_sub, sds=True)  # dS in S's buffer, with the rows of <S, dS>
-    del dvo, h_sub  # freed before wy_bwd's outputs are allocated (peak memory)
+    del dvo  # freed before wy_bwd's outputs are allocated (peak memory)
+    h_sub = h_sub if sds_sub is None else None  # S only where the recurrence did not take <S, dS>
     # dk = dko + the state part, added in wy_bwd's kernel and rounded once to k's dtype (three fp32 passes of
     # [B, T, H, K] less: H100 profile, B=4 T=8192 H=16 K=V=128, 0.79 ms of fp32 adds and 0.27 ms of casts)
-    dk, _, _, dg_sub = wy_bwd(k, None, None, None, None, v, None, None, dh_sub, L, cu_seqlens=cu, sub_indices=sub,
+    dk, _, _, dg_sub = wy_bwd(k, None, None, None, None, v, None, h_sub, dh_sub, L, cu_seqlens=cu, sub_indices=sub,
                               gv_cum=gv_cum, dk_add=dko, dk_dtype=k.dtype, sds_sub=sds_sub)
     del dko
     dg = _channel_cumsum(dgq, L, varlen, reverse=True, sub=dgk, add=dg_sub)  # one pass: the difference and

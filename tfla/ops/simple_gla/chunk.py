@@ -122,11 +122,13 @@ def chunk_simple_gla_bwd(q, k, v, g_cum, scale, initial_state, do, dht, chunk_si
         sub_offsets=varlen.sub_offsets if varlen is not None else None,
         num_sub_chunks=varlen.sub_indices.shape[0] if varlen is not None else None, gk_cum=gk_cum, gb=gb,
         dden=dden, dnt=dnt, h_sub=h_sub, sds=gate_grad)
-    del dvo, h_sub  # dvo: not needed by wy_bwd, freed before its outputs are allocated (peak memory)
+    del dvo  # not needed by wy_bwd: freed before its outputs are allocated (peak memory)
     dhn_sub, dn0 = rest[:2] if n_state else (None, None)
     sds_sub = rest[-1] if gate_grad else None
+    # S only where the recurrence did not take <S, dS> (and then dS has a buffer of its own)
+    h_sub = h_sub if gate_grad and sds_sub is None else None
     # dk = dko + the state part, added and rounded to k's dtype in wy_bwd
-    dk, _, _, dg_sub, *kdk = wy_bwd(k, None, None, g_cum, None, v, None, None, dh_sub, L, cu_seqlens=cu,
+    dk, _, _, dg_sub, *kdk = wy_bwd(k, None, None, g_cum, None, v, None, h_sub, dh_sub, L, cu_seqlens=cu,
                                     sub_indices=sub, gk_cum=gk_cum, gb=gb, hn_sub=hn_sub, dhn_sub=dhn_sub, dk_add=dko,
                                     dk_dtype=k.dtype, kdot=kdot, need_dg=need_dg, sds_sub=sds_sub)
     dg = None
