@@ -446,13 +446,8 @@ def _chunk_state_bwd_kernel(
             m_tk = m_t[:, None] & m_k[None, :]
             m_tv = m_t[:, None] & m_v[None, :]
             p_dhs = dh + ((boh + t0 // BS) * HV + i_hv) * K * V + o_kv
-            if SDS:  # S of this slot read (and used) before dS overwrites it: each stored element depends on
-                # its row's sum, i.e. on every read of that row (a barrier there hit an illegal address in bf16 on
-                # the H100 under Triton 3.6)
-                b_s = tl.load(p_dhs, mask=m_kv, other=0.0).to(ACC)
-                b_sdsr = tl.sum(b_s * b_dh, 1)
-                tl.store(sds + (((boh + t0 // BS) * HV + i_hv) * tl.cdiv(V, BV) + i_v) * K + o_k, b_sdsr, mask=m_k)
-                tl.store(p_dhs, (b_dh + 0.0 * b_sdsr[:, None]).to(dh.dtype.element_ty), mask=m_kv)
+            if SDS:  # S of this slot, read here and used below (its latency behind this step's loads and products)
+                b_s = tl.load(p_dhs, mask=m_kv, other=0.0)
             else:
                 tl.store(p_dhs, b_dh.to(dh.dtype.element_ty), mask=m_kv)
             if N_STATE:
@@ -512,6 +507,12 @@ def _chunk_state_bwd_kernel(
                         b_dn += b_nt
             if BT > BS:
                 b_dhi += b_qt
+            if SDS:  # before b_dh changes: <S, dS> rows, then dS over S. Each stored element depends on its row's
+                # sum, i.e. on every read of that row (a barrier there hit an illegal address in bf16 on the H100
+                # under Triton 3.6)
+                b_sdsr = tl.sum(b_s.to(ACC) * b_dh, 1)
+                tl.store(sds + (((boh + t0 // BS) * HV + i_hv) * tl.cdiv(V, BV) + i_v) * K + o_k, b_sdsr, mask=m_k)
+                tl.store(p_dhs, (b_dh + 0.0 * b_sdsr[:, None]).to(dh.dtype.element_ty), mask=m_kv)
             if USE_G:
                 b_dh *= tl.exp2(b_gn - b_gc)
             if VEC_G:
