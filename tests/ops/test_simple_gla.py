@@ -367,3 +367,23 @@ def test_state_bwd_keeps_ds_apart_on_one_stage_16bit(device):
     assert sds is None and dh.data_ptr() != s.data_ptr() and torch.equal(s, h_sub)
     dh2, _, _, sds2 = chunk_state_bwd(q, k, None, do, None, g, 0.5, L, h_sub=s, sds=True)  # two stages: in place
     assert sds2 is not None and dh2.data_ptr() == s.data_ptr() and torch.equal(dh2, dh)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("K,V", [(256, 256), (256, 128)])
+def test_head_dim_256_bf16_gpu(K, V):
+    """bf16 at head dim 256 on the GPU: the state backward's one-stage launch hit an illegal address on the H100
+    under Triton 3.6 (found 2026-11-23); 16-bit launches now pipeline two stages. Output and every gradient
+    against tfla's fp32 run of the same inputs (bf16-level agreement, 1e-2)."""
+    gen = torch.Generator().manual_seed(K + V)
+    q, k = (torch.randn(2, 300, 2, K, generator=gen) * K ** -0.25 for _ in range(2))
+    v = torch.randn(2, 300, 2, V, generator=gen)
+    g = F.logsigmoid(torch.randn(2, 300, 2, generator=gen) + 3)
+    runs = []
+    for dt in (torch.bfloat16, torch.float32):
+        leaves = [t.to("cuda", dt if t is not g else torch.float32).requires_grad_() for t in (q, k, v, g)]
+        o, _ = tfla.chunk_simple_gla(*leaves[:3], g=leaves[3], chunk_size=64)
+        do = torch.randn(o.shape, generator=gen.manual_seed(1)).to("cuda", dt)
+        runs.append((o,) + torch.autograd.grad(o, leaves, do))
+    for name, a, b in zip(("o", "dq", "dk", "dv", "dg"), *runs):
+        assert_rel_close(name, a.float().cpu(), b.double().cpu(), 1e-2)

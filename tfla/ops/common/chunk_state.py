@@ -587,14 +587,16 @@ def chunk_state_bwd(
         raise ValueError("sds (the rows of <S, dS>) needs h_sub and serves linear attention (w None)")
     # measured (docs/perf.md): the delta rule at K <= 128 runs best on 64-column value tiles with 8 warps
     # (H100: 0.53 vs 0.73 ms at 32 columns / 4 warps); linear attention keeps 32 columns and 4 warps (H100:
-    # simple GLA 0.53 ms, other tiles 0.51-0.59; the mLSTM's V = 256 state backward 2.41 ms, others 2.50-3.95)
+    # simple GLA 0.53 ms, other tiles 0.51-0.59; the mLSTM's V = 256 state backward 2.41 ms, others 2.50-3.95).
+    # 16-bit inputs pipeline two stages at any K: one stage (the K > 128 default before) hit an illegal address
+    # on the H100 under Triton 3.6 (bf16, K = 256: simple GLA; GDN / mLSTM at K = 256 run with two)
     wide = w is not None and K <= 128 and k.element_size() == 2  # 16-bit only: fp32 tiles double the smem
     cfg = {"BV": 64 if wide else 32, "num_warps": 8 if wide else 4,
-           "num_stages": 2 if K <= 128 and gv_cum is None else 1, **(config or {})}
+           "num_stages": 2 if (K <= 128 or k.element_size() == 2) and gv_cum is None else 1, **(config or {})}
     BK = max(16, next_pow2(K))
     BV = min(max(16, next_pow2(V)), cfg["BV"])
-    # 16-bit inputs read S in this kernel only on pipelined launches: one stage faulted (illegal address, H100,
-    # Triton 3.6: scripts/debug_sds.py; fine under 3.9)
+    # 16-bit inputs read S in this kernel only on pipelined launches (a config override to one stage keeps dS
+    # apart: that launch faults under Triton 3.6 on the H100, scripts/debug_sds.py; fine under 3.9)
     sds_on = sds and (k.element_size() > 2 or cfg["num_stages"] >= 2)
     if h_sub is not None and (sds_on or not sds):
         if tuple(h_sub.shape) != (B, NS, HV, K, V) or h_sub.dtype != k.dtype or not h_sub.is_contiguous():
