@@ -1,8 +1,9 @@
 """GPU check of the state backward's dS-over-S path (chunk_state_bwd(h_sub=.., sds=True)): one launch config per
 process (an illegal address poisons the context), CUDA_LAUNCH_BLOCKING=1 so the failing kernel is the one named.
-It found (H100, Triton 3.6, bf16): a barrier between S's read and dS's store faults at 1 and 2 stages, the data
-dependency now in the kernel faults at 1 stage only (chunk_state_bwd then keeps dS in a buffer of its own); Triton
-3.9 runs both configs.
+It found (H100, Triton 3.6, bf16): a barrier between S's read and dS's store faults at 1 and 2 stages; the data
+dependency now in the kernel runs at 2 stages; at 1 stage the plain launch (no dS over S, the first call below)
+faults already, so 16-bit launches now pipeline 2 stages and a 1-stage override keeps dS apart. Triton 3.9 runs
+every config (docs/results/h100-2026-11-23c/dbgsds_*.log).
 
     python scripts/debug_sds.py STAGES DTYPE [T]   # STAGES 1|2, DTYPE bfloat16|float16|float32
 """
