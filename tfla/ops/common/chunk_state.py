@@ -509,7 +509,8 @@ def _chunk_state_bwd_kernel(
                 b_dhi += b_qt
             if SDS:  # before b_dh changes: <S, dS> rows, then dS over S. Each stored element depends on its row's
                 # sum, i.e. on every read of that row (a barrier there hit an illegal address in bf16 on the H100
-                # under Triton 3.6)
+                # under Triton 3.6). IEEE semantics keep the `+ 0.0 * sum` (no fast-math flags: it stays an fma with
+                # 0 in the sm_90 PTX, Triton 3.9, checked locally)
                 b_sdsr = tl.sum(b_s.to(ACC) * b_dh, 1)
                 tl.store(sds + (((boh + t0 // BS) * HV + i_hv) * tl.cdiv(V, BV) + i_v) * K + o_k, b_sdsr, mask=m_k)
                 tl.store(p_dhs, (b_dh + 0.0 * b_sdsr[:, None]).to(dh.dtype.element_ty), mask=m_kv)
