@@ -103,6 +103,7 @@ def main(argv=None):
     p.add_argument("--K", type=int, default=128)
     p.add_argument("--V", type=int, default=128)
     p.add_argument("--L", type=int, default=64)
+    p.add_argument("--input-gate", choices=["sigmoid", "exp"], default="sigmoid", help="mLSTM input gate (--op mlstm)")
     p.add_argument("--T", type=int, default=300, help="sequence length (a multiple of 16 specializes T as the JIT does)")
     p.add_argument("--allocs", action="store_true", help="list the shared-memory buffers of each kernel")
     p.add_argument("--check", action="store_true", help="exit 1 if a kernel needs more than 232448 B")
@@ -118,14 +119,16 @@ def main(argv=None):
 
         _, _, gv = chunk_gla_fwd(q, k, v, -torch.rand(1, T, H, K), 0.1, h0, True, L)
         chunk_gla_bwd(q, k, v, gv, 0.1, h0, do, dht, L)
-    elif args.op == "mlstm":  # sigmoid input gate, normalized, exact gradient, initial and final states
+    elif args.op == "mlstm":  # normalized, exact gradient, initial and final states
         from tfla.ops.mlstm.chunk import MLSTMOptions, chunk_mlstm_bwd, chunk_mlstm_fwd
 
-        opts = MLSTMOptions("sigmoid", True, 1e-6, K ** -0.5, L, True, aug=True, detach_normalizer=False)
+        opts = MLSTMOptions(args.input_gate, True, 1e-6, K ** -0.5, L, True, aug=True, detach_normalizer=False)
         i, f = torch.randn(1, T, H), torch.randn(1, T, H) + 3
         n0 = torch.randn(1, H, K)
-        h, final, den = chunk_mlstm_fwd(q, k, v, i, f, h0, n0, None, opts)
-        chunk_mlstm_bwd(q, k, v, i, f, h0, n0, None, h, den, final, do, dht, torch.randn(1, H, K), None, opts)
+        m0 = torch.zeros(1, H) if args.input_gate == "exp" else None
+        h, final, den = chunk_mlstm_fwd(q, k, v, i, f, h0, n0, m0, opts)
+        chunk_mlstm_bwd(q, k, v, i, f, h0, n0, m0, h, den, final, do, dht, torch.randn(1, H, K),
+                        torch.randn(1, H) if m0 is not None else None, opts)
     elif args.op == "gdn":
         from tfla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_bwd, chunk_gated_delta_rule_fwd
 
