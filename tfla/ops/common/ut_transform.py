@@ -733,7 +733,8 @@ def wy_bwd(
     cfg = {"num_warps": 4, "num_stages": 3, "BK": 128 if one_k else 64, "BV": 64, **(config or {})}
     # h_sub None: S is never read (sds_sub or no gate gradient); dh_sub stands in for the unused pointer
     _gdn_wy_bwd_kernel[(NS, B * HV)](
-        k, v, beta, g_cum, ai, v_new, du, h_sub if h_sub is not None else dh_sub, dh_sub, dk, dv, dbeta, dgam, gk_cum, gb, cu_seqlens, sub_indices, T,
+        k, v, beta, g_cum, ai, v_new, du, h_sub if h_sub is not None else dh_sub, dh_sub, dk, dv, dbeta, dgam, gk_cum,
+        gb, cu_seqlens, sub_indices, T,
         H=H, HV=HV, K=K, V=V, BT=chunk_size, BK=min(max(16, next_pow2(K)), cfg["BK"]),
         BV=min(max(16, next_pow2(V)), cfg["BV"]), USE_G=g_cum is not None, SPLIT_G=gk_cum is not None,
         HAS_GB=gb is not None, DELTA=delta,
