@@ -387,3 +387,23 @@ def test_head_dim_256_bf16_gpu(K, V):
         runs.append((o,) + torch.autograd.grad(o, leaves, do))
     for name, a, b in zip(("o", "dq", "dk", "dv", "dg"), *runs):
         assert_rel_close(name, a.float().cpu(), b.double().cpu(), 1e-2)
+
+
+def test_in_place_stage_arguments_checked(device):
+    """The in-place stage's preconditions raise ValueError: rows of <S, dS> without the states to overwrite or with
+    the delta rule's W, a state-terms call that needs S without it, h_sub of the wrong shape."""
+    from tfla.ops.common.chunk_state import chunk_state_bwd
+    from tfla.ops.common.ut_transform import wy_bwd
+
+    B, T, H, K, V, L = 1, 128, 1, 16, 16, 64
+    q, k, v, do = (torch.randn(B, T, H, K, device=device) for _ in range(4))
+    g = torch.zeros(B, T, H, device=device)
+    h = torch.zeros(B, 2, H, K, V, device=device)
+    with pytest.raises(ValueError, match="sds"):
+        chunk_state_bwd(q, k, None, do, None, g, 1.0, L, sds=True)
+    with pytest.raises(ValueError, match="sds"):
+        chunk_state_bwd(q, k, k, do, None, g, 1.0, L, h_sub=h, sds=True)
+    with pytest.raises(ValueError, match="h_sub"):
+        chunk_state_bwd(q, k, None, do, None, g, 1.0, L, h_sub=h[:, :1])
+    with pytest.raises(ValueError, match="h_sub is needed"):
+        wy_bwd(k, None, None, g, None, v, None, None, h, L)
