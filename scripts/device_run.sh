@@ -31,6 +31,7 @@
 #            attention tfla rows; then FLA's linear-attention rows (none / constant / lightning, vector)
 #   s24d / s24e / s24f  the last lease of that session: mLSTM and GLA rows (3.6), the linear-attention sweep (3.6),
 #            the scalar decay vs FLA under the newest Triton
+#   glavec   tfla vs FLA's chunk_gla (vector decay), FLA's autotune kept in .site's Triton cache (run twice if cut)
 #   s24c     under the newest Triton (after tri39): scalar decay vs FLA, the linear-attention 65536-token sweep,
 #            GDN vs FLA, linear-attention GPU tests (fp32 L = 64, in place, scalar bf16 vs FLA)
 #   tri39    assemble the newest Triton (scripts/pack_triton.sh: .tri1 carried in one call, .tri2 in the next) into
@@ -298,6 +299,15 @@ print('sanitized fwd+bwd ok')
           2>&1 | tee "$OUT/s24f_pytest_scalar_bf16.log" | grep -E "passed|failed|rror|Timeout|rel" ;
       python3 -m tfla bench linear-attn --mode fwdbwd --kinds constant --chunk-sizes 64 --no-progress --warmup 10 \
           --rep 50 --json "$OUT/s24f_bench_constant.json" 2>&1 | tail -5
+      ;;
+    glavec)
+      # FLA's chunk_gla (vector decay) vs tfla: FLA autotunes ~24 configs per kernel on its first call (no shipped
+      # configs; its autotune results are cached on disk, FLA_CACHE_RESULTS=1 by default). With the Triton cache
+      # under .site, a second call of this stage on the same warm machine reuses the compiles and the chosen
+      # configs, so run it twice back to back if the first is cut
+      export TRITON_CACHE_DIR="$PWD/.site/triton-cache"
+      timeout 570 python3 -m tfla bench linear-attn --mode fwdbwd --kinds vector --chunk-sizes 64 --no-progress \
+          --warmup 10 --rep 50 --json "$OUT/glavec_bench.json" 2>&1 | tail -5
       ;;
     s24c)
       # call C, under the newest Triton (after tri39): scalar decay vs FLA (FLA 0.6.0 runs its gated backward on
