@@ -31,6 +31,8 @@
 #            attention tfla rows; then FLA's linear-attention rows (none / constant / lightning, vector)
 #   s24d / s24e / s24f  the last lease of that session: mLSTM and GLA rows (3.6), the linear-attention sweep (3.6),
 #            the scalar decay vs FLA under the newest Triton
+#   s25a     fourth 2026-11-23 session: FLA chunk_gla compiled in parallel beside the float64 GPU tests, then
+#            tfla vs FLA's chunk_gla (vector decay)
 #   glavec   tfla vs FLA's chunk_gla (vector decay), FLA's autotune kept in .site's Triton cache (run twice if cut)
 #   s24c     under the newest Triton (after tri39): scalar decay vs FLA, the linear-attention 65536-token sweep,
 #            GDN vs FLA, linear-attention GPU tests (fp32 L = 64, in place, scalar bf16 vs FLA)
@@ -299,6 +301,28 @@ print('sanitized fwd+bwd ok')
           2>&1 | tee "$OUT/s24f_pytest_scalar_bf16.log" | grep -E "passed|failed|rror|Timeout|rel" ;
       python3 -m tfla bench linear-attn --mode fwdbwd --kinds constant --chunk-sizes 64 --no-progress --warmup 10 \
           --rep 50 --json "$OUT/s24f_bench_constant.json" 2>&1 | tail -5
+      ;;
+    s25a)
+      # first 2026-11-23 fourth-session call (Triton 3.6, peers): FLA's chunk_gla configs compiled by 10 parallel
+      # processes (scripts/warm_autotune.py) while the float64 GPU tests of the linear-attention family, GLA and
+      # mLSTM run beside them (three pytest processes); then, alone on the GPU, tfla vs FLA's chunk_gla timed
+      export TRITON_CACHE_DIR="$PWD/.site/triton-cache"
+      t0=$(date +%s)
+      for i in $(seq 0 9); do
+        timeout 300 python3 scripts/warm_autotune.py --part $i --of 10 -- bench linear-attn --mode fwdbwd \
+            --kinds vector --impls fla --chunk-sizes 64 --no-progress --warmup 1 --rep 1 \
+            --json /tmp/warm_$i.json > "$OUT/s25a_warm_$i.log" 2>&1 &
+      done
+      for f in simple_gla gla mlstm; do
+        timeout 330 python3 -m pytest -q -p no:cacheprovider -rf --timeout 300 tests/ops/test_$f.py \
+            > "$OUT/s25a_pytest_$f.log" 2>&1 &
+      done
+      wait
+      echo "warm + tests: $(( $(date +%s) - t0 )) s"; tail -n 3 "$OUT"/s25a_pytest_*.log; tail -n 2 "$OUT/s25a_warm_0.log"
+      left=$(( 560 - $(date +%s) + t0 ))
+      timeout $left python3 -m tfla bench linear-attn --mode fwdbwd --kinds vector --chunk-sizes 64 --no-progress \
+          --warmup 10 --rep 50 --json "$OUT/s25a_bench_vector.json" 2>&1 | tail -6
+      echo "total: $(( $(date +%s) - t0 )) s"
       ;;
     glavec)
       # FLA's chunk_gla (vector decay) vs tfla: FLA autotunes ~24 configs per kernel on its first call (no shipped
