@@ -33,6 +33,7 @@
 #            the scalar decay vs FLA under the newest Triton
 #   s25a     fourth 2026-11-23 session: FLA chunk_gla compiled in parallel beside the float64 GPU tests, then
 #            tfla vs FLA's chunk_gla (vector decay)
+#   s25e     chunk_gla's gated operands in fp32: GPU tests, VEC_F32 on / off timed, vs FLA (time and bf16 test)
 #   glavec   tfla vs FLA's chunk_gla (vector decay), FLA's autotune kept in .site's Triton cache (run twice if cut)
 #   s24c     under the newest Triton (after tri39): scalar decay vs FLA, the linear-attention 65536-token sweep,
 #            GDN vs FLA, linear-attention GPU tests (fp32 L = 64, in place, scalar bf16 vs FLA)
@@ -322,6 +323,32 @@ print('sanitized fwd+bwd ok')
       left=$(( 560 - $(date +%s) + t0 ))
       timeout $left python3 -m tfla bench linear-attn --mode fwdbwd --kinds vector --chunk-sizes 64 --no-progress \
           --warmup 10 --rep 50 --json "$OUT/s25a_bench_vector.json" 2>&1 | tail -6
+      echo "total: $(( $(date +%s) - t0 )) s"
+      ;;
+    s25e)
+      # chunk_gla with the gated operands in fp32 (TF32 products): FLA's chunk_gla compiled in parallel for the
+      # bench and the bf16 test shapes while the GLA GPU tests run; then VEC_F32 on / off timed, tfla vs FLA,
+      # and the bf16 test vs FLA (vector)
+      export TRITON_CACHE_DIR="$PWD/.site/triton-cache"
+      t0=$(date +%s)
+      for i in $(seq 0 9); do
+        ( W="timeout 300 python3 scripts/warm_autotune.py --part $i --of 10 -- bench linear-attn --mode fwdbwd \
+              --kinds vector --impls fla --chunk-sizes 64 --no-progress --warmup 1 --rep 1"
+          $W --json /tmp/warm_$i.json; $W --B 2 --T 512 --H 4 --K 64 --V 64 --json /tmp/warm_s_$i.json ) \
+            > "$OUT/s25e_warm_$i.log" 2>&1 &
+      done
+      timeout 330 python3 -m pytest -q -p no:cacheprovider -rf -s --timeout 300 tests/ops/test_gla.py \
+          > "$OUT/s25e_pytest_gla.log" 2>&1 &
+      wait
+      echo "warm + tests: $(( $(date +%s) - t0 )) s"; grep -E "^bf16|passed|failed" "$OUT/s25e_pytest_gla.log"
+      timeout 120 python3 scripts/time_gla_vec.py 2>&1 | tee "$OUT/s25e_time_gla_vec.log" | grep VEC
+      left=$(( 470 - $(date +%s) + t0 ))
+      timeout $left python3 -m tfla bench linear-attn --mode fwdbwd --kinds vector --chunk-sizes 64 --no-progress \
+          --warmup 10 --rep 50 --json "$OUT/s25e_bench_vector.json" 2>&1 | tail -5
+      left=$(( 575 - $(date +%s) + t0 ))
+      TFLA_TEST_FLA_GLA=1 timeout $left python3 -m pytest -q -p no:cacheprovider -rf -s --timeout $left \
+          -k "vector" tests/ops/test_linear_attn_bf16_vs_fla.py 2>&1 | tee "$OUT/s25e_pytest_vec_fla.log" \
+          | grep -E "^bf16|passed|failed|rror"
       echo "total: $(( $(date +%s) - t0 )) s"
       ;;
     glavec)

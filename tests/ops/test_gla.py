@@ -7,7 +7,7 @@ import torch.nn.functional as F
 import tfla
 from tfla.bench.inputs import random_cu_seqlens
 from tfla.ops.gla.reference import recurrent_gla_ref
-from tfla.utils.testing import assert_rel_close
+from tfla.utils.testing import assert_rel_close, rel_l2
 
 FP32_TOL = 1e-5
 
@@ -138,6 +138,45 @@ def test_gla_float64_exact(device):
 def test_gla_fp16(device):
     """fp16 inputs, fp32 gates and accumulation: every tensor within a few fp16 ulps (measured <= 4e-4)."""
     _check(device, 1, 150, 2, 32, 16, 64, dtype=torch.float16, tol=2e-3, seed=9)
+
+
+def _bf16_errors(x, L, monkeypatch, vec_f32):
+    """Relative L2 of o and every gradient of a bf16 call against the float64 recurrence on the same
+    (rounded) inputs, with the gated operands kept in fp32 (``vec_f32``) or rounded to bf16."""
+    import tfla.ops.gla.chunk as gla_chunk
+
+    monkeypatch.setattr(gla_chunk, "VEC_F32", vec_f32)
+    names = ["q", "k", "v", "g", "h0"]
+    leaves = {n: x[n].clone().requires_grad_() for n in names}
+    o, s = tfla.chunk_gla(leaves["q"], leaves["k"], leaves["v"], leaves["g"], initial_state=leaves["h0"],
+                          output_final_state=True, chunk_size=L)
+    gen = torch.Generator().manual_seed(5)
+    do = torch.randn(o.shape, generator=gen).to(device=o.device, dtype=o.dtype)
+    dht = torch.randn(s.shape, generator=gen).to(device=s.device, dtype=s.dtype)
+    got = torch.autograd.grad((o * do).sum() + (s * dht).sum(), list(leaves.values()))
+    ref_leaves = {n: t.detach().cpu().double().requires_grad_() for n, t in leaves.items()}
+    ro, rs = recurrent_gla_ref(ref_leaves["q"], ref_leaves["k"], ref_leaves["v"], ref_leaves["g"],
+                               initial_state=ref_leaves["h0"], output_final_state=True)
+    ref = torch.autograd.grad((ro * do.cpu().double()).sum() + (rs * dht.cpu().double()).sum(),
+                              list(ref_leaves.values()))
+    err = {"o": rel_l2(o.detach().cpu().double(), ro)}
+    err.update({f"d{n}": rel_l2(a.cpu().double(), b) for n, a, b in zip(names, got, ref)})
+    return err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gate", ["default", "mixed"])
+@pytest.mark.parametrize("L", [64, 128])
+def test_gla_bf16_gated_operands_in_fp32(monkeypatch, gate, L):
+    """bf16 on the GPU: keeping the gated operands of the intra-chunk products in fp32 (TF32 products, the
+    default) is no less accurate than rounding them to bf16, for o and every gradient."""
+    x = _inputs(2, 512, 4, 64, 64, torch.bfloat16, "cuda", seed=L, gate=gate)
+    on = _bf16_errors(x, L, monkeypatch, True)
+    off = _bf16_errors(x, L, monkeypatch, False)
+    for name in on:
+        print(f"bf16 gla {gate} L={L} {name}: fp32 operands {on[name]:.3e} | bf16 operands {off[name]:.3e}")
+    for name in on:
+        assert on[name] <= 1.05 * off[name] + 1e-5, name
 
 
 def test_gla_wide_heads(device):
