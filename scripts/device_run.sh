@@ -34,6 +34,7 @@
 #   s25a     fourth 2026-11-23 session: FLA chunk_gla compiled in parallel beside the float64 GPU tests, then
 #            tfla vs FLA's chunk_gla (vector decay)
 #   s25e     chunk_gla's gated operands in fp32: GPU tests, VEC_F32 on / off timed, vs FLA (time and bf16 test)
+#   s25f     the same with the tiled parts of dv / dk in fp32: tests, on / off timed, tfla row, bf16 test vs FLA
 #   glavec   tfla vs FLA's chunk_gla (vector decay), FLA's autotune kept in .site's Triton cache (run twice if cut)
 #   s24c     under the newest Triton (after tri39): scalar decay vs FLA, the linear-attention 65536-token sweep,
 #            GDN vs FLA, linear-attention GPU tests (fp32 L = 64, in place, scalar bf16 vs FLA)
@@ -348,6 +349,31 @@ print('sanitized fwd+bwd ok')
       left=$(( 575 - $(date +%s) + t0 ))
       TFLA_TEST_FLA_GLA=1 timeout $left python3 -m pytest -q -p no:cacheprovider -rf -s --timeout $left \
           -k "vector" tests/ops/test_linear_attn_bf16_vs_fla.py 2>&1 | tee "$OUT/s25e_pytest_vec_fla.log" \
+          | grep -E "^bf16|passed|failed|rror"
+      echo "total: $(( $(date +%s) - t0 )) s"
+      ;;
+    s25f)
+      # chunk_gla, gated operands in fp32 and fp32 tiled parts of dv / dk: FLA compiled for the bf16 test shape
+      # beside the GLA / simple GLA / mLSTM GPU tests; VEC_F32 on / off timed, the tfla row, the bf16 test vs FLA
+      export TRITON_CACHE_DIR="$PWD/.site/triton-cache"
+      t0=$(date +%s)
+      for i in $(seq 0 9); do
+        timeout 300 python3 scripts/warm_autotune.py --part $i --of 10 -- bench linear-attn --mode fwdbwd \
+            --kinds vector --impls fla --no-progress --warmup 1 --rep 1 --B 2 --T 512 --H 4 --K 64 --V 64 \
+            --json /tmp/warm_s_$i.json > "$OUT/s25f_warm_$i.log" 2>&1 &
+      done
+      timeout 300 python3 -m pytest -q -p no:cacheprovider -rf -s --timeout 280 tests/ops/test_gla.py \
+          > "$OUT/s25f_pytest_gla.log" 2>&1 &
+      timeout 300 python3 -m pytest -q -p no:cacheprovider -rf --timeout 280 -k "fp32 or strong or varlen" \
+          tests/ops/test_simple_gla.py tests/ops/test_mlstm.py > "$OUT/s25f_pytest_sgla_mlstm.log" 2>&1 &
+      wait
+      echo "warm + tests: $(( $(date +%s) - t0 )) s"; grep -E "^bf16|passed|failed" "$OUT"/s25f_pytest_*.log
+      timeout 100 python3 scripts/time_gla_vec.py 2>&1 | tee "$OUT/s25f_time_gla_vec.log" | grep VEC
+      timeout 90 python3 -m tfla bench linear-attn --mode fwdbwd --kinds vector --impls tfla --chunk-sizes 64 \
+          --no-progress --warmup 10 --rep 50 --json "$OUT/s25f_bench_vector.json" 2>&1 | grep "tfla L"
+      left=$(( 580 - $(date +%s) + t0 ))
+      TFLA_TEST_FLA_GLA=1 timeout $left python3 -m pytest -q -p no:cacheprovider -rf -s --timeout $left \
+          -k "vector" tests/ops/test_linear_attn_bf16_vs_fla.py 2>&1 | tee "$OUT/s25f_pytest_vec_fla.log" \
           | grep -E "^bf16|passed|failed|rror"
       echo "total: $(( $(date +%s) - t0 )) s"
       ;;

@@ -101,8 +101,9 @@ def _vec_side(p_gv, s_gv, b_gvm, o_t, m_t, o_gd, m_gd, REVERSE: tl.constexpr):
 
 @triton.jit
 def _gop(x, dt, F32: tl.constexpr):
-    """A gated operand of a tensor-core product: kept in fp32 (``F32``: the product then runs in TF32, 10
-    mantissa bits per operand as in FLA's ``chunk_gla``) or rounded to the input dtype (bf16: 7 bits)."""
+    """An operand of a tensor-core product: kept in fp32 (``F32``: with 16-bit inputs the product then runs
+    in TF32, 10 mantissa bits per operand, as FLA's ``chunk_gla`` forms its intra-chunk scores) or rounded to
+    the input dtype (bf16: 7 bits)."""
     if F32:
         return x.to(tl.float32)
     else:
@@ -134,8 +135,7 @@ def _vec_state_term(a, h, p_gv, s_gv, bos, boh, i_hv, i_ch, o_tq, m_tq, o_c, m_c
 @triton.jit
 def _vec_diag(b_o, b_a, p_b, p_c, p_gv, s_gv, b_gvq, t_q0, o_tq, m_tq, m_a, m_c, o_gd, m_gd, T, SB, SC,
               BQ: tl.constexpr, VEC_G: tl.constexpr, REVERSE: tl.constexpr, SPLIT_DIAG: tl.constexpr,
-              DOT_PREC: tl.constexpr, ACC: tl.constexpr, SPAN: tl.constexpr = 0, F32: tl.constexpr = False,
-              GPREC: tl.constexpr = "tf32"):
+              DOT_PREC: tl.constexpr, ACC: tl.constexpr, SPAN: tl.constexpr = 0, F32: tl.constexpr = 0):
     """The diagonal BQ x BQ square (rows t_q0 ..) under the vector gate: ``_vec_diag_factored`` when
     ``SPAN > 0`` and the gate spans at most SPAN (log2) over the tile's rows in every channel (checked per
     tile at run time), else ``_vec_diag_steps`` (exact for any decay)."""
@@ -148,17 +148,17 @@ def _vec_diag(b_o, b_a, p_b, p_c, p_gv, s_gv, b_gvq, t_q0, o_tq, m_tq, m_a, m_c,
         fast = False
     if fast:
         b_o, b_sd, b_cd = _vec_diag_factored(b_o, b_a, p_b, p_c, b_x, o_tq, m_tq, m_a, m_c, SB, SC, BQ, VEC_G,
-                                             REVERSE, SPLIT_DIAG, DOT_PREC, F32, GPREC)
+                                             REVERSE, SPLIT_DIAG, DOT_PREC, F32)
     else:
         b_o, b_sd, b_cd = _vec_diag_steps(b_o, b_a, p_b, p_c, p_gv, s_gv, b_gvq, t_q0, o_tq, m_tq, m_a, m_c, o_gd,
-                                          m_gd, T, SB, SC, BQ, VEC_G, REVERSE, SPLIT_DIAG, DOT_PREC, ACC, F32, GPREC)
+                                          m_gd, T, SB, SC, BQ, VEC_G, REVERSE, SPLIT_DIAG, DOT_PREC, ACC, F32)
     return b_o, b_sd, b_cd
 
 
 @triton.jit
 def _vec_diag_factored(b_o, b_a, p_b, p_c, b_x, o_tq, m_tq, m_a, m_c, SB, SC, BQ: tl.constexpr,
                        VEC_G: tl.constexpr, REVERSE: tl.constexpr, SPLIT_DIAG: tl.constexpr, DOT_PREC: tl.constexpr,
-                       F32: tl.constexpr, GPREC: tl.constexpr):
+                       F32: tl.constexpr):
     """The diagonal square as one masked tensor-core product, for a gate that spans at most SPAN over
     the tile: ``2^(GV_r - GV_s) = 2^(X_r) 2^(-X_s)`` with ``X = GV - GV_ref`` in ``[-SPAN, 0]`` (forward;
     ``2^(-X_r) 2^(X_s)`` reverse), so each factor lies in ``[2^-SPAN, 2^SPAN]``: no overflow or underflow,
@@ -177,7 +177,7 @@ def _vec_diag_factored(b_o, b_a, p_b, p_c, b_x, o_tq, m_tq, m_a, m_c, SB, SC, BQ
         m_s = (o_tq[:, None] >= o_tq[None, :]) & m_tq[:, None] & m_tq[None, :]
     m_d = o_tq[:, None] == o_tq[None, :]
     if VEC_G == 1:
-        b_s = tl.dot(_gop(b_a * b_fo, dt, F32), tl.trans(_gop(b_bt * b_fl, dt, F32)), input_precision=GPREC)
+        b_s = tl.dot(_gop(b_a * b_fo, dt, F32 > 0), tl.trans(_gop(b_bt * b_fl, dt, F32 > 0)), input_precision=DOT_PREC)
         b_sd = tl.sum(tl.zeros_like(b_s), 1)  # (as the steps: no r = s scores kept under VEC_G = 1)
     else:
         b_s = tl.dot(b_a, tl.trans(b_bt), input_precision=DOT_PREC)  # [BQ, BQ]: a_r . b_s
@@ -185,10 +185,10 @@ def _vec_diag_factored(b_o, b_a, p_b, p_c, b_x, o_tq, m_tq, m_a, m_c, SB, SC, BQ
     if SPLIT_DIAG:
         m_s = m_s & (o_tq[:, None] != o_tq[None, :])
     if VEC_G == 1:
-        b_o = tl.dot(tl.where(m_s, b_s, 0.0).to(dt), b_ct.to(dt), b_o, input_precision=DOT_PREC)
+        b_o = tl.dot(_gop(tl.where(m_s, b_s, 0.0), dt, F32 > 1), _gop(b_ct, dt, F32 > 1), b_o, input_precision=DOT_PREC)
     else:
-        b_s = _gop(tl.where(m_s, b_s, 0.0), dt, F32)
-        b_o += tl.dot(b_s, _gop(b_ct * b_fl, dt, F32), input_precision=GPREC) * b_fo
+        b_s = _gop(tl.where(m_s, b_s, 0.0), dt, F32 > 0)
+        b_o += tl.dot(b_s, _gop(b_ct * b_fl, dt, F32 > 0), input_precision=DOT_PREC) * b_fo
     if SPLIT_DIAG:
         b_cd = b_ct
     else:
@@ -199,7 +199,7 @@ def _vec_diag_factored(b_o, b_a, p_b, p_c, b_x, o_tq, m_tq, m_a, m_c, SB, SC, BQ
 @triton.jit
 def _vec_diag_steps(b_o, b_a, p_b, p_c, p_gv, s_gv, b_gvq, t_q0, o_tq, m_tq, m_a, m_c, o_gd, m_gd, T, SB, SC,
                     BQ: tl.constexpr, VEC_G: tl.constexpr, REVERSE: tl.constexpr, SPLIT_DIAG: tl.constexpr,
-                    DOT_PREC: tl.constexpr, ACC: tl.constexpr, F32: tl.constexpr, GPREC: tl.constexpr):
+                    DOT_PREC: tl.constexpr, ACC: tl.constexpr, F32: tl.constexpr):
     """The diagonal BQ x BQ square (rows t_q0 ..) under the vector gate, in 16-row blocks.
 
     Level 1, pairs in different blocks: for each block j of looped rows, the row m at its edge (last
@@ -234,11 +234,12 @@ def _vec_diag_steps(b_o, b_a, p_b, p_c, p_gv, s_gv, b_gvq, t_q0, o_tq, m_tq, m_a
         b_bl = tl.load(p_b + o_tl[:, None] * SB, mask=m_tl[:, None] & m_a[None, :], other=0.0)  # [BD, BA]
         b_cl = tl.load(p_c + o_tl[:, None] * SC, mask=m_tl[:, None] & m_c[None, :], other=0.0)  # [BD, BC]
         if VEC_G == 1:
-            b_s = tl.dot(_gop(b_a * b_fo, dt, F32), tl.trans(_gop(b_bl * b_fl, dt, F32)), input_precision=GPREC)
-            b_o = tl.dot(b_s.to(dt), b_cl.to(dt), b_o, input_precision=DOT_PREC)
+            b_s = tl.dot(_gop(b_a * b_fo, dt, F32 > 0), tl.trans(_gop(b_bl * b_fl, dt, F32 > 0)),
+                         input_precision=DOT_PREC)
+            b_o = tl.dot(_gop(b_s, dt, F32 > 1), _gop(b_cl, dt, F32 > 1), b_o, input_precision=DOT_PREC)
         else:
             b_s = tl.dot(b_a, tl.trans(b_bl), input_precision=DOT_PREC)  # [BQ, BD]
-            b_o += tl.dot(_gop(b_s, dt, F32), _gop(b_cl * b_fl, dt, F32), input_precision=GPREC) * b_fo
+            b_o += tl.dot(_gop(b_s, dt, F32 > 0), _gop(b_cl * b_fl, dt, F32 > 0), input_precision=DOT_PREC) * b_fo
     o_tb = t_q0 + ((o_tq - t_q0) // BD) * BD  # first row of each output row's block
     b_sd = tl.zeros([BQ], dtype=ACC)
     for d in range(BD):
@@ -330,8 +331,7 @@ def _chunk_tiled_kernel(
     out2=None,
     xdot2=None,
     DUAL: tl.constexpr = False,
-    VEC_F32: tl.constexpr = False,
-    GPREC: tl.constexpr = "tf32",
+    VEC_F32: tl.constexpr = 0,
 ):
     i_c_, i_t, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
     i_b, i_hv = i_bh // HV, i_bh % HV
@@ -443,8 +443,7 @@ def _chunk_tiled_kernel(
     # output rows).
     if VEC_G > 0:  # the vector gate's diagonal square: 16-row blocks, exact for any decay
         b_o, b_sd, b_cd = _vec_diag(b_o, b_a, p_b, p_c, p_gv, s_gv, b_gvq, t_q0, o_tq, m_tq, m_a, m_c, o_gd, m_gd, T,
-                                    HB * DA, HC * DC, BQ, VEC_G, REVERSE, VEC_ROWDOT, DOT_PREC, ACC, VEC_SPAN, VEC_F32,
-                                    GPREC)
+                                    HB * DA, HC * DC, BQ, VEC_G, REVERSE, VEC_ROWDOT, DOT_PREC, ACC, VEC_SPAN, VEC_F32)
     elif ROWDOT:
         b_o, b_sd, b_cd, _, b_ps = _diag_tile(b_o, b_a, p_b, p_c, p_gc, b_gq, t_q0, o_tq, m_tq, m_a, m_c, T, HB, HC,
                                               HV, DA, DC, BKV, USE_G, REVERSE, True, DOT_PREC, b_addq, p_add, ROWADD)
@@ -478,17 +477,19 @@ def _chunk_tiled_kernel(
             b_gvm = tl.load(p_gv + t_q0 * s_gv + o_gd, mask=m_gd, other=0.0)
             b_fv = tl.exp2(tl.where(m_tq[:, None] & m_gd[None, :], b_gvq - b_gvm[None, :], float("-inf")))
         if VEC_G == 1:  # a_r * 2^(GV_r - GV_m) (forward; 2^(GV_m - GV_r) reverse), [BQ, BA]
-            b_a = _gop(b_a * b_fv, dt, VEC_F32)
+            b_a = _gop(b_a * b_fv, dt, VEC_F32 > 0)
         else:  # the off-diagonal sum is gated on its output columns once, after the loop
             b_ov = b_o
             b_o = tl.zeros([BQ, BC], dtype=ACC)
+    # VEC_F32: the scores in fp32 when c is gated (VEC_G = 2) or for dv (VEC_F32 = 2, reverse VEC_G = 1)
+    F32C: tl.constexpr = VEC_F32 > 1 or (VEC_F32 > 0 and VEC_G == 2)
     for t_k0 in range(t_lo, t_hi, BKV):
         o_tk = t_k0 + tl.arange(0, BKV)
         m_tk = o_tk < T
         b_b = tl.load(p_b + o_tk[:, None] * (HB * DA), mask=m_tk[:, None] & m_a[None, :], other=0.0)  # [BKV, BA]
         if VEC_G == 1:
-            b_b = _gop(b_b * _vec_side(p_gv, s_gv, b_gvm, o_tk, m_tk, o_gd, m_gd, REVERSE), dt, VEC_F32)
-        b_s = tl.dot(b_a, tl.trans(b_b), input_precision=GPREC)  # [BQ, BKV] (GPREC = DOT_PREC but for VEC_F32)
+            b_b = _gop(b_b * _vec_side(p_gv, s_gv, b_gvm, o_tk, m_tk, o_gd, m_gd, REVERSE), dt, VEC_F32 > 0)
+        b_s = tl.dot(b_a, tl.trans(b_b), input_precision=DOT_PREC)  # [BQ, BKV]
         if ROWADD == 1:
             b_s += b_addq[:, None]
         if ROWADD == 2:
@@ -508,9 +509,7 @@ def _chunk_tiled_kernel(
         b_cc = tl.load(p_c + o_tk[:, None] * (HC * DC), mask=m_tk[:, None] & m_c[None, :], other=0.0)  # [BKV, BC]
         if VEC_G == 2:
             b_cc = b_cc * _vec_side(p_gv, s_gv, b_gvm, o_tk, m_tk, o_gd, m_gd, REVERSE)
-            b_o = tl.dot(_gop(b_s, dt, VEC_F32), _gop(b_cc, dt, VEC_F32), b_o, input_precision=GPREC)
-        else:
-            b_o = tl.dot(b_s.to(dt), b_cc.to(dt), b_o, input_precision=DOT_PREC)
+        b_o = tl.dot(_gop(b_s, dt, F32C), _gop(b_cc, dt, F32C), b_o, input_precision=DOT_PREC)
     if VEC_G == 2:
         b_o = b_ov + b_o * b_fv
 
@@ -691,8 +690,11 @@ def chunk_tiled(
         raise ValueError("dual_dtype needs the forward form with rowdot_with, no vector gate or normalizer, "
                          "one diagonal tile per chunk (BQ = BKV = chunk_size) and c, rowdot_with of one head count")
     out2 = torch.empty(B, T, HV, DC, dtype=dual_dtype, device=a.device) if dual else None
-    # VEC_F32: the vector gate's gated operands kept in fp32 (TF32 products) for 16-bit inputs
-    vec_f32 = bool(vec) and bool(cfg.get("VEC_F32", False)) and a.element_size() < 4
+    # VEC_F32 (16-bit inputs, vector gate): 1 keeps the gated operands and the scores they meet in fp32 (TF32
+    # products), 2 also the scores of the reverse VEC_G = 1 form (dv: scores x dO, which FLA forms in fp32)
+    vec_f32 = 0
+    if vec and cfg.get("VEC_F32", False) and a.element_size() < 4:
+        vec_f32 = 2 if (reverse and vec == 1) else 1
     xdot2 = torch.empty(B, T, HV, dtype=acc, device=a.device) if dual else None
     NQ = cdiv(T, cfg["BQ"]) if cu_seqlens is None else tile_indices.shape[0]
     if NQ > 0 and B * HV > 0:
@@ -711,7 +713,6 @@ def chunk_tiled(
             NORM=0 if normalizer is None else (2 if norm.get("lo") is not None else 1), BAS=bas,
             gv=gv_cum, VEC_G=vec, VEC_ROWDOT=bool(vec) and rowdot_with is not None, add=row_add, ROWADD=rowadd,
             VEC_SPAN=cfg.get("VEC_SPAN", 0), out2=out2, xdot2=xdot2, DUAL=dual, VEC_F32=vec_f32,
-            GPREC="tf32" if vec_f32 else dot_precision(a.dtype),
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
     if dual:

@@ -43,7 +43,7 @@ VEC_SPAN = 32
 # c_s 2^(GV_m - GV_s) with its scores for dq / dk) stay fp32 and those products run in TF32, as FLA's chunk_gla
 # forms its intra-chunk scores; rounding them to bf16 doubled some bf16 errors (H100 bench, B = 4, T = 8192:
 # dv 3.64e-3 vs FLA 2.01e-3, dg 4.84e-3 vs 1.37e-3, against the fp32 run)
-VEC_F32 = True
+VEC_F32 = True  # (the bf16 errors of this paragraph: the tiled parts of dv and dk were also bf16 then)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,11 +134,14 @@ def chunk_gla_bwd(q, k, v, gv_cum, scale, initial_state, do, dht, chunk_size, va
         gv_cum=gv_cum, config=_state_cfg(k))
     offs = varlen.sub_offsets if varlen is not None else None
     K, V = q.shape[-1], v.shape[-1]
-    dvo = chunk_tiled(k, q, do, None, scale, L, reverse=True, gv_cum=gv_cum, **_tiled_args(L, k, V, varlen, offs))
+    # the tiled parts of dv and dk stay fp32 until the state parts are added (one rounding to the input
+    # dtype, as FLA's chunk_gla; bf16 tiled parts rounded twice: dk 2.43e-3 vs FLA 1.85e-3, H100)
+    dvo = chunk_tiled(k, q, do, None, scale, L, reverse=True, gv_cum=gv_cum, out_dtype=acc,
+                      **_tiled_args(L, k, V, varlen, offs))
     dq, dgq = chunk_tiled(do, v, k, None, scale, L, h=h_sub, state_every=SUB_CHUNK, state_transposed=True,
                           rowdot_with=q, out_dtype=q.dtype, gv_cum=gv_cum, gv_on_out=True,
                           **_tiled_args(L, do, K, varlen, offs, rowdot=True))
-    dko, dgk = chunk_tiled(v, do, q, None, scale, L, reverse=True, rowdot_with=k, out_dtype=k.dtype, gv_cum=gv_cum,
+    dko, dgk = chunk_tiled(v, do, q, None, scale, L, reverse=True, rowdot_with=k, out_dtype=acc, gv_cum=gv_cum,
                            gv_on_out=True, **_tiled_args(L, v, K, varlen, offs, rowdot=True))
     # without the delta rule the state-gradient recurrence's dU is the whole gradient of v
     dh_sub, dv, dh0, sds_sub = chunk_state_bwd(
