@@ -35,6 +35,7 @@
 #            tfla vs FLA's chunk_gla (vector decay)
 #   s25e     chunk_gla's gated operands in fp32: GPU tests, VEC_F32 on / off timed, vs FLA (time and bf16 test)
 #   s25f     the same with the tiled parts of dv / dk in fp32: tests, on / off timed, tfla row, bf16 test vs FLA
+#   s25g     linear attention forward only vs FLA (every kind), the vector sweep of the final chunk_gla
 #   glavec   tfla vs FLA's chunk_gla (vector decay), FLA's autotune kept in .site's Triton cache (run twice if cut)
 #   s24c     under the newest Triton (after tri39): scalar decay vs FLA, the linear-attention 65536-token sweep,
 #            GDN vs FLA, linear-attention GPU tests (fp32 L = 64, in place, scalar bf16 vs FLA)
@@ -375,6 +376,26 @@ print('sanitized fwd+bwd ok')
       TFLA_TEST_FLA_GLA=1 timeout $left python3 -m pytest -q -p no:cacheprovider -rf -s --timeout $left \
           -k "vector" tests/ops/test_linear_attn_bf16_vs_fla.py 2>&1 | tee "$OUT/s25f_pytest_vec_fla.log" \
           | grep -E "^bf16|passed|failed|rror"
+      echo "total: $(( $(date +%s) - t0 )) s"
+      ;;
+    s25g)
+      # linear attention forward only, every kind vs FLA (FLA's chunk_gla forward compiled in parallel first),
+      # then the vector-decay 65536-token sweep of tfla's final chunk_gla (fwd+bwd)
+      export TRITON_CACHE_DIR="$PWD/.site/triton-cache"
+      t0=$(date +%s)
+      for i in $(seq 0 9); do
+        timeout 200 python3 scripts/warm_autotune.py --part $i --of 10 -- bench linear-attn --mode fwd \
+            --kinds vector --impls fla --no-progress --warmup 1 --rep 1 --json /tmp/warm_f_$i.json \
+            > "$OUT/s25g_warm_$i.log" 2>&1 &
+      done
+      wait
+      echo "warm: $(( $(date +%s) - t0 )) s"
+      timeout 200 python3 -m tfla bench linear-attn --mode fwd --kinds none,constant,lightning,scalar,vector \
+          --chunk-sizes 64,128 --no-progress --warmup 10 --rep 50 --json "$OUT/s25g_bench_la_fwd.json" 2>&1 | tail -18
+      left=$(( 560 - $(date +%s) + t0 ))
+      timeout $left python3 -m tfla bench linear-attn --mode fwdbwd --tokens 65536 --T 2048,8192,32768 --kinds vector \
+          --impls tfla --chunk-sizes 64 --no-progress --warmup 5 --rep 25 --json "$OUT/s25g_sweep_vector.json" 2>&1 \
+          | grep "tfla L"
       echo "total: $(( $(date +%s) - t0 )) s"
       ;;
     glavec)
