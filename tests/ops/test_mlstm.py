@@ -201,7 +201,14 @@ def test_mlstm_bf16_no_worse_than_mlstm_kernels(gate):
         h = kern(q=tr(q), k=tr(k), v=tr(v), i=tr(i), f=tr(f), chunk_size=128, eps=1e-6, return_last_states=False)
         return tr(h), None
 
-    other = _run(theirs, xb, gate, True, False, False, None)
+    try:
+        other = _run(theirs, xb, gate, True, False, False, None)
+    except Exception as e:  # noqa: BLE001
+        # mlstm_kernels 2.0.6 uses block pointers, which Triton 3.9 removed (CompilationError /
+        # NotImplementedError there): no peer to compare with, tfla's own bf16 run above still ran
+        if "Block pointers have been removed" not in f"{e} {e.__cause__}":
+            raise
+        pytest.skip(f"mlstm_kernels does not compile with this Triton: {type(e).__name__}")
     report = []
     for n in ref:
         e_ours, e_theirs = rel_l2(ours[n].cpu().double(), ref[n]), rel_l2(other[n].cpu().double(), ref[n])
