@@ -98,6 +98,21 @@ def test_bench_mlstm_small(tmp_path, capsys):
             "env_mlstm_kernels"} <= set(header)
 
 
+def test_bench_mlstm_detached_row_follows_mlstm_kernels_convention(tmp_path):
+    """``--impls tfla_detached``: tfla in mlstm_kernels' gradient convention (normalizer and max state held
+    constant), recognised as such by the slice check and checked against that float64 ground truth."""
+    json_path = tmp_path / "r.json"
+    rc = main(["bench", "mlstm", "--mode", "fwdbwd", "--T", "64", *TINY, "--impls", "tfla,tfla_detached",
+               "--input-gates", "sigmoid", "--json", str(json_path)])
+    assert rc == 0
+    rows = _rows(json_path)[1]
+    assert [(r["impl"], r["grad_convention"]) for r in rows] == [("tfla L=64", "exact"),
+                                                                 ("tfla L=64 detached", "no normalizer grad")]
+    for r in rows:
+        assert r["status"] == "ok" and r["ms"] > 0
+        assert all(r[f"slice_err_{n}"] < 1e-5 for n in ("o", "dq", "dk", "dv", "di", "df"))
+
+
 def test_bench_mlstm_reports_missing_op(monkeypatch, tmp_path):
     """Without tfla.chunk_mlstm every tfla row says 'not available' and the command still succeeds."""
     import tfla.bench.registry as reg

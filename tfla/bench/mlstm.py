@@ -106,13 +106,14 @@ def workloads_from_args(args) -> list[Workload]:
             for T in ints(args.T)]
 
 
-def _kernel_names(want: list[str]) -> tuple[bool, list[str]]:
-    """(tfla requested, mlstm_kernels registry keys requested) from ``--impls``."""
+def _kernel_names(want: list[str]) -> tuple[bool, bool, list[str]]:
+    """(tfla requested, tfla in mlstm_kernels' gradient convention requested, mlstm_kernels registry keys
+    requested) from ``--impls``."""
     from tfla.bench.registry import MLSTM_KERNELS
 
     kernels = []
     for w in want:
-        if w == "tfla":
+        if w in ("tfla", "tfla_detached"):
             continue
         if w == "mlstm_kernels":
             kernels += list(MLSTM_KERNELS)
@@ -120,10 +121,10 @@ def _kernel_names(want: list[str]) -> tuple[bool, list[str]]:
         key = w.removeprefix("chunkwise--")
         key = key if key.startswith("triton_") else f"triton_{key}"
         if key not in MLSTM_KERNELS:
-            raise SystemExit(f"--impls: unknown implementation {w!r} (choose from tfla, mlstm_kernels, "
+            raise SystemExit(f"--impls: unknown implementation {w!r} (choose from tfla, tfla_detached, mlstm_kernels, "
                              f"{', '.join(MLSTM_KERNELS)})")
         kernels.append(key)
-    return "tfla" in want, list(dict.fromkeys(kernels))
+    return "tfla" in want, "tfla_detached" in want, list(dict.fromkeys(kernels))
 
 
 def parallel_mlstm_detached_ref(q, k, v, i, f, *, input_gate: str = "exp", eps: float = 1e-6,
@@ -269,7 +270,7 @@ def run(args) -> tuple[list[dict], dict]:
     for g in gates:
         if g not in INPUT_GATES:
             raise SystemExit(f"--input-gates: unknown input gate {g!r} (choose from {', '.join(INPUT_GATES)})")
-    with_tfla, kernels = _kernel_names(names(args.impls))
+    with_tfla, with_detached, kernels = _kernel_names(names(args.impls))
     chunk_sizes = ints(args.chunk_sizes)
     meta = env_info()
     meta["mlstm_kernels"] = _dist_version("mlstm_kernels")
@@ -280,7 +281,8 @@ def run(args) -> tuple[list[dict], dict]:
         rows.append(row)
         write_rows(rows, meta, args.csv, args.json)
 
-    per_gate = {g: mlstm_impls(g, chunk_sizes, kernels, ints(args.mk_chunk_sizes), with_tfla) for g in gates}
+    per_gate = {g: mlstm_impls(g, chunk_sizes, kernels, ints(args.mk_chunk_sizes), with_tfla, with_detached)
+                for g in gates}
     gate_dtype = torch.float32 if args.gate_dtype == "fp32" else None
     with Progress(disable=args.no_progress, transient=True) as bar:
         task = bar.add_task("mlstm", total=len(wls) * sum(len(per_gate[g][0]) for g in gates))

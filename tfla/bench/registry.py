@@ -247,15 +247,18 @@ MLSTM_KERNELS = {
 MLSTM_KERNELS_CRASHY = {"triton_xl_chunk"}  # crashed Triton 3.6's compiler (LLVM assertion) on an H200
 
 
-def tfla_mlstm_impl(input_gate: str, chunk_size: int) -> OpImpl:
+def tfla_mlstm_impl(input_gate: str, chunk_size: int, detach_normalizer: bool = False) -> OpImpl:
+    """tfla.chunk_mlstm at one chunk size; ``detach_normalizer``: mlstm_kernels' gradient convention (the
+    normalizer and max state held constant, as ``tfla.compat.mlstm_kernels`` returns), row "tfla L=.. detached"."""
     op, why = find_tfla_op("chunk_mlstm", ("tfla.ops.mlstm", "tfla.ops.mlstm.chunk"))
-    impl = OpImpl(f"tfla L={chunk_size}", None, chunk_size, _version("tfla"), note="tfla.chunk_mlstm",
+    impl = OpImpl(f"tfla L={chunk_size}" + (" detached" if detach_normalizer else ""), None, chunk_size,
+                  _version("tfla"), note="tfla.chunk_mlstm" + ("(detach_normalizer=True)" if detach_normalizer else ""),
                   input_gate=input_gate)
     if op is None:
         impl.unavailable, impl.note = "not available (tfla.chunk_mlstm)", f"tfla.chunk_mlstm missing: {why}"
         return impl
     impl.fn = lambda x: op(x["q"], x["k"], x["v"], x["i"], x["f"], input_gate=input_gate, normalize=True,
-                           eps=1e-6, chunk_size=chunk_size)[0]
+                           eps=1e-6, chunk_size=chunk_size, detach_normalizer=detach_normalizer)[0]
     return impl
 
 
@@ -291,10 +294,12 @@ def mlstm_kernels_impl(kernel: str, chunk_size: int) -> OpImpl | None:
 
 
 def mlstm_impls(input_gate: str, chunk_sizes=(64, 128, 256), kernels=tuple(MLSTM_KERNELS), mk_chunk_sizes=(128,),
-                with_tfla: bool = True) -> tuple[list[OpImpl], list[str]]:
+                with_tfla: bool = True, with_tfla_detached: bool = False) -> tuple[list[OpImpl], list[str]]:
     """tfla.chunk_mlstm at each chunk size (unavailable entries when it is missing) and the mlstm_kernels
     kernels of this input gate (xl kernels at each of ``mk_chunk_sizes``, limit_chunk at 64)."""
     impls = [tfla_mlstm_impl(input_gate, L) for L in chunk_sizes] if with_tfla else []
+    if with_tfla_detached:
+        impls += [tfla_mlstm_impl(input_gate, L, detach_normalizer=True) for L in chunk_sizes]
     missing = []
     for kernel in kernels:
         if MLSTM_KERNELS[kernel] != input_gate:
