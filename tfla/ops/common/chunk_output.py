@@ -633,7 +633,9 @@ def chunk_tiled(
     Vector gate (GLA): ``gv_cum [B, T, HV, D]`` fp32 cumulative log2 gate per channel within outer chunks
     (``g_cum`` None), on the contraction dim (D = DA; o, dv) or, with ``gv_on_out``, on the output
     columns (D = DC; dq, dk); ``rowdot_with`` then returns the per-channel ``x * out`` as
-    ``[B, T, HV, DC]`` fp32 (without the r = s terms, as the scalar row dot).
+    ``[B, T, HV, DC]`` fp32 (without the r = s terms, as the scalar row dot). Config key ``VEC_F32``
+    (16-bit inputs): the gated operands, and the scores they meet, stay fp32 in TF32 products (FLA's
+    precision for GLA; the reverse contraction-dim form, dv, keeps its scores fp32 too).
     ``row_add [B, T, HV]`` fp32: a constant added to the scores ``a_r . b_s`` before gating, per output row
     (forward form) or per looped row (reverse form); with states (forward form) the state term gains
     ``row_add_r n_c`` from ``row_add_n [B, NT, HV, DC]`` fp32. This is the product with one more column
@@ -690,12 +692,12 @@ def chunk_tiled(
         raise ValueError("dual_dtype needs the forward form with rowdot_with, no vector gate or normalizer, "
                          "one diagonal tile per chunk (BQ = BKV = chunk_size) and c, rowdot_with of one head count")
     out2 = torch.empty(B, T, HV, DC, dtype=dual_dtype, device=a.device) if dual else None
+    xdot2 = torch.empty(B, T, HV, dtype=acc, device=a.device) if dual else None
     # VEC_F32 (16-bit inputs, vector gate): 1 keeps the gated operands and the scores they meet in fp32 (TF32
     # products), 2 also the scores of the reverse VEC_G = 1 form (dv: scores x dO, which FLA forms in fp32)
     vec_f32 = 0
     if vec and cfg.get("VEC_F32", False) and a.element_size() < 4:
         vec_f32 = 2 if (reverse and vec == 1) else 1
-    xdot2 = torch.empty(B, T, HV, dtype=acc, device=a.device) if dual else None
     NQ = cdiv(T, cfg["BQ"]) if cu_seqlens is None else tile_indices.shape[0]
     if NQ > 0 and B * HV > 0:
         _chunk_tiled_kernel[(cdiv(DC, cfg["BV"]), NQ, B * HV)](
