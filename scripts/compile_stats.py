@@ -2,7 +2,7 @@
 without a GPU (nothing is launched), and print per kernel: registers, spill stores, shared memory.
 
 python scripts/compile_stats.py [--op gla|simple_gla|mlstm|gdn] [--dtype bf16|fp32] [--K 128] [--V 128] [--L 64]
-                                [--allocs] [--check]
+                                [--allocs] [--check] [--layouts] [--dump DIR]
 
 ``--allocs`` lists each kernel's shared-memory buffers (``ttg.local_alloc`` in its TTGIR: pipelined loads,
 dot operands staged there; tf32x3 stages a hi and a lo copy of each fp32 operand); ``--check`` exits 1
@@ -107,6 +107,9 @@ def main(argv=None):
     p.add_argument("--T", type=int, default=300, help="sequence length (a multiple of 16 specializes T as the JIT does)")
     p.add_argument("--allocs", action="store_true", help="list the shared-memory buffers of each kernel")
     p.add_argument("--check", action="store_true", help="exit 1 if a kernel needs more than 232448 B")
+    p.add_argument("--layouts", action="store_true",
+                   help="count each kernel's layout conversions (ttg.convert_layout) and barriers in its TTGIR")
+    p.add_argument("--dump", type=str, default=None, help="write each kernel's TTGIR to this folder")
     args = p.parse_args(argv)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     T, H, K, V, L = args.T, 2, args.K, args.V, args.L
@@ -152,6 +155,14 @@ def main(argv=None):
         print(f"  {name:34s} warps={c.metadata.num_warps} regs={regs} spill_stores={spill}B "
               f"smem={c.metadata.shared}B  {fl}")
         over = over or c.metadata.shared > SMEM_SM90
+        if args.layouts:
+            ir = c.asm["ttgir"]
+            print(f"      convert_layout {ir.count('ttg.convert_layout')}  local_alloc {ir.count('ttg.local_alloc')}"
+                  f"  barriers {ir.count('gpu.barrier')}")
+        if args.dump:
+            os.makedirs(args.dump, exist_ok=True)
+            with open(os.path.join(args.dump, f"{len(os.listdir(args.dump)):02d}_{name}.ttgir"), "w") as fh:
+                fh.write(c.asm["ttgir"])
         if args.allocs:
             for shape, ty, what in shared_allocs(c.asm["ttgir"]):
                 print(f"      {shape:>14s} x {ty:4s}  {what}")
