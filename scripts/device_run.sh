@@ -36,6 +36,7 @@
 #   s25e     chunk_gla's gated operands in fp32: GPU tests, VEC_F32 on / off timed, vs FLA (time and bf16 test)
 #   s25f     the same with the tiled parts of dv / dk in fp32: tests, on / off timed, tfla row, bf16 test vs FLA
 #   s25g     linear attention forward only vs FLA (every kind), the vector sweep of the final chunk_gla
+#   s26a     prepared: mLSTM bench with tfla_detached vs xl_chunk_siging, chunk_gla fwd+bwd kernel profile
 #   glavec   tfla vs FLA's chunk_gla (vector decay), FLA's autotune kept in .site's Triton cache (run twice if cut)
 #   s24c     under the newest Triton (after tri39): scalar decay vs FLA, the linear-attention 65536-token sweep,
 #            GDN vs FLA, linear-attention GPU tests (fp32 L = 64, in place, scalar bf16 vs FLA)
@@ -397,6 +398,17 @@ print('sanitized fwd+bwd ok')
           --impls tfla --chunk-sizes 64 --no-progress --warmup 5 --rep 25 --json "$OUT/s25g_sweep_vector.json" 2>&1 \
           | grep "tfla L"
       echo "total: $(( $(date +%s) - t0 )) s"
+      ;;
+    s26a)
+      # prepared for the next session (Triton 3.6; carry .whlm, or .whl with peers): the mLSTM with mlstm_kernels'
+      # gradient convention beside xl_chunk_siging under the bench's bf16 gates and check, then the per-kernel
+      # profile of chunk_gla fwd+bwd with VEC_F32 (where its +0.26 ms goes)
+      python3 -m pip install -q --no-index --no-deps --no-compile --target .site .whlm/*.whl 2>&1 | tail -2
+      timeout 300 python3 -m tfla bench mlstm --mode fwdbwd --chunk-sizes 128 --input-gates sigmoid,exp \
+          --impls tfla,tfla_detached,xl_chunk_siging --no-progress --warmup 10 --rep 50 \
+          --json "$OUT/s26a_bench_mlstm_detached.json" 2>&1 | grep -E "tfla|xl_|versions"
+      timeout 200 python3 scripts/profile_ops.py gla --mode fwdbwd --L 64 2>&1 | tee "$OUT/s26a_profile_gla_fwdbwd.log" \
+          | head -14
       ;;
     glavec)
       # FLA's chunk_gla (vector decay) vs tfla: FLA autotunes ~24 configs per kernel on its first call (no shipped
