@@ -41,6 +41,7 @@ import triton.language as tl
 
 from tfla.ops.gated_delta_rule.chunk import VarlenIndex, _check_cotangent
 from tfla.ops.mlstm.step import INPUT_GATES, check_mlstm_options, check_mlstm_state  # noqa: F401
+from tfla.ops.common.cumsum import chunk_local_cumsum
 from tfla.ops.common.utils import cdiv, next_pow2
 from tfla.ops.simple_gla.chunk import chunk_simple_gla_bwd, chunk_simple_gla_fwd
 from tfla.utils.validation import (
@@ -150,21 +151,28 @@ class _Gates:
     lo: torch.Tensor | float  # the normalizer's lower bound: e^{-m} [B, T, H] fp32, or 1
     m: torch.Tensor | None  # [B, T, H] float64 max state (exp)
     idx: torch.Tensor | None  # [B, T, H] argmax of the prefix max (-1: m_0)
-    ig: torch.Tensor  # [B, T, H] float64 log input gate
+    ig: torch.Tensor  # [B, T, H] log input gate (float64 for "exp", the accumulator dtype for "sigmoid")
 
 
-def _gates(i, f, m0, opts: MLSTMOptions, seg: _Segments, acc: torch.dtype) -> _Gates:
+def _gates(i, f, m0, opts: MLSTMOptions, seg: _Segments, acc: torch.dtype, varlen=None) -> _Gates:
     B, T, H = i.shape
     L = opts.chunk_size
+    if opts.input_gate == "sigmoid":
+        # no max state: only the chunk-local sums of log f, in the accumulator dtype on the shared cumsum kernel
+        # (sums of <= L terms; the float64 path below spent ~0.35 ms of PyTorch scans and copies per fwd+bwd at
+        # B = 8, T = 8192, H = 16 on an H100: docs/perf.md)
+        ig = F.logsigmoid(i.to(acc))
+        gq = chunk_local_cumsum(F.logsigmoid(f.to(acc)), L, scale=LOG2E, out_dtype=acc,
+                                cu_seqlens=varlen.cu_seqlens if varlen is not None else None,
+                                chunk_indices=varlen.chunk_indices if varlen is not None else None)
+        return _Gates(gq, gq - ig * LOG2E, None, 1.0, None, None, ig)
     logf = F.logsigmoid(f.double())
-    ig = i.double() if opts.input_gate == "exp" else F.logsigmoid(i.double())
+    ig = i.double()
     Fc = seg.cumsum(logf)  # F_t, per sequence
     t = torch.arange(T, device=i.device)
     pos = t if seg.cu is None else t - seg.bos
     c0 = t - pos % L  # first row of the outer chunk
     Fl = Fc - (Fc - logf)[:, c0]  # restarting every L
-    if opts.input_gate == "sigmoid":
-        return _Gates((Fl * LOG2E).to(acc), ((Fl - ig) * LOG2E).to(acc), None, 1.0, None, None, ig)
     cm, idx = seg.cummax(ig - Fc)
     m0t = (m0.double() if m0 is not None else torch.zeros(seg_count(seg, B), H, dtype=torch.float64,
                                                            device=i.device))
@@ -221,7 +229,7 @@ def chunk_mlstm_fwd(q, k, v, i, f, C0, n0, m0, opts: MLSTMOptions, varlen=None):
     B, T, H, _V = v.shape
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     seg = _Segments.build(T, varlen.cu_seqlens if varlen is not None else None, q.device)
-    gt = _gates(i, f, m0, opts, seg, acc)
+    gt = _gates(i, f, m0, opts, seg, acc, varlen)
     norm = dict(lo=gt.lo if isinstance(gt.lo, torch.Tensor) else None, eps=opts.eps) if opts.normalize else None
     h, hC, _, *nrm = chunk_simple_gla_fwd(
         q, k, v, None, opts.scale, _c0(C0, acc), opts.output_final_state, opts.chunk_size, varlen, g_cum=gt.gq,
@@ -288,7 +296,7 @@ def chunk_mlstm_bwd(q, k, v, i, f, C0, n0, m0, h, den, final, dh, dC, dn, dm, op
     B, T, H, _V = v.shape
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     seg = _Segments.build(T, varlen.cu_seqlens if varlen is not None else None, q.device)
-    gt = _gates(i, f, m0, opts, seg, acc)
+    gt = _gates(i, f, m0, opts, seg, acc, varlen)
     gates = {"gk_cum": gt.gk, "gb": gt.gb}
     dden = sd = None
     if opts.normalize:
@@ -313,8 +321,10 @@ def chunk_mlstm_bwd(q, k, v, i, f, C0, n0, m0, h, den, final, dh, dC, dn, dm, op
         dq, dk, dv, dlogf, dh0, kdk = chunk_simple_gla_bwd(q, k, v, gt.gq, opts.scale, C0a, do.contiguous(), dC,
                                                            opts.chunk_size, varlen, **gates, kdot=True)
     dC0 = dh0
-    dig = kdk.double()  # k . dk per row (fp32, in wy_bwd): e^{ig_s} scales every use of k_s
-    dlogf = dlogf.double()
+    # k . dk per row (fp32, in wy_bwd): e^{ig_s} scales every use of k_s. float64 only for the max state's path
+    exp = opts.input_gate == "exp"
+    dig = kdk.double() if exp else kdk
+    dlogf = dlogf.double() if exp else dlogf
     dm0 = None
     if opts.input_gate == "exp":
         # the m path: dm_t = -eps (dh_t . h_t) / den_t, plus the returned final m and states' scaling
@@ -351,8 +361,8 @@ def chunk_mlstm_bwd(q, k, v, i, f, C0, n0, m0, h, den, final, dh, dC, dn, dm, op
                 dm0 = dm0 + torch.where(lens[:, None] == 0, dm.double(), torch.zeros_like(dm0))
         di = dig
     else:
-        di = dig * torch.sigmoid(-i.double())
-    df = dlogf * torch.sigmoid(-f.double())
+        di = dig * torch.sigmoid(-i.to(dig.dtype))
+    df = dlogf * torch.sigmoid(-f.to(dlogf.dtype))
     return dq, dk, dv, di, df, dC0, dn0, dm0
 
 
