@@ -367,12 +367,6 @@ def _chunk_state_bwd_kernel(
     ACC: tl.constexpr,
     gv=None,
     VEC_G: tl.constexpr = False,
-    dden=None,
-    dnt=None,
-    dhn=None,
-    dn0=None,
-    N_STATE: tl.constexpr = False,
-    USE_DNT: tl.constexpr = False,
     INTRA: tl.constexpr = False,
     sds=None,
     SDS: tl.constexpr = False,
@@ -386,10 +380,8 @@ def _chunk_state_bwd_kernel(
     (``_rowscaled_qdot``): rounding 2^G q to bf16 made d initial_state 3-4x less accurate than FLA's (H100,
     bf16); the fp32 q tile that fixed it (a TF32 product) spilled registers (GDN on the H100: 0.49 -> 0.89 ms).
 
-    N_STATE (linear attention): the gradient of the normalizer state n (the state of v = 1) rides along:
-    ``dn <- 2^(G_n - G_c) dn`` per sub-chunk and, at each outer-chunk start, ``+ scale (2^G Q)^T dden``
-    (``dden [B, T, HV]`` fp32: the cotangent of the output's extra column ``den``); stored per sub-chunk
-    to ``dhn`` and at the start to ``dn0`` (fp32, ``[.., K]``) by the first value tile.
+    The normalizer state's gradient (``chunk_state_bwd(dden=..)``) runs in its own launch
+    (``_normalizer_state_bwd_kernel``).
 
     INTRA (BT = BS = 64, scalar or no gate): the output's intra-chunk gradient of Vnew,
     ``dvo_s = scale sum_{r >= s} (k_s . q_r) 2^(GQ_r - GK_s) dO_r`` over the sub-chunk, is formed here from
@@ -423,13 +415,6 @@ def _chunk_state_bwd_kernel(
     b_dh = tl.zeros([BK, BV], dtype=ACC)
     if USE_FINAL_STATE_GRADIENT:
         b_dh += tl.load(dht + i_nh * K * V + o_kv, mask=m_kv, other=0.0).to(ACC)
-    # dn as column 0 of a [BK, 16] tile: its q-term is then a tensor-core product with [dden, 0, ..]
-    # (a row reduction of a [BS, BK] tile in this sequential chain cost ~0.8 ms at B=8 T=8192 H=16, H100)
-    o_16 = tl.arange(0, 16)
-    b_dn = tl.zeros([BK, 16], dtype=ACC)
-    m_n = m_k & ((o_k * 0 + i_v) == 0)
-    if USE_DNT:
-        b_dn += tl.where(o_16[None, :] == 0, tl.load(dnt + i_nh * K + o_k, mask=m_k, other=0.0).to(ACC)[:, None], 0.0)
     if USE_G:
         p_g = g + bos * HV + i_hv
     NT = tl.cdiv(T, BT)
@@ -437,7 +422,6 @@ def _chunk_state_bwd_kernel(
         i_c = NT - 1 - i_cr
         if BT > BS:  # the output's use of this chunk's start state, added once the chunk is done
             b_dhi = tl.zeros([BK, BV], dtype=ACC)
-            b_dni = tl.zeros([BK, 16], dtype=ACC)
         NS = tl.minimum(BT // BS, tl.cdiv(T - i_c * BT, BS))
         for i_jr in range(0, NS):
             t0 = i_c * BT + (NS - 1 - i_jr) * BS
@@ -450,8 +434,6 @@ def _chunk_state_bwd_kernel(
                 b_s = tl.load(p_dhs, mask=m_kv, other=0.0)
             else:
                 tl.store(p_dhs, b_dh.to(dh.dtype.element_ty), mask=m_kv)
-            if N_STATE:
-                tl.store(dhn + ((boh + t0 // BS) * HV + i_hv) * K + o_k, tl.sum(b_dn, 1), mask=m_n)
             b_k = tl.load(k + (bos * H + i_h) * K + o_t[:, None] * (H * K) + o_k[None, :], mask=m_tk, other=0.0)
             b_q = tl.load(q + (bos * H + i_h) * K + o_t[:, None] * (H * K) + o_k[None, :], mask=m_tk, other=0.0)
             p_tv = (bos * HV + i_hv) * V + o_t[:, None] * (HV * V) + o_v[None, :]
@@ -493,18 +475,6 @@ def _chunk_state_bwd_kernel(
             tl.store(du + p_tv, b_du.to(du.dtype.element_ty), mask=m_tv)
             # the output's q-term (scale 2^G q)^T dO with the row factor on dO's side ([BS, BV], not [BS, BK])
             b_qt = _rowscaled_qdot(b_q, b_do, b_sr, dt, ACC, DOT_PREC, True)
-            if N_STATE:
-                if i_v == 0:  # dn: only the value tile that stores it (the others skip the product)
-                    b_dd = tl.where(o_16[None, :] == 0,
-                                    tl.load(dden + (bos + o_t) * HV + i_hv, mask=m_t, other=0.0)[:, None], 0.0)
-                    # fp32: the split [BK, BS] x [BS, 16] products hit an illegal address (H100, Triton 3.6)
-                    b_nt = _rowscaled_qdot(b_q, b_dd, b_sr, dt, ACC, DOT_PREC, False)
-                    if USE_G:
-                        b_dn *= tl.exp2(b_gn - b_gc)
-                    if BT > BS:
-                        b_dni += b_nt
-                    else:
-                        b_dn += b_nt
             if BT > BS:
                 b_dhi += b_qt
             if SDS:  # before b_dh changes: <S, dS> rows, then dS over S. Each stored element depends on its row's
@@ -525,12 +495,70 @@ def _chunk_state_bwd_kernel(
                 b_dh += b_qt
         if BT > BS:
             b_dh += b_dhi
-            if N_STATE:
-                b_dn += b_dni
     if STORE_INITIAL_STATE_GRADIENT:
         tl.store(dh0 + i_nh * K * V + o_kv, b_dh, mask=m_kv)
-        if N_STATE:
-            tl.store(dn0 + i_nh * K + o_k, tl.sum(b_dn, 1), mask=m_n)
+
+
+@triton.jit
+def _normalizer_state_bwd_kernel(q, g, gb, dden, dnt, dhn, dn0, cu_seqlens, sub_offsets, scale, T,
+                                 H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
+                                 BK: tl.constexpr, USE_G: tl.constexpr, HAS_GB: tl.constexpr, USE_DNT: tl.constexpr,
+                                 STORE_DN0: tl.constexpr, IS_VARLEN: tl.constexpr, ACC: tl.constexpr):
+    """Reverse recurrence of the normalizer state's gradient dn (n is the state of v = 1, ``[K]`` per head; the
+    mLSTM's normalizer), one key tile per program: per sub-chunk (reverse) ``dhn`` gets dn (the gradient of n
+    after the sub-chunk), then ``dn <- 2^(G_n - G_c) dn`` and, at each outer-chunk start, ``+ scale sum_r
+    2^(G_r) dden_r q_r`` over the outer chunk (``2^(G_r - gb)`` with split gates). The row sums do not depend
+    on dn, so only one multiply-add per sub-chunk is sequential. It ran as a ``[BK, 16]`` column beside dS in
+    the state-gradient recurrence before, which cost that kernel ~0.7 ms at the mLSTM's B = 8, T = 8192, H = 16,
+    K = 128, V = 256 (H100: 3.25 vs 2.62 ms without it; docs/perf.md)."""
+    BS: tl.constexpr = 64
+    i_k, i_nh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    i_n, i_hv = i_nh // HV, i_nh % HV
+    i_h = i_hv // (HV // H)
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
+        boh = tl.load(sub_offsets + i_n).to(tl.int64)
+    else:
+        bos = i_n * T
+        boh = i_n * tl.cdiv(T, BS)
+    o_k = i_k * BK + tl.arange(0, BK)
+    o_c = tl.arange(0, BS)
+    m_k = o_k < K
+    b_dn = tl.zeros([BK], dtype=ACC)
+    if USE_DNT:
+        b_dn += tl.load(dnt + i_nh * K + o_k, mask=m_k, other=0.0).to(ACC)
+    p_g = g + bos * HV + i_hv
+    NT = tl.cdiv(T, BT)
+    for i_cr in range(0, NT):
+        i_c = NT - 1 - i_cr
+        b_dni = tl.zeros([BK], dtype=ACC)  # the q-terms of this outer chunk's start state
+        NS = tl.minimum(BT // BS, tl.cdiv(T - i_c * BT, BS))
+        for i_jr in range(0, NS):
+            t0 = i_c * BT + (NS - 1 - i_jr) * BS
+            o_t = t0 + o_c
+            m_t = o_t < T
+            tl.store(dhn + ((boh + t0 // BS) * HV + i_hv) * K + o_k, b_dn, mask=m_k)
+            b_q = tl.load(q + (bos * H + i_h) * K + o_t[:, None] * (H * K) + o_k[None, :],
+                          mask=m_t[:, None] & m_k[None, :], other=0.0).to(ACC)
+            b_dd = tl.load(dden + (bos + o_t) * HV + i_hv, mask=m_t, other=0.0).to(ACC)
+            if USE_G:
+                b_g = tl.load(p_g + o_t * HV, mask=m_t, other=0.0)
+                b_gn = tl.load(p_g + (tl.minimum(t0 + BS, T) - 1) * HV)
+                b_gc = tl.load(p_g + (t0 - 1) * HV, mask=(t0 % BT) != 0, other=0.0)
+                if HAS_GB:  # the outer chunk's start state is stabilized by gb at its first row
+                    b_gb = tl.load(gb + (bos + i_c * BT) * HV + i_hv)
+                    b_gc += tl.where((t0 % BT) == 0, b_gb, 0.0)
+                    b_sr = scale * tl.exp2(tl.where(m_t, b_g - b_gb, float("-inf")))
+                else:
+                    b_sr = scale * tl.exp2(tl.where(m_t, b_g, float("-inf")))
+                b_dn *= tl.exp2(b_gn - b_gc)
+            else:
+                b_sr = tl.where(m_t, scale, 0.0)
+            b_dni += tl.sum(b_q * (b_sr * b_dd)[:, None], 0)
+        b_dn += b_dni
+    if STORE_DN0:
+        tl.store(dn0 + i_nh * K + o_k, b_dn, mask=m_k)
 
 
 def chunk_state_bwd(
@@ -632,9 +660,14 @@ def chunk_state_bwd(
         USE_FINAL_STATE_GRADIENT=dht is not None, STORE_INITIAL_STATE_GRADIENT=need_dh0,
         IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(k.dtype), ACC=acc_dtype(k.dtype),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        gv=gv_cum, VEC_G=gv_cum is not None, dden=dden, dnt=dnt, dhn=dhn, dn0=dn0, N_STATE=n_state,
-        USE_DNT=n_state and dnt is not None, INTRA=intra, sds=sds_t, SDS=sds_on,
+        gv=gv_cum, VEC_G=gv_cum is not None, INTRA=intra, sds=sds_t, SDS=sds_on,
     )
+    if n_state:
+        BKN = min(32, BK)
+        _normalizer_state_bwd_kernel[(cdiv(K, BKN), N * HV)](
+            q, g_cum, gb, dden, dnt, dhn, dn0, cu_seqlens, sub_offsets, scale, T, H=H, HV=HV, K=K, BT=chunk_size,
+            BK=BKN, USE_G=g_cum is not None, HAS_GB=gb is not None, USE_DNT=dnt is not None, STORE_DN0=need_dh0,
+            IS_VARLEN=cu_seqlens is not None, ACC=acc_dtype(k.dtype), num_warps=2)
     return rets
 
 
