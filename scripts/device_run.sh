@@ -36,6 +36,8 @@
 #   s25e     chunk_gla's gated operands in fp32: GPU tests, VEC_F32 on / off timed, vs FLA (time and bf16 test)
 #   s25f     the same with the tiled parts of dv / dk in fp32: tests, on / off timed, tfla row, bf16 test vs FLA
 #   s25g     linear attention forward only vs FLA (every kind), the vector sweep of the final chunk_gla
+#   s27a     fifth 2026-11-23 session: s26a's mLSTM rows, the mLSTM fwd+bwd kernel profile at L = 128
+#   s27d / s27e  the normalizer state's gradient in its own launch: profiles and mLSTM rows; GPU tests
 #   s26a     prepared: mLSTM bench with tfla_detached vs xl_chunk_siging, chunk_gla fwd+bwd kernel profile
 #   glavec   tfla vs FLA's chunk_gla (vector decay), FLA's autotune kept in .site's Triton cache (run twice if cut)
 #   s24c     under the newest Triton (after tri39): scalar decay vs FLA, the linear-attention 65536-token sweep,
@@ -409,6 +411,36 @@ print('sanitized fwd+bwd ok')
           --json "$OUT/s26a_bench_mlstm_detached.json" 2>&1 | grep -E "tfla|xl_|versions"
       timeout 200 python3 scripts/profile_ops.py gla --mode fwdbwd --L 64 2>&1 | tee "$OUT/s26a_profile_gla_fwdbwd.log" \
           | head -14
+      ;;
+    s27a)
+      # fifth 2026-11-23 session, call A (Triton 3.6; carry .whlm): s26a's mLSTM rows (tfla exact / detached vs
+      # xl_chunk_siging), then the per-kernel profile of the mLSTM fwd+bwd at L = 128 (sigmoid, exp)
+      python3 -m pip install -q --no-index --no-deps --no-compile --target .site .whlm/*.whl 2>&1 | tail -2
+      timeout 300 python3 -m tfla bench mlstm --mode fwdbwd --chunk-sizes 128 --input-gates sigmoid,exp \
+          --impls tfla,tfla_detached,xl_chunk_siging --no-progress --warmup 10 --rep 50 \
+          --json "$OUT/s27a_bench_mlstm_detached.json" 2>&1 | grep -E "tfla|xl_|versions"
+      timeout 200 python3 scripts/profile_ops.py mlstm-sig mlstm-exp --mode fwdbwd --L 128 2>&1 \
+          | tee "$OUT/s27a_profile_mlstm.log" | grep -v Warn | head -60
+      ;;
+    s27d)
+      # call D: the normalizer state's gradient in its own launch: profiles, mLSTM rows vs xl_chunk_siging
+      python3 -m pip install -q --no-index --no-deps --no-compile --target .site .whlm/*.whl 2>&1 | tail -2
+      timeout 150 python3 scripts/profile_ops.py mlstm-sig mlstm-sig-det mlstm-exp --mode fwdbwd --L 128 2>&1 \
+          | tee "$OUT/s27d_profile_mlstm.log" | grep -E "==|_kernel" | head -24
+      timeout 240 python3 -m tfla bench mlstm --mode fwdbwd --chunk-sizes 128 --input-gates sigmoid,exp \
+          --impls tfla,tfla_detached,xl_chunk_siging --no-progress --warmup 10 --rep 50 \
+          --json "$OUT/s27d_bench_mlstm.json" 2>&1 | grep -E "tfla|xl_|versions"
+      ;;
+    s27e)
+      # call E: GPU tests of the changed kernels (mLSTM, simple GLA: fp32 vs float64, strong gates, varlen, in
+      # place, bf16 vs mlstm_kernels, determinism), two processes
+      python3 -m pip install -q --no-index --no-deps --no-compile --target .site .whlm/*.whl 2>&1 | tail -2
+      timeout 560 python3 -m pytest -q -p no:cacheprovider -rf --timeout 540 tests/ops/test_mlstm.py \
+          > "$OUT/s27e_pytest_mlstm.log" 2>&1 &
+      timeout 560 python3 -m pytest -q -p no:cacheprovider -rf --timeout 540 -k "fp32 or strong or varlen or in_place" \
+          tests/ops/test_simple_gla.py > "$OUT/s27e_pytest_sgla.log" 2>&1 &
+      wait
+      grep -hE "passed|failed|FAIL|rror" "$OUT"/s27e_pytest_*.log | tail -12
       ;;
     glavec)
       # FLA's chunk_gla (vector decay) vs tfla: FLA autotunes ~24 configs per kernel on its first call (no shipped

@@ -1,7 +1,7 @@
 """Per-kernel GPU time of one tfla op call (torch.profiler), to see where the time goes.
 
 python scripts/profile_ops.py OP [OP ...] [--mode fwd|fwdbwd] [--L 64] [--reps 5]
-OPs: mlstm-sig, mlstm-exp (B=8 T=8192 H=16 K=128 V=256), sgla-scalar, sgla-scalar-nocheck (input
+OPs: mlstm-sig, mlstm-exp, mlstm-sig-det, mlstm-exp-det (detach_normalizer; B=8 T=8192 H=16 K=128 V=256), sgla-scalar, sgla-scalar-nocheck (input
 check skipped, last), sgla-none, gla[-strong][-span0] (vector decay [B, T, H, K]; logsigmoid(x) instead of
 logsigmoid(x) / 16; VEC_SPAN = 0), retention (constant decay), gdn (B=4 T=8192 H=16
 K=V=128); all bf16. Prints, per op, the do_bench median of the whole call, the sum of kernel times per
@@ -37,9 +37,10 @@ def inputs(op):
 
 
 def call(op, L):
-    if op.startswith("mlstm"):
-        gate = "sigmoid" if op == "mlstm-sig" else "exp"
-        return lambda x: tfla.chunk_mlstm(**x, input_gate=gate, chunk_size=L)[0]
+    if op.startswith("mlstm"):  # mlstm-sig / mlstm-exp [-det: mlstm_kernels' gradient convention]
+        gate = "sigmoid" if op.startswith("mlstm-sig") else "exp"
+        det = op.endswith("-det")
+        return lambda x: tfla.chunk_mlstm(**x, input_gate=gate, chunk_size=L, detach_normalizer=det)[0]
     if op == "sgla-scalar-nocheck":  # the host-synced `g <= 0` check skipped: its cost in isolation
         import tfla.ops.simple_gla.chunk as sg
         sg._positive_flag = lambda g: None
