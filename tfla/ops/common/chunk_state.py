@@ -665,11 +665,14 @@ def chunk_state_bwd(
         gv=gv_cum, VEC_G=gv_cum is not None, INTRA=intra, sds=sds_t, SDS=sds_on,
     )
     if n_state:
-        BKN = min(32, BK)
+        # its own launch config (config keys n_bk, n_warps, n_stages; H100, B=8 T=8192 H=16 K=128, scripts/tune_dn.py:
+        # 32-wide key tiles on one warp ~0.15 ms, two warps 0.21, 16 / 64-wide 0.16-0.28, stages no matter)
+        BKN = min(cfg.get("n_bk", 32), BK)
         _normalizer_state_bwd_kernel[(cdiv(K, BKN), N * HV)](
             q, g_cum, gb, dden, dnt, dhn, dn0, cu_seqlens, sub_offsets, scale, T, H=H, HV=HV, K=K, BT=chunk_size,
             BK=BKN, USE_G=g_cum is not None, HAS_GB=gb is not None, USE_DNT=dnt is not None, STORE_DN0=need_dh0,
-            IS_VARLEN=cu_seqlens is not None, ACC=acc_dtype(k.dtype), num_warps=2)
+            IS_VARLEN=cu_seqlens is not None, ACC=acc_dtype(k.dtype), num_warps=cfg.get("n_warps", 1),
+            num_stages=cfg.get("n_stages", 3))
     return rets
 
 
