@@ -108,6 +108,20 @@ def _vec_decays(gv, bos, i_hv, t0, T, o_t, m_t, o_k, m_k, HV: tl.constexpr, K: t
 
 
 @triton.jit
+def _sequence_slots(cu_seqlens, offsets, i_n, T, SLOT: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """Sequence i_n's first token ``bos``, its length ``T`` and its first state slot ``boh`` for states stored
+    every SLOT rows (varlen: the offsets table of that slot size; else B equal sequences of length T)."""
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
+        boh = tl.load(offsets + i_n).to(tl.int64)
+    else:
+        bos = i_n * T
+        boh = i_n * tl.cdiv(T, SLOT)
+    return bos, T, boh
+
+
+@triton.jit
 def _chunk_state_fwd_kernel(
     k,
     v,
@@ -153,13 +167,8 @@ def _chunk_state_fwd_kernel(
     i_v, i_nh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
-    if IS_VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
-        boh = tl.load(chunk_offsets + i_n).to(tl.int64)
-    else:
-        bos = i_n * T
-        boh = i_n * tl.cdiv(T, BS if STORE_SUB else BT)
+    SLOT: tl.constexpr = BS if STORE_SUB else BT  # rows per stored state
+    bos, T, boh = _sequence_slots(cu_seqlens, chunk_offsets, i_n, T, SLOT, IS_VARLEN)
 
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
@@ -332,20 +341,6 @@ def _rowscaled_qdot(b_q, b_x, b_sr, dt: tl.constexpr, ACC: tl.constexpr, DOT_PRE
 
 
 @triton.jit
-def _sequence_sub_chunks(cu_seqlens, sub_offsets, i_n, T, BS: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """Sequence i_n's first token ``bos``, its length ``T`` and its first 64-row sub-chunk slot ``boh`` (varlen
-    tables, or B equal sequences of length T)."""
-    if IS_VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
-        boh = tl.load(sub_offsets + i_n).to(tl.int64)
-    else:
-        bos = i_n * T
-        boh = i_n * tl.cdiv(T, BS)
-    return bos, T, boh
-
-
-@triton.jit
 def _chunk_state_bwd_kernel(
     q,
     k,
@@ -410,7 +405,7 @@ def _chunk_state_bwd_kernel(
     i_v, i_nh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
-    bos, T, boh = _sequence_sub_chunks(cu_seqlens, sub_offsets, i_n, T, BS, IS_VARLEN)
+    bos, T, boh = _sequence_slots(cu_seqlens, sub_offsets, i_n, T, BS, IS_VARLEN)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     o_c = tl.arange(0, BS)
@@ -523,7 +518,7 @@ def _normalizer_state_bwd_kernel(q, g, gb, dden, dnt, dhn, dn0, cu_seqlens, sub_
     i_k, i_nh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
-    bos, T, boh = _sequence_sub_chunks(cu_seqlens, sub_offsets, i_n, T, BS, IS_VARLEN)
+    bos, T, boh = _sequence_slots(cu_seqlens, sub_offsets, i_n, T, BS, IS_VARLEN)
     o_k = i_k * BK + tl.arange(0, BK)
     o_c = tl.arange(0, BS)
     m_k = o_k < K
