@@ -324,13 +324,13 @@ def chunk_state_fwd(
 
 
 @triton.jit
-def _rowscaled_qdot(b_q, b_x, b_sr, dt: tl.constexpr, ACC: tl.constexpr, DOT_PREC: tl.constexpr, SPLIT: tl.constexpr):
+def _rowscaled_qdot(b_q, b_x, b_sr, dt: tl.constexpr, ACC: tl.constexpr, DOT_PREC: tl.constexpr):
     """``q^T diag(sr) x`` ([BK, BS] x [BS, C], ACC result) with the row factors kept unrounded: x sr
     split into bf16 hi + lo (about 16 mantissa bits) for bf16 inputs, two 16-bit tensor-core products
-    with q as it is (SPLIT); an fp32 product otherwise (fp16 could underflow the split; fp32 keeps its
+    with q as it is; an fp32 product otherwise (fp16 could underflow the split; fp32 keeps its
     precision)."""
     b_xs = b_x.to(ACC) * b_sr.to(ACC)[:, None]
-    if SPLIT and dt == tl.bfloat16:
+    if dt == tl.bfloat16:
         b_hi = b_xs.to(dt)
         b_lo = (b_xs - b_hi.to(ACC)).to(dt)
         b_r = tl.dot(tl.trans(b_q), b_hi, input_precision=DOT_PREC, out_dtype=ACC)
@@ -477,7 +477,7 @@ def _chunk_state_bwd_kernel(
                 b_sr = tl.full([BS], scale, dtype=tl.float32)
             tl.store(du + p_tv, b_du.to(du.dtype.element_ty), mask=m_tv)
             # the output's q-term (scale 2^G q)^T dO with the row factor on dO's side ([BS, BV], not [BS, BK])
-            b_qt = _rowscaled_qdot(b_q, b_do, b_sr, dt, ACC, DOT_PREC, True)
+            b_qt = _rowscaled_qdot(b_q, b_do, b_sr, dt, ACC, DOT_PREC)
             if BT > BS:
                 b_dhi += b_qt
             if SDS:  # before b_dh changes: <S, dS> rows, then dS over S. Each stored element depends on its row's
