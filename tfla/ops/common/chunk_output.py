@@ -44,6 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tfla.ops.common.chunk_state import _sequence_slots
 from tfla.ops.common.utils import acc_dtype, cdiv, dot_precision, next_pow2, prepare_chunk_indices, seqlens_to_list
 
 
@@ -335,15 +336,11 @@ def _chunk_tiled_kernel(
 ):
     i_c_, i_t, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
     i_b, i_hv = i_bh // HV, i_bh % HV
+    i_n = i_b
     if IS_VARLEN:
         i_n = tl.load(tile_indices + i_t * 2).to(tl.int64)
         i_t = tl.load(tile_indices + i_t * 2 + 1).to(tl.int64)
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
-        boh = tl.load(chunk_offsets + i_n).to(tl.int64)
-    else:
-        bos = i_b * T
-        boh = i_b * tl.cdiv(T, HS)
+    bos, T, boh = _sequence_slots(cu_seqlens, chunk_offsets, i_n, T, HS, IS_VARLEN)
     t_q0 = i_t * BQ
     i_ch = t_q0 // BT  # outer chunk of this tile
     o_tq = t_q0 + tl.arange(0, BQ)
