@@ -422,6 +422,20 @@ print('sanitized fwd+bwd ok')
       timeout 200 python3 scripts/profile_ops.py mlstm-sig mlstm-exp --mode fwdbwd --L 128 2>&1 \
           | tee "$OUT/s27a_profile_mlstm.log" | grep -v Warn | head -60
       ;;
+    s28a)
+      # sixth 2026-11-23 session, call A (Triton 3.6; carry .whlm): the mLSTM normalizer's backward inside the L = 64
+      # kernels (no prep pass): profiles fused (4 / 8 warps in the dual launch) vs prep, then rows vs xl_chunk_siging
+      python3 -m pip install -q --no-index --no-deps --no-compile --target .site .whlm/*.whl 2>&1 | tail -2
+      timeout 120 python3 scripts/profile_ops.py mlstm-sig mlstm-exp --mode fwdbwd --L 128 2>&1 \
+          | tee "$OUT/s28a_profile_fused.log" | grep -E "==|_kernel" | head -24
+      RSW=8 timeout 90 python3 scripts/profile_ops.py mlstm-sig --mode fwdbwd --L 128 2>&1 \
+          | tee "$OUT/s28a_profile_fused_w8.log" | grep -E "==|_kernel" | head -12
+      timeout 90 python3 scripts/profile_ops.py mlstm-sig --mode fwdbwd --L 128 --prep-normalizer 2>&1 \
+          | tee "$OUT/s28a_profile_prep.log" | grep -E "==|_kernel" | head -12
+      timeout 240 python3 -m tfla bench mlstm --mode fwdbwd --chunk-sizes 128 --input-gates sigmoid,exp \
+          --impls tfla,tfla_detached,xl_chunk_siging --no-progress --warmup 10 --rep 50 \
+          --json "$OUT/s28a_bench_mlstm.json" 2>&1 | grep -E "tfla|xl_|versions"
+      ;;
     s27d)
       # call D: the normalizer state's gradient in its own launch: profiles, mLSTM rows vs xl_chunk_siging
       python3 -m pip install -q --no-index --no-deps --no-compile --target .site .whlm/*.whl 2>&1 | tail -2
