@@ -425,6 +425,7 @@ print('sanitized fwd+bwd ok')
     s28a)
       # sixth 2026-11-23 session, call A (Triton 3.6; carry .whlm): the mLSTM normalizer's backward inside the L = 64
       # kernels (no prep pass): profiles fused (4 / 8 warps in the dual launch) vs prep, then rows vs xl_chunk_siging
+      # (ran on the tree of the commit before its revert; RSW and --prep-normalizer left with that code)
       python3 -m pip install -q --no-index --no-deps --no-compile --target .site .whlm/*.whl 2>&1 | tail -2
       timeout 120 python3 scripts/profile_ops.py mlstm-sig mlstm-exp --mode fwdbwd --L 128 2>&1 \
           | tee "$OUT/s28a_profile_fused.log" | grep -E "==|_kernel" | head -24

@@ -64,12 +64,7 @@ def main():
     p.add_argument("--host", action="store_true", help="also: host (Python) time per call and its top functions")
     p.add_argument("--unfused", action="store_true",
                    help="backward at L = 64 without the fused paths (dvo inside the state backward, dq+dk in one launch)")
-    p.add_argument("--prep-normalizer", action="store_true",
-                   help="mLSTM: the normalizer's backward in its prep pass (dO stored) instead of inside the L = 64 kernels")
     a = p.parse_args()
-    if a.prep_normalizer:
-        import tfla.ops.mlstm.chunk as mc
-        mc._fused_normalizer_bwd = lambda *args, **kw: False
     if a.unfused:
         import tfla.ops.gated_delta_rule.chunk as gdn
         import tfla.ops.simple_gla.chunk as sg
@@ -101,7 +96,7 @@ def main():
                 if e.device_time_total > 0]
         rows.sort(key=lambda r: -r[1])
         total = sum(r[1] for r in rows)
-        print(f"== {op} {a.mode} L={a.L}{' unfused' if a.unfused else ''}{' prep' if a.prep_normalizer else ''}: call {ms:.3f} ms (do_bench median), kernels {total:.3f} ms per call")
+        print(f"== {op} {a.mode} L={a.L}{' unfused' if a.unfused else ''}: call {ms:.3f} ms (do_bench median), kernels {total:.3f} ms per call")
         for name, t, n in rows:
             print(f"   {t:8.3f} ms  x{n:4.1f}  {name[:110]}")
         if a.host:  # where the host spends a call (a host sync inside shows up as the wait in bool/item)

@@ -52,19 +52,16 @@ from tfla.ops.common.utils import acc_dtype, cdiv, dot_precision, next_pow2, pre
 def _diag_tile(b_o, b_a, p_b, p_c, p_g, b_gq, t_k0, o_tq, m_tq, m_a, m_c, T, HB: tl.constexpr, HC: tl.constexpr,
                HV: tl.constexpr, DA: tl.constexpr, DC: tl.constexpr, BKV: tl.constexpr, USE_G: tl.constexpr,
                REVERSE: tl.constexpr, SPLIT_DIAG: tl.constexpr, DOT_PREC: tl.constexpr, b_addq=None, p_add=None,
-               ROWADD: tl.constexpr = 0, b_rsq=None, RSCALE: tl.constexpr = 0):
+               ROWADD: tl.constexpr = 0):
     """One tile on the diagonal: per-element gates and the causal mask. With SPLIT_DIAG the r = s
     terms stay out of the accumulator and come back as ``(a_r . b_r, c tile)``. ``ROWADD`` adds a
     constant to the scores before gating: per output row (1, ``b_addq``) or per looped row (2, read
-    at ``p_add``). ``RSCALE``: the scores' rows are first multiplied by ``b_rsq`` and the gated scores
-    are returned in fp32 (last value; else rounded to a's dtype, as they entered the product)."""
+    at ``p_add``)."""
     dt = b_a.dtype
     o_tk = t_k0 + tl.arange(0, BKV)
     m_tk = o_tk < T
     b_b = tl.load(p_b + o_tk[:, None] * (HB * DA), mask=m_tk[:, None] & m_a[None, :], other=0.0)  # [BKV, BA]
     b_s = tl.dot(b_a, tl.trans(b_b), input_precision=DOT_PREC)  # [BQ, BKV]
-    if RSCALE > 0:
-        b_s *= b_rsq[:, None]
     if ROWADD == 1:
         b_s += b_addq[:, None]
     if ROWADD == 2:
@@ -87,11 +84,7 @@ def _diag_tile(b_o, b_a, p_b, p_c, p_g, b_gq, t_k0, o_tq, m_tq, m_a, m_c, T, HB:
     b_cc = tl.load(p_c + o_tk[:, None] * (HC * DC), mask=m_tk[:, None] & m_c[None, :], other=0.0)  # [BKV, BC]
     b_ps = b_s.to(dt)
     b_o = tl.dot(b_ps, b_cc.to(dt), b_o, input_precision=DOT_PREC)
-    if RSCALE > 0:
-        b_pr = b_s
-    else:
-        b_pr = b_ps
-    return b_o, b_sd, b_cc, tl.sum(b_s, 1), b_pr
+    return b_o, b_sd, b_cc, tl.sum(b_s, 1), b_ps
 
 
 @triton.jit
@@ -340,10 +333,6 @@ def _chunk_tiled_kernel(
     xdot2=None,
     DUAL: tl.constexpr = False,
     VEC_F32: tl.constexpr = 0,
-    sdo=None,
-    ddo=None,
-    RSCALE: tl.constexpr = 0,
-    RS_EXACT: tl.constexpr = False,
 ):
     i_c_, i_t, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
     i_b, i_hv = i_bh // HV, i_bh % HV
@@ -367,16 +356,6 @@ def _chunk_tiled_kernel(
     p_c = c + (bos * HC + i_hv // (HV // HC)) * DC + o_c[None, :]
 
     b_a = tl.load(p_a + o_tq[:, None] * (HA * DA), mask=m_tq[:, None] & m_a[None, :], other=0.0)  # [BQ, BA]
-    if RSCALE > 0:  # a is the mLSTM's dH (chunk_tiled's row_scale): the product sees dO = dH / d through 1 / d
-        # on the rows of the state term and of the scores, never as a scaled [BQ, BA] tile (den, lo: inputs here)
-        b_rden = tl.load(den + (bos + o_tq) * HV + i_hv, mask=m_tq, other=1.0)
-        if RSCALE == 2:
-            b_rlo = tl.load(lo + (bos + o_tq) * HV + i_hv, mask=m_tq, other=1.0)
-        else:
-            b_rlo = tl.full([BQ], 1.0, dtype=ACC)
-        b_rid = 1.0 / (tl.maximum(tl.abs(b_rden), b_rlo) + eps)
-    else:
-        b_rid = tl.full([BQ], 1.0, dtype=ACC)
     # ROWADD: the scores a_r . b_s get a constant per output row r (1) or per looped row s (2) before
     # gating: the mLSTM normalizer's cotangent, the extra column of c = [v, 1] folded into dq / dk
     if ROWADD > 0:
@@ -444,10 +423,6 @@ def _chunk_tiled_kernel(
             b_o *= b_fs[:, None]
             if NORM > 0:
                 b_den *= b_fs
-        else:
-            b_fs = tl.full([BQ], 1.0, dtype=ACC)
-        if RSCALE > 0:
-            b_o *= b_rid[:, None]
         if VEC_G == 1:  # (a * 2^GV) S_c, replacing the ungated product above (dead code then)
             b_o = _vec_state_term(a, h, p_gv, s_gv, bos, boh, i_hv, i_ch, o_tq, m_tq, o_c, m_c, HA, HV, DA, DC, H_SA,
                                   H_SC, HS, BT, BQ, BA, BC, BAS, DOT_PREC, ACC)
@@ -468,8 +443,7 @@ def _chunk_tiled_kernel(
                                     HB * DA, HC * DC, BQ, VEC_G, REVERSE, VEC_ROWDOT, DOT_PREC, ACC, VEC_SPAN, VEC_F32)
     elif ROWDOT:
         b_o, b_sd, b_cd, _, b_ps = _diag_tile(b_o, b_a, p_b, p_c, p_gc, b_gq, t_q0, o_tq, m_tq, m_a, m_c, T, HB, HC,
-                                              HV, DA, DC, BKV, USE_G, REVERSE, True, DOT_PREC, b_addq, p_add, ROWADD,
-                                              b_rid, RSCALE)
+                                              HV, DA, DC, BKV, USE_G, REVERSE, True, DOT_PREC, b_addq, p_add, ROWADD)
     else:
         for t_k0 in range(t_q0, t_q0 + BQ, BKV):
             b_o, _, _, b_rs, _ = _diag_tile(b_o, b_a, p_b, p_c, p_gc, b_gq, t_k0, o_tq, m_tq, m_a, m_c, T, HB, HC, HV,
@@ -536,36 +510,6 @@ def _chunk_tiled_kernel(
     if VEC_G == 2:
         b_o = b_ov + b_o * b_fv
 
-    if RSCALE > 0:  # (DUAL: the chunk is this one diagonal tile) the normalizer's backward from the same tile.
-        # q_r . dq_r of the numerator's part is dO_r . num_r (num the output before the division), so the row dot
-        # of the prep pass, sd_r = dH_r . h_r / d_r = dO_r . num_r / d_r, needs neither h nor a pass over dH
-        b_xr = tl.load(x + (bos * HX + i_hv // (HV // HX)) * DC + o_tq[:, None] * (HX * DC) + o_c[None, :],
-                       mask=m_tq[:, None] & m_c[None, :], other=0.0)  # q rows (the row dot's x, kept for it)
-        if SPLIT_G:  # the diagonal pair's gate 2^(GQ_r - GK_r) (1 with one shared gate)
-            b_gdr = tl.load(p_gc + o_tq * HV, mask=m_tq, other=0.0)
-            b_wdg = tl.exp2(tl.where(m_tq, b_gq - b_gdr, float("-inf")))
-        else:
-            b_wdg = tl.where(m_tq, 1.0, 0.0)
-        b_sdv = scale * (tl.sum(b_xr.to(ACC) * b_o, 1) + b_sd * b_wdg * tl.sum(b_xr.to(ACC) * b_cd.to(ACC), 1)) * b_rid
-        tl.store(sdo + (bos + o_tq) * HV + i_hv, b_sdv, mask=m_tq)
-        if RS_EXACT:  # d den = -sd sign(den) where |den| > lo, then the column of ones it multiplies (ROWADD = 1
-            # with the cotangent known only now): dd_r 2^(..) n_c in the state term, dd_r on every gated pair
-            b_sg = tl.where(b_rden > 0, 1.0, tl.where(b_rden < 0, -1.0, 0.0))
-            b_dd = tl.where(tl.abs(b_rden) > b_rlo, -b_sdv * b_sg, 0.0)
-            tl.store(ddo + (bos + o_tq) * HV + i_hv, b_dd, mask=m_tq)
-            b_nst = tl.load(hn + ((boh + i_ch * (BT // HS)) * HV + i_hv) * DC + o_c, mask=m_c, other=0.0)
-            b_o += (b_dd * b_fs)[:, None] * b_nst[None, :]
-            m_off = (o_tq[:, None] > o_tq[None, :]) & m_tq[:, None] & m_tq[None, :]
-            if USE_G:
-                b_gko = tl.load(p_gc + o_tq * HV, mask=m_tq, other=0.0)
-                b_wa = b_dd[:, None] * tl.exp2(tl.where(m_off, b_gq[:, None] - b_gko[None, :], float("-inf")))
-            else:
-                b_wa = tl.where(m_off, b_dd[:, None], 0.0)
-            b_o = tl.dot(b_wa.to(dt), b_cd.to(dt), b_o, input_precision=DOT_PREC)
-            b_ps = b_ps + b_wa
-            b_sd += b_dd
-        b_ps = b_ps.to(dt)
-
     b_o *= scale
     if NORM > 0:  # the mLSTM's normalized output: out / (max(|scale a.n|, lower bound) + eps)
         b_den *= scale
@@ -582,9 +526,8 @@ def _chunk_tiled_kernel(
         tl.store(xdot + (bos * HV + i_hv) * DC + o_tq[:, None] * (HV * DC) + o_c[None, :], b_x * b_o, mask=m_qc)
         b_o += (scale * b_sd)[:, None] * b_cd.to(ACC)
     if ROWDOT:  # x . out without the diagonal terms, then add them to the output
-        if RSCALE == 0:  # (else loaded above)
-            p_x = x + (bos * HX + i_hv // (HV // HX)) * DC + o_tq[:, None] * (HX * DC) + o_c[None, :]
-            b_xr = tl.load(p_x, mask=m_tq[:, None] & m_c[None, :], other=0.0)
+        p_x = x + (bos * HX + i_hv // (HV // HX)) * DC + o_tq[:, None] * (HX * DC) + o_c[None, :]
+        b_xr = tl.load(p_x, mask=m_tq[:, None] & m_c[None, :], other=0.0)
         b_x = b_xr.to(ACC)
         tl.store(xdot + (bos + o_tq) * HV + i_hv, tl.sum(b_x * b_o, 1), mask=m_tq)
         if SPLIT_G:  # the diagonal's own gate 2^(GQ_r - GK_r) (1 with one shared gate)
@@ -665,7 +608,6 @@ def chunk_tiled(
     row_add: torch.Tensor | None = None,
     row_add_n: torch.Tensor | None = None,
     dual_dtype: torch.dtype | None = None,
-    row_scale: dict | None = None,
 ):
     """The tiled chunk product (module docstring) for ``a, b: [B, T, *, DA]``, ``c: [B, T, *, DC]``
     (each with H or HV heads), ``g_cum [B, T, HV]``; output ``[B, T, HV, DC]``.
@@ -700,13 +642,6 @@ def chunk_tiled(
     the reverse form ``rev(a=b, b=a, c=rowdot_with)`` of the same call and its row dot with ``c``, from the same
     gated score tile (dq and dk in one launch: ``fwd(dO, Vnew, k; x=q)`` gives dk = ``rev(Vnew, dO, q; x=k)``);
     returns ``(out, rowdot, out2, rowdot2)`` then, ``out2 [B, T, HV, DC]`` in ``dual_dtype``.
-    ``row_scale`` (with ``dual_dtype`` and states; the mLSTM's normalizer backward): ``dict(den=[B, T, HV] fp32,
-    lo=[B, T, HV] fp32 or None (1), eps=float, exact=bool)``: ``a`` holds dH, the cotangent of ``h = num / d`` with
-    ``d = max(|den|, lo) + eps``; the product runs on ``dO = dH / d`` (1 / d on the rows of its state term and
-    scores) and also returns ``sd = dH . h / d`` per row, formed as ``q . dq`` of the numerator's part times 1 / d
-    (h is not read). With ``exact`` it returns ``dden = -sd sign(den)`` (0 where ``|den| <= lo``) and folds it
-    in as ``row_add`` would (``row_add_n`` needed, ``row_add`` None). Returns ``(out, rowdot, out2, rowdot2, sd,
-    dden or None)`` then.
     Returns ``out``, ``(out, rowdot)`` or ``(out, den)``.
     """
     B, T, HA, DA = a.shape
@@ -753,12 +688,6 @@ def chunk_tiled(
                  or not cfg["BQ"] == cfg["BKV"] == chunk_size or c.shape[2] != rowdot_with.shape[2]):
         raise ValueError("dual_dtype needs the forward form with rowdot_with, no vector gate or normalizer, "
                          "one diagonal tile per chunk (BQ = BKV = chunk_size) and c, rowdot_with of one head count")
-    rs = row_scale or {}
-    if row_scale is not None and (not dual or h is None or row_add is not None
-                                  or (rs.get("exact") and row_add_n is None)):
-        raise ValueError("row_scale needs dual_dtype and states (h), no row_add, and row_add_n when exact")
-    sd_t = torch.empty(B, T, HV, dtype=acc, device=a.device) if row_scale is not None else None
-    dd_t = torch.empty(B, T, HV, dtype=acc, device=a.device) if rs.get("exact") else None
     out2 = torch.empty(B, T, HV, DC, dtype=dual_dtype, device=a.device) if dual else None
     xdot2 = torch.empty(B, T, HV, dtype=acc, device=a.device) if dual else None
     # VEC_F32 (16-bit inputs, vector gate): 1 keeps the gated operands and the scores they meet in fp32 (TF32
@@ -772,8 +701,8 @@ def chunk_tiled(
             a, b, c, h, gk_cum if (reverse and gk_cum is not None) else g_cum,
             g_cum if (reverse and gk_cum is not None) else gk_cum, gb,
             out, rowdot_with, xdot, cu_seqlens, tile_indices, chunk_offsets,
-            row_add_n if (rowadd == 1 or rs.get("exact")) else norm.get("hn"), rs.get("lo", norm.get("lo")),
-            rs.get("den", den), scale, float(rs.get("eps", norm.get("eps", 0.0))), T,
+            row_add_n if rowadd == 1 else norm.get("hn"), norm.get("lo"), den,
+            scale, float(norm.get("eps", 0.0)), T,
             HV=HV, HA=HA, HB=HB, HC=HC, HX=rowdot_with.shape[2] if rowdot_with is not None else HV,
             DA=DA, DC=DC, H_SA=1 if state_transposed else DC, H_SC=DA if state_transposed else 1,
             HS=state_every or chunk_size,
@@ -783,12 +712,8 @@ def chunk_tiled(
             NORM=0 if normalizer is None else (2 if norm.get("lo") is not None else 1), BAS=bas,
             gv=gv_cum, VEC_G=vec, VEC_ROWDOT=bool(vec) and rowdot_with is not None, add=row_add, ROWADD=rowadd,
             VEC_SPAN=cfg.get("VEC_SPAN", 0), out2=out2, xdot2=xdot2, DUAL=dual, VEC_F32=vec_f32,
-            sdo=sd_t, ddo=dd_t, RSCALE=0 if row_scale is None else (2 if rs.get("lo") is not None else 1),
-            RS_EXACT=bool(rs.get("exact")),
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
-    if row_scale is not None:
-        return out, xdot, out2, xdot2, sd_t, dd_t
     if dual:
         return out, xdot, out2, xdot2
     if rowdot_with is not None:

@@ -324,18 +324,6 @@ def chunk_state_fwd(
 
 
 @triton.jit
-def _inv_normalizer(den, lo, eps, bos, o_t, m_t, i_hv, HV: tl.constexpr, LO: tl.constexpr):
-    """``1 / (max(|den_r|, lo_r) + eps)`` per row (lo = 1 when LO is 1, read when 2; den, lo ``[B, T, HV]``):
-    the mLSTM's normalized output ``h = o / d`` gives the numerator the cotangent ``dH / d``. Masked rows get 1."""
-    b_den = tl.load(den + (bos + o_t) * HV + i_hv, mask=m_t, other=1.0)
-    if LO == 2:
-        b_lo = tl.load(lo + (bos + o_t) * HV + i_hv, mask=m_t, other=1.0)
-    else:
-        b_lo = tl.zeros_like(b_den) + 1.0
-    return 1.0 / (tl.maximum(tl.abs(b_den), b_lo) + eps)
-
-
-@triton.jit
 def _rowscaled_qdot(b_q, b_x, b_sr, dt: tl.constexpr, ACC: tl.constexpr, DOT_PREC: tl.constexpr):
     """``q^T diag(sr) x`` ([BK, BS] x [BS, C], ACC result) with the row factors kept unrounded: x sr
     split into bf16 hi + lo (about 16 mantissa bits) for bf16 inputs, two 16-bit tensor-core products
@@ -391,10 +379,6 @@ def _chunk_state_bwd_kernel(
     INTRA: tl.constexpr = False,
     sds=None,
     SDS: tl.constexpr = False,
-    rs_den=None,
-    rs_lo=None,
-    rs_eps=0.0,
-    ROWSCALE: tl.constexpr = 0,
 ):
     """Reverse state-gradient recurrence (DELTA: of the delta rule; otherwise of linear attention,
     where the W^T dU term is absent and dU is the whole gradient of V). ``b_dh`` is the gradient of the state
@@ -416,12 +400,7 @@ def _chunk_state_bwd_kernel(
     SDS (linear attention): ``dh`` holds the states S at every sub-chunk on entry (the forward recompute's
     ``h_sub``) and each dS overwrites the S of its own slot, after this program has read it for the rows of
     ``<S, dS>`` over its value tile (``sds [B, NS, HV, NV, K]`` fp32): the state-terms kernel then reads
-    neither S nor a second ``[B, NS, HV, K, V]`` buffer (peak memory: one such buffer less).
-
-    ROWSCALE (with INTRA; 1: lo = 1, 2: lo read): ``do`` holds the mLSTM's dH and the numerator's cotangent is
-    ``dO_r = dH_r / d_r`` with ``d_r = max(|rs_den_r|, lo_r) + rs_eps``: 1 / d_r joins the per-row factors that
-    already meet dO (the gate columns of the intra-chunk scores, the q-term's row factor), so no dO tensor is
-    written, read or formed as a tile."""
+    neither S nor a second ``[B, NS, HV, K, V]`` buffer (peak memory: one such buffer less)."""
     BS: tl.constexpr = 64
     i_v, i_nh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     i_n, i_hv = i_nh // HV, i_nh % HV
@@ -462,8 +441,6 @@ def _chunk_state_bwd_kernel(
             b_q = tl.load(q + (bos * H + i_h) * K + o_t[:, None] * (H * K) + o_k[None, :], mask=m_tk, other=0.0)
             p_tv = (bos * HV + i_hv) * V + o_t[:, None] * (HV * V) + o_v[None, :]
             b_do = tl.load(do + p_tv, mask=m_tv, other=0.0)
-            if ROWSCALE > 0:
-                b_rid = _inv_normalizer(rs_den, rs_lo, rs_eps, bos, o_t, m_t, i_hv, HV, ROWSCALE)
             if USE_G:
                 b_g = tl.load(p_g + o_t * HV, mask=m_t, other=0.0)
                 if SPLIT_G:
@@ -477,8 +454,6 @@ def _chunk_state_bwd_kernel(
                     b_a *= tl.exp2(tl.where(m_a, b_g[None, :] - b_gkey[:, None], float("-inf")))
                 else:
                     b_a = tl.where(m_a, b_a, 0.0)
-                if ROWSCALE > 0:  # the query columns r meet dO_r = dH_r / d_r
-                    b_a *= b_rid[None, :]
                 b_du = tl.dot(b_a.to(dt), b_do, input_precision=DOT_PREC) * scale
             else:
                 b_du = tl.load(dvo + p_tv, mask=m_tv, other=0.0).to(ACC)
@@ -500,8 +475,6 @@ def _chunk_state_bwd_kernel(
             else:
                 b_du += b_kdh
                 b_sr = tl.full([BS], scale, dtype=tl.float32)
-            if ROWSCALE > 0:
-                b_sr *= b_rid
             tl.store(du + p_tv, b_du.to(du.dtype.element_ty), mask=m_tv)
             # the output's q-term (scale 2^G q)^T dO with the row factor on dO's side ([BS, BV], not [BS, BK])
             b_qt = _rowscaled_qdot(b_q, b_do, b_sr, dt, ACC, DOT_PREC)
@@ -607,7 +580,6 @@ def chunk_state_bwd(
     dnt: torch.Tensor | None = None,
     h_sub: torch.Tensor | None = None,
     sds: bool = False,
-    do_scale: dict | None = None,
 ):
     """State-gradient recurrence of the gated delta rule (reverse, 64-row sub-chunks, outer chunk L).
 
@@ -627,9 +599,6 @@ def chunk_state_bwd(
             one partial per value tile (for ``wy_bwd(sds_sub=..)``), or None where that path is not used (16-bit
             inputs on a one-stage launch: Triton 3.6 faults there on the H100); dh is then a new buffer and
             h_sub keeps S.
-        do_scale: ``dict(den=[B, T, HV] fp32, lo=[B, T, HV] fp32 or None, eps=float)``: ``do`` holds the mLSTM's
-            dH and the numerator's cotangent ``dH / (max(|den|, lo) + eps)`` is formed in the kernel (with
-            ``dvo=None`` only).
     Returns:
         ``dh [B, NS, HV, K, V]`` (gradient of the state after each 64-row sub-chunk, k's dtype),
         ``du [B, T, HV, V]`` (total gradient of U = Vnew's gradient, k's dtype), ``dh0 [N, HV, K, V]``
@@ -667,9 +636,6 @@ def chunk_state_bwd(
     intra = dvo is None
     if intra and not intra_supported(chunk_size, gv_cum):
         raise ValueError("dvo=None (formed in the kernel) needs chunk_size 64 and no vector gate")
-    if do_scale is not None and not intra:
-        raise ValueError("do_scale (dO = dH / d formed in the kernel) needs dvo=None")
-    rs = do_scale or {}
     if n_state and (w is not None or gv_cum is not None):
         raise ValueError("the normalizer state's gradient (dden) serves linear attention with scalar gates")
     dhn = torch.empty(B, NS, HV, K, dtype=_state_acc(k.dtype), device=k.device) if n_state else None
@@ -692,8 +658,6 @@ def chunk_state_bwd(
         IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(k.dtype), ACC=acc_dtype(k.dtype),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         gv=gv_cum, VEC_G=gv_cum is not None, INTRA=intra, sds=sds_t, SDS=sds_on,
-        rs_den=rs.get("den"), rs_lo=rs.get("lo"), rs_eps=float(rs.get("eps", 0.0)),
-        ROWSCALE=0 if do_scale is None else (2 if rs.get("lo") is not None else 1),
     )
     if n_state:
         # its own launch config (config keys n_bk, n_warps, n_stages; H100, B=8 T=8192 H=16 K=128, scripts/tune_dn.py:

@@ -43,7 +43,7 @@ from tfla.ops.gated_delta_rule.chunk import VarlenIndex, _check_cotangent
 from tfla.ops.mlstm.step import INPUT_GATES, check_mlstm_options, check_mlstm_state  # noqa: F401
 from tfla.ops.common.cumsum import chunk_local_cumsum
 from tfla.ops.common.utils import cdiv, next_pow2
-from tfla.ops.simple_gla.chunk import chunk_simple_gla_bwd, chunk_simple_gla_fwd, normalizer_fused_bwd_supported
+from tfla.ops.simple_gla.chunk import chunk_simple_gla_bwd, chunk_simple_gla_fwd
 from tfla.utils.validation import (
     check_common,
     check_qkv,
@@ -247,15 +247,6 @@ def chunk_mlstm_fwd(q, k, v, i, f, C0, n0, m0, opts: MLSTMOptions, varlen=None):
     return h, final, den
 
 
-def _fused_normalizer_bwd(opts: MLSTMOptions, q, v, n_given: bool, chunk_size: int = BWD_CHUNK_SIZE) -> bool:
-    """Whether the backward forms the normalizer's cotangents inside its L = 64 kernels
-    (``chunk_simple_gla_bwd(row_scale=..)``) rather than in ``_normalizer_bwd_prep``, which reads dH and the saved
-    h and writes dO (H100, B = 8, T = 8192, H = 16, V = 256, bf16: 0.53 ms and a 512 MiB buffer). The detached
-    normalizer with n states in or out keeps the prep pass (its zero dden rides the row-add path)."""
-    return (opts.normalize and normalizer_fused_bwd_supported(chunk_size, q, v)
-            and not (opts.detach_normalizer and n_given))
-
-
 @triton.jit
 def _normalizer_bwd_prep_kernel(dh, h, den, lo, do, sd, dden, R, eps, V: tl.constexpr, BR: tl.constexpr,
                                 BV: tl.constexpr, HAS_LO: tl.constexpr, EXACT: tl.constexpr, ACC: tl.constexpr):
@@ -307,36 +298,28 @@ def chunk_mlstm_bwd(q, k, v, i, f, C0, n0, m0, h, den, final, dh, dC, dn, dm, op
     seg = _Segments.build(T, varlen.cu_seqlens if varlen is not None else None, q.device)
     gt = _gates(i, f, m0, opts, seg, acc, varlen)
     gates = {"gk_cum": gt.gk, "gb": gt.gb}
-    dden = sd = rs = None
-    lo = gt.lo if isinstance(gt.lo, torch.Tensor) else None
-    if _fused_normalizer_bwd(opts, q, v, n0 is not None or dn is not None, opts.chunk_size):
-        # dO = dH / d, sd and dden formed inside the L = 64 kernels from dH (no prep pass over dH and h)
-        do = dh.to(q.dtype)
-        rs = dict(den=den, lo=lo, eps=opts.eps, exact=not opts.detach_normalizer)
-    elif opts.normalize:
-        do, sd, dden = _normalizer_bwd_prep(dh, h, den, lo, opts.eps, not opts.detach_normalizer, q.dtype)
+    dden = sd = None
+    if opts.normalize:
+        do, sd, dden = _normalizer_bwd_prep(dh, h, den, gt.lo if isinstance(gt.lo, torch.Tensor) else None,
+                                            opts.eps, not opts.detach_normalizer, q.dtype)
     else:
         do = dh.to(q.dtype)
     C0a = _c0(C0, acc)
     dn0 = None
     dC = dC.to(acc).contiguous() if dC is not None else None
-    if opts.aug and (dden is not None or dn is not None or n0 is not None or (rs is not None and rs["exact"])):
+    if opts.aug and (dden is not None or dn is not None or n0 is not None):
         # the normalizer is the same product with one more value column of ones: its cotangent dden and
         # the n / dn states ride along in the numerator's kernels (one backward pass)
         # (the initial state comes whole: n0 is given exactly when C0 is)
-        if dden is None and rs is None:
+        if dden is None:
             dden = torch.zeros(B, T, H, dtype=acc, device=q.device)
-        dq, dk, dv, dlogf, dh0, dn0, kdk, *sd_ = chunk_simple_gla_bwd(
+        dq, dk, dv, dlogf, dh0, dn0, kdk = chunk_simple_gla_bwd(
             q, k, v, gt.gq, opts.scale, C0a, do.contiguous(), dC, opts.chunk_size, varlen, **gates,
-            dden=dden.contiguous() if dden is not None else None,
-            initial_n=n0.to(acc).contiguous() if n0 is not None else None,
-            dnt=dn.to(acc).contiguous() if dn is not None else None, kdot=True, row_scale=rs)
+            dden=dden.contiguous(), initial_n=n0.to(acc).contiguous() if n0 is not None else None,
+            dnt=dn.to(acc).contiguous() if dn is not None else None, kdot=True)
     else:
-        dq, dk, dv, dlogf, dh0, kdk, *sd_ = chunk_simple_gla_bwd(
-            q, k, v, gt.gq, opts.scale, C0a, do.contiguous(), dC, opts.chunk_size, varlen, **gates, kdot=True,
-            row_scale=rs)
-    if rs is not None:
-        sd = sd_[0]
+        dq, dk, dv, dlogf, dh0, kdk = chunk_simple_gla_bwd(q, k, v, gt.gq, opts.scale, C0a, do.contiguous(), dC,
+                                                           opts.chunk_size, varlen, **gates, kdot=True)
     dC0 = dh0
     # k . dk per row (fp32, in wy_bwd): e^{ig_s} scales every use of k_s. float64 only for the max state's path
     exp = opts.input_gate == "exp"
@@ -387,10 +370,7 @@ class ChunkMLSTMFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, i, f, C0, n0, m0, varlen, opts: MLSTMOptions):
         h, final, den = chunk_mlstm_fwd(q, k, v, i, f, C0, n0, m0, opts, varlen)
-        # h only where the backward's prep pass may run (the fused path does not read it)
-        n_given = n0 is not None or opts.output_final_state
-        keep_h = opts.normalize and not _fused_normalizer_bwd(opts, q, v, n_given)
-        ctx.save_for_backward(q, k, v, i, f, C0, n0, m0, h if keep_h else None, den,
+        ctx.save_for_backward(q, k, v, i, f, C0, n0, m0, h, den,
                               *(final if final is not None and opts.input_gate == "exp" else ()))
         ctx.varlen, ctx.opts = varlen, opts
         if final is None:

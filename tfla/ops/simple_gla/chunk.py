@@ -76,7 +76,7 @@ def chunk_simple_gla_fwd(q, k, v, g, scale, initial_state, output_final_state, c
 
 
 def chunk_simple_gla_bwd(q, k, v, g_cum, scale, initial_state, do, dht, chunk_size, varlen=None, gk_cum=None,
-                         gb=None, dden=None, initial_n=None, dnt=None, kdot=False, need_dg=True, row_scale=None):
+                         gb=None, dden=None, initial_n=None, dnt=None, kdot=False, need_dg=True):
     """Plain backward: ``(dq, dk, dv, dg, dh0)`` (dg None without decay; dq, dk in q's dtype, each rounded once
     from its fp32 sum in the kernel that forms it; dg fp32). ``kdot``: append ``k . dk`` per row ``[B, T, H]``
     fp32 (before rounding). ``need_dg=False`` (a constant decay: ``g_gamma``, retention): dg is None and its
@@ -86,21 +86,12 @@ def chunk_simple_gla_bwd(q, k, v, g_cum, scale, initial_state, do, dht, chunk_si
     ``dden [B, T, H]`` fp32 (with ``initial_n [N, H, K]`` or None and ``dnt [N, H, K]`` or None): the
     cotangent of the forward's normalizer dot ``den`` (``chunk_simple_gla_fwd(n_state=True)``), i.e. of
     one more value column of ones, folded into the same kernels (the scores of dq and dk gain ``dden`` per
-    row, the states carry n and dn beside S and dS); returns ``(dq, dk, dv, dg, dh0, dn0)`` then.
-
-    ``row_scale`` (``normalizer_fused_bwd_supported``; the mLSTM's normalized output ``h = num / d``):
-    ``dict(den=[B, T, H] fp32, lo=[B, T, H] fp32 or None, eps=float, exact=bool)``; ``do`` is then dH and the
-    kernels run on ``dH / d`` without forming it (``chunk_tiled(row_scale=..)``, ``chunk_state_bwd(do_scale=..)``);
-    with ``exact`` they also form and fold in ``dden`` (``dden`` must be None) as above. ``sd = dH . h / d`` [B, T, H]
-    fp32 is returned last."""
+    row, the states carry n and dn beside S and dS); returns ``(dq, dk, dv, dg, dh0, dn0)`` then."""
     L = chunk_size
     cu = varlen.cu_seqlens if varlen is not None else None
     sub = varlen.sub_indices if varlen is not None else None
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    rs = row_scale or {}
-    if row_scale is not None and (dden is not None or not normalizer_fused_bwd_supported(L, q, v)):
-        raise ValueError("row_scale needs dden=None and the L = 64 fused kernels (normalizer_fused_bwd_supported)")
-    n_state = dden is not None or bool(rs.get("exact"))
+    n_state = dden is not None
     h_sub, _, _, *ns = chunk_state_fwd(
         k, v, g_cum, L, initial_state=initial_state, cu_seqlens=cu,
         chunk_offsets=varlen.sub_offsets if varlen is not None else None,
@@ -116,12 +107,7 @@ def chunk_simple_gla_bwd(q, k, v, g_cum, scale, initial_state, do, dht, chunk_si
     dvo = None if intra_supported(L) else chunk_tiled(k, q, do, g_cum, scale, L, reverse=True, **tiled)
     dq_args = dict(h=h_sub, state_every=SUB_CHUNK, state_transposed=True, rowdot_with=q, out_dtype=q.dtype,
                    row_add=dden, row_add_n=hn_sub, **tiled)
-    sd = None
-    if row_scale is not None:  # dH in, dO = dH / d inside; sd and dden formed in the same launch
-        dq_args.update(row_add=None, row_add_n=hn_sub if rs.get("exact") else None)
-        dq, dgq, dko, dgk, sd, dden = chunk_tiled(do, v, k, g_cum, scale, L, dual_dtype=k.dtype, row_scale=rs,
-                                                  **dq_args)
-    elif dual_supported(L, v.shape[-1], q.shape[-1], q.dtype):
+    if dual_supported(L, v.shape[-1], q.shape[-1], q.dtype):
         dq, dgq, dko, dgk = chunk_tiled(do, v, k, g_cum, scale, L, dual_dtype=k.dtype, **dq_args)
     else:
         dq, dgq = chunk_tiled(do, v, k, g_cum, scale, L, **dq_args)
@@ -135,8 +121,7 @@ def chunk_simple_gla_bwd(q, k, v, g_cum, scale, initial_state, do, dht, chunk_si
         q, k, None, do, dvo, g_cum, scale, L, dht=dht, need_dh0=initial_state is not None, cu_seqlens=cu,
         sub_offsets=varlen.sub_offsets if varlen is not None else None,
         num_sub_chunks=varlen.sub_indices.shape[0] if varlen is not None else None, gk_cum=gk_cum, gb=gb,
-        dden=dden, dnt=dnt, h_sub=h_sub, sds=gate_grad,
-        do_scale=dict(den=rs["den"], lo=rs.get("lo"), eps=rs["eps"]) if row_scale is not None else None)
+        dden=dden, dnt=dnt, h_sub=h_sub, sds=gate_grad)
     del dvo  # not needed by wy_bwd: freed before its outputs are allocated (peak memory)
     dhn_sub, dn0 = rest[:2] if n_state else (None, None)
     sds_sub = rest[-1] if gate_grad else None
@@ -150,14 +135,7 @@ def chunk_simple_gla_bwd(q, k, v, g_cum, scale, initial_state, do, dht, chunk_si
     if g_cum is not None and need_dg:
         dg = chunk_local_cumsum(dgq, L, reverse=True, cu_seqlens=cu, out_dtype=acc, sub=dgk, add=dg_sub,
                                 chunk_indices=varlen.chunk_indices if varlen is not None else None)
-    return ((dq, dk, dv, dg, dh0) + ((dn0,) if n_state else ()) + (tuple(kdk) if kdot else ())
-            + ((sd,) if row_scale is not None else ()))
-
-
-def normalizer_fused_bwd_supported(chunk_size: int, q: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether ``chunk_simple_gla_bwd(row_scale=..)`` applies: the dual tiled launch and the state backward's
-    in-recurrence dvo (L = 64 with the default tiles; fp32 tiles above 128 wide use 32 rows and do not)."""
-    return intra_supported(chunk_size) and dual_supported(chunk_size, v.shape[-1], q.shape[-1], q.dtype)
+    return (dq, dk, dv, dg, dh0) + ((dn0,) if n_state else ()) + (tuple(kdk) if kdot else ())
 
 
 class ChunkSimpleGLAFunction(torch.autograd.Function):
