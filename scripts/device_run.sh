@@ -37,6 +37,8 @@
 #   s25f     the same with the tiled parts of dv / dk in fp32: tests, on / off timed, tfla row, bf16 test vs FLA
 #   s25g     linear attention forward only vs FLA (every kind), the vector sweep of the final chunk_gla
 #   s27a     fifth 2026-11-23 session: s26a's mLSTM rows, the mLSTM fwd+bwd kernel profile at L = 128
+#   s28a / s28b / s28c  sixth 2026-11-23 session: the in-kernel normalizer backward (reverted), the mLSTM with
+#            save_states vs mlstm_kernels with / without recompute_states_in_bw, GPU tests
 #   s27d / s27e  the normalizer state's gradient in its own launch: profiles and mLSTM rows; GPU tests
 #   s26a     prepared: mLSTM bench with tfla_detached vs xl_chunk_siging, chunk_gla fwd+bwd kernel profile
 #   glavec   tfla vs FLA's chunk_gla (vector decay), FLA's autotune kept in .site's Triton cache (run twice if cut)
@@ -436,6 +438,30 @@ print('sanitized fwd+bwd ok')
       timeout 240 python3 -m tfla bench mlstm --mode fwdbwd --chunk-sizes 128 --input-gates sigmoid,exp \
           --impls tfla,tfla_detached,xl_chunk_siging --no-progress --warmup 10 --rep 50 \
           --json "$OUT/s28a_bench_mlstm.json" 2>&1 | grep -E "tfla|xl_|versions"
+      ;;
+    s28b)
+      # call B: the mLSTM with save_states (forward's 64-row states kept for the backward) beside the default and
+      # mlstm_kernels with and without recompute_states_in_bw; then the kernel profile of the saved path
+      python3 -m pip install -q --no-index --no-deps --no-compile --target .site .whlm/*.whl 2>&1 | tail -2
+      timeout 330 python3 -m tfla bench mlstm --mode fwdbwd --chunk-sizes 128 --input-gates sigmoid,exp \
+          --impls tfla,tfla_saved,xl_chunk_siging,xl_chunk_siging_saved --no-progress --warmup 10 --rep 50 \
+          --json "$OUT/s28b_bench_mlstm.json" 2>&1 | grep -E "tfla|xl_|versions|rror"
+      python3 - <<'PY' 2>&1 | tee "$OUT/s28b_profile_saved.log" | grep -E "==|_kernel" | head -14
+import sys; sys.argv = ["profile_ops", "mlstm-sig", "--mode", "fwdbwd", "--L", "64"]
+import tfla, functools
+tfla.chunk_mlstm = functools.partial(tfla.chunk_mlstm, save_states=True)
+sys.path.insert(0, "scripts"); import profile_ops; profile_ops.main()
+PY
+      ;;
+    s28c)
+      # call C: GPU tests of the mLSTM (save_states among them) and simple GLA (shared kernels untouched), two processes
+      python3 -m pip install -q --no-index --no-deps --no-compile --target .site .whlm/*.whl 2>&1 | tail -2
+      timeout 560 python3 -m pytest -q -p no:cacheprovider -rf --timeout 540 tests/ops/test_mlstm.py \
+          > "$OUT/s28c_pytest_mlstm.log" 2>&1 &
+      timeout 560 python3 -m pytest -q -p no:cacheprovider -rf --timeout 540 -k "fp32 or strong or varlen" \
+          tests/ops/test_simple_gla.py > "$OUT/s28c_pytest_sgla.log" 2>&1 &
+      wait
+      tail -n 4 "$OUT"/s28c_pytest_*.log
       ;;
     s27d)
       # call D: the normalizer state's gradient in its own launch: profiles, mLSTM rows vs xl_chunk_siging

@@ -147,6 +147,35 @@ def test_mlstm_detached_normalizer(device, gate):
     assert rel_l2(exact["dq"].cpu().double(), ref["dq"]) > 1e-3  # the conventions do differ
 
 
+def _tfla_saved(*args, **kw):
+    return tfla.chunk_mlstm(*args, save_states=True, **kw)
+
+
+@pytest.mark.parametrize("gate,normalize", CONFIGS)
+def test_mlstm_save_states(device, gate, normalize):
+    """``save_states=True``: the forward's 64-row states replace the backward's recompute; every output and
+    gradient bitwise equal to the recompute's (same kernels on the same states; those are checked against float64),
+    including varlen with an empty sequence and a second backward through the same graph (it recomputes: the
+    first one overwrote the saved states)."""
+    cu = torch.tensor([0, 37, 37, 150], device=device)
+    for cu_, B, N in ((None, 2, None), (cu, 1, 3)):
+        x = _inputs(B, 150, 2, 16, 32, gate, torch.float32, device, 21, N=N)
+        got = _run(_tfla_saved, x, gate, normalize, True, True, cu_, L=64, seed=21)
+        exp = _run(tfla.chunk_mlstm, x, gate, normalize, True, True, cu_, L=64, seed=21)
+        for n in exp:
+            assert torch.equal(got[n], exp[n]), n
+    names = ["q", "k", "v", "i", "f"]
+    leaves = [x[n].detach().clone().requires_grad_() for n in names]
+    h, _ = tfla.chunk_mlstm(*leaves, input_gate=gate, normalize=normalize, chunk_size=64, save_states=True)
+    dh = torch.randn_like(h)
+    first = torch.autograd.grad(h, leaves, dh, retain_graph=True)
+    second = torch.autograd.grad(h, leaves, dh)
+    for n, a, b in zip(names, first, second):
+        assert torch.equal(a, b), n
+    with pytest.raises(ValueError, match="save_states"):
+        tfla.chunk_mlstm(*leaves, input_gate=gate, normalize=normalize, chunk_size=128, save_states=True)
+
+
 def test_mlstm_bad_input(device):
     x = _inputs(1, 40, 2, 16, 16, "exp", torch.float32, device, 11)
     q, k, v, i, f = (x[n] for n in ("q", "k", "v", "i", "f"))

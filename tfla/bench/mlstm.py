@@ -8,6 +8,10 @@ Peers (``mlstm_kernels.torch.get_mlstm_kernel``, head-first ``[B, NH, S, D]``, e
     exp      chunkwise--triton_xl_chunk          (TFLA mLSTMexp; crashed Triton 3.6's compiler on an H200:
                                                   compiled first in a probe subprocess, a crash is a row)
 
+``--impls`` names: ``tfla``, ``tfla_detached`` (mlstm_kernels' gradient convention), ``tfla_saved``
+(``save_states=True`` at L = 64: the forward's states kept for the backward), ``mlstm_kernels`` (all three
+peers) or one peer key, and an xl peer with ``_saved`` (``xl_chunk_siging_saved``: ``recompute_states_in_bw=False``).
+
 Inputs are converted to each implementation's layout outside the timed region. Workloads: ``--B --T --H
 --K --V`` (default B=8, T=8192, H=16, K=128, V=256 bf16 on a GPU), ``--tokens`` for constant tokens, or
 ``--paper``: the TFLA paper's sweep, 65,536 tokens with T = 512 .. 65536 and B = 65536 // T.
@@ -106,25 +110,29 @@ def workloads_from_args(args) -> list[Workload]:
             for T in ints(args.T)]
 
 
-def _kernel_names(want: list[str]) -> tuple[bool, bool, list[str]]:
-    """(tfla requested, tfla in mlstm_kernels' gradient convention requested, mlstm_kernels registry keys
-    requested) from ``--impls``."""
+def _kernel_names(want: list[str]) -> tuple[bool, bool, bool, list[str], list[str]]:
+    """(tfla requested, tfla in mlstm_kernels' gradient convention requested, tfla with save_states requested,
+    mlstm_kernels registry keys requested, xl keys requested with the ``_saved`` suffix, i.e. with
+    ``recompute_states_in_bw=False``) from ``--impls``."""
     from tfla.bench.registry import MLSTM_KERNELS
 
-    kernels = []
+    kernels, saved = [], []
     for w in want:
-        if w in ("tfla", "tfla_detached"):
+        if w in ("tfla", "tfla_detached", "tfla_saved"):
             continue
         if w == "mlstm_kernels":
             kernels += list(MLSTM_KERNELS)
             continue
         key = w.removeprefix("chunkwise--")
         key = key if key.startswith("triton_") else f"triton_{key}"
+        is_saved = key.endswith("_saved") and key.removesuffix("_saved") != "triton_limit_chunk"
+        key = key.removesuffix("_saved") if is_saved else key
         if key not in MLSTM_KERNELS:
-            raise SystemExit(f"--impls: unknown implementation {w!r} (choose from tfla, tfla_detached, mlstm_kernels, "
-                             f"{', '.join(MLSTM_KERNELS)})")
-        kernels.append(key)
-    return "tfla" in want, "tfla_detached" in want, list(dict.fromkeys(kernels))
+            raise SystemExit(f"--impls: unknown implementation {w!r} (choose from tfla, tfla_detached, tfla_saved, "
+                             f"mlstm_kernels, {', '.join(MLSTM_KERNELS)}, or an xl kernel with _saved)")
+        (saved if is_saved else kernels).append(key)
+    return ("tfla" in want, "tfla_detached" in want, "tfla_saved" in want, list(dict.fromkeys(kernels)),
+            list(dict.fromkeys(saved)))
 
 
 def parallel_mlstm_detached_ref(q, k, v, i, f, *, input_gate: str = "exp", eps: float = 1e-6,
@@ -270,7 +278,7 @@ def run(args) -> tuple[list[dict], dict]:
     for g in gates:
         if g not in INPUT_GATES:
             raise SystemExit(f"--input-gates: unknown input gate {g!r} (choose from {', '.join(INPUT_GATES)})")
-    with_tfla, with_detached, kernels = _kernel_names(names(args.impls))
+    with_tfla, with_detached, with_saved, kernels, saved_kernels = _kernel_names(names(args.impls))
     chunk_sizes = ints(args.chunk_sizes)
     meta = env_info()
     meta["mlstm_kernels"] = _dist_version("mlstm_kernels")
@@ -281,8 +289,8 @@ def run(args) -> tuple[list[dict], dict]:
         rows.append(row)
         write_rows(rows, meta, args.csv, args.json)
 
-    per_gate = {g: mlstm_impls(g, chunk_sizes, kernels, ints(args.mk_chunk_sizes), with_tfla, with_detached)
-                for g in gates}
+    per_gate = {g: mlstm_impls(g, chunk_sizes, kernels, ints(args.mk_chunk_sizes), with_tfla, with_detached,
+                               with_saved, saved_kernels) for g in gates}
     gate_dtype = torch.float32 if args.gate_dtype == "fp32" else None
     with Progress(disable=args.no_progress, transient=True) as bar:
         task = bar.add_task("mlstm", total=len(wls) * sum(len(per_gate[g][0]) for g in gates))

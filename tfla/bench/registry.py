@@ -247,25 +247,30 @@ MLSTM_KERNELS = {
 MLSTM_KERNELS_CRASHY = {"triton_xl_chunk"}  # crashed Triton 3.6's compiler (LLVM assertion) on an H200
 
 
-def tfla_mlstm_impl(input_gate: str, chunk_size: int, detach_normalizer: bool = False) -> OpImpl:
+def tfla_mlstm_impl(input_gate: str, chunk_size: int, detach_normalizer: bool = False,
+                    save_states: bool = False) -> OpImpl:
     """tfla.chunk_mlstm at one chunk size; ``detach_normalizer``: mlstm_kernels' gradient convention (the
-    normalizer and max state held constant, as ``tfla.compat.mlstm_kernels`` returns), row "tfla L=.. detached"."""
+    normalizer and max state held constant, as ``tfla.compat.mlstm_kernels`` returns), row "tfla L=.. detached";
+    ``save_states`` (L = 64): the forward's states kept for the backward, row "tfla L=64 saved"."""
     op, why = find_tfla_op("chunk_mlstm", ("tfla.ops.mlstm", "tfla.ops.mlstm.chunk"))
-    impl = OpImpl(f"tfla L={chunk_size}" + (" detached" if detach_normalizer else ""), None, chunk_size,
-                  _version("tfla"), note="tfla.chunk_mlstm" + ("(detach_normalizer=True)" if detach_normalizer else ""),
-                  input_gate=input_gate)
+    flags = ["detach_normalizer=True"] * detach_normalizer + ["save_states=True"] * save_states
+    impl = OpImpl(f"tfla L={chunk_size}" + (" detached" if detach_normalizer else "") + (" saved" if save_states else ""),
+                  None, chunk_size, _version("tfla"),
+                  note="tfla.chunk_mlstm" + (f"({', '.join(flags)})" if flags else ""), input_gate=input_gate)
     if op is None:
         impl.unavailable, impl.note = "not available (tfla.chunk_mlstm)", f"tfla.chunk_mlstm missing: {why}"
         return impl
     impl.fn = lambda x: op(x["q"], x["k"], x["v"], x["i"], x["f"], input_gate=input_gate, normalize=True,
-                           eps=1e-6, chunk_size=chunk_size, detach_normalizer=detach_normalizer)[0]
+                           eps=1e-6, chunk_size=chunk_size, detach_normalizer=detach_normalizer,
+                           **({"save_states": True} if save_states else {}))[0]
     return impl
 
 
-def mlstm_kernels_impl(kernel: str, chunk_size: int) -> OpImpl | None:
+def mlstm_kernels_impl(kernel: str, chunk_size: int, save_states: bool = False) -> OpImpl | None:
     """One mlstm_kernels chunkwise kernel, head-first ``[B, NH, S, D]``, eps 1e-6, ``chunk_size`` (the
     intra chunk of the xl kernels; reduced to gcd(S, chunk_size) for shorter inputs such as the slice
-    check's); None when mlstm_kernels (or this kernel) is not available."""
+    check's); None when mlstm_kernels (or this kernel) is not available. ``save_states`` (xl kernels):
+    ``recompute_states_in_bw=False``, the forward's states kept for the backward (row "... saved")."""
     try:
         from mlstm_kernels.torch import get_mlstm_kernel
 
@@ -283,29 +288,37 @@ def mlstm_kernels_impl(kernel: str, chunk_size: int) -> OpImpl | None:
             kw["autocast_kernel_dtype"] = x["q"].dtype  # only used under torch.autocast
         if gate == "sigmoid":
             kw["normalize"] = True
+        if save_states:
+            kw["recompute_states_in_bw"] = False
         return fn_k(x["q"], x["k"], x["v"], x["i"], x["f"], **kw)
 
     short = kernel.removeprefix("triton_")
     version = _version("mlstm_kernels")
     if version == "?":
         version = _version("mlstm-kernels")
-    return OpImpl(f"mk {short} L={chunk_size}", fn, chunk_size, version, note=f"chunkwise--{kernel}",
+    return OpImpl(f"mk {short} L={chunk_size}" + (" saved" if save_states else ""), fn, chunk_size, version,
+                  note=f"chunkwise--{kernel}" + ("(recompute_states_in_bw=False)" if save_states else ""),
                   head_first=True, crash_probe=kernel in MLSTM_KERNELS_CRASHY, kernel=kernel, input_gate=gate)
 
 
 def mlstm_impls(input_gate: str, chunk_sizes=(64, 128, 256), kernels=tuple(MLSTM_KERNELS), mk_chunk_sizes=(128,),
-                with_tfla: bool = True, with_tfla_detached: bool = False) -> tuple[list[OpImpl], list[str]]:
+                with_tfla: bool = True, with_tfla_detached: bool = False, with_tfla_saved: bool = False,
+                saved_kernels=()) -> tuple[list[OpImpl], list[str]]:
     """tfla.chunk_mlstm at each chunk size (unavailable entries when it is missing) and the mlstm_kernels
-    kernels of this input gate (xl kernels at each of ``mk_chunk_sizes``, limit_chunk at 64)."""
+    kernels of this input gate (xl kernels at each of ``mk_chunk_sizes``, limit_chunk at 64); with
+    ``with_tfla_saved`` tfla with ``save_states`` (L = 64), and ``saved_kernels`` (xl keys) with
+    ``recompute_states_in_bw=False``."""
     impls = [tfla_mlstm_impl(input_gate, L) for L in chunk_sizes] if with_tfla else []
     if with_tfla_detached:
         impls += [tfla_mlstm_impl(input_gate, L, detach_normalizer=True) for L in chunk_sizes]
+    if with_tfla_saved:
+        impls.append(tfla_mlstm_impl(input_gate, 64, save_states=True))
     missing = []
-    for kernel in kernels:
+    for kernel, saved in [(kk, False) for kk in kernels] + [(kk, True) for kk in saved_kernels]:
         if MLSTM_KERNELS[kernel] != input_gate:
             continue
         for L in ((64,) if kernel == "triton_limit_chunk" else mk_chunk_sizes):
-            impl = mlstm_kernels_impl(kernel, L)
+            impl = mlstm_kernels_impl(kernel, L, save_states=saved)
             if impl is None:
                 missing.append(missing_note(f"mlstm_kernels:{kernel}"))
                 break

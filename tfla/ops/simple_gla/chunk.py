@@ -43,7 +43,7 @@ class LinearAttnOptions:
 
 def chunk_simple_gla_fwd(q, k, v, g, scale, initial_state, output_final_state, chunk_size, varlen=None,
                          g_cum=None, gk_cum=None, gb=None, out_dtype=None, n_state=False, initial_n=None,
-                         normalizer=None, positive_flag=None):
+                         normalizer=None, positive_flag=None, return_states=False):
     """Plain forward: ``(o, final_state, g_cum)``; g is the log decay ``[B, T, H]`` or None.
 
     Split gates (the mLSTM): pass ``g_cum`` (query-side GQ, log2, restarting every L) with ``gk_cum``
@@ -51,7 +51,8 @@ def chunk_simple_gla_fwd(q, k, v, g, scale, initial_state, output_final_state, c
     carries the normalizer state n (v = 1; start ``initial_n``) and the call returns
     ``(o, final_state, g_cum, den, final_n)``; ``normalizer`` (``dict(lo=, eps=)``, needs ``n_state``)
     divides the output by it in the tiled kernel and ``den`` is its dot (else None). ``positive_flag``:
-    a ``PositiveFlag`` that the cumsum kernel raises when any ``g > 0``."""
+    a ``PositiveFlag`` that the cumsum kernel raises when any ``g > 0``. ``return_states``: also return the states
+    ``h [B, NT, HV, K, V]`` and ``hn`` (or None) last (at L = 64 they are the backward's ``states``)."""
     cu = varlen.cu_seqlens if varlen is not None else None
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     if g is not None:
@@ -69,14 +70,15 @@ def chunk_simple_gla_fwd(q, k, v, g, scale, initial_state, output_final_state, c
                          tile_indices=varlen.tiles(ocfg["BQ"]) if varlen is not None else None,
                          chunk_offsets=varlen.chunk_offsets if varlen is not None else None, config=ocfg,
                          gk_cum=gk_cum, gb=gb, normalizer=dict(normalizer, hn=hn) if normalizer is not None else None)
+    extra = (h, hn) if return_states else ()
     if not n_state:
-        return o, final_state, g_cum
+        return (o, final_state, g_cum) + extra
     o, den = o if normalizer is not None else (o, None)
-    return o, final_state, g_cum, den, final_n
+    return (o, final_state, g_cum, den, final_n) + extra
 
 
 def chunk_simple_gla_bwd(q, k, v, g_cum, scale, initial_state, do, dht, chunk_size, varlen=None, gk_cum=None,
-                         gb=None, dden=None, initial_n=None, dnt=None, kdot=False, need_dg=True):
+                         gb=None, dden=None, initial_n=None, dnt=None, kdot=False, need_dg=True, states=None):
     """Plain backward: ``(dq, dk, dv, dg, dh0)`` (dg None without decay; dq, dk in q's dtype, each rounded once
     from its fp32 sum in the kernel that forms it; dg fp32). ``kdot``: append ``k . dk`` per row ``[B, T, H]``
     fp32 (before rounding). ``need_dg=False`` (a constant decay: ``g_gamma``, retention): dg is None and its
@@ -86,18 +88,26 @@ def chunk_simple_gla_bwd(q, k, v, g_cum, scale, initial_state, do, dht, chunk_si
     ``dden [B, T, H]`` fp32 (with ``initial_n [N, H, K]`` or None and ``dnt [N, H, K]`` or None): the
     cotangent of the forward's normalizer dot ``den`` (``chunk_simple_gla_fwd(n_state=True)``), i.e. of
     one more value column of ones, folded into the same kernels (the scores of dq and dk gain ``dden`` per
-    row, the states carry n and dn beside S and dS); returns ``(dq, dk, dv, dg, dh0, dn0)`` then."""
+    row, the states carry n and dn beside S and dS); returns ``(dq, dk, dv, dg, dh0, dn0)`` then.
+
+    ``states``: ``(h, hn)`` from ``chunk_simple_gla_fwd(return_states=True)`` at the same L = 64 (the states every
+    64 rows, ``hn`` the normalizer's or None): no recompute. h is overwritten (dS over S): pass it once."""
     L = chunk_size
     cu = varlen.cu_seqlens if varlen is not None else None
     sub = varlen.sub_indices if varlen is not None else None
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     n_state = dden is not None
-    h_sub, _, _, *ns = chunk_state_fwd(
-        k, v, g_cum, L, initial_state=initial_state, cu_seqlens=cu,
-        chunk_offsets=varlen.sub_offsets if varlen is not None else None,
-        num_chunks=varlen.sub_indices.shape[0] if varlen is not None else None, store_every_sub_chunk=True,
-        gk_cum=gk_cum, gb=gb, n_state=n_state, initial_n=initial_n)
-    hn_sub = ns[0] if n_state else None
+    if states is not None:
+        h_sub, hn_sub = states
+        if L != SUB_CHUNK or (n_state and hn_sub is None):
+            raise ValueError(f"states (the forward's) serve chunk_size={SUB_CHUNK} and, with dden, hold hn")
+    else:
+        h_sub, _, _, *ns = chunk_state_fwd(
+            k, v, g_cum, L, initial_state=initial_state, cu_seqlens=cu,
+            chunk_offsets=varlen.sub_offsets if varlen is not None else None,
+            num_chunks=varlen.sub_indices.shape[0] if varlen is not None else None, store_every_sub_chunk=True,
+            gk_cum=gk_cum, gb=gb, n_state=n_state, initial_n=initial_n)
+        hn_sub = ns[0] if n_state else None
     tiled = dict(cu_seqlens=cu, gk_cum=gk_cum, gb=gb)
     if varlen is not None:
         tiled.update(tile_indices=varlen.tiles(output_config(L, q.shape[-1], v.shape[-1])["BQ"]),
