@@ -463,6 +463,15 @@ PY
       wait
       tail -n 4 "$OUT"/s28c_pytest_*.log
       ;;
+    s28d)
+      # call D: GDN at HEAD after the shared kernels' refactors of the fifth session (run on the CPU only then):
+      # tfla's GDN fwd+bwd rows (default, save_states), then the GDN GPU tests without FLA
+      timeout 200 python3 -m tfla bench gdn --mode fwdbwd --impls tfla --chunk-sizes 64 --no-progress --warmup 10 \
+          --rep 50 --json "$OUT/s28d_bench_gdn.json" 2>&1 | grep -E "tfla|versions|rror"
+      timeout 330 python3 -m pytest -q -p no:cacheprovider -rf -m gpu --timeout 300 -k "not fla" \
+          tests/ops/test_gated_delta_rule.py tests/ops/test_gated_delta_rule_bwd.py > "$OUT/s28d_pytest_gdn.log" 2>&1
+      tail -n 3 "$OUT/s28d_pytest_gdn.log"
+      ;;
     s27d)
       # call D: the normalizer state's gradient in its own launch: profiles, mLSTM rows vs xl_chunk_siging
       python3 -m pip install -q --no-index --no-deps --no-compile --target .site .whlm/*.whl 2>&1 | tail -2
