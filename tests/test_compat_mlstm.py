@@ -130,12 +130,21 @@ def test_tuning_knobs_accepted_and_ignored(fake):
     get_mlstm_kernel("chunkwise--triton_xl_chunk")(**x, chunk_size_inter=64, chunk_size_intra=128,
                                                    siz_b_L_parallel=64, siz_b_L_loop=64, siz_b_DH_parallel=128,
                                                    siz_b_DH_loop=64, num_warps_intra=4, num_warps_inter=4,
-                                                   num_stages_intra=1, num_stages_inter=1,
-                                                   recompute_states_in_bw=False)
+                                                   num_stages_intra=1, num_stages_inter=1)
     call = fake.calls[-1]
     assert set(call) == {"q", "k", "v", "i", "f", "input_gate", "normalize", "eps", "initial_state",
                          "output_final_state", "chunk_size", "detach_normalizer"}
     assert call["detach_normalizer"] is True  # mlstm_kernels' Triton backward convention
+
+
+@pytest.mark.parametrize("name", ["chunkwise--triton_xl_chunk", "chunkwise--triton_xl_chunk_siging"])
+def test_recompute_states_in_bw_maps_to_save_states(fake, name):
+    x = _head_first_inputs()
+    get_mlstm_kernel(name)(**x, chunk_size=128, recompute_states_in_bw=False)
+    call = fake.calls[-1]
+    assert call["save_states"] is True and call["chunk_size"] == 64  # tfla's saved states are the 64-row ones
+    get_mlstm_kernel(name)(**x, chunk_size=128)
+    assert "save_states" not in fake.calls[-1] and fake.calls[-1]["chunk_size"] == 128
 
 
 def test_input_errors(fake):

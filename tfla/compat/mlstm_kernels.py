@@ -11,10 +11,11 @@ convention of the mlstm_kernels function of that name, so that code written agai
 Only the layout is converted (tfla: ``[B, T, H, D]`` and m ``[N, H]``); h comes back as a transposed view.
 What differs from mlstm_kernels, all on purpose:
 
-- Block-size / warp / stage knobs (``chunk_size_inter``, ``siz_b_*``, ``num_warps_*``, ``num_stages_*``) and
-  ``recompute_states_in_bw`` are accepted and ignored: tfla picks its own tiles and saves what its
-  backward needs. ``chunk_size`` is passed on (tfla accepts 64, 128, 256, 512) and S need not be a multiple
-  of it (mlstm_kernels asserts that it is).
+- Block-size / warp / stage knobs (``chunk_size_inter``, ``siz_b_*``, ``num_warps_*``, ``num_stages_*``) are
+  accepted and ignored: tfla picks its own tiles. ``chunk_size`` is passed on (tfla accepts 64, 128, 256, 512)
+  and S need not be a multiple of it (mlstm_kernels asserts that it is). ``recompute_states_in_bw=False``
+  becomes tfla's ``save_states=True`` (the forward's states kept for the backward), whose forward runs at
+  ``chunk_size=64`` whatever was asked (its states are the backward's 64-row ones).
 - ``autocast_kernel_dtype``: as mlstm_kernels' ``custom_fwd(cast_inputs=...)``, inside a CUDA autocast region
   q, k, v, i, f are cast to it and tfla runs with autocast off; outside autocast it has no effect. Initial
   states keep their dtype (mlstm_kernels casts them too, and loads them back as float32).
@@ -39,7 +40,7 @@ def _to_tfla(x: torch.Tensor) -> torch.Tensor:
 
 
 def _run(q, k, v, i, f, initial_state, return_last_states, eps, chunk_size, autocast_kernel_dtype,
-         input_gate, normalize=True, detach_normalizer=True):
+         input_gate, normalize=True, detach_normalizer=True, save_states=False):
     """``detach_normalizer``: mlstm_kernels' Triton backward treats the normalizer and the max state as
     constants (TFLA paper, Appendix B.3), so its chunkwise names do here too; its parallel
     native_autograd kernel differentiates through them (exact gradient)."""
@@ -51,6 +52,8 @@ def _run(q, k, v, i, f, initial_state, return_last_states, eps, chunk_size, auto
             "output_final_state": return_last_states, "detach_normalizer": detach_normalizer}
     if chunk_size is not None:
         call["chunk_size"] = chunk_size
+    if save_states:
+        call.update(save_states=True, chunk_size=64)
     inputs = [q, k, v, i, f]
     if torch.is_autocast_enabled("cuda"):
         inputs = [x.to(autocast_kernel_dtype) if x.is_floating_point() and x.is_cuda and x.dtype != torch.float64
@@ -107,7 +110,7 @@ def mlstm_chunkwise__xl_chunk(
 ):
     """``chunkwise--triton_xl_chunk``: mLSTM with exponential input gate (module docstring for layout)."""
     return _run(q, k, v, i, f, _exp_initial_state(c_initial, n_initial, m_initial), return_last_states, eps,
-                chunk_size, autocast_kernel_dtype, "exp")
+                chunk_size, autocast_kernel_dtype, "exp", save_states=not recompute_states_in_bw)
 
 
 def mlstm_siging_chunkwise__xl_chunk(
@@ -142,7 +145,7 @@ def mlstm_siging_chunkwise__xl_chunk(
         raise ValueError("`c_initial` and `n_initial` must be given together (or neither)")
     initial_state = (c_initial, n_initial) if c_initial is not None else None
     return _run(q, k, v, i, f, initial_state, return_last_states, eps, chunk_size, autocast_kernel_dtype,
-                "sigmoid", normalize)
+                "sigmoid", normalize, save_states=not recompute_states_in_bw)
 
 
 def mlstm_chunkwise__limit_chunk(
