@@ -352,6 +352,36 @@ def test_state_bwd_in_place_of_the_states(device, poison_empty, gate, T, V, cu_l
     assert_rel_close("sds", sds.sum(3).double().cpu(), want.cpu(), 1e-6)
 
 
+@pytest.mark.parametrize("L,split", [(64, True), (64, False), (128, True)])
+def test_bwd_do_row_log2_equals_scaled_do(device, L, split):
+    """``chunk_simple_gla_bwd(do_row_log2=rl)`` (the mLSTM's dO = dh / d) gives the gradients of ``do * 2^rl``: at
+    L = 64 with split gates through the query-side gate (no scaled copy of do; the normalizer's row constant dden
+    and its states beside), elsewhere by scaling do first. Rows with rl of both signs; varlen not needed (the row
+    factor is per token)."""
+    from tfla.ops.common.chunk_state import chunk_state_bwd
+    from tfla.ops.simple_gla.chunk import chunk_simple_gla_bwd
+
+    gen = torch.Generator().manual_seed(L + split)
+    B, T, H, K, V = 1, 150, 2, 32, 48
+    q, k = (torch.randn(B, T, H, K, generator=gen).to(device) for _ in range(2))
+    v, do = (torch.randn(B, T, H, V, generator=gen).to(device) for _ in range(2))
+    g = (F.logsigmoid(torch.randn(B, T, H, generator=gen) + 2) * 0.5)
+    # log2 gates cumulative within chunks of L; the key side a little apart from the query side (the mLSTM's shape)
+    gq = torch.cat([c.cumsum(1) for c in g.split(L, 1)], 1).to(device)
+    gk = (gq - 0.3 * torch.rand(B, T, H, generator=gen).to(device)) if split else None
+    rl = (torch.randn(B, T, H, generator=gen) * 2).to(device)
+    dden = torch.randn(B, T, H, generator=gen).to(device)
+    h0 = torch.randn(B, H, K, V, generator=gen).to(device)
+    n0 = torch.randn(B, H, K, generator=gen).to(device)
+    kw = dict(gk_cum=gk, dden=dden, initial_n=n0, kdot=split)
+    got = chunk_simple_gla_bwd(q, k, v, gq, 0.6, h0, do, None, L, **kw, do_row_log2=rl)
+    want = chunk_simple_gla_bwd(q, k, v, gq, 0.6, h0, do * torch.exp2(rl)[..., None], None, L, **kw)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert_rel_close(f"output {i}", a.double().cpu(), b.double().cpu(), 1e-5)
+    with pytest.raises(ValueError, match="do_row_log2"):  # the recurrence's row factor needs dvo formed in it
+        chunk_state_bwd(q, k, None, do, do, gq, 0.6, L, do_row_log2=rl)
+
+
 def test_state_bwd_keeps_ds_apart_on_one_stage_16bit(device):
     """16-bit inputs on a one-stage launch do not take the dS-over-S path (Triton 3.6 faulted there on the H100):
     the rows of <S, dS> come back None, dS gets a buffer of its own and S is left as it was."""

@@ -324,13 +324,16 @@ def chunk_state_fwd(
 
 
 @triton.jit
-def _rowscaled_qdot(b_q, b_x, b_sr, dt: tl.constexpr, ACC: tl.constexpr, DOT_PREC: tl.constexpr):
+def _rowscaled_qdot(b_q, b_x, b_sr, dt: tl.constexpr, ACC: tl.constexpr, DOT_PREC: tl.constexpr,
+                    SPLIT: tl.constexpr = True):
     """``q^T diag(sr) x`` ([BK, BS] x [BS, C], ACC result) with the row factors kept unrounded: x sr
     split into bf16 hi + lo (about 16 mantissa bits) for bf16 inputs, two 16-bit tensor-core products
     with q as it is; an fp32 product otherwise (fp16 could underflow the split; fp32 keeps its
-    precision)."""
+    precision). SPLIT off (bf16): x sr rounded to bf16, one product."""
     b_xs = b_x.to(ACC) * b_sr.to(ACC)[:, None]
-    if dt == tl.bfloat16:
+    if dt == tl.bfloat16 and not SPLIT:
+        b_r = tl.dot(tl.trans(b_q), b_xs.to(dt), input_precision=DOT_PREC, out_dtype=ACC)
+    elif dt == tl.bfloat16:
         b_hi = b_xs.to(dt)
         b_lo = (b_xs - b_hi.to(ACC)).to(dt)
         b_r = tl.dot(tl.trans(b_q), b_hi, input_precision=DOT_PREC, out_dtype=ACC)
@@ -379,6 +382,9 @@ def _chunk_state_bwd_kernel(
     INTRA: tl.constexpr = False,
     sds=None,
     SDS: tl.constexpr = False,
+    QSPLIT: tl.constexpr = True,
+    rl=None,
+    ROWLOG: tl.constexpr = False,
 ):
     """Reverse state-gradient recurrence (DELTA: of the delta rule; otherwise of linear attention,
     where the W^T dU term is absent and dU is the whole gradient of V). ``b_dh`` is the gradient of the state
@@ -447,6 +453,8 @@ def _chunk_state_bwd_kernel(
                     b_gkey = tl.load(gk + bos * HV + i_hv + o_t * HV, mask=m_t, other=0.0)
                 else:
                     b_gkey = b_g
+                if ROWLOG:  # dO's row factor 2^rl joins the gate of its (query) rows only
+                    b_g += tl.load(rl + (bos + o_t) * HV + i_hv, mask=m_t, other=0.0)
             if INTRA:  # dvo of this sub-chunk's diagonal tile: rows s (keys), columns r >= s (queries)
                 b_a = tl.dot(b_k, tl.trans(b_q), input_precision=DOT_PREC)  # [BS, BS]
                 m_a = (o_c[:, None] <= o_c[None, :]) & m_t[:, None] & m_t[None, :]
@@ -477,7 +485,7 @@ def _chunk_state_bwd_kernel(
                 b_sr = tl.full([BS], scale, dtype=tl.float32)
             tl.store(du + p_tv, b_du.to(du.dtype.element_ty), mask=m_tv)
             # the output's q-term (scale 2^G q)^T dO with the row factor on dO's side ([BS, BV], not [BS, BK])
-            b_qt = _rowscaled_qdot(b_q, b_do, b_sr, dt, ACC, DOT_PREC)
+            b_qt = _rowscaled_qdot(b_q, b_do, b_sr, dt, ACC, DOT_PREC, QSPLIT)
             if BT > BS:
                 b_dhi += b_qt
             if SDS:  # before b_dh changes: <S, dS> rows, then dS over S. Each stored element depends on its row's
@@ -558,6 +566,10 @@ def _normalizer_state_bwd_kernel(q, g, gb, dden, dnt, dhn, dn0, cu_seqlens, sub_
         tl.store(dn0 + i_nh * K + o_k, b_dn, mask=m_k)
 
 
+QSPLIT = True  # delta rule: the q-term's row factors split hi + lo (bf16), config key ``qsplit``
+QSPLIT_LINEAR = True  # the same for linear attention (the mLSTM, simple GLA)
+
+
 def chunk_state_bwd(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -580,6 +592,7 @@ def chunk_state_bwd(
     dnt: torch.Tensor | None = None,
     h_sub: torch.Tensor | None = None,
     sds: bool = False,
+    do_row_log2: torch.Tensor | None = None,
 ):
     """State-gradient recurrence of the gated delta rule (reverse, 64-row sub-chunks, outer chunk L).
 
@@ -599,6 +612,8 @@ def chunk_state_bwd(
             one partial per value tile (for ``wy_bwd(sds_sub=..)``), or None where that path is not used (16-bit
             inputs on a one-stage launch: Triton 3.6 faults there on the H100); dh is then a new buffer and
             h_sub keeps S.
+        do_row_log2: ``[B, T, HV]`` (g_cum's dtype) or None: the output's cotangent is ``do * 2^do_row_log2`` per
+            row, applied through the query rows' gate (needs ``g_cum`` and dvo None: formed here).
     Returns:
         ``dh [B, NS, HV, K, V]`` (gradient of the state after each 64-row sub-chunk, k's dtype),
         ``du [B, T, HV, V]`` (total gradient of U = Vnew's gradient, k's dtype), ``dh0 [N, HV, K, V]``
@@ -636,6 +651,9 @@ def chunk_state_bwd(
     intra = dvo is None
     if intra and not intra_supported(chunk_size, gv_cum):
         raise ValueError("dvo=None (formed in the kernel) needs chunk_size 64 and no vector gate")
+    if do_row_log2 is not None and (not intra or g_cum is None
+                                    or tuple(do_row_log2.shape) != (B, T, HV) or not do_row_log2.is_contiguous()):
+        raise ValueError("do_row_log2 must be a contiguous [B, T, HV] tensor and needs g_cum and dvo=None")
     if n_state and (w is not None or gv_cum is not None):
         raise ValueError("the normalizer state's gradient (dden) serves linear attention with scalar gates")
     dhn = torch.empty(B, NS, HV, K, dtype=_state_acc(k.dtype), device=k.device) if n_state else None
@@ -658,6 +676,7 @@ def chunk_state_bwd(
         IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(k.dtype), ACC=acc_dtype(k.dtype),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         gv=gv_cum, VEC_G=gv_cum is not None, INTRA=intra, sds=sds_t, SDS=sds_on,
+        QSPLIT=cfg.get("qsplit", QSPLIT if w is not None else QSPLIT_LINEAR), rl=do_row_log2, ROWLOG=do_row_log2 is not None,
     )
     if n_state:
         # its own launch config (config keys n_bk, n_warps, n_stages; H100, B=8 T=8192 H=16 K=128, scripts/tune_dn.py:

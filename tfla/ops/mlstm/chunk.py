@@ -253,11 +253,13 @@ def chunk_mlstm_fwd(q, k, v, i, f, C0, n0, m0, opts: MLSTMOptions, varlen=None):
 
 
 @triton.jit
-def _normalizer_bwd_prep_kernel(dh, h, den, lo, do, sd, dden, R, eps, V: tl.constexpr, BR: tl.constexpr,
-                                BV: tl.constexpr, HAS_LO: tl.constexpr, EXACT: tl.constexpr, ACC: tl.constexpr):
+def _normalizer_bwd_prep_kernel(dh, h, den, lo, do, sd, dden, rl, R, eps, V: tl.constexpr, BR: tl.constexpr,
+                                BV: tl.constexpr, HAS_LO: tl.constexpr, EXACT: tl.constexpr, ACC: tl.constexpr,
+                                WRITE_DO: tl.constexpr):
     """Per row r of ``h = o / d`` with ``d = max(|den|, lo) + eps``: ``do = dh / d`` (the numerator's
-    cotangent), ``sd = (dh . h) / d`` and, for the exact gradient, ``dden = -sd sign(den)`` where
-    ``|den| > lo`` (else 0). One pass over dh and h instead of six PyTorch ops over [B, T, H, V]."""
+    cotangent; WRITE_DO) or ``rl = -log2 d`` (the kernels that read dh apply 1 / d as a row factor
+    through the query-side gate), ``sd = (dh . h) / d`` and, for the exact gradient, ``dden = -sd sign(den)``
+    where ``|den| > lo`` (else 0). One pass over dh and h instead of six PyTorch ops over [B, T, H, V]."""
     i_r = tl.program_id(0).to(tl.int64)
     o_r = i_r * BR + tl.arange(0, BR)
     m_r = o_r < R
@@ -271,7 +273,10 @@ def _normalizer_bwd_prep_kernel(dh, h, den, lo, do, sd, dden, R, eps, V: tl.cons
     else:
         b_lo = tl.full([BR], 1.0, dtype=ACC)
     b_d = tl.maximum(tl.abs(b_den), b_lo) + eps
-    tl.store(do + o_r[:, None] * V + o_v[None, :], (b_dh / b_d[:, None]).to(do.dtype.element_ty), mask=m)
+    if WRITE_DO:
+        tl.store(do + o_r[:, None] * V + o_v[None, :], (b_dh / b_d[:, None]).to(do.dtype.element_ty), mask=m)
+    else:
+        tl.store(rl + o_r, -tl.log2(b_d), mask=m_r)
     b_sd = tl.sum(b_dh * b_h, 1) / b_d
     tl.store(sd + o_r, b_sd, mask=m_r)
     if EXACT:
@@ -279,11 +284,13 @@ def _normalizer_bwd_prep_kernel(dh, h, den, lo, do, sd, dden, R, eps, V: tl.cons
         tl.store(dden + o_r, tl.where(tl.abs(b_den) > b_lo, -b_sd * b_sg, 0.0), mask=m_r)
 
 
-def _normalizer_bwd_prep(dh, h, den, lo, eps, exact, out_dtype):
-    """``(do [B, T, H, V] out_dtype, sd [B, T, H] fp32, dden [B, T, H] fp32 or None)``; see the kernel."""
+def _normalizer_bwd_prep(dh, h, den, lo, eps, exact, out_dtype, write_do=True):
+    """``(do, sd [B, T, H] fp32, dden [B, T, H] fp32 or None)``: ``do [B, T, H, V]`` out_dtype (``write_do``) or
+    ``rl = -log2 d [B, T, H]`` fp32 (the numerator's cotangent is then ``dh 2^rl`` per row); see the kernel."""
     B, T, H, V = dh.shape
     acc = torch.float64 if dh.dtype == torch.float64 else torch.float32
-    do = torch.empty(B, T, H, V, dtype=out_dtype, device=dh.device)
+    do = torch.empty(B, T, H, V, dtype=out_dtype, device=dh.device) if write_do else None
+    rl = None if write_do else torch.empty(B, T, H, dtype=acc, device=dh.device)
     sd = torch.empty(B, T, H, dtype=acc, device=dh.device)
     dden = torch.empty_like(sd) if exact else None
     R = B * T * H
@@ -291,9 +298,18 @@ def _normalizer_bwd_prep(dh, h, den, lo, eps, exact, out_dtype):
     BR = max(1, 4096 // BV)
     if R > 0:
         _normalizer_bwd_prep_kernel[(cdiv(R, BR),)](
-            dh, h, den, lo, do, sd, dden, R, eps, V=V, BR=BR, BV=BV, HAS_LO=lo is not None, EXACT=exact,
-            ACC=tl.float64 if acc == torch.float64 else tl.float32)
-    return do, sd, dden
+            dh, h, den, lo, do, sd, dden, rl, R, eps, V=V, BR=BR, BV=BV, HAS_LO=lo is not None, EXACT=exact,
+            ACC=tl.float64 if acc == torch.float64 else tl.float32, WRITE_DO=write_do)
+    return (do if write_do else rl), sd, dden
+
+
+DO_ROW_FACTOR = True  # the backward reads dh with 1 / d as a row factor instead of a written dO = dh / d
+# the state-gradient recurrence for 16-bit inputs: its q-term as one bf16 product (dO 2^G rounded once, no hi + lo
+# split), which lets wider value tiles run without spilling. H100, B = 8, T = 8192, H = 16, K = 128, V = 256,
+# sigmoid fwd+bwd: 8.322 -> 8.195 ms without the split (bf16 errors against float64 unchanged to 2 digits); that
+# kernel 2.638 ms at 32 columns / 4 warps (the default before), 2.20 at 64 / 4, 2.13 at 128 / 8 (exp: 2.62 / 2.39)
+# (docs/perf.md, seventh 2026-11-23 session). fp32 tiles keep the shared default (twice the shared memory)
+STATE_BWD_CONFIG = {"qsplit": False, "BV": 128, "num_warps": 8}
 
 
 def chunk_mlstm_bwd(q, k, v, i, f, C0, n0, m0, h, den, final, dh, dC, dn, dm, opts: MLSTMOptions, varlen=None,
@@ -305,13 +321,17 @@ def chunk_mlstm_bwd(q, k, v, i, f, C0, n0, m0, h, den, final, dh, dC, dn, dm, op
     seg = _Segments.build(T, varlen.cu_seqlens if varlen is not None else None, q.device)
     gt = _gates(i, f, m0, opts, seg, acc, varlen)
     gates = {"gk_cum": gt.gk, "gb": gt.gb}
-    dden = sd = None
+    dden = sd = rl = None
     if opts.normalize:
-        do, sd, dden = _normalizer_bwd_prep(dh, h, den, gt.lo if isinstance(gt.lo, torch.Tensor) else None,
-                                            opts.eps, not opts.detach_normalizer, q.dtype)
+        # DO_ROW_FACTOR: dO = dh / d is never written; its kernels read dh with the row factor 2^rl = 1 / d
+        # (chunk_simple_gla_bwd(do_row_log2=..))
+        x, sd, dden = _normalizer_bwd_prep(dh, h, den, gt.lo if isinstance(gt.lo, torch.Tensor) else None,
+                                           opts.eps, not opts.detach_normalizer, q.dtype, write_do=not DO_ROW_FACTOR)
+        do, rl = (dh, x) if DO_ROW_FACTOR else (x, None)
     else:
         do = dh.to(q.dtype)
     C0a = _c0(C0, acc)
+    sb_cfg = STATE_BWD_CONFIG if q.element_size() == 2 else None
     dn0 = None
     dC = dC.to(acc).contiguous() if dC is not None else None
     if opts.aug and (dden is not None or dn is not None or n0 is not None):
@@ -323,11 +343,13 @@ def chunk_mlstm_bwd(q, k, v, i, f, C0, n0, m0, h, den, final, dh, dC, dn, dm, op
         dq, dk, dv, dlogf, dh0, dn0, kdk = chunk_simple_gla_bwd(
             q, k, v, gt.gq, opts.scale, C0a, do.contiguous(), dC, opts.chunk_size, varlen, **gates,
             dden=dden.contiguous(), initial_n=n0.to(acc).contiguous() if n0 is not None else None,
-            dnt=dn.to(acc).contiguous() if dn is not None else None, kdot=True, states=states)
+            dnt=dn.to(acc).contiguous() if dn is not None else None, kdot=True, states=states, do_row_log2=rl,
+            state_bwd_config=sb_cfg)
     else:
         dq, dk, dv, dlogf, dh0, kdk = chunk_simple_gla_bwd(q, k, v, gt.gq, opts.scale, C0a, do.contiguous(), dC,
                                                            opts.chunk_size, varlen, **gates, kdot=True,
-                                                           states=states)
+                                                           states=states, do_row_log2=rl,
+                                                           state_bwd_config=sb_cfg)
     dC0 = dh0
     # k . dk per row (fp32, in wy_bwd): e^{ig_s} scales every use of k_s. float64 only for the max state's path
     exp = opts.input_gate == "exp"

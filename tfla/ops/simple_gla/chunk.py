@@ -78,7 +78,8 @@ def chunk_simple_gla_fwd(q, k, v, g, scale, initial_state, output_final_state, c
 
 
 def chunk_simple_gla_bwd(q, k, v, g_cum, scale, initial_state, do, dht, chunk_size, varlen=None, gk_cum=None,
-                         gb=None, dden=None, initial_n=None, dnt=None, kdot=False, need_dg=True, states=None):
+                         gb=None, dden=None, initial_n=None, dnt=None, kdot=False, need_dg=True, states=None,
+                         do_row_log2=None, state_bwd_config=None):
     """Plain backward: ``(dq, dk, dv, dg, dh0)`` (dg None without decay; dq, dk in q's dtype, each rounded once
     from its fp32 sum in the kernel that forms it; dg fp32). ``kdot``: append ``k . dk`` per row ``[B, T, H]``
     fp32 (before rounding). ``need_dg=False`` (a constant decay: ``g_gamma``, retention): dg is None and its
@@ -91,7 +92,13 @@ def chunk_simple_gla_bwd(q, k, v, g_cum, scale, initial_state, do, dht, chunk_si
     row, the states carry n and dn beside S and dS); returns ``(dq, dk, dv, dg, dh0, dn0)`` then.
 
     ``states``: ``(h, hn)`` from ``chunk_simple_gla_fwd(return_states=True)`` at the same L = 64 (the states every
-    64 rows, ``hn`` the normalizer's or None): no recompute. h is overwritten (dS over S): pass it once."""
+    64 rows, ``hn`` the normalizer's or None): no recompute. h is overwritten (dS over S): pass it once.
+
+    ``do_row_log2 [B, T, H]`` (g_cum's dtype): the output's cotangent is ``do * 2^do_row_log2`` per row (the mLSTM's
+    ``dh / d``). With split gates at L = 64 (the dual dq / dk launch and dvo in the state-gradient recurrence) no
+    scaled copy of do is made: the row factor joins the query-side gate of the dq / dk scores and the
+    recurrence's query rows (``dden`` enters those scores as ``dden 2^-do_row_log2``); elsewhere do is scaled
+    first. ``state_bwd_config``: launch / precision keys of the state-gradient recurrence (``chunk_state_bwd``)."""
     L = chunk_size
     cu = varlen.cu_seqlens if varlen is not None else None
     sub = varlen.sub_indices if varlen is not None else None
@@ -112,13 +119,25 @@ def chunk_simple_gla_bwd(q, k, v, g_cum, scale, initial_state, do, dht, chunk_si
     if varlen is not None:
         tiled.update(tile_indices=varlen.tiles(output_config(L, q.shape[-1], v.shape[-1])["BQ"]),
                      chunk_offsets=varlen.sub_offsets)
+    dual = dual_supported(L, v.shape[-1], q.shape[-1], q.dtype)
+    g_rows, row_add = g_cum, dden  # the dq / dk launch's query-side gate and row constant
+    if do_row_log2 is not None:
+        if tuple(do_row_log2.shape) != tuple(do.shape[:3]):
+            raise ValueError(f"do_row_log2 must be [B, T, H] = {tuple(do.shape[:3])}")
+        if dual and intra_supported(L) and g_cum is not None and gk_cum is not None:
+            # every use of a dO row r in those two kernels carries its query-side gate 2^GQ_r
+            g_rows = g_cum + do_row_log2
+            row_add = dden * torch.exp2(-do_row_log2) if dden is not None else None
+        else:
+            do = (do.to(acc) * torch.exp2(do_row_log2.to(acc))[..., None]).to(do.dtype)
+            do_row_log2 = None
     # at L = 64 (one diagonal tile per chunk): dvo formed inside the state-gradient recurrence, dq and dk from
     # one tiled launch (the same gated score tile)
     dvo = None if intra_supported(L) else chunk_tiled(k, q, do, g_cum, scale, L, reverse=True, **tiled)
     dq_args = dict(h=h_sub, state_every=SUB_CHUNK, state_transposed=True, rowdot_with=q, out_dtype=q.dtype,
-                   row_add=dden, row_add_n=hn_sub, **tiled)
-    if dual_supported(L, v.shape[-1], q.shape[-1], q.dtype):
-        dq, dgq, dko, dgk = chunk_tiled(do, v, k, g_cum, scale, L, dual_dtype=k.dtype, **dq_args)
+                   row_add=row_add, row_add_n=hn_sub, **tiled)
+    if dual:
+        dq, dgq, dko, dgk = chunk_tiled(do, v, k, g_rows, scale, L, dual_dtype=k.dtype, **dq_args)
     else:
         dq, dgq = chunk_tiled(do, v, k, g_cum, scale, L, **dq_args)
         dko, dgk = chunk_tiled(v, do, q, g_cum, scale, L, reverse=True, rowdot_with=k, out_dtype=k.dtype, row_add=dden,
@@ -131,7 +150,7 @@ def chunk_simple_gla_bwd(q, k, v, g_cum, scale, initial_state, do, dht, chunk_si
         q, k, None, do, dvo, g_cum, scale, L, dht=dht, need_dh0=initial_state is not None, cu_seqlens=cu,
         sub_offsets=varlen.sub_offsets if varlen is not None else None,
         num_sub_chunks=varlen.sub_indices.shape[0] if varlen is not None else None, gk_cum=gk_cum, gb=gb,
-        dden=dden, dnt=dnt, h_sub=h_sub, sds=gate_grad)
+        dden=dden, dnt=dnt, h_sub=h_sub, sds=gate_grad, do_row_log2=do_row_log2, config=state_bwd_config)
     del dvo  # not needed by wy_bwd: freed before its outputs are allocated (peak memory)
     dhn_sub, dn0 = rest[:2] if n_state else (None, None)
     sds_sub = rest[-1] if gate_grad else None
