@@ -39,6 +39,11 @@
 #   s27a     fifth 2026-11-23 session: s26a's mLSTM rows, the mLSTM fwd+bwd kernel profile at L = 128
 #   s28a / s28b / s28c  sixth 2026-11-23 session: the in-kernel normalizer backward (reverted), the mLSTM with
 #            save_states vs mlstm_kernels with / without recompute_states_in_bw, GPU tests
+#   s29a     seventh 2026-11-23 session: A/B of dO's row factor, the q-term split, wy_bwd's dW scratch (ab_flags.py);
+#            bf16 mLSTM tests with and without the split, GDN GPU tests with the scratch
+#   s29b     the mLSTM's fwd+bwd profile with both, launch shapes of its state recompute / gradient / wy_bwd
+#   s29c     the mLSTM's new state-gradient launch against neighbours, its bench rows, mLSTM / simple GLA GPU tests
+#   s29d     the same at 128 columns / 8 warps: bench rows and the mLSTM GPU tests
 #   s27d / s27e  the normalizer state's gradient in its own launch: profiles and mLSTM rows; GPU tests
 #   s26a     prepared: mLSTM bench with tfla_detached vs xl_chunk_siging, chunk_gla fwd+bwd kernel profile
 #   glavec   tfla vs FLA's chunk_gla (vector decay), FLA's autotune kept in .site's Triton cache (run twice if cut)
@@ -452,6 +457,77 @@ import tfla, functools
 tfla.chunk_mlstm = functools.partial(tfla.chunk_mlstm, save_states=True)
 sys.path.insert(0, "scripts"); import profile_ops; profile_ops.main()
 PY
+      ;;
+    s29a)
+      # seventh 2026-11-23 session, call A: A/B of this session's switches on whole fwd+bwd calls (timings alone,
+      # first), gradients of each variant against the first; then bf16 / GPU tests with the candidates, two processes
+      # (ut_transform.DW_SCRATCH, wy_bwd's dW kept from its first pass, measured slower and was removed again)
+      V_ML='rowf=;old=tfla.ops.mlstm.chunk.DO_ROW_FACTOR=False;noqs=tfla.ops.common.chunk_state.QSPLIT_LINEAR=False'
+      timeout 200 python3 scripts/ab_flags.py --ops mlstm-sig,mlstm-exp --L 128 --compare --variants "$V_ML" \
+          2>&1 | tee "$OUT/s29a_ab_mlstm.log" | grep -vi warn
+      V_GDN='base=;dws=tfla.ops.common.ut_transform.DW_SCRATCH=True;noqs=tfla.ops.common.chunk_state.QSPLIT=False'
+      timeout 150 python3 scripts/ab_flags.py --ops gdn --L 64 --compare --variants "$V_GDN" \
+          2>&1 | tee "$OUT/s29a_ab_gdn.log" | grep -vi warn
+      python3 -m pip install -q --no-index --no-deps --no-compile --target .site .whlm/*.whl 2>&1 | tail -2
+      timeout 200 python3 - > "$OUT/s29a_pytest_mlstm_bf16.log" 2>&1 <<'PY' &
+import sys, pytest
+import tfla.ops.common.chunk_state as cs
+rc = pytest.main(["-q", "-s", "-p", "no:cacheprovider", "-k", "bf16", "tests/ops/test_mlstm.py"])
+cs.QSPLIT_LINEAR = False
+print("== QSPLIT_LINEAR off")
+rc2 = pytest.main(["-q", "-s", "-p", "no:cacheprovider", "-k", "bf16", "tests/ops/test_mlstm.py"])
+sys.exit(rc or rc2)
+PY
+      timeout 240 python3 - > "$OUT/s29a_pytest_gdn_dws.log" 2>&1 <<'PY' &
+import sys, pytest
+import tfla.ops.common.ut_transform as ut
+ut.DW_SCRATCH = True
+sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", "-rf", "-k", "deterministic or (gpu_shapes and not 512)",
+                      "tests/ops/test_gated_delta_rule_bwd.py"]))
+PY
+      wait
+      grep -E "bf16 mlstm|==|passed|failed" "$OUT/s29a_pytest_mlstm_bf16.log"; tail -n 3 "$OUT/s29a_pytest_gdn_dws.log"
+      ;;
+    s29b)
+      # call B: the mLSTM with dO's row factor and one-product q-term (the defaults now): kernel profile at L = 128,
+      # then launch shapes of the backward's state recompute, the state-gradient recurrence and wy_bwd
+      python3 scripts/profile_ops.py mlstm-sig --mode fwdbwd --L 128 2>&1 | tee "$OUT/s29b_profile.log" \
+          | grep -E "==|_kernel" | head -12
+      for st in state_fwd_sub:'[{}, {"BV": 128, "num_warps": 8}, {"BV": 128, "num_warps": 4}, {"BV": 64, "num_stages": 2}]' \
+                state_fwd_out:'[{}, {"BV": 128, "num_warps": 8, "unroll": true, "num_stages": 2}, {"BV": 128, "num_warps": 8}]' \
+                state_bwd:'[{}, {"BV": 64, "num_warps": 8}, {"BV": 32, "num_stages": 3}, {"BV": 64, "num_warps": 4}]' \
+                wy_bwd:'[{}, {"BV": 128}, {"BV": 32}, {"num_warps": 8}]'; do
+        timeout 150 python3 scripts/tune_bwd_ops.py --ops mlstm-sig --L 128 --stage "${st%%:*}" --configs "${st#*:}" \
+            2>&1 | grep -vi warn | tee -a "$OUT/s29b_tune.log"
+      done
+      ;;
+    s29c)
+      # call C: the mLSTM's state-gradient recurrence at its new default (64 columns, 4 warps, no split) against
+      # neighbours; the mLSTM bench rows; then the mLSTM and simple GLA GPU tests, two processes
+      python3 -m pip install -q --no-index --no-deps --no-compile --target .site .whlm/*.whl 2>&1 | tail -2
+      timeout 150 python3 scripts/tune_bwd_ops.py --ops mlstm-sig,mlstm-exp --L 128 --stage state_bwd --configs \
+          '[{}, {"BV": 128, "num_warps": 4}, {"BV": 128, "num_warps": 8}, {"qsplit": true}]' 2>&1 | grep -vi warn \
+          | tee "$OUT/s29c_tune.log"
+      timeout 240 python3 -m tfla bench mlstm --mode fwdbwd --chunk-sizes 128 --input-gates sigmoid,exp \
+          --impls tfla,tfla_saved,xl_chunk_siging,limit_chunk --no-progress --warmup 10 --rep 50 \
+          --json "$OUT/s29c_bench_mlstm.json" 2>&1 | grep -E "tfla|xl_|limit|versions|rror"
+      timeout 300 python3 -m pytest -q -p no:cacheprovider -rf --timeout 280 tests/ops/test_mlstm.py \
+          > "$OUT/s29c_pytest_mlstm.log" 2>&1 &
+      timeout 300 python3 -m pytest -q -p no:cacheprovider -rf --timeout 280 -k "fp32 or strong or varlen" \
+          tests/ops/test_simple_gla.py > "$OUT/s29c_pytest_sgla.log" 2>&1 &
+      wait
+      tail -n 4 "$OUT"/s29c_pytest_*.log
+      ;;
+    s29d)
+      # call D: the mLSTM's state-gradient recurrence on 128-column tiles / 8 warps (16-bit inputs): bench rows,
+      # then the mLSTM GPU tests
+      python3 -m pip install -q --no-index --no-deps --no-compile --target .site .whlm/*.whl 2>&1 | tail -2
+      timeout 200 python3 -m tfla bench mlstm --mode fwdbwd --chunk-sizes 128 --input-gates sigmoid,exp \
+          --impls tfla,tfla_saved,xl_chunk_siging,limit_chunk --no-progress --warmup 10 --rep 50 \
+          --json "$OUT/s29d_bench_mlstm.json" 2>&1 | grep -E "tfla|xl_|limit|versions|rror"
+      timeout 300 python3 -m pytest -q -s -p no:cacheprovider -rf --timeout 280 tests/ops/test_mlstm.py \
+          > "$OUT/s29d_pytest_mlstm.log" 2>&1
+      grep -E "bf16 mlstm" "$OUT/s29d_pytest_mlstm.log"; tail -n 3 "$OUT/s29d_pytest_mlstm.log"
       ;;
     s28c)
       # call C: GPU tests of the mLSTM (save_states among them) and simple GLA (shared kernels untouched), two processes

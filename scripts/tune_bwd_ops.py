@@ -5,7 +5,8 @@ python scripts/tune_bwd_ops.py --ops gdn,sgla-scalar,mlstm-sig --stage state_bwd
 
 For each op (the workloads of scripts/profile_ops.py) and each config: the do_bench median of one
 forward+backward call and the profiler time of the stage's kernel per call. ``{}`` is the default.
-Stages: ``state_fwd`` / ``state_bwd`` (chunk_state.chunk_state_fwd / _bwd) and ``wy_bwd`` (ut_transform.wy_bwd), patched where
+Stages: ``state_fwd`` (``_sub``: only the backward's recompute, ``_out``: only the forward's call; the kernel
+time is that of both) / ``state_bwd`` (chunk_state.chunk_state_fwd / _bwd) and ``wy_bwd`` (ut_transform.wy_bwd), patched where
 the ops import them, so every op's call picks the config up; ``tiled``: every launch of the tiled kernel
 (forward output and the three backward products; ``chunk_output.tiled_config`` and its ``output_config``
 aliases patched), e.g. ``'[{"num_stages": 1}, {"num_stages": 2}]'``.
@@ -28,9 +29,11 @@ import tfla.ops.simple_gla.chunk as sgla  # noqa: E402
 import tfla.ops.common.chunk_output as co  # noqa: E402
 import tfla.ops.gla.chunk as gla  # noqa: E402
 
-KERNELS = {"state_fwd": "_chunk_state_fwd_kernel", "state_bwd": "_chunk_state_bwd_kernel",
+KERNELS = {"state_fwd": "_chunk_state_fwd_kernel", "state_fwd_sub": "_chunk_state_fwd_kernel",
+           "state_fwd_out": "_chunk_state_fwd_kernel", "state_bwd": "_chunk_state_bwd_kernel",
            "wy_bwd": "_gdn_wy_bwd_kernel", "tiled": "_chunk_tiled_kernel"}
-FUNCS = {"state_fwd": "chunk_state_fwd", "state_bwd": "chunk_state_bwd", "wy_bwd": "wy_bwd"}
+FUNCS = {"state_fwd": "chunk_state_fwd", "state_fwd_sub": "chunk_state_fwd", "state_fwd_out": "chunk_state_fwd",
+         "state_bwd": "chunk_state_bwd", "wy_bwd": "wy_bwd"}
 
 
 def patch(stage, cfg):
@@ -52,6 +55,10 @@ def patch(stage, cfg):
         setattr(mod, "_orig_" + name, orig)
 
         def wrapped(*a, _o=orig, **kw):
+            # state_fwd_sub / _out: only the backward's recompute (states every 64 rows) / only the forward's call
+            sub = bool(kw.get("store_every_sub_chunk"))
+            if (stage == "state_fwd_sub" and not sub) or (stage == "state_fwd_out" and sub):
+                return _o(*a, **kw)
             kw["config"] = {**(kw.get("config") or {}), **cfg}
             return _o(*a, **kw)
 

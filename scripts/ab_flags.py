@@ -1,0 +1,107 @@
+"""A/B timing of module-level switches on whole forward+backward calls (GPU).
+
+python scripts/ab_flags.py --ops mlstm-sig,gdn --L 128 \
+    --variants 'base=;rowf=tfla.ops.mlstm.chunk.DO_ROW_FACTOR=0'
+
+Each variant is ``name=module.attr=value,module.attr=value`` (values: int, float or a Python literal); every
+variant starts from the defaults of the tree, so ``base=`` is the tree as committed. Variants run in rounds
+(A B A B ...) so that a clock drift shows up as a spread, not as a difference. Per op and variant: the median
+over rounds of the do_bench medians (warmup 10 / rep 50 ms) of one forward plus ``torch.autograd.grad`` with a
+fixed random cotangent, each round's value, and the peak ``max_memory_allocated`` above the inputs. Workloads and
+calls are those of ``scripts/profile_ops.py`` (bf16).
+"""
+import argparse
+import ast
+import importlib
+import os
+import statistics
+import sys
+
+import torch
+from triton.testing import do_bench
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from profile_ops import call, inputs  # noqa: E402
+
+
+def parse_variants(spec):
+    out = []
+    for part in spec.split(";"):
+        name, _, sets = part.partition("=")
+        assigns = []
+        for a in filter(None, sets.split(",")):
+            path, _, val = a.partition("=")
+            mod, _, attr = path.rpartition(".")
+            assigns.append((mod, attr, ast.literal_eval(val)))
+        out.append((name.strip(), assigns))
+    return out
+
+
+def apply(assigns, saved):
+    for (mod, attr), val in saved.items():  # back to the tree's defaults first
+        setattr(importlib.import_module(mod), attr, val)
+    for mod, attr, val in assigns:
+        m = importlib.import_module(mod)
+        saved.setdefault((mod, attr), getattr(m, attr))
+        setattr(m, attr, val)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--ops", default="mlstm-sig")
+    p.add_argument("--L", type=int, default=64)
+    p.add_argument("--variants", required=True)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--compare", action="store_true",
+                   help="also: each variant's gradients against the first variant's (bitwise equal, or the rel. L2)")
+    a = p.parse_args()
+    variants = parse_variants(a.variants)
+    saved = {}
+    for op in a.ops.split(","):
+        x = inputs(op)
+        fn = call(op, a.L)
+        leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
+        do = torch.randn_like(fn(leaves))
+
+        def run():
+            torch.autograd.grad(fn(leaves), list(leaves.values()), do)
+
+        if a.compare:
+            ref = None
+            for name, assigns in variants:
+                apply(assigns, saved)
+                g = torch.autograd.grad(fn(leaves), list(leaves.values()), do)
+                if ref is None:
+                    ref = g
+                    continue
+                cmp = []
+                for n, x1, x0 in zip(leaves, g, ref):
+                    same = torch.equal(x1, x0)
+                    rel = float((x1.double() - x0.double()).norm() / x0.double().norm().clamp_min(1e-30))
+                    cmp.append(f"{n} {'equal' if same else f'{rel:.1e}'}")
+                print(f"{op:10s} {name} vs {variants[0][0]}: " + ", ".join(cmp), flush=True)
+            del ref, g
+            apply([], saved)
+        times = {name: [] for name, _ in variants}
+        peaks = {}
+        for r in range(a.rounds):
+            for name, assigns in variants:
+                apply(assigns, saved)
+                if r == 0:  # compile, then the peak of one call above what is allocated now
+                    run()
+                    torch.cuda.synchronize()
+                    base = torch.cuda.memory_allocated()
+                    torch.cuda.reset_peak_memory_stats()
+                    run()
+                    torch.cuda.synchronize()
+                    peaks[name] = (torch.cuda.max_memory_allocated() - base) / 2**20
+                times[name].append(do_bench(run, warmup=10, rep=50, return_mode="median"))
+        apply([], saved)
+        for name, _ in variants:
+            t = times[name]
+            print(f"{op:10s} L={a.L:<4d} {name:12s} {statistics.median(t):8.3f} ms  rounds "
+                  + " ".join(f"{v:.3f}" for v in t) + f"  peak {peaks[name]:.0f} MiB", flush=True)
+
+
+if __name__ == "__main__":
+    main()
