@@ -245,3 +245,16 @@ def test_mlstm_bf16_no_worse_than_mlstm_kernels(gate):
     print(f"\nbf16 mlstm {gate}: " + "; ".join(report))
     for n in ref:
         assert rel_l2(ours[n].cpu().double(), ref[n]) <= 1.1 * rel_l2(other[n].cpu().double(), ref[n]) + 1e-4, n
+
+
+def test_state_bwd_launch_covers_the_device():
+    """16-bit inputs: 128-column value tiles while they leave at least one program per SM (132 off the GPU), narrower
+    tiles below that (each program is a sequential chain of T / 64 steps); fp32 keeps the shared default."""
+    from tfla.ops.mlstm.chunk import _state_bwd_config
+
+    q16, q32 = torch.zeros(1, dtype=torch.bfloat16), torch.zeros(1)
+    assert _state_bwd_config(q16, 8, 16, 256)["BV"] == 128  # 256 programs
+    assert _state_bwd_config(q16, 4, 16, 256)["BV"] == 64  # 128 at 128 columns: too few
+    assert _state_bwd_config(q16, 1, 16, 256)["BV"] == 32  # the narrowest, whatever it covers
+    assert all(not _state_bwd_config(q16, n, 16, 256)["qsplit"] for n in (1, 4, 8))
+    assert _state_bwd_config(q32, 8, 16, 256) is None

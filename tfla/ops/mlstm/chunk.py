@@ -42,7 +42,7 @@ import triton.language as tl
 from tfla.ops.gated_delta_rule.chunk import VarlenIndex, _check_cotangent
 from tfla.ops.mlstm.step import INPUT_GATES, check_mlstm_options, check_mlstm_state  # noqa: F401
 from tfla.ops.common.cumsum import chunk_local_cumsum
-from tfla.ops.common.utils import cdiv, next_pow2
+from tfla.ops.common.utils import cdiv, device_sm_count, next_pow2
 from tfla.ops.simple_gla.chunk import chunk_simple_gla_bwd, chunk_simple_gla_fwd
 from tfla.utils.validation import (
     check_common,
@@ -310,6 +310,21 @@ DO_ROW_FACTOR = True  # the backward reads dh with 1 / d as a row factor instead
 # kernel 2.638 ms at 32 columns / 4 warps (the default before), 2.20 at 64 / 4, 2.13 at 128 / 8 (exp: 2.62 / 2.39)
 # (docs/perf.md, seventh 2026-11-23 session). fp32 tiles keep the shared default (twice the shared memory)
 STATE_BWD_CONFIG = {"qsplit": False, "BV": 128, "num_warps": 8}
+# narrower when that leaves fewer programs than SMs: each program is a chain of T / 64 steps, and at the TFLA paper's
+# T = 65536 (B = 1, H = 16) 128 columns give 32 programs (H100: fwd+bwd 17.54 ms, 14.48 at 32 columns in an older tree)
+STATE_BWD_NARROW = ({"qsplit": False, "BV": 64, "num_warps": 4}, {"qsplit": False, "BV": 32, "num_warps": 4})
+
+
+def _state_bwd_config(q: torch.Tensor, num_seqs: int, H: int, V: int) -> dict | None:
+    """The state-gradient recurrence's launch for 16-bit inputs (None: the shared default, fp32): the widest of
+    128 / 64 / 32 value columns whose ``num_seqs * H * cdiv(V, BV)`` programs still cover the device's SMs."""
+    if q.element_size() != 2:
+        return None
+    sms = device_sm_count(q.device.index or 0) if q.is_cuda else 132
+    for cfg in (STATE_BWD_CONFIG,) + STATE_BWD_NARROW:
+        if num_seqs * H * cdiv(V, cfg["BV"]) >= sms:
+            return cfg
+    return STATE_BWD_NARROW[-1]
 
 
 def chunk_mlstm_bwd(q, k, v, i, f, C0, n0, m0, h, den, final, dh, dC, dn, dm, opts: MLSTMOptions, varlen=None,
@@ -331,7 +346,7 @@ def chunk_mlstm_bwd(q, k, v, i, f, C0, n0, m0, h, den, final, dh, dC, dn, dm, op
     else:
         do = dh.to(q.dtype)
     C0a = _c0(C0, acc)
-    sb_cfg = STATE_BWD_CONFIG if q.element_size() == 2 else None
+    sb_cfg = _state_bwd_config(q, seg_count(seg, B), H, _V)
     dn0 = None
     dC = dC.to(acc).contiguous() if dC is not None else None
     if opts.aug and (dden is not None or dn is not None or n0 is not None):
