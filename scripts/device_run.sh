@@ -54,7 +54,7 @@
 #   newest   under that Triton (PYTHONPATH .site39 first): GPU tests (GDN fp32 shapes + determinism, simple GLA /
 #            mLSTM at L = 64), then linear attention fwd+bwd vs FLA incl. the scalar decay (FLA 0.6.0 runs its
 #            gated backward on Triton >= 3.7.1), GDN fwd+bwd vs FLA
-#   paper    tfla bench mlstm --paper (TFLA paper sweep, 65536 tokens), fwd+bwd, L = 128
+#   paper    (env PAPER_T, PAPER_IMPLS, PAPER_GATES narrow it) tfla bench mlstm --paper (TFLA paper sweep, 65536 tokens), fwd+bwd, L = 128
 #   profileops  per-kernel times of mLSTM / simple GLA / GDN calls (scripts/profile_ops.py)
 #   profile  per-stage times of tfla's forward (scripts/profile_gdn.py)
 # Results go to $OUT (logs, CSV/JSON); the last lines printed are the summary tables.
@@ -629,8 +629,8 @@ PY
       # out (it crashes Triton 3.6's compiler: README)
       for T in ${PAPER_T:-512 1024 2048 4096 8192 16384 32768 65536}; do
         python3 -m tfla bench mlstm --tokens 65536 --T $T --H 16 --K 128 --V 256 --mode fwdbwd --chunk-sizes 128 \
-            --impls tfla,xl_chunk_siging,limit_chunk --no-progress --warmup 5 --rep 20 \
-            --json "/tmp/paper_T$T.json" >> "$OUT/paper_fwdbwd.log" 2>&1
+            --impls ${PAPER_IMPLS:-tfla,xl_chunk_siging,limit_chunk} --input-gates ${PAPER_GATES:-exp,sigmoid} \
+            --no-progress --warmup 5 --rep 20 --json "/tmp/paper_T$T.json" >> "$OUT/paper_fwdbwd.log" 2>&1
         python3 -c "
 import glob, json
 rows, env = [], None
