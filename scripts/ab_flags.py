@@ -21,7 +21,7 @@ import torch
 from triton.testing import do_bench
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from profile_ops import call, inputs  # noqa: E402
+from profile_ops import fwdbwd  # noqa: E402
 
 
 def parse_variants(spec):
@@ -58,19 +58,12 @@ def main():
     variants = parse_variants(a.variants)
     saved = {}
     for op in a.ops.split(","):
-        x = inputs(op)
-        fn = call(op, a.L)
-        leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
-        do = torch.randn_like(fn(leaves))
-
-        def run():
-            torch.autograd.grad(fn(leaves), list(leaves.values()), do)
-
+        run, _, leaves, _ = fwdbwd(op, a.L)
         if a.compare:
             ref = None
             for name, assigns in variants:
                 apply(assigns, saved)
-                g = torch.autograd.grad(fn(leaves), list(leaves.values()), do)
+                g = run()
                 if ref is None:
                     ref = g
                     continue

@@ -55,6 +55,19 @@ def call(op, L):
     return lambda x: tfla.chunk_gated_delta_rule(**x, chunk_size=L)[0]
 
 
+def fwdbwd(op, L):
+    """``(run, fn, leaves, do)`` for ``op`` at chunk size L: ``run()`` is one forward plus ``torch.autograd.grad``
+    of every input with a fixed random cotangent ``do`` (the calls the timing scripts measure)."""
+    fn = call(op, L)
+    leaves = {n: t.clone().requires_grad_() for n, t in inputs(op).items()}
+    do = torch.randn_like(fn(leaves))
+
+    def run():
+        return torch.autograd.grad(fn(leaves), list(leaves.values()), do)
+
+    return run, fn, leaves, do
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("ops", nargs="+")
@@ -71,17 +84,12 @@ def main():
         for mod in (gdn, sg):
             mod.intra_supported = mod.dual_supported = lambda *args, **kw: False
     for op in a.ops:
-        x = inputs(op)
-        fn = call(op, a.L)
         if a.mode == "fwdbwd":
-            leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
-            out = fn(leaves)
-            do = torch.randn_like(out)
-
-            def run():
-                o = fn(leaves)
-                torch.autograd.grad(o, list(leaves.values()), do)
+            run = fwdbwd(op, a.L)[0]
         else:
+            x = inputs(op)
+            fn = call(op, a.L)
+
             def run():
                 with torch.no_grad():
                     fn(x)

@@ -21,7 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 from triton.testing import do_bench
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from profile_ops import call, inputs  # noqa: E402
+from profile_ops import fwdbwd  # noqa: E402
 
 import tfla.ops.gated_delta_rule.chunk as gdn  # noqa: E402
 import tfla.ops.simple_gla.chunk as sgla  # noqa: E402
@@ -78,14 +78,7 @@ def main():
         for mod in (gdn, sgla):
             mod.intra_supported = lambda *args, **kw: False
     for op in a.ops.split(","):
-        x = inputs(op)
-        fn = call(op, a.L)
-        leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
-        do = torch.randn_like(fn(leaves))
-
-        def run():
-            torch.autograd.grad(fn(leaves), list(leaves.values()), do)
-
+        run = fwdbwd(op, a.L)[0]
         for cfg in json.loads(a.configs):
             patch(a.stage, cfg)
             try:
