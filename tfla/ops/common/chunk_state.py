@@ -676,7 +676,8 @@ def chunk_state_bwd(
         IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(k.dtype), ACC=acc_dtype(k.dtype),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         gv=gv_cum, VEC_G=gv_cum is not None, INTRA=intra, sds=sds_t, SDS=sds_on,
-        QSPLIT=cfg.get("qsplit", QSPLIT if w is not None else QSPLIT_LINEAR), rl=do_row_log2, ROWLOG=do_row_log2 is not None,
+        QSPLIT=cfg.get("qsplit", QSPLIT if w is not None else QSPLIT_LINEAR), rl=do_row_log2,
+        ROWLOG=do_row_log2 is not None,
     )
     if n_state:
         # its own launch config (config keys n_bk, n_warps, n_stages; H100, B=8 T=8192 H=16 K=128, scripts/tune_dn.py:
