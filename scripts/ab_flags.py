@@ -1,7 +1,7 @@
 """A/B timing of module-level switches on whole forward+backward calls (GPU).
 
 python scripts/ab_flags.py --ops mlstm-sig,gdn --L 128 \
-    --variants 'base=;rowf=tfla.ops.mlstm.chunk.DO_ROW_FACTOR=0'
+    --variants 'base=;noqs=tfla.ops.common.chunk_state.QSPLIT_LINEAR=False'
 
 Each variant is ``name=module.attr=value,module.attr=value`` (values: int, float or a Python literal); every
 variant starts from the defaults of the tree, so ``base=`` is the tree as committed. Variants run in rounds

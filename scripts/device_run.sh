@@ -461,7 +461,8 @@ PY
     s29a)
       # seventh 2026-11-23 session, call A: A/B of this session's switches on whole fwd+bwd calls (timings alone,
       # first), gradients of each variant against the first; then bf16 / GPU tests with the candidates, two processes
-      # (ut_transform.DW_SCRATCH, wy_bwd's dW kept from its first pass, measured slower and was removed again)
+      # (ut_transform.DW_SCRATCH, wy_bwd's dW kept from its first pass, measured slower and was removed again;
+      # mlstm.chunk.DO_ROW_FACTOR, the switch back to a written dO, was removed once the row factor was the default)
       V_ML='rowf=;old=tfla.ops.mlstm.chunk.DO_ROW_FACTOR=False;noqs=tfla.ops.common.chunk_state.QSPLIT_LINEAR=False'
       timeout 200 python3 scripts/ab_flags.py --ops mlstm-sig,mlstm-exp --L 128 --compare --variants "$V_ML" \
           2>&1 | tee "$OUT/s29a_ab_mlstm.log" | grep -vi warn

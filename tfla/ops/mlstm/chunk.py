@@ -253,13 +253,11 @@ def chunk_mlstm_fwd(q, k, v, i, f, C0, n0, m0, opts: MLSTMOptions, varlen=None):
 
 
 @triton.jit
-def _normalizer_bwd_prep_kernel(dh, h, den, lo, do, sd, dden, rl, R, eps, V: tl.constexpr, BR: tl.constexpr,
-                                BV: tl.constexpr, HAS_LO: tl.constexpr, EXACT: tl.constexpr, ACC: tl.constexpr,
-                                WRITE_DO: tl.constexpr):
-    """Per row r of ``h = o / d`` with ``d = max(|den|, lo) + eps``: ``do = dh / d`` (the numerator's
-    cotangent; WRITE_DO) or ``rl = -log2 d`` (the kernels that read dh apply 1 / d as a row factor
-    through the query-side gate), ``sd = (dh . h) / d`` and, for the exact gradient, ``dden = -sd sign(den)``
-    where ``|den| > lo`` (else 0). One pass over dh and h instead of six PyTorch ops over [B, T, H, V]."""
+def _normalizer_bwd_prep_kernel(dh, h, den, lo, sd, dden, rl, R, eps, V: tl.constexpr, BR: tl.constexpr,
+                                BV: tl.constexpr, HAS_LO: tl.constexpr, EXACT: tl.constexpr, ACC: tl.constexpr):
+    """Per row r of ``h = o / d`` with ``d = max(|den|, lo) + eps``: ``rl = -log2 d`` (the numerator's cotangent
+    is ``dh / d = dh 2^rl``, applied as a row factor by the kernels that read dh), ``sd = (dh . h) / d`` and, for
+    the exact gradient, ``dden = -sd sign(den)`` where ``|den| > lo`` (else 0). One pass over dh and h."""
     i_r = tl.program_id(0).to(tl.int64)
     o_r = i_r * BR + tl.arange(0, BR)
     m_r = o_r < R
@@ -273,10 +271,7 @@ def _normalizer_bwd_prep_kernel(dh, h, den, lo, do, sd, dden, rl, R, eps, V: tl.
     else:
         b_lo = tl.full([BR], 1.0, dtype=ACC)
     b_d = tl.maximum(tl.abs(b_den), b_lo) + eps
-    if WRITE_DO:
-        tl.store(do + o_r[:, None] * V + o_v[None, :], (b_dh / b_d[:, None]).to(do.dtype.element_ty), mask=m)
-    else:
-        tl.store(rl + o_r, -tl.log2(b_d), mask=m_r)
+    tl.store(rl + o_r, -tl.log2(b_d), mask=m_r)
     b_sd = tl.sum(b_dh * b_h, 1) / b_d
     tl.store(sd + o_r, b_sd, mask=m_r)
     if EXACT:
@@ -284,13 +279,12 @@ def _normalizer_bwd_prep_kernel(dh, h, den, lo, do, sd, dden, rl, R, eps, V: tl.
         tl.store(dden + o_r, tl.where(tl.abs(b_den) > b_lo, -b_sd * b_sg, 0.0), mask=m_r)
 
 
-def _normalizer_bwd_prep(dh, h, den, lo, eps, exact, out_dtype, write_do=True):
-    """``(do, sd [B, T, H] fp32, dden [B, T, H] fp32 or None)``: ``do [B, T, H, V]`` out_dtype (``write_do``) or
-    ``rl = -log2 d [B, T, H]`` fp32 (the numerator's cotangent is then ``dh 2^rl`` per row); see the kernel."""
+def _normalizer_bwd_prep(dh, h, den, lo, eps, exact):
+    """``(rl [B, T, H], sd [B, T, H], dden [B, T, H] or None)``, fp32 (float64 for float64 dh): the numerator's
+    cotangent is ``dh 2^rl`` per row; see the kernel."""
     B, T, H, V = dh.shape
     acc = torch.float64 if dh.dtype == torch.float64 else torch.float32
-    do = torch.empty(B, T, H, V, dtype=out_dtype, device=dh.device) if write_do else None
-    rl = None if write_do else torch.empty(B, T, H, dtype=acc, device=dh.device)
+    rl = torch.empty(B, T, H, dtype=acc, device=dh.device)
     sd = torch.empty(B, T, H, dtype=acc, device=dh.device)
     dden = torch.empty_like(sd) if exact else None
     R = B * T * H
@@ -298,12 +292,11 @@ def _normalizer_bwd_prep(dh, h, den, lo, eps, exact, out_dtype, write_do=True):
     BR = max(1, 4096 // BV)
     if R > 0:
         _normalizer_bwd_prep_kernel[(cdiv(R, BR),)](
-            dh, h, den, lo, do, sd, dden, rl, R, eps, V=V, BR=BR, BV=BV, HAS_LO=lo is not None, EXACT=exact,
-            ACC=tl.float64 if acc == torch.float64 else tl.float32, WRITE_DO=write_do)
-    return (do if write_do else rl), sd, dden
+            dh, h, den, lo, sd, dden, rl, R, eps, V=V, BR=BR, BV=BV, HAS_LO=lo is not None, EXACT=exact,
+            ACC=tl.float64 if acc == torch.float64 else tl.float32)
+    return rl, sd, dden
 
 
-DO_ROW_FACTOR = True  # the backward reads dh with 1 / d as a row factor instead of a written dO = dh / d
 # the state-gradient recurrence for 16-bit inputs: its q-term as one bf16 product (dO 2^G rounded once, no hi + lo
 # split), which lets wider value tiles run without spilling. H100, B = 8, T = 8192, H = 16, K = 128, V = 256,
 # sigmoid fwd+bwd: 8.322 -> 8.195 ms without the split (bf16 errors against float64 unchanged to 2 digits); that
@@ -338,11 +331,11 @@ def chunk_mlstm_bwd(q, k, v, i, f, C0, n0, m0, h, den, final, dh, dC, dn, dm, op
     gates = {"gk_cum": gt.gk, "gb": gt.gb}
     dden = sd = rl = None
     if opts.normalize:
-        # DO_ROW_FACTOR: dO = dh / d is never written; its kernels read dh with the row factor 2^rl = 1 / d
-        # (chunk_simple_gla_bwd(do_row_log2=..))
-        x, sd, dden = _normalizer_bwd_prep(dh, h, den, gt.lo if isinstance(gt.lo, torch.Tensor) else None,
-                                           opts.eps, not opts.detach_normalizer, q.dtype, write_do=not DO_ROW_FACTOR)
-        do, rl = (dh, x) if DO_ROW_FACTOR else (x, None)
+        # dO = dh / d is not written: the kernels read dh with the row factor 2^rl = 1 / d (chunk_simple_gla_bwd
+        # (do_row_log2=..) applies it in the gates where it can, else scales a copy; H100: peak 3196 -> 2696 MiB)
+        rl, sd, dden = _normalizer_bwd_prep(dh, h, den, gt.lo if isinstance(gt.lo, torch.Tensor) else None,
+                                            opts.eps, not opts.detach_normalizer)
+        do = dh
     else:
         do = dh.to(q.dtype)
     C0a = _c0(C0, acc)
