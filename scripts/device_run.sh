@@ -41,6 +41,7 @@
 #            save_states vs mlstm_kernels with / without recompute_states_in_bw, GPU tests
 #   s29a     seventh 2026-11-23 session: A/B of dO's row factor, the q-term split, wy_bwd's dW scratch (ab_flags.py);
 #            bf16 mLSTM tests with and without the split, GDN GPU tests with the scratch
+#   s30a     eighth 2026-11-23 session: GDN's WY state terms in the dual launch (A/B, launch shapes, profile, GPU tests)
 #   s29b     the mLSTM's fwd+bwd profile with both, launch shapes of its state recompute / gradient / wy_bwd
 #   s29c     the mLSTM's new state-gradient launch against neighbours, its bench rows, mLSTM / simple GLA GPU tests
 #   s29d     the same at 128 columns / 8 warps: bench rows and the mLSTM GPU tests
@@ -488,6 +489,25 @@ sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", "-rf", "-k", "deterministi
 PY
       wait
       grep -E "bf16 mlstm|==|passed|failed" "$OUT/s29a_pytest_mlstm_bf16.log"; tail -n 3 "$OUT/s29a_pytest_gdn_dws.log"
+      ;;
+    s30a)
+      # eighth 2026-11-23 session, call A: the GDN L = 64 backward's WY state terms in the dual dq / dk launch
+      # (DUAL_WY_TERMS): A/B against the previous path, that launch's warps and the q-term split, gradients compared;
+      # wy_bwd and state-gradient launch shapes under it; kernel profile; GPU tests of the new path
+      CO=tfla.ops.common.chunk_output; CS=tfla.ops.common.chunk_state; GC=tfla.ops.gated_delta_rule.chunk
+      timeout 240 python3 scripts/ab_flags.py --ops gdn --L 64 --compare \
+          --variants "new=;old=$GC.DUAL_WY_TERMS=False;w4=$CO.WY_TERMS_WARPS=4;noqs=$CS.QSPLIT=False" \
+          2>&1 | tee "$OUT/s30a_ab.log" | grep -vi warn
+      timeout 120 python3 scripts/tune_bwd_ops.py --ops gdn --stage wy_bwd --configs \
+          '[{}, {"BK": 128}, {"num_warps": 8}, {"num_stages": 2}, {"BV": 128}]' 2>&1 | grep -vi warn \
+          | tee "$OUT/s30a_tune_wy.log"
+      timeout 120 python3 scripts/tune_bwd_ops.py --ops gdn --stage state_bwd --configs '[{}, {"qsplit": false},
+          {"qsplit": false, "BV": 128, "num_warps": 8}, {"qsplit": false, "BV": 64, "num_warps": 4},
+          {"qsplit": false, "BV": 32, "num_warps": 4}]' 2>&1 | grep -vi warn | tee "$OUT/s30a_tune_state_bwd.log"
+      timeout 90 python3 scripts/profile_ops.py gdn --mode fwdbwd --L 64 2>&1 | tee "$OUT/s30a_profile.log" \
+          | grep -E "==|_kernel" | head -14
+      timeout 200 python3 -m pytest -q -p no:cacheprovider -rf --timeout 190 -k "deterministic or (gpu_shapes and 64)" \
+          tests/ops/test_gated_delta_rule_bwd.py 2>&1 | tee "$OUT/s30a_pytest_gdn.log" | tail -n 3
       ;;
     s29b)
       # call B: the mLSTM with dO's row factor and one-product q-term (the defaults now): kernel profile at L = 128,

@@ -475,6 +475,10 @@ def _gdn_wy_bwd_kernel(
     DG: tl.constexpr = True,
     sds=None,
     NVS: tl.constexpr = 0,
+    dwp=None,
+    pst=None,
+    sdst=None,
+    PRE: tl.constexpr = False,
 ):
     """Delta-rule gradients of one 64-row sub-chunk (W = Tm X_k, U = Tm X_v, Tm = (I + A)^-1,
     Vnew = U - W S, S' = 2^(g_n) S + K^T 2^(g_n - g) Vnew):
@@ -497,7 +501,10 @@ def _gdn_wy_bwd_kernel(
     not read at all (it only enters ``<S, dS>``) and ``dgam`` is not written.
     NVS > 0 (linear attention): ``<S, dS>`` per key row comes precomputed from the state-gradient recurrence
     (``sds [B, NS, HV, NVS, K]`` fp32, one partial per value tile of that kernel, summed here) and S is not
-    read: ``h`` may then be None and ``dh`` the buffer where dS overwrote S (``chunk_state_bwd(h_sub=..)``)."""
+    read: ``h`` may then be None and ``dh`` the buffer where dS overwrote S (``chunk_state_bwd(h_sub=..)``).
+    PRE (delta rule): the state terms come precomputed (``chunk_tiled(wy_terms=..)``): dW from ``dwp``, dk_state
+    already inside ``dka``, the rows ``P_s = k_s . dk_state_s`` from ``pst`` and ``<S, dS>`` from ``sdst``; neither S
+    nor dS is read (``h``, ``dh`` unused)."""
     BS: tl.constexpr = 64
     i_s, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     i_b, i_hv = i_bh // HV, i_bh % HV
@@ -554,8 +561,11 @@ def _gdn_wy_bwd_kernel(
             o_k = i_k * BK + tl.arange(0, BK)
             m_k = o_k < K
             b_k = tl.load(p_k + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)  # [BS, BK]
-            b_dw, _, _ = _state_terms(du, v_new, h, dh, b_en, p_tv0, p_h, p_dh, o_t, m_t, o_k, m_k, V, HV, BK, BV,
-                                      True, False, DOT_PREC, ACC)
+            if PRE:
+                b_dw = tl.load(dwp + p_tk + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
+            else:
+                b_dw, _, _ = _state_terms(du, v_new, h, dh, b_en, p_tv0, p_h, p_dh, o_t, m_t, o_k, m_k, V, HV, BK, BV,
+                                          True, False, DOT_PREC, ACC)
             b_dtm = tl.dot(b_dw.to(dt), tl.trans((b_k * b_sk[:, None]).to(dt)), b_dtm, input_precision=DOT_PREC)
             b_kk = tl.dot(b_k, tl.trans(b_k), b_kk, input_precision=DOT_PREC)
         # pass over value tiles: dTm += dU X_v^T; dX_v = Tm^T dU gives dv and part of dbeta
@@ -592,26 +602,31 @@ def _gdn_wy_bwd_kernel(
         m_k = o_k < K
         m_tk = m_t[:, None] & m_k[None, :]
         b_k = tl.load(p_k + o_k[None, :], mask=m_tk, other=0.0)
-        b_dw, b_dks, b_sds_k = _state_terms(du, v_new, h, dh, b_en, p_tv0, p_h, p_dh, o_t, m_t, o_k, m_k, V, HV, BK,
-                                            BV, DELTA, True, DOT_PREC, ACC, DG and NVS == 0)
-        if DG and NVS > 0:  # <S, dS> rows from the state-gradient recurrence's value tiles
-            for i_p in range(NVS):
-                b_sds_k += tl.load(sds + ((i_sub * HV + i_hv) * NVS + i_p) * K + o_k, mask=m_k, other=0.0)
-        if N_STATE:  # the ones column of [V, 1] against [dS, dn]
-            b_dnk = tl.load(dhn + (i_sub * HV + i_hv) * K + o_k, mask=m_k, other=0.0)
-            b_dks += b_en[:, None] * b_dnk[None, :]
-            b_sds_k += tl.load(hn + (i_sub * HV + i_hv) * K + o_k, mask=m_k, other=0.0) * b_dnk
-        if DG:
-            b_sds += tl.sum(b_sds_k, 0)
-        if VEC_G:  # vector gate: dk_state gated per channel, and this key tile's dg stored here
-            b_dks = _vec_state_dg(b_dks, b_k, b_sds_k, gv, dgv, bos, i_hv, t0, T, o_t, m_t, o_k, m_k, HV, K, BT,
-                                  DOT_PREC, ACC)
+        if PRE:  # dW stored by the dual launch; dk_state is in dka already
+            b_dw = tl.load(dwp + p_tk + o_k[None, :], mask=m_tk, other=0.0)
+        else:
+            b_dw, b_dks, b_sds_k = _state_terms(du, v_new, h, dh, b_en, p_tv0, p_h, p_dh, o_t, m_t, o_k, m_k, V, HV,
+                                                BK, BV, DELTA, True, DOT_PREC, ACC, DG and NVS == 0)
+            if DG and NVS > 0:  # <S, dS> rows from the state-gradient recurrence's value tiles
+                for i_p in range(NVS):
+                    b_sds_k += tl.load(sds + ((i_sub * HV + i_hv) * NVS + i_p) * K + o_k, mask=m_k, other=0.0)
+            if N_STATE:  # the ones column of [V, 1] against [dS, dn]
+                b_dnk = tl.load(dhn + (i_sub * HV + i_hv) * K + o_k, mask=m_k, other=0.0)
+                b_dks += b_en[:, None] * b_dnk[None, :]
+                b_sds_k += tl.load(hn + (i_sub * HV + i_hv) * K + o_k, mask=m_k, other=0.0) * b_dnk
+            if DG:
+                b_sds += tl.sum(b_sds_k, 0)
+            if VEC_G:  # vector gate: dk_state gated per channel, and this key tile's dg stored here
+                b_dks = _vec_state_dg(b_dks, b_k, b_sds_k, gv, dgv, bos, i_hv, t0, T, o_t, m_t, o_k, m_k, HV, K, BT,
+                                      DOT_PREC, ACC)
         b_kf = b_k.to(ACC)
         if DELTA:
             b_dxk = tl.dot(tl.trans(b_tm), b_dw.to(dt), input_precision=DOT_PREC)  # [BS, BK]
             b_md = b_m.to(dt)
-            b_dk = b_dks + b_dxk * b_sk[:, None] + tl.dot(b_md, b_k, input_precision=DOT_PREC) \
+            b_dk = b_dxk * b_sk[:, None] + tl.dot(b_md, b_k, input_precision=DOT_PREC) \
                 + tl.dot(tl.trans(b_md), b_k, input_precision=DOT_PREC)
+            if not PRE:
+                b_dk += b_dks
             b_dxk_k = tl.sum(b_dxk * b_kf, 1)
             b_db += b_dxk_k * b_eg
             b_dxx += b_dxk_k * b_sk
@@ -620,13 +635,17 @@ def _gdn_wy_bwd_kernel(
         if ADD_DK:
             b_dk += tl.load(dka + p_tk + o_k[None, :], mask=m_tk, other=0.0).to(ACC)
         tl.store(dk + p_tk + o_k[None, :], b_dk.to(dk.dtype.element_ty), mask=m_tk)
-        b_p += tl.sum(b_kf * b_dks, 1)
+        if not PRE:
+            b_p += tl.sum(b_kf * b_dks, 1)
         if KDOT:
             b_kdk += tl.sum(b_kf * b_dk, 1)
     if DELTA:
         tl.store(dbeta + (bos + o_t) * HV + i_hv, b_db.to(dbeta.dtype.element_ty), mask=m_t)
     if KDOT:
         tl.store(kdk + (bos + o_t) * HV + i_hv, b_kdk, mask=m_t)
+    if PRE and DG:  # the state parts of the gate gradient, from the dual launch
+        b_p = tl.load(pst + (bos + o_t) * HV + i_hv, mask=m_t, other=0.0)
+        b_sds = tl.load(sdst + i_sub * HV + i_hv)
     if USE_G and DG:
         # gradient of g itself (the sub-chunk's reverse cumsum done here): for rows t <= n,
         #   dg_t = sum_{r >= t} (rowsum - colsum of dA * A + dX_k . X_k)_r + sum_{s < t} P_s + 2^(g_n) <S, dS>
@@ -665,6 +684,9 @@ def wy_bwd(
     kdot: bool = False,
     need_dg: bool = True,
     sds_sub: torch.Tensor | None = None,
+    dw: torch.Tensor | None = None,
+    pst: torch.Tensor | None = None,
+    sdst: torch.Tensor | None = None,
 ):
     """Per-64-row-sub-chunk gradients of the state recurrence: the state terms and (delta rule,
     ``ai`` given) the UT/WY backward, one kernel.
@@ -690,17 +712,26 @@ def wy_bwd(
     ``sds_sub [B, NS, HV, NV, K]`` fp32 (linear attention; ``chunk_state_bwd(.., h_sub=.., sds=True)``): the rows
     of ``<S, dS>`` per value tile, precomputed; S is then not read and ``h_sub`` may be None (``dh_sub`` is the
     buffer where dS overwrote S).
+    ``dw [B, T, HV, K]``, ``pst [B, T, HV]``, ``sdst [B, NS, HV]`` (delta rule, all three; from
+    ``chunk_tiled(wy_terms=..)``, whose dk output then holds dk_state and is passed as ``dk_add``): the state terms
+    precomputed, so S and dS are not read (``h_sub`` and ``dh_sub`` may be None).
     """
     delta = ai is not None
+    pre = dw is not None
+    if pre and (not delta or pst is None or sdst is None or dk_add is None):
+        raise ValueError("dw / pst / sdst (precomputed state terms) serve the delta rule, all three and dk_add")
     n_state = dhn_sub is not None
     if sds_sub is not None and (delta or sds_sub.dim() != 5 or sds_sub.shape[:3] != dh_sub.shape[:3]):
         raise ValueError("sds_sub [B, NS, HV, NV, K] serves linear attention (no delta rule)")
-    if h_sub is None and (delta or ((g_cum is not None or gv_cum is not None) and need_dg and sds_sub is None)):
+    if h_sub is None and not pre and (delta or ((g_cum is not None or gv_cum is not None) and need_dg
+                                                and sds_sub is None)):
         raise ValueError("h_sub is needed unless sds_sub is given or no gate gradient is (need_dg=False)")
     if n_state and (delta or gv_cum is not None or hn_sub is None):
         raise ValueError("hn_sub / dhn_sub (both) serve linear attention with scalar gates")
     B, T, H, K = k.shape
     HV, V = v_new.shape[2], v_new.shape[3]
+    if pre and (tuple(dw.shape) != (B, T, HV, K) or tuple(pst.shape) != (B, T, HV) or sdst.shape[2] != HV):
+        raise ValueError("dw [B, T, HV, K], pst [B, T, HV], sdst [B, NS, HV]")
     acc = torch.float64 if k.dtype == torch.float64 else torch.float32
     if kdot and (delta or gv_cum is not None):
         raise ValueError("kdot serves linear attention with scalar gates")
@@ -731,9 +762,11 @@ def wy_bwd(
     # 0.46 vs 0.51 ms; mLSTM B=8 V=256: 1.45 vs 1.63 ms)
     one_k = not delta and gv_cum is None and K <= 128 and k.element_size() == 2
     cfg = {"num_warps": 4, "num_stages": 3, "BK": 128 if one_k else 64, "BV": 64, **(config or {})}
-    # h_sub None: S is never read (sds_sub or no gate gradient); dh_sub stands in for the unused pointer
+    # h_sub None: S is never read (sds_sub, precomputed terms or no gate gradient); dh_sub (or, with the precomputed
+    # terms, v_new) stands in for the unused pointer
+    dh_arg = dh_sub if dh_sub is not None else v_new
     _gdn_wy_bwd_kernel[(NS, B * HV)](
-        k, v, beta, g_cum, ai, v_new, du, h_sub if h_sub is not None else dh_sub, dh_sub, dk, dv, dbeta, dgam, gk_cum,
+        k, v, beta, g_cum, ai, v_new, du, h_sub if h_sub is not None else dh_arg, dh_arg, dk, dv, dbeta, dgam, gk_cum,
         gb, cu_seqlens, sub_indices, T,
         H=H, HV=HV, K=K, V=V, BT=chunk_size, BK=min(max(16, next_pow2(K)), cfg["BK"]),
         BV=min(max(16, next_pow2(V)), cfg["BV"]), USE_G=g_cum is not None, SPLIT_G=gk_cum is not None,
@@ -743,5 +776,6 @@ def wy_bwd(
         gv=gv_cum, dgv=dgam if gv_cum is not None else None, VEC_G=gv_cum is not None,
         hn=hn_sub, dhn=dhn_sub, N_STATE=n_state, dka=dk_add, kdk=kdk, ADD_DK=dk_add is not None, KDOT=kdot,
         DG=need_dg, sds=sds_sub, NVS=sds_sub.shape[3] if sds_sub is not None else 0,
+        dwp=dw, pst=pst, sdst=sdst, PRE=pre,
     )
     return rets
