@@ -54,6 +54,8 @@ def main():
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--compare", action="store_true",
                    help="also: each variant's gradients against the first variant's (bitwise equal, or the rel. L2)")
+    p.add_argument("--determinism", type=int, default=0, metavar="N",
+                   help="also: each variant run N more times, gradients compared bitwise with its first run")
     a = p.parse_args()
     variants = parse_variants(a.variants)
     saved = {}
@@ -75,6 +77,20 @@ def main():
                 print(f"{op:10s} {name} vs {variants[0][0]}: " + ", ".join(cmp), flush=True)
             del ref, g
             apply([], saved)
+        for name, assigns in variants[:] if a.determinism else []:
+            apply(assigns, saved)
+            first = run()
+            bad = {}
+            for _ in range(a.determinism):
+                for n, x1, x0 in zip(leaves, run(), first):
+                    if not torch.equal(x1, x0):
+                        rel = float((x1.double() - x0.double()).norm() / x0.double().norm().clamp_min(1e-30))
+                        bad[n] = max(bad.get(n, 0.0), rel)
+            print(f"{op:10s} {name} determinism over {a.determinism + 1} runs: "
+                  + ("bitwise equal" if not bad else "DIFFERS " + ", ".join(f"{n} {r:.1e}" for n, r in bad.items())),
+                  flush=True)
+            del first
+        apply([], saved)
         times = {name: [] for name, _ in variants}
         peaks = {}
         for r in range(a.rounds):

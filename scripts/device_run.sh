@@ -42,6 +42,10 @@
 #   s29a     seventh 2026-11-23 session: A/B of dO's row factor, the q-term split, wy_bwd's dW scratch (ab_flags.py);
 #            bf16 mLSTM tests with and without the split, GDN GPU tests with the scratch
 #   s30a     eighth 2026-11-23 session: GDN's WY state terms in the dual launch (A/B, launch shapes, profile, GPU tests)
+#   s30b     chunk_dqkw: determinism and A/B per variant, its launch shapes, profile, GPU tests
+#   s30c     the tree's defaults: determinism, A/B, GPU tests with bf16 vs FLA (split on / off), rows vs FLA / FlashQLA
+#   s30d     wy_bwd's K K^T from a transposed load (pipelined) vs one stage; rows vs FLA, then FlashQLA
+#   s30e     the final tree's fwd+bwd rows vs FLA at T = 32768
 #   s29b     the mLSTM's fwd+bwd profile with both, launch shapes of its state recompute / gradient / wy_bwd
 #   s29c     the mLSTM's new state-gradient launch against neighbours, its bench rows, mLSTM / simple GLA GPU tests
 #   s29d     the same at 128 columns / 8 warps: bench rows and the mLSTM GPU tests
@@ -89,6 +93,8 @@ EOF
           python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target .site $d/*.whl 2>&1 | grep -v "already exists" | tail -3
         fi
       done
+      # a z3 wheel carried without its duplicate libz3.so (size): the name Python loads, as a link to the soname
+      if [ -f .site/z3/lib/libz3.so.4.15 ] && [ ! -e .site/z3/lib/libz3.so ]; then ln -s libz3.so.4.15 .site/z3/lib/libz3.so; fi
       python3 -c "import fla; print('fla', fla.__version__)" 2>&1 | tail -1
       python3 -c "import flash_qla; print('flash_qla', flash_qla.__version__)" 2>&1 | tail -1
       ;;
@@ -508,6 +514,80 @@ PY
           | grep -E "==|_kernel" | head -14
       timeout 200 python3 -m pytest -q -p no:cacheprovider -rf --timeout 190 -k "deterministic or (gpu_shapes and 64)" \
           tests/ops/test_gated_delta_rule_bwd.py 2>&1 | tee "$OUT/s30a_pytest_gdn.log" | tail -n 3
+      ;;
+    s30b)
+      # call B: chunk_dqkw (dq, dk, dW and the state parts of dg in one launch after the recurrence, key tiles in the
+      # grid): determinism per variant, A/B against the previous path, wy_bwd stages, the q-term split; launch
+      # shapes; kernel profile; GPU tests
+      CS=tfla.ops.common.chunk_state; GC=tfla.ops.gated_delta_rule.chunk; UT=tfla.ops.common.ut_transform
+      DQ=tfla.ops.common.chunk_dqkw
+      timeout 300 python3 scripts/ab_flags.py --ops gdn --L 64 --compare --determinism 2 --variants \
+          "new=;wy2=$UT.WY_BWD_STAGES=2;wy1=$UT.WY_BWD_STAGES=1;dq1=$DQ.DQKW_STAGES=1;old=$GC.DQKW=False;noqs=$CS.QSPLIT=False" \
+          2>&1 | tee "$OUT/s30b_ab.log" | grep -vi warn
+      timeout 150 python3 scripts/tune_bwd_ops.py --ops gdn --stage dqkw --configs '[{}, {"num_warps": 8},
+          {"num_stages": 3}, {"BV": 32}, {"BV": 128}, {"BK": 32}]' 2>&1 | grep -vi warn | tee "$OUT/s30b_tune_dqkw.log"
+      timeout 90 python3 scripts/profile_ops.py gdn --mode fwdbwd --L 64 2>&1 | tee "$OUT/s30b_profile.log" \
+          | grep -E "==|_kernel" | head -14
+      timeout 150 python3 -m pytest -q -p no:cacheprovider -rf --timeout 140 -k "deterministic or (gpu_shapes and 64)" \
+          tests/ops/test_gated_delta_rule_bwd.py 2>&1 | tee "$OUT/s30b_pytest_gdn.log" | tail -n 3
+      ;;
+    s30c)
+      # call C (carried: .whl fla-core, .whlb tilelang and its needs, flash-qla, z3 without its duplicate library):
+      # the tree's defaults (chunk_dqkw, wy_bwd at one stage with the precomputed terms): determinism and A/B against
+      # the previous path and the split-free q-term; GPU tests incl. bf16 vs FLA with the split on and off; fwd+bwd
+      # rows vs FLA and FlashQLA at T = 8192 and 32768, the split-free tfla rows beside them
+      bash scripts/device_run.sh peers
+      CS=tfla.ops.common.chunk_state; GC=tfla.ops.gated_delta_rule.chunk
+      timeout 200 python3 scripts/ab_flags.py --ops gdn --L 64 --compare --determinism 2 --variants \
+          "new=;noqs=$CS.QSPLIT=False;old=$GC.DQKW=False" 2>&1 | tee "$OUT/s30c_ab.log" | grep -vi warn
+      timeout 280 python3 - > "$OUT/s30c_pytest_gdn.log" 2>&1 <<'PY'
+import sys, pytest
+import tfla.ops.common.chunk_state as cs
+args = ["-q", "-s", "-p", "no:cacheprovider", "-rf", "tests/ops/test_gated_delta_rule_bwd.py"]
+rc = pytest.main(args + ["-k", "deterministic or (gpu_shapes and 64) or (bf16 and (64 or 256))"])
+cs.QSPLIT = False
+print("== QSPLIT off")
+rc2 = pytest.main(args + ["-k", "deterministic or (bf16 and (64 or 256))"])
+sys.exit(rc or rc2)
+PY
+      grep -E "bf16 bwd|==|passed|failed" "$OUT/s30c_pytest_gdn.log"
+      timeout 200 python3 -m tfla bench gdn --mode fwdbwd --impls tfla,fla,flashqla --chunk-sizes 64,64s --T 8192,32768 \
+          --no-progress --warmup 10 --rep 50 --json "$OUT/s30c_bench_gdn.json" 2>&1 | tee "$OUT/s30c_bench_gdn.log" \
+          | grep -E "tfla|fla|qla|versions|rror" | head -20
+      timeout 100 python3 -c "import sys, tfla.ops.common.chunk_state as cs; cs.QSPLIT = False; from tfla.cli import main
+sys.exit(main(sys.argv[1:]))" bench gdn --mode fwdbwd --impls tfla --chunk-sizes 64 --T 8192,32768 --no-progress \
+          --warmup 10 --rep 50 --json "$OUT/s30c_bench_gdn_noqs.json" 2>&1 | grep -E "tfla|rror" | head -6
+      ;;
+    s30d)
+      # call D (carried as s30c): K K^T from a second, transposed load of k in wy_bwd (WY_KT_LOAD), pipelined again,
+      # against the one-stage default: determinism and A/B; fwd+bwd rows vs FLA (T = 8192, 32768); GPU tests of the
+      # candidate (determinism, fp32, bf16 vs FLA at L = 64); FlashQLA's row last (its TileLang compile is long).
+      # (WY_KT_LOAD varied run to run as well and was removed again after this call)
+      bash scripts/device_run.sh peers
+      UT=tfla.ops.common.ut_transform
+      timeout 150 python3 scripts/ab_flags.py --ops gdn --L 64 --compare --determinism 3 --variants \
+          "new=;kt3=$UT.WY_KT_LOAD=True,$UT.WY_BWD_STAGES_PRE=3;kt2=$UT.WY_KT_LOAD=True,$UT.WY_BWD_STAGES_PRE=2" \
+          2>&1 | tee "$OUT/s30d_ab.log" | grep -vi warn
+      timeout 200 python3 -m tfla bench gdn --mode fwdbwd --impls tfla,fla --chunk-sizes 64,64s --T 8192,32768 \
+          --no-progress --warmup 10 --rep 50 --json "$OUT/s30d_bench_gdn.json" 2>&1 | grep -v TileLang \
+          | tee "$OUT/s30d_bench_gdn.log" | grep -E "tfla|fla|versions|rror" | head -12
+      timeout 150 python3 - > "$OUT/s30d_pytest_kt.log" 2>&1 <<'PY'
+import sys, pytest
+import tfla.ops.common.ut_transform as ut
+ut.WY_KT_LOAD, ut.WY_BWD_STAGES_PRE = True, 3
+sys.exit(pytest.main(["-q", "-s", "-p", "no:cacheprovider", "-rf", "tests/ops/test_gated_delta_rule_bwd.py", "-k",
+                      "deterministic or (gpu_shapes and 64) or (bf16 and 64)"]))
+PY
+      grep -E "bf16 bwd|passed|failed" "$OUT/s30d_pytest_kt.log"
+      timeout 200 python3 -m tfla bench gdn --mode fwdbwd --impls flashqla --T 8192 --no-progress --warmup 10 --rep 50 \
+          --json "$OUT/s30d_bench_qla.json" 2>&1 | grep -v TileLang | tee "$OUT/s30d_bench_qla.log" | grep -E "qla|rror"
+      ;;
+    s30e)
+      # call E: the final tree's fwd+bwd rows vs FLA at T = 32768 (the previous calls' FLA rows stop at 8192)
+      bash scripts/device_run.sh peers
+      timeout 420 python3 -m tfla bench gdn --mode fwdbwd --impls tfla,fla --chunk-sizes 64,64s --T 32768 \
+          --no-progress --warmup 10 --rep 50 --json "$OUT/s30e_bench_gdn.json" > "$OUT/s30e_bench_gdn.log" 2>&1
+      grep -v TileLang "$OUT/s30e_bench_gdn.log" | grep -E "tfla|fla|versions|rror" | head -12
       ;;
     s29b)
       # call B: the mLSTM with dO's row factor and one-product q-term (the defaults now): kernel profile at L = 128,

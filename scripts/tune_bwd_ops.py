@@ -5,7 +5,7 @@ python scripts/tune_bwd_ops.py --ops gdn,sgla-scalar,mlstm-sig --stage state_bwd
 
 For each op (the workloads of scripts/profile_ops.py) and each config: the do_bench median of one
 forward+backward call and the profiler time of the stage's kernel per call. ``{}`` is the default.
-Stages: ``state_fwd`` (``_sub``: only the backward's recompute, ``_out``: only the forward's call; the kernel
+Stages: ``dqkw`` (chunk_dqkw.chunk_dqkw_bwd, GDN), ``state_fwd`` (``_sub``: only the backward's recompute, ``_out``: only the forward's call; the kernel
 time is that of both) / ``state_bwd`` (chunk_state.chunk_state_fwd / _bwd) and ``wy_bwd`` (ut_transform.wy_bwd), patched where
 the ops import them, so every op's call picks the config up; ``tiled``: every launch of the tiled kernel
 (forward output and the three backward products; ``chunk_output.tiled_config`` and its ``output_config``
@@ -31,9 +31,9 @@ import tfla.ops.gla.chunk as gla  # noqa: E402
 
 KERNELS = {"state_fwd": "_chunk_state_fwd_kernel", "state_fwd_sub": "_chunk_state_fwd_kernel",
            "state_fwd_out": "_chunk_state_fwd_kernel", "state_bwd": "_chunk_state_bwd_kernel",
-           "wy_bwd": "_gdn_wy_bwd_kernel", "tiled": "_chunk_tiled_kernel"}
+           "wy_bwd": "_gdn_wy_bwd_kernel", "tiled": "_chunk_tiled_kernel", "dqkw": "_gdn_dqkw_kernel"}
 FUNCS = {"state_fwd": "chunk_state_fwd", "state_fwd_sub": "chunk_state_fwd", "state_fwd_out": "chunk_state_fwd",
-         "state_bwd": "chunk_state_bwd", "wy_bwd": "wy_bwd"}
+         "state_bwd": "chunk_state_bwd", "wy_bwd": "wy_bwd", "dqkw": "chunk_dqkw_bwd"}
 
 
 def patch(stage, cfg):
@@ -51,6 +51,8 @@ def patch(stage, cfg):
         return
     name = FUNCS[stage]
     for mod in (gdn, sgla):
+        if not hasattr(mod, name):  # e.g. chunk_dqkw_bwd: the delta rule only
+            continue
         orig = getattr(mod, "_orig_" + name, None) or getattr(mod, name)
         setattr(mod, "_orig_" + name, orig)
 

@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tfla.ops.common.chunk_state import _sequence_slots
+from tfla.ops.common.chunk_state import _sequence_slots, _tile_of
 from tfla.ops.common.utils import acc_dtype, cdiv, dot_precision, next_pow2, prepare_chunk_indices, seqlens_to_list
 
 
@@ -277,31 +277,6 @@ def _vec_diag_steps(b_o, b_a, p_b, p_c, p_gv, s_gv, b_gvq, t_q0, o_tq, m_tq, m_a
 
 
 @triton.jit
-def _dual_state_terms(p_b, h, dh, p_g, pst, sdst, b_gq, b_k, bos, boh, i_hv, i_ch, t_q0, o_tq, m_tq, o_a, m_a, o_c,
-                      m_c, T, HV: tl.constexpr, HB: tl.constexpr, DA: tl.constexpr, DC: tl.constexpr,
-                      H_SA: tl.constexpr, H_SC: tl.constexpr, HS: tl.constexpr, BT: tl.constexpr, BQ: tl.constexpr,
-                      USE_G: tl.constexpr, DOT_PREC: tl.constexpr, ACC: tl.constexpr):
-    """The delta rule's state terms of one 64-row chunk for the dual launch (a = dO, b = Vnew, c = k; S and dS
-    the chunk's start state and the gradient of the state after it, read as S^T / dS^T tiles ``[V, K]``):
-    returns ``dk_state = 2^(G_n - G_s) Vnew_s dS^T`` ``[BQ, K]`` (n the chunk's last row) and stores its row dots
-    ``P_s = k_s . dk_state_s`` (``pst [B, T, HV]``) and ``<S, dS>`` (``sdst``, one value per chunk and head), the
-    two state parts of the gate gradient that ``wy_bwd(dw=..)`` then reads instead of S and dS."""
-    dt = b_k.dtype
-    p_s = ((boh + i_ch * (BT // HS)) * HV + i_hv) * DA * DC + o_a[:, None] * H_SA + o_c[None, :] * H_SC
-    m_ac = m_a[:, None] & m_c[None, :]
-    b_dst = tl.load(dh + p_s, mask=m_ac, other=0.0)  # [BA, BC]: dS^T
-    b_vn = tl.load(p_b + o_tq[:, None] * (HB * DA), mask=m_tq[:, None] & m_a[None, :], other=0.0)  # [BQ, BA]
-    if USE_G:
-        b_gn = tl.load(p_g + (tl.minimum(t_q0 + BQ, T) - 1) * HV)
-        b_vn = (b_vn * tl.exp2(tl.where(m_tq, b_gn - b_gq, float("-inf")))[:, None]).to(dt)
-    b_dks = tl.dot(b_vn, b_dst.to(dt), input_precision=DOT_PREC)  # [BQ, BC]
-    tl.store(pst + (bos + o_tq) * HV + i_hv, tl.sum(b_k.to(ACC) * b_dks, 1), mask=m_tq)
-    b_s = tl.load(h + p_s, mask=m_ac, other=0.0)
-    tl.store(sdst + (boh + i_ch * (BT // HS)) * HV + i_hv, tl.sum(tl.sum(b_s.to(ACC) * b_dst.to(ACC), 1), 0))
-    return b_dks
-
-
-@triton.jit
 def _chunk_tiled_kernel(
     a,
     b,
@@ -358,19 +333,10 @@ def _chunk_tiled_kernel(
     xdot2=None,
     DUAL: tl.constexpr = False,
     VEC_F32: tl.constexpr = 0,
-    du=None,
-    dh=None,
-    dw=None,
-    pst=None,
-    sdst=None,
-    WY_TERMS: tl.constexpr = False,
 ):
     i_c_, i_t, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
     i_b, i_hv = i_bh // HV, i_bh % HV
-    i_n = i_b
-    if IS_VARLEN:
-        i_n = tl.load(tile_indices + i_t * 2).to(tl.int64)
-        i_t = tl.load(tile_indices + i_t * 2 + 1).to(tl.int64)
+    i_n, i_t = _tile_of(tile_indices, i_t, i_b, IS_VARLEN)
     bos, T, boh = _sequence_slots(cu_seqlens, chunk_offsets, i_n, T, HS, IS_VARLEN)
     t_q0 = i_t * BQ
     i_ch = t_q0 // BT  # outer chunk of this tile
@@ -428,12 +394,6 @@ def _chunk_tiled_kernel(
         p_h = h + ((boh + i_ch * (BT // HS)) * HV + i_hv) * DA * DC + o_a[:, None] * H_SA + o_c[None, :] * H_SC
         if BAS == BA:
             b_st = tl.load(p_h, mask=m_a[:, None] & m_c[None, :], other=0.0).to(dt)  # [BA, BC]
-            if WY_TERMS:  # the delta rule's dW = -dU S^T from the same S^T tile, stored at once (Vnew = U - W S)
-                p_tw = (bos * HV + i_hv) * DA + o_tq[:, None] * (HV * DA) + o_a[None, :]
-                b_du = tl.load(du + p_tw, mask=m_tq[:, None] & m_a[None, :], other=0.0)  # [BQ, BA]
-                b_dw = -tl.dot(b_du.to(dt), b_st, input_precision=DOT_PREC)
-                tl.store(dw + (bos * HV + i_hv) * DC + o_tq[:, None] * (HV * DC) + o_c[None, :],
-                         b_dw.to(dw.dtype.element_ty), mask=m_tq[:, None] & m_c[None, :])
             b_o = tl.dot(b_a, b_st, input_precision=DOT_PREC)  # [BQ, BC]
         else:  # the contraction in BAS-wide pieces (fp32 states of 256 x 256 do not fit shared memory)
             b_o = tl.zeros([BQ, BC], dtype=ACC)
@@ -579,15 +539,9 @@ def _chunk_tiled_kernel(
     if DUAL:  # the reverse form from the same gated scores (one diagonal tile, BT = BQ = BKV, ROWDOT): with
         # a = dO, b = Vnew, c = k, x = q it is dk_s = scale sum_{r >= s} P_rs q_r, with its row dot with k (the
         # c tile's rows) without the r = s terms, then those terms (the same a_r . b_r and diagonal gate)
-        if WY_TERMS:  # dk's state term first (and its parts of the gate gradient): fewer live tiles below
-            b_dks = _dual_state_terms(p_b, h, dh, p_g, pst, sdst, b_gq, b_cd, bos, boh, i_hv, i_ch, t_q0, o_tq, m_tq,
-                                      o_a, m_a, o_c, m_c, T, HV, HB, DA, DC, H_SA, H_SC, HS, BT, BQ, USE_G, DOT_PREC,
-                                      ACC)
         b_o = tl.dot(tl.trans(b_ps), b_xr.to(dt), input_precision=DOT_PREC) * scale
         tl.store(xdot2 + (bos + o_tq) * HV + i_hv, tl.sum(b_cd.to(ACC) * b_o, 1), mask=m_tq)
-        b_o += (scale * b_sd)[:, None] * b_xr.to(ACC)
-        if WY_TERMS:
-            b_o += b_dks
+        b_o += (scale * b_sd)[:, None] * b_x
         tl.store(out2 + (bos * HV + i_hv) * DC + o_tq[:, None] * (HV * DC) + o_c[None, :],
                  b_o.to(out2.dtype.element_ty), mask=m_tq[:, None] & m_c[None, :])
 
@@ -626,17 +580,6 @@ def dual_supported(chunk_size: int, DA: int, DC: int, dtype: torch.dtype, config
     return cfg["BQ"] == cfg["BKV"] == chunk_size
 
 
-WY_TERMS_WARPS = 8
-
-
-def wy_terms_supported(K: int, V: int, dtype: torch.dtype) -> bool:
-    """Whether the dual launch can also form the delta rule's state terms (``chunk_tiled(wy_terms=..)``): head dims
-    up to 128 (one S and one dS tile of ``[V, K]`` per program; at 256 they would need 2 x 128 KiB of shared memory
-    in 16-bit)."""
-    return max(next_pow2(K), next_pow2(V)) <= 128 and dtype in (torch.float16, torch.bfloat16, torch.float32,
-                                                                torch.float64)
-
-
 def chunk_tiled(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -662,7 +605,6 @@ def chunk_tiled(
     row_add: torch.Tensor | None = None,
     row_add_n: torch.Tensor | None = None,
     dual_dtype: torch.dtype | None = None,
-    wy_terms: tuple | None = None,
 ):
     """The tiled chunk product (module docstring) for ``a, b: [B, T, *, DA]``, ``c: [B, T, *, DC]``
     (each with H or HV heads), ``g_cum [B, T, HV]``; output ``[B, T, HV, DC]``.
@@ -697,12 +639,6 @@ def chunk_tiled(
     the reverse form ``rev(a=b, b=a, c=rowdot_with)`` of the same call and its row dot with ``c``, from the same
     gated score tile (dq and dk in one launch: ``fwd(dO, Vnew, k; x=q)`` gives dk = ``rev(Vnew, dO, q; x=k)``);
     returns ``(out, rowdot, out2, rowdot2)`` then, ``out2 [B, T, HV, DC]`` in ``dual_dtype``.
-    ``wy_terms = (du, dh, dw)`` (dual, the delta rule's dq / dk: a = dO, b = Vnew, c = k, x = q, ``h`` the 64-row
-    states): also the state terms of the delta rule's backward from the same S tiles, which ``wy_bwd(dw=..)`` then
-    needs no S or dS for: ``dw [B, T, HV, K]`` (written) gets ``-dU S^T`` (du ``[B, T, HV, V]``, the gradient of
-    Vnew), out2 gets ``+ 2^(G_n - G_s) Vnew dS^T`` (dh: the state gradients after each chunk, as h), and two more
-    tensors are returned: ``pst [B, T, HV]`` fp32 (the rows' ``k . dk_state``) and ``sdst [B, NS, HV]`` fp32
-    (``<S, dS>`` per chunk; ``[1, NS, HV]`` varlen).
     Returns ``out``, ``(out, rowdot)`` or ``(out, den)``.
     """
     B, T, HA, DA = a.shape
@@ -750,19 +686,6 @@ def chunk_tiled(
         raise ValueError("dual_dtype needs the forward form with rowdot_with, no vector gate or normalizer, "
                          "one diagonal tile per chunk (BQ = BKV = chunk_size) and c, rowdot_with of one head count")
     out2 = torch.empty(B, T, HV, DC, dtype=dual_dtype, device=a.device) if dual else None
-    pst = sdst = None
-    if wy_terms is not None:
-        du, dh, dw = wy_terms
-        if not (config and "num_warps" in config):
-            cfg["num_warps"] = WY_TERMS_WARPS
-        if not dual or h is None or not state_transposed or (state_every or chunk_size) != chunk_size or bas != BA \
-                or gk_cum is not None or gb is not None or row_add is not None:
-            raise ValueError("wy_terms needs the dual launch with the transposed 64-row states (dq / dk of the "
-                             "delta rule), a scalar or no gate and state tiles in one piece")
-        if tuple(du.shape) != (B, T, HV, DA) or tuple(dh.shape) != tuple(h.shape) or tuple(dw.shape) != (B, T, HV, DC):
-            raise ValueError("wy_terms: du [B, T, HV, V], dh as h, dw [B, T, HV, K]")
-        pst = torch.empty(B, T, HV, dtype=acc, device=a.device)
-        sdst = torch.empty(h.shape[:3], dtype=acc, device=a.device)
     xdot2 = torch.empty(B, T, HV, dtype=acc, device=a.device) if dual else None
     # VEC_F32 (16-bit inputs, vector gate): 1 keeps the gated operands and the scores they meet in fp32 (TF32
     # products), 2 also the scores of the reverse VEC_G = 1 form (dv: scores x dO, which FLA forms in fp32)
@@ -786,12 +709,10 @@ def chunk_tiled(
             NORM=0 if normalizer is None else (2 if norm.get("lo") is not None else 1), BAS=bas,
             gv=gv_cum, VEC_G=vec, VEC_ROWDOT=bool(vec) and rowdot_with is not None, add=row_add, ROWADD=rowadd,
             VEC_SPAN=cfg.get("VEC_SPAN", 0), out2=out2, xdot2=xdot2, DUAL=dual, VEC_F32=vec_f32,
-            du=wy_terms[0] if wy_terms else None, dh=wy_terms[1] if wy_terms else None, dw=wy_terms[2] if wy_terms
-            else None, pst=pst, sdst=sdst, WY_TERMS=wy_terms is not None,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
     if dual:
-        return (out, xdot, out2, xdot2) + ((pst, sdst) if wy_terms is not None else ())
+        return out, xdot, out2, xdot2
     if rowdot_with is not None:
         return out, xdot
     return (out, den) if normalizer is not None else out

@@ -108,6 +108,17 @@ def _vec_decays(gv, bos, i_hv, t0, T, o_t, m_t, o_k, m_k, HV: tl.constexpr, K: t
 
 
 @triton.jit
+def _tile_of(tile_indices, i_t, i_b, IS_VARLEN: tl.constexpr):
+    """The sequence and the tile within it of program row ``i_t``: ``(i_b, i_t)`` for B equal sequences, else the
+    (sequence, tile) pair of the varlen table."""
+    i_n = i_b
+    if IS_VARLEN:
+        i_n = tl.load(tile_indices + i_t * 2).to(tl.int64)
+        i_t = tl.load(tile_indices + i_t * 2 + 1).to(tl.int64)
+    return i_n, i_t
+
+
+@triton.jit
 def _sequence_slots(cu_seqlens, offsets, i_n, T, SLOT: tl.constexpr, IS_VARLEN: tl.constexpr):
     """Sequence i_n's first token ``bos``, its length ``T`` and its first state slot ``boh`` for states stored
     every SLOT rows (varlen: the offsets table of that slot size; else B equal sequences of length T)."""

@@ -660,6 +660,14 @@ def _gdn_wy_bwd_kernel(
         tl.store(dgam + (bos + o_t) * HV + i_hv, b_dg, mask=m_t)
 
 
+WY_BWD_STAGES = 3  # pipeline stages of wy_bwd's key / value loops (config key num_stages)
+# with the state terms precomputed (dw given) the key loops hold only loads and two products each, so Triton
+# pipelines them; under Triton 3.6 on the H100 (bf16) that gave a wrong, run-to-run varying K K^T (dbeta and dg
+# differed between identical calls by ~2e-2 rel. L2 at 2 and 3 stages, dk / dv bitwise equal; docs/perf.md,
+# 2026-11-23 eighth session; also with K^T from a second, transposed load of k). One stage was bitwise reproducible
+WY_BWD_STAGES_PRE = 1
+
+
 def wy_bwd(
     k: torch.Tensor,
     v: torch.Tensor | None,
@@ -761,7 +769,8 @@ def wy_bwd(
     # linear attention (no WY part) at K <= 128, 16-bit: one 128-wide key tile (H100, B=4 T=8192 H=16 K=V=128:
     # 0.46 vs 0.51 ms; mLSTM B=8 V=256: 1.45 vs 1.63 ms)
     one_k = not delta and gv_cum is None and K <= 128 and k.element_size() == 2
-    cfg = {"num_warps": 4, "num_stages": 3, "BK": 128 if one_k else 64, "BV": 64, **(config or {})}
+    stages = WY_BWD_STAGES_PRE if pre else WY_BWD_STAGES
+    cfg = {"num_warps": 4, "num_stages": stages, "BK": 128 if one_k else 64, "BV": 64, **(config or {})}
     # h_sub None: S is never read (sds_sub, precomputed terms or no gate gradient); dh_sub (or, with the precomputed
     # terms, v_new) stands in for the unused pointer
     dh_arg = dh_sub if dh_sub is not None else v_new

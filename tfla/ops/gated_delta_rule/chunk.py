@@ -18,13 +18,8 @@ import dataclasses
 
 import torch
 
-from tfla.ops.common.chunk_output import (
-    chunk_output_fwd,
-    chunk_tiled,
-    dual_supported,
-    output_config,
-    wy_terms_supported,
-)
+from tfla.ops.common.chunk_dqkw import chunk_dqkw_bwd
+from tfla.ops.common.chunk_output import chunk_output_fwd, chunk_tiled, dual_supported, output_config
 from tfla.ops.common.chunk_state import chunk_state_bwd, chunk_state_fwd, intra_supported
 from tfla.ops.common.cumsum import chunk_local_cumsum
 from tfla.ops.common.utils import RCP_LN2, SUB_CHUNK, prepare_chunk_indices, prepare_chunk_offsets, seqlens_to_list
@@ -44,10 +39,10 @@ from tfla.utils.validation import (
 DEFAULT_CHUNK_SIZE = 64
 # form W and U inside the state kernel from Tm (saves their HBM round trip) instead of a WY kernel
 WY_IN_STATE = False
-# L = 64 backward: the state terms of the WY backward (dW = -dU S^T, dk's 2^(G_n - G) Vnew dS^T, <S, dS>) formed in
-# the dual dq / dk launch, which runs after the state-gradient recurrence and reads S and dS once, instead of in
-# wy_bwd (which read S and dS in both of its key passes); README of this op
-DUAL_WY_TERMS = True
+# L = 64 backward: dq, dk and the WY backward's state terms (dW = -dU S^T, dk's 2^(G_n - G) Vnew dS^T, <S, dS>) in
+# one launch after the state-gradient recurrence (chunk_dqkw: S and dS read once), instead of the dual tiled launch
+# before it plus those terms in wy_bwd (which read S and dS in both of its key passes); README of this op
+DQKW = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,6 +176,9 @@ def chunk_gated_delta_rule_bwd(
     gradients of Vnew, q and k with the TFLA-tiled product at L (one launch per gradient, ULA's
     permuted arguments); the state-gradient recurrence (reverse); the delta/UT-WY backward per
     sub-chunk; dg = reverse cumsum of the output's gate gradient at L plus the delta part's at 64.
+    At L = 64 (``DQKW``) dq, dk and the WY backward's state terms come from one launch after the recurrence
+    (``chunk_dqkw``), and dvo is formed inside the recurrence. ``config`` keys: ``ut``, ``state``, ``output``,
+    ``state_bwd``, ``dqkw``, ``wy_bwd`` (launch configs of those stages).
     """
     config = config or {}
     B, T, H, K = q.shape
@@ -214,27 +212,31 @@ def chunk_gated_delta_rule_bwd(
     # dk's tiled part (added to the state / WY part in wy_bwd) in the input dtype, as FLA's dk of chunk_bwd_dqkwg:
     # half the bytes of its write and read (fp32 with grouped heads, whose sum comes later)
     part = acc if grouped else k.dtype
-    dq_args = dict(h=h_sub, state_every=SUB_CHUNK, state_transposed=True, rowdot_with=q,
-                   out_dtype=acc if grouped else q.dtype, **tiled)
-    dual = dual_supported(L, v.shape[-1], K, q.dtype, config.get("output"))
-    wy_terms = dual and config.get("dual_wy_terms", DUAL_WY_TERMS) and wy_terms_supported(K, v.shape[-1], q.dtype)
-    if dual and not wy_terms:
-        dq, dgq, dko, dgk = chunk_tiled(do, v_new, k, g_cum, scale, L, dual_dtype=part, **dq_args)
-    elif not dual:
-        dq, dgq = chunk_tiled(do, v_new, k, g_cum, scale, L, **dq_args)
-        dko, dgk = chunk_tiled(v_new, do, q, g_cum, scale, L, reverse=True, rowdot_with=k, out_dtype=part, **tiled)
+    dqkw = L == SUB_CHUNK and DQKW
+    dgk = None
+    if not dqkw:  # L > 64: dq and dk of the tiled product in TFLA tiles at L (before the recurrence)
+        dq_args = dict(h=h_sub, state_every=SUB_CHUNK, state_transposed=True, rowdot_with=q,
+                       out_dtype=acc if grouped else q.dtype, **tiled)
+        if dual_supported(L, v.shape[-1], K, q.dtype, config.get("output")):
+            dq, dgq, dko, dgk = chunk_tiled(do, v_new, k, g_cum, scale, L, dual_dtype=part, **dq_args)
+        else:
+            dq, dgq = chunk_tiled(do, v_new, k, g_cum, scale, L, **dq_args)
+            dko, dgk = chunk_tiled(v_new, do, q, g_cum, scale, L, reverse=True, rowdot_with=k, out_dtype=part,
+                                   **tiled)
     dh_sub, du, dh0 = chunk_state_bwd(
         q, k, w, do, dvo, g_cum, scale, L, dht=dht, need_dh0=initial_state is not None, cu_seqlens=cu,
         sub_offsets=varlen.sub_offsets if varlen is not None else None,
         num_sub_chunks=varlen.sub_indices.shape[0] if varlen is not None else None, config=config.get("state_bwd"))
     del dvo
     pre = {}
-    if wy_terms:  # dq, dk and the WY backward's state terms from one read of S and dS (after the recurrence)
+    if dqkw:  # dq, dk and the WY backward's state terms from one read of S and dS (after the recurrence);
         # dW goes into W's buffer (dead after the recurrence) unless W is the forward's saved tensor
-        dw = torch.empty_like(w) if saved is not None else w
-        dq, dgq, dko, dgk, pst, sdst = chunk_tiled(do, v_new, k, g_cum, scale, L, dual_dtype=part,
-                                                   wy_terms=(du, dh_sub, dw), **dq_args)
-        pre = dict(dw=dw, pst=pst, sdst=sdst)
+        dq, dko, dw, dgq, pst, sdst = chunk_dqkw_bwd(
+            q, k, v_new, do, du, h_sub, dh_sub, g_cum, scale, cu_seqlens=cu,
+            tile_indices=varlen.sub_indices if varlen is not None else None,
+            sub_offsets=varlen.sub_offsets if varlen is not None else None, dq_dtype=acc if grouped else q.dtype,
+            dk_dtype=part, dw=None if saved is not None else w, config=config.get("dqkw"))
+        pre = dict(dw=dw, pst=pst, sdst=sdst)  # dgq is then q . dq - k . dk already (dgk None)
         h_sub = dh_sub = None  # wy_bwd reads neither (freed here unless saved)
     del w
     # dk = the tiled product's part (dko) + the state and WY parts, added in wy_bwd's kernel and rounded once
