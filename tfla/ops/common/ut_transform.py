@@ -502,7 +502,7 @@ def _gdn_wy_bwd_kernel(
     NVS > 0 (linear attention): ``<S, dS>`` per key row comes precomputed from the state-gradient recurrence
     (``sds [B, NS, HV, NVS, K]`` fp32, one partial per value tile of that kernel, summed here) and S is not
     read: ``h`` may then be None and ``dh`` the buffer where dS overwrote S (``chunk_state_bwd(h_sub=..)``).
-    PRE (delta rule): the state terms come precomputed (``chunk_tiled(wy_terms=..)``): dW from ``dwp``, dk_state
+    PRE (delta rule): the state terms come precomputed (``chunk_dqkw.chunk_dqkw_bwd``): dW from ``dwp``, dk_state
     already inside ``dka``, the rows ``P_s = k_s . dk_state_s`` from ``pst`` and ``<S, dS>`` from ``sdst``; neither S
     nor dS is read (``h``, ``dh`` unused)."""
     BS: tl.constexpr = 64
@@ -602,7 +602,7 @@ def _gdn_wy_bwd_kernel(
         m_k = o_k < K
         m_tk = m_t[:, None] & m_k[None, :]
         b_k = tl.load(p_k + o_k[None, :], mask=m_tk, other=0.0)
-        if PRE:  # dW stored by the dual launch; dk_state is in dka already
+        if PRE:  # dW stored by chunk_dqkw; dk_state is in dka already
             b_dw = tl.load(dwp + p_tk + o_k[None, :], mask=m_tk, other=0.0)
         else:
             b_dw, b_dks, b_sds_k = _state_terms(du, v_new, h, dh, b_en, p_tv0, p_h, p_dh, o_t, m_t, o_k, m_k, V, HV,
@@ -643,7 +643,7 @@ def _gdn_wy_bwd_kernel(
         tl.store(dbeta + (bos + o_t) * HV + i_hv, b_db.to(dbeta.dtype.element_ty), mask=m_t)
     if KDOT:
         tl.store(kdk + (bos + o_t) * HV + i_hv, b_kdk, mask=m_t)
-    if PRE and DG:  # the state parts of the gate gradient, from the dual launch
+    if PRE and DG:  # the state parts of the gate gradient, from chunk_dqkw
         b_p = tl.load(pst + (bos + o_t) * HV + i_hv, mask=m_t, other=0.0)
         b_sds = tl.load(sdst + i_sub * HV + i_hv)
     if USE_G and DG:
@@ -721,8 +721,9 @@ def wy_bwd(
     of ``<S, dS>`` per value tile, precomputed; S is then not read and ``h_sub`` may be None (``dh_sub`` is the
     buffer where dS overwrote S).
     ``dw [B, T, HV, K]``, ``pst [B, T, HV]``, ``sdst [B, NS, HV]`` (delta rule, all three; from
-    ``chunk_tiled(wy_terms=..)``, whose dk output then holds dk_state and is passed as ``dk_add``): the state terms
-    precomputed, so S and dS are not read (``h_sub`` and ``dh_sub`` may be None).
+    ``chunk_dqkw.chunk_dqkw_bwd``, whose dk output then holds dk_state and is passed as ``dk_add``): the state terms
+    precomputed, so S and dS are not read (``h_sub`` and ``dh_sub`` may be None); one pipeline stage by default
+    (``WY_BWD_STAGES_PRE``).
     """
     delta = ai is not None
     pre = dw is not None
