@@ -46,6 +46,7 @@
 #   s30c     the tree's defaults: determinism, A/B, GPU tests with bf16 vs FLA (split on / off), rows vs FLA / FlashQLA
 #   s30d     wy_bwd's K K^T from a transposed load (pipelined) vs one stage; rows vs FLA, then FlashQLA
 #   s30e     the final tree's fwd+bwd rows vs FLA at T = 32768
+#   s30f     the committed tree: CUDA runs of the test cases that reach chunk_dqkw and the tiled kernel's varlen prologue
 #   s29b     the mLSTM's fwd+bwd profile with both, launch shapes of its state recompute / gradient / wy_bwd
 #   s29c     the mLSTM's new state-gradient launch against neighbours, its bench rows, mLSTM / simple GLA GPU tests
 #   s29d     the same at 128 columns / 8 warps: bench rows and the mLSTM GPU tests
@@ -588,6 +589,15 @@ PY
       timeout 420 python3 -m tfla bench gdn --mode fwdbwd --impls tfla,fla --chunk-sizes 64,64s --T 32768 \
           --no-progress --warmup 10 --rep 50 --json "$OUT/s30e_bench_gdn.json" > "$OUT/s30e_bench_gdn.log" 2>&1
       grep -v TileLang "$OUT/s30e_bench_gdn.log" | grep -E "tfla|fla|versions|rror" | head -12
+      ;;
+    s30f)
+      # call F: the committed tree on the GPU, CUDA runs of the CPU test cases that reach the changed code: chunk_dqkw
+      # alone and in the backward (varlen, save_states, l2norm, fp32 vs float64), the tiled kernel's varlen prologue
+      # (_tile_of) through simple GLA
+      timeout 500 python3 -m pytest -q -p no:cacheprovider -rf --timeout 240 tests/ops/test_chunk_dqkw.py \
+          tests/ops/test_gated_delta_rule_bwd.py tests/ops/test_simple_gla.py \
+          -k "dqkw or (bwd and (varlen or save_states or l2norm or strong)) or (simple and varlen)" \
+          2>&1 | tee "$OUT/s30f_pytest.log" | tail -n 6
       ;;
     s29b)
       # call B: the mLSTM with dO's row factor and one-product q-term (the defaults now): kernel profile at L = 128,
