@@ -47,6 +47,7 @@
 #   s30d     wy_bwd's K K^T from a transposed load (pipelined) vs one stage; rows vs FLA, then FlashQLA
 #   s30e     the final tree's fwd+bwd rows vs FLA at T = 32768
 #   s30f     the committed tree: CUDA runs of the test cases that reach chunk_dqkw and the tiled kernel's varlen prologue
+#   s30g     fp32 strong-gate GDN cases at L = 64 on CUDA with chunk_dqkw on and off
 #   s29b     the mLSTM's fwd+bwd profile with both, launch shapes of its state recompute / gradient / wy_bwd
 #   s29c     the mLSTM's new state-gradient launch against neighbours, its bench rows, mLSTM / simple GLA GPU tests
 #   s29d     the same at 128 columns / 8 warps: bench rows and the mLSTM GPU tests
@@ -598,6 +599,22 @@ PY
           tests/ops/test_gated_delta_rule_bwd.py tests/ops/test_simple_gla.py \
           -k "dqkw or (bwd and (varlen or save_states or l2norm or strong)) or (simple and varlen)" \
           2>&1 | tee "$OUT/s30f_pytest.log" | tail -n 6
+      ;;
+    s30g)
+      # call G: the two fp32 strong-gate GDN cases at L = 64 that missed dg's 1e-5 on CUDA in s30f, with chunk_dqkw on
+      # and off (is it the new path or the GPU's tf32x3 products?), and the fixed equality test
+      timeout 300 python3 - > "$OUT/s30g_pytest.log" 2>&1 <<'PY'
+import sys, pytest
+import tfla.ops.gated_delta_rule.chunk as gc
+args = ["-q", "-p", "no:cacheprovider", "-rf", "tests/ops/test_gated_delta_rule_bwd.py", "tests/ops/test_chunk_dqkw.py",
+        "-k", "(fp32_matches and strong and 64) or equals_previous"]
+rc = pytest.main(args)
+gc.DQKW = False
+print("== DQKW off")
+rc2 = pytest.main(args)
+sys.exit(rc or rc2)
+PY
+      grep -E "rel-L2|==|passed|failed" "$OUT/s30g_pytest.log"
       ;;
     s29b)
       # call B: the mLSTM with dO's row factor and one-product q-term (the defaults now): kernel profile at L = 128,

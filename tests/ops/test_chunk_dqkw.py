@@ -97,7 +97,8 @@ def test_chunk_dqkw_matches_formulas(device, poison_empty, B, T, H, HV, K, V, ga
 def test_gdn_backward_dqkw_equals_previous_path(device, monkeypatch):
     """At L = 64 the backward runs chunk_dqkw + wy_bwd(dw=..) (the switch reaches wy_bwd); its gradients equal those
     of the dual tiled launch with the state terms inside wy_bwd (fp32, to rounding)."""
-    x = gdn_inputs(1, 150, 2, 32, 48, HV=4, dtype=torch.float32, gate="strong", initial_state=True, seed=11)
+    x = gdn_inputs(1, 150, 2, 32, 48, HV=4, dtype=torch.float32, device=device, gate="strong", initial_state=True,
+                   seed=11)
     seen = []
     real = gdn_chunk.wy_bwd
 
