@@ -48,6 +48,8 @@
 #   s30e     the final tree's fwd+bwd rows vs FLA at T = 32768
 #   s30f     the committed tree: CUDA runs of the test cases that reach chunk_dqkw and the tiled kernel's varlen prologue
 #   s30g     fp32 strong-gate GDN cases at L = 64 on CUDA with chunk_dqkw on and off
+#   s31a     ninth 2026-11-23 session: Vnew kept from the forward, wy_bwd's K K^T from one load (A/B, determinism,
+#            launch shapes, profile)
 #   s29b     the mLSTM's fwd+bwd profile with both, launch shapes of its state recompute / gradient / wy_bwd
 #   s29c     the mLSTM's new state-gradient launch against neighbours, its bench rows, mLSTM / simple GLA GPU tests
 #   s29d     the same at 128 columns / 8 warps: bench rows and the mLSTM GPU tests
@@ -88,6 +90,37 @@ x = torch.empty(2**30 // 2, device="cuda", dtype=torch.bfloat16).normal_(); y = 
 ms = do_bench(lambda: y.copy_(x), warmup=25, rep=200, return_mode="median")
 print(f"ceiling: device copy {2 * x.numel() * 2 / (ms * 1e-3) / 1e9:.0f} GB/s (read + write)")
 EOF
+      ;;
+    s31a)
+      # ninth 2026-11-23 session, call A: Vnew kept from the forward (SAVE_V_NEW: W-only recompute, the linear state
+      # pass over Vnew) and wy_bwd's K K^T from one full-width load (WY_KK_FULL) with its key loops pipelined again:
+      # determinism and A/B in one process; launch shapes of the linear state pass and the W-only kernel; profile
+      CS=tfla.ops.common.chunk_state; GC=tfla.ops.gated_delta_rule.chunk; UT=tfla.ops.common.ut_transform
+      timeout 260 python3 scripts/ab_flags.py --ops gdn --L 64 --compare --determinism 2 --variants \
+          "base=;savev=$GC.SAVE_V_NEW=True;kk3=$UT.WY_KK_FULL=True,$UT.WY_BWD_STAGES_PRE=3;kk1=$UT.WY_KK_FULL=True;both=$GC.SAVE_V_NEW=True,$UT.WY_KK_FULL=True,$UT.WY_BWD_STAGES_PRE=3" \
+          2>&1 | tee "$OUT/s31a_ab.log" | grep -vi warn
+      timeout 70 python3 -c "import sys, runpy, tfla.ops.gated_delta_rule.chunk as c; c.SAVE_V_NEW = True
+sys.argv = ['profile_ops.py', 'gdn', '--mode', 'fwdbwd', '--L', '64']; runpy.run_path('scripts/profile_ops.py', run_name='__main__')" \
+          2>&1 | tee "$OUT/s31a_profile_savev.log" | grep -E "==|_kernel" | head -14
+      timeout 120 python3 -c "import sys, runpy, tfla.ops.gated_delta_rule.chunk as c; c.SAVE_V_NEW = True
+sys.argv = ['tune_bwd_ops.py', '--ops', 'gdn', '--stage', 'state_fwd_sub', '--configs', sys.argv[1]]
+runpy.run_path('scripts/tune_bwd_ops.py', run_name='__main__')" '[{}, {"BV": 32}, {"BV": 128, "num_warps": 8}, {"num_stages": 2}, {"BV": 32, "num_stages": 2}, {"num_warps": 8}]' \
+          2>&1 | grep -vi warn | tee "$OUT/s31a_tune_statelin.log"
+      timeout 60 python3 - 2>&1 <<'PY' | tee "$OUT/s31a_wonly.log"
+import torch
+from triton.testing import do_bench
+from tfla.bench.inputs import gdn_inputs
+from tfla.ops.common.cumsum import chunk_local_cumsum
+from tfla.ops.common.ut_transform import ut_inverse_fwd, ut_transform_fwd, w_from_tm
+from tfla.ops.common.utils import RCP_LN2
+x = gdn_inputs(4, 8192, 16, 128, 128, device="cuda")
+k, v, beta = x["k"], x["v"], x["beta"]
+gc = chunk_local_cumsum(x["g"], 64, scale=RCP_LN2)
+ai = ut_inverse_fwd(k, gc, beta)
+print("W and U from Tm (the recompute now)", f"{do_bench(lambda: ut_transform_fwd(k, v, gc, beta, 64, ai=ai), warmup=10, rep=50):.3f} ms")
+for cfg in ({}, {"BK": 64}, {"BK": 128}, {"wy_warps": 8, "BK": 64}, {"wy_stages": 3, "BK": 64}, {"wy_warps": 2, "BK": 64}):
+    print("W alone", cfg, f"{do_bench(lambda: w_from_tm(k, gc, beta, ai, 64, config=cfg), warmup=10, rep=50):.3f} ms")
+PY
       ;;
     peers)
       for d in .whl .whl2 .whlb; do

@@ -26,7 +26,7 @@ def test_bench_gdn_small(tmp_path, capsys):
     assert csv_path.read_text().startswith("impl,")
 
 
-@pytest.mark.parametrize("mode,sizes", [("fwdbwd", "64,64s"), ("bwd", "64")])
+@pytest.mark.parametrize("mode,sizes", [("fwdbwd", "64,64s,128v,64r"), ("bwd", "64")])
 def test_bench_gdn_backward_modes(tmp_path, capsys, mode, sizes):
     json_path = tmp_path / "r.json"
     args = ["bench", "gdn", "--mode", mode, "--T", "100", "--B", "1", "--H", "1", "--HV", "2", "--K", "16",
@@ -36,7 +36,9 @@ def test_bench_gdn_backward_modes(tmp_path, capsys, mode, sizes):
     assert main(args) == 0
     assert f"Gated DeltaNet {mode}" in capsys.readouterr().out
     rows = [r for r in json.loads(json_path.read_text())["rows"] if r["impl"].startswith("tfla")]
-    assert [r["impl"] for r in rows] == ["tfla L=64"] + (["tfla L=64 save_states"] if "64s" in sizes else [])
+    labels = {"64": "tfla L=64", "64s": "tfla L=64 save_states", "128v": "tfla L=128 save_v_new",
+              "64r": "tfla L=64 recompute"}
+    assert [r["impl"] for r in rows] == [labels[s] for s in sizes.split(",")]
     for row in rows:
         assert row["status"] == "ok" and row["ms"] > 0
         assert all(row[f"err_{n}"] < 1e-5 for n in ("dq", "dk", "dv", "dbeta")) and row["err_dg"] < 5e-5
@@ -45,6 +47,9 @@ def test_bench_gdn_backward_modes(tmp_path, capsys, mode, sizes):
 def test_bench_gdn_rejects_bad_chunk_sizes(capsys):
     with pytest.raises(SystemExit):
         main(["bench", "gdn", "--chunk-sizes", "64,big", "--no-progress"])
+    assert "--chunk-sizes" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # one suffix letter at most
+        main(["bench", "gdn", "--chunk-sizes", "64sv", "--no-progress"])
     assert "--chunk-sizes" in capsys.readouterr().err
 
 

@@ -20,7 +20,7 @@ FP16_TOL = 1e-2
 
 
 def _grads(device, B, T, H, HV, K, V, L, dtype=torch.float32, gate="default", h0=True, final=True, seed=0,
-           l2norm=False, cu_seqlens=None, num_seqs=None, save_states=False):
+           l2norm=False, cu_seqlens=None, num_seqs=None, save_states=False, save_v_new=None):
     """tfla's and the float64 recurrence's gradients on the same (rounded) inputs and cotangents."""
     x = gdn_inputs(B, T, H, K, V, HV=HV, dtype=dtype, device=device, gate=gate, initial_state=h0, seed=seed,
                    num_seqs=num_seqs, gate_dtype=torch.float64 if dtype == torch.float64 else torch.float32)
@@ -33,7 +33,7 @@ def _grads(device, B, T, H, HV, K, V, L, dtype=torch.float32, gate="default", h0
     h0_leaf = leaves[5] if h0 else None
     o, s = tfla.chunk_gated_delta_rule(*leaves[:5], initial_state=h0_leaf, output_final_state=final,
                                        use_qk_l2norm_in_kernel=l2norm, cu_seqlens=cu_seqlens, chunk_size=L,
-                                       save_states=save_states)
+                                       save_states=save_states, save_v_new=save_v_new)
     gen = torch.Generator().manual_seed(seed + 1)
     do = torch.randn(o.shape, generator=gen).to(device=device, dtype=o.dtype)
     loss = (o * do).sum()
@@ -110,6 +110,34 @@ def test_bwd_save_states_matches_recurrence(device, poison_empty, varlen):
     got, ref = _grads(device, 1, T, 2, 4, 32, 16, 64, gate="strong", cu_seqlens=cu, num_seqs=3 if varlen else None,
                       seed=7, save_states=True)
     _check(got, ref, FP32_TOL)
+
+
+@pytest.mark.parametrize("save_v_new", [False, True])
+# strong decay over 256-row chunks amplifies fp32 rounding in dg past 1e-5 on either path (1.4e-5; README of this op)
+@pytest.mark.parametrize("L,varlen,gate", [(64, False, "strong"), (64, True, "strong"), (256, True, "mixed")])
+def test_bwd_save_v_new_both_ways(device, poison_empty, L, varlen, gate, save_v_new):
+    """Vnew kept from the forward (W recomputed alone, the states by the linear pass over Vnew) and recomputed
+    with the delta rule's chain (FLA's saved set): both match the recurrence, at L = 64 and above, with varlen,
+    grouped value heads, an initial state and T not a multiple of L."""
+    T = 300
+    cu = random_cu_seqlens(T, 3, seed=11, device=device) if varlen else None
+    got, ref = _grads(device, 1, T, 2, 4, 32, 16, L, gate=gate, cu_seqlens=cu, num_seqs=3 if varlen else None,
+                      seed=9, save_v_new=save_v_new)
+    _check(got, ref, FP32_TOL)
+
+
+def test_save_v_new_keeps_what_it_says(device):
+    """The forward saves Vnew exactly when asked (one tensor of v's shape and dtype more among the saved ones)."""
+    x = gdn_inputs(1, 100, 1, 16, 16, HV=2, dtype=torch.float32, device=device)
+    leaves = [x[n].clone().requires_grad_() for n in ("q", "k", "v", "g", "beta")]
+    counts = {}
+    for flag in (False, True):
+        o, _ = tfla.chunk_gated_delta_rule(*leaves, chunk_size=64, save_v_new=flag)
+        saved = o.grad_fn.saved_tensors
+        counts[flag] = [t for t in saved if t is not None and t.shape == x["v"].shape]
+    assert len(counts[True]) == len(counts[False]) + 1
+    with pytest.raises(TypeError, match="save_v_new"):
+        tfla.chunk_gated_delta_rule(*leaves, chunk_size=64, save_v_new="yes")
 
 
 def test_save_states_and_fused_paths_reject_what_they_do_not_serve(device):

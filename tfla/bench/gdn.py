@@ -49,13 +49,16 @@ def _ints(s: str) -> list[int]:
 
 
 def _chunk_sizes(spec: str) -> list:
-    """``"64,64s,256"`` -> ``[64, "64s", 256]`` (a trailing s: save_states); anything else is a clear error."""
+    """``"64,64s,128v,256r"`` -> ``[64, "64s", "128v", "256r"]`` (a trailing s: save_states, v: save_v_new=True,
+    r: save_v_new=False); anything else is a clear error."""
     out = []
     for part in spec.split(","):
         part = part.strip()
-        if not part.rstrip("s").isdigit():
-            raise argparse.ArgumentTypeError(f"expected integers (64s for save_states), got {part!r}")
-        out.append(part if part.endswith("s") else int(part))
+        if not part.rstrip("svr").isdigit() or len(part.rstrip("svr")) < len(part) - 1:
+            raise argparse.ArgumentTypeError(
+                f"expected integers, optionally ending in s (save_states), v (save_v_new) or r (recompute), "
+                f"got {part!r}")
+        out.append(part if part[-1] in "svr" else int(part))
     return out
 
 
@@ -74,7 +77,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--V", type=int, default=128 if gpu else 32)
     p.add_argument("--dtype", choices=list(DTYPES), default="bf16" if gpu else "fp32")
     p.add_argument("--chunk-sizes", type=_chunk_sizes, default="64,128,256,512",
-                   help="tfla outer chunk sizes L (64s: L = 64 with save_states=True)")
+                   help="tfla outer chunk sizes L (64s: L = 64 with save_states=True; 64v / 64r: save_v_new True / False)")
     p.add_argument("--impls", type=str, default="tfla,fla,flashqla",
                    help="comma-separated subset of tfla,fla,flashqla (peers only when installed)")
     p.add_argument("--gate", choices=GATES, default="default")

@@ -37,21 +37,26 @@ def _version(dist: str) -> str:
         return "?"
 
 
+SAVE_SUFFIXES = {"s": ("save_states", dict(save_states=True)), "v": ("save_v_new", dict(save_v_new=True)),
+                 "r": ("recompute", dict(save_v_new=False))}
+
+
 def tfla_impl(chunk_size: int | str) -> Impl:
-    """tfla at outer chunk ``chunk_size``; ``"64s"``: L = 64 with ``save_states=True`` (the forward keeps W,
-    Vnew and its states for the backward)."""
+    """tfla at outer chunk ``chunk_size``; a trailing letter picks what the forward saves for the backward:
+    ``"64s"`` ``save_states=True`` (W, Vnew and the 64-row states; L = 64 only), ``"128v"`` ``save_v_new=True``,
+    ``"128r"`` ``save_v_new=False`` (Vnew recomputed: FLA's saved set); none: the op's default."""
     from tfla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-    save = isinstance(chunk_size, str) and chunk_size.endswith("s")
-    L = int(str(chunk_size).rstrip("s"))
+    suffix = str(chunk_size)[-1] if str(chunk_size)[-1] in SAVE_SUFFIXES else ""
+    L = int(str(chunk_size).rstrip("".join(SAVE_SUFFIXES)))
+    label, save = SAVE_SUFFIXES[suffix] if suffix else ("", {})
 
     def fn(x, output_final_state=True, **kw):
         return chunk_gated_delta_rule(
             x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x.get("initial_state"),
-            output_final_state=output_final_state, cu_seqlens=x.get("cu_seqlens"), chunk_size=L,
-            save_states=save, **kw)
+            output_final_state=output_final_state, cu_seqlens=x.get("cu_seqlens"), chunk_size=L, **save, **kw)
 
-    return Impl(f"tfla L={L}{' save_states' if save else ''}", fn, L, None, _version("tfla"))
+    return Impl(f"tfla L={L}{' ' + label if label else ''}", fn, L, None, _version("tfla"))
 
 
 IMPORT_ERRORS: dict[str, str] = {}  # peer -> why it did not import here (printed with the skipped peers)

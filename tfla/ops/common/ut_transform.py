@@ -222,9 +222,9 @@ def _gdn_ut_inverse_kernel(
 @triton.jit
 def _wy_apply(k, v, g, beta, ai, w, u, t0, T, bos, i_h, i_hv, H: tl.constexpr, HV: tl.constexpr,
               K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-              USE_G: tl.constexpr, DOT_PREC: tl.constexpr, ACC: tl.constexpr):
+              USE_G: tl.constexpr, DOT_PREC: tl.constexpr, ACC: tl.constexpr, WITH_U: tl.constexpr = True):
     """W = Tm @ (beta 2^(G - G_c) K), U = Tm @ (beta V) for the 64-row sub-chunk at ``t0``, with Tm
-    read back from ``ai``; K and V in tiles of BK and BV columns."""
+    read back from ``ai``; K and V in tiles of BK and BV columns. WITH_U off: W only (v, u unused)."""
     BS: tl.constexpr = 64
     o_t = t0 + tl.arange(0, BS)
     m_t = o_t < T
@@ -248,13 +248,14 @@ def _wy_apply(k, v, g, beta, ai, w, u, t0, T, bos, i_h, i_hv, H: tl.constexpr, H
         b_w = tl.dot(b_tm, (b_k * b_sk[:, None]).to(dt), input_precision=DOT_PREC)
         tl.store(w + (bos * HV + i_hv) * K + o_t[:, None] * (HV * K) + o_k[None, :], b_w.to(w.dtype.element_ty),
                  mask=m_t[:, None] & m_k[None, :])
-    for i_v in range(tl.cdiv(V, BV)):
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_v = o_v < V
-        p_off = (bos * HV + i_hv) * V + o_t[:, None] * (HV * V) + o_v[None, :]
-        b_v = tl.load(v + p_off, mask=m_t[:, None] & m_v[None, :], other=0.0)
-        b_u = tl.dot(b_tm, (b_v * b_b[:, None]).to(dt), input_precision=DOT_PREC)
-        tl.store(u + p_off, b_u.to(u.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
+    if WITH_U:
+        for i_v in range(tl.cdiv(V, BV)):
+            o_v = i_v * BV + tl.arange(0, BV)
+            m_v = o_v < V
+            p_off = (bos * HV + i_hv) * V + o_t[:, None] * (HV * V) + o_v[None, :]
+            b_v = tl.load(v + p_off, mask=m_t[:, None] & m_v[None, :], other=0.0)
+            b_u = tl.dot(b_tm, (b_v * b_b[:, None]).to(dt), input_precision=DOT_PREC)
+            tl.store(u + p_off, b_u.to(u.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
 
 
 @triton.jit
@@ -280,8 +281,9 @@ def _gdn_wy_fwd_kernel(
     IS_VARLEN: tl.constexpr,
     DOT_PREC: tl.constexpr,
     ACC: tl.constexpr,
+    WITH_U: tl.constexpr = True,
 ):
-    """W and U of one 64-row sub-chunk from a stored Tm."""
+    """W and U (WITH_U off: W only) of one 64-row sub-chunk from a stored Tm."""
     i_s, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
@@ -292,7 +294,8 @@ def _gdn_wy_fwd_kernel(
         T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
     else:
         bos = i_b * T
-    _wy_apply(k, v, g, beta, ai, w, u, i_s * 64, T, bos, i_h, i_hv, H, HV, K, V, BT, BK, BV, USE_G, DOT_PREC, ACC)
+    _wy_apply(k, v, g, beta, ai, w, u, i_s * 64, T, bos, i_h, i_hv, H, HV, K, V, BT, BK, BV, USE_G, DOT_PREC, ACC,
+              WITH_U)
 
 
 def ut_inverse_fwd(
@@ -336,6 +339,35 @@ def ut_transform_fwd(
     if ai is not None:
         cfg["fuse"] = False
     return _ut_launch(k, v, g_cum, beta, chunk_size, cu_seqlens, sub_indices, cfg, fuse=cfg["fuse"], ai=ai)
+
+
+def w_from_tm(
+    k: torch.Tensor,
+    g_cum: torch.Tensor | None,
+    beta: torch.Tensor,
+    ai: torch.Tensor,
+    chunk_size: int,
+    cu_seqlens: torch.Tensor | None = None,
+    sub_indices: torch.Tensor | None = None,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """W = Tm (beta 2^(G - G_c) K) of every 64-row sub-chunk from a stored Tm (``ai``), without U: the
+    backward when the forward kept Vnew. Shapes and config keys as ``ut_transform_fwd``; returns
+    ``w [B, T, HV, K]`` in k's dtype."""
+    cfg = {**UT_DEFAULTS, **(config or {})}
+    B, T, H, K = k.shape
+    HV = beta.shape[2]
+    w = torch.empty(B, T, HV, K, dtype=k.dtype, device=k.device)
+    NS = sub_indices.shape[0] if cu_seqlens is not None else cdiv(T, SUB_CHUNK)
+    if NS == 0 or B * HV == 0:
+        return w
+    _gdn_wy_fwd_kernel[(NS, B * HV)](
+        k, None, g_cum, beta, ai, w, None, cu_seqlens, sub_indices, T, H=H, HV=HV, K=K, V=16, BT=chunk_size,
+        BK=min(max(16, next_pow2(K)), cfg["BK"]), BV=16, USE_G=g_cum is not None, IS_VARLEN=cu_seqlens is not None,
+        DOT_PREC=dot_precision(k.dtype), ACC=acc_dtype(k.dtype), WITH_U=False,
+        num_warps=cfg["wy_warps"], num_stages=cfg["wy_stages"],
+    )
+    return w
 
 
 # measured on an H200 (docs/perf.md): one single-warp kernel for Tm, W and U beats the split pair
@@ -479,6 +511,7 @@ def _gdn_wy_bwd_kernel(
     pst=None,
     sdst=None,
     PRE: tl.constexpr = False,
+    BKK: tl.constexpr = 0,
 ):
     """Delta-rule gradients of one 64-row sub-chunk (W = Tm X_k, U = Tm X_v, Tm = (I + A)^-1,
     Vnew = U - W S, S' = 2^(g_n) S + K^T 2^(g_n - g) Vnew):
@@ -504,7 +537,8 @@ def _gdn_wy_bwd_kernel(
     read: ``h`` may then be None and ``dh`` the buffer where dS overwrote S (``chunk_state_bwd(h_sub=..)``).
     PRE (delta rule): the state terms come precomputed (``chunk_dqkw.chunk_dqkw_bwd``): dW from ``dwp``, dk_state
     already inside ``dka``, the rows ``P_s = k_s . dk_state_s`` from ``pst`` and ``<S, dS>`` from ``sdst``; neither S
-    nor dS is read (``h``, ``dh`` unused)."""
+    nor dS is read (``h``, ``dh`` unused). BKK > 0 (>= K): K K^T from one [64, BKK] load of k before the first key
+    pass instead of inside it (that pass then holds dW's product alone)."""
     BS: tl.constexpr = 64
     i_s, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     i_b, i_hv = i_bh // HV, i_bh % HV
@@ -557,6 +591,10 @@ def _gdn_wy_bwd_kernel(
         # pass 1 over key tiles: dTm += dW X_k^T, K K^T
         b_dtm = tl.zeros([BS, BS], dtype=ACC)
         b_kk = tl.zeros([BS, BS], dtype=ACC)
+        if BKK > 0:
+            o_kk = tl.arange(0, BKK)
+            b_kall = tl.load(p_k + o_kk[None, :], mask=m_t[:, None] & (o_kk < K)[None, :], other=0.0)
+            b_kk = tl.dot(b_kall, tl.trans(b_kall), input_precision=DOT_PREC)
         for i_k in range(tl.cdiv(K, BK)):
             o_k = i_k * BK + tl.arange(0, BK)
             m_k = o_k < K
@@ -567,7 +605,8 @@ def _gdn_wy_bwd_kernel(
                 b_dw, _, _ = _state_terms(du, v_new, h, dh, b_en, p_tv0, p_h, p_dh, o_t, m_t, o_k, m_k, V, HV, BK, BV,
                                           True, False, DOT_PREC, ACC)
             b_dtm = tl.dot(b_dw.to(dt), tl.trans((b_k * b_sk[:, None]).to(dt)), b_dtm, input_precision=DOT_PREC)
-            b_kk = tl.dot(b_k, tl.trans(b_k), b_kk, input_precision=DOT_PREC)
+            if BKK == 0:
+                b_kk = tl.dot(b_k, tl.trans(b_k), b_kk, input_precision=DOT_PREC)
         # pass over value tiles: dTm += dU X_v^T; dX_v = Tm^T dU gives dv and part of dbeta
         b_db = tl.zeros([BS], dtype=ACC)
         for i_v in range(tl.cdiv(V, BV)):
@@ -666,6 +705,8 @@ WY_BWD_STAGES = 3  # pipeline stages of wy_bwd's key / value loops (config key n
 # differed between identical calls by ~2e-2 rel. L2 at 2 and 3 stages, dk / dv bitwise equal; docs/perf.md,
 # 2026-11-23 eighth session; also with K^T from a second, transposed load of k). One stage was bitwise reproducible
 WY_BWD_STAGES_PRE = 1
+# K K^T from one full-width load of k before the first key pass (delta rule, K <= 128; config key ``kk_full``)
+WY_KK_FULL = False
 
 
 def wy_bwd(
@@ -771,7 +812,9 @@ def wy_bwd(
     # 0.46 vs 0.51 ms; mLSTM B=8 V=256: 1.45 vs 1.63 ms)
     one_k = not delta and gv_cum is None and K <= 128 and k.element_size() == 2
     stages = WY_BWD_STAGES_PRE if pre else WY_BWD_STAGES
-    cfg = {"num_warps": 4, "num_stages": stages, "BK": 128 if one_k else 64, "BV": 64, **(config or {})}
+    cfg = {"num_warps": 4, "num_stages": stages, "BK": 128 if one_k else 64, "BV": 64, "kk_full": WY_KK_FULL,
+           **(config or {})}
+    bkk = next_pow2(K) if delta and cfg["kk_full"] and next_pow2(K) <= 128 else 0
     # h_sub None: S is never read (sds_sub, precomputed terms or no gate gradient); dh_sub (or, with the precomputed
     # terms, v_new) stands in for the unused pointer
     dh_arg = dh_sub if dh_sub is not None else v_new
@@ -786,6 +829,6 @@ def wy_bwd(
         gv=gv_cum, dgv=dgam if gv_cum is not None else None, VEC_G=gv_cum is not None,
         hn=hn_sub, dhn=dhn_sub, N_STATE=n_state, dka=dk_add, kdk=kdk, ADD_DK=dk_add is not None, KDOT=kdot,
         DG=need_dg, sds=sds_sub, NVS=sds_sub.shape[3] if sds_sub is not None else 0,
-        dwp=dw, pst=pst, sdst=sdst, PRE=pre,
+        dwp=dw, pst=pst, sdst=sdst, PRE=pre, BKK=max(bkk, 16) if bkk else 0,
     )
     return rets

@@ -23,7 +23,7 @@ from tfla.ops.common.chunk_output import chunk_output_fwd, chunk_tiled, dual_sup
 from tfla.ops.common.chunk_state import chunk_state_bwd, chunk_state_fwd, intra_supported
 from tfla.ops.common.cumsum import chunk_local_cumsum
 from tfla.ops.common.utils import RCP_LN2, SUB_CHUNK, prepare_chunk_indices, prepare_chunk_offsets, seqlens_to_list
-from tfla.ops.common.ut_transform import ut_inverse_fwd, ut_transform_fwd, wy_bwd
+from tfla.ops.common.ut_transform import ut_inverse_fwd, ut_transform_fwd, w_from_tm, wy_bwd
 from tfla.utils.validation import (
     check_common,
     check_gate_dtype,
@@ -43,6 +43,10 @@ WY_IN_STATE = False
 # one launch after the state-gradient recurrence (chunk_dqkw: S and dS read once), instead of the dual tiled launch
 # before it plus those terms in wy_bwd (which read S and dS in both of its key passes); README of this op
 DQKW = True
+# the forward keeps Vnew (B*T*HV*V elements, input dtype) for the backward, whose state recomputation is then the plain
+# linear-attention pass S' = 2^(G_n - G_c) S + (K 2^(G_n - G))^T Vnew (no W S product in its chain, no U) and whose
+# W/U recompute forms W only; off: Vnew recomputed with the delta-rule chain (FLA's saved set). README of this op
+SAVE_V_NEW = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +58,7 @@ class GDNOptions:
     output_final_state: bool
     use_qk_l2norm_in_kernel: bool
     save_states: bool = False
+    save_v_new: bool = False
 
 
 @dataclasses.dataclass
@@ -166,10 +171,12 @@ def chunk_gated_delta_rule_bwd(
     varlen: VarlenIndex | None = None,
     config: dict | None = None,
     saved: tuple | None = None,
+    v_new: torch.Tensor | None = None,
 ):
     """Plain backward (no autograd) from the forward's saved ``g_cum`` (log2, restarting every L) and
     ``ai`` (Tm); ``saved = (w, v_new, h)`` from a forward at L = 64 (its states are then the 64-row ones)
-    skips their recomputation. Returns ``(dq, dk, dv, dg, dbeta, dh0)``: dq, dk ``[B, T, H, K]`` in q's dtype, dv in v's
+    skips their recomputation; ``v_new`` alone (the forward's Vnew, any L) turns the recomputation into W only and
+    the linear-attention state pass over Vnew. Returns ``(dq, dk, dv, dg, dbeta, dh0)``: dq, dk ``[B, T, H, K]`` in q's dtype, dv in v's
     dtype, dg and dbeta ``[B, T, HV]`` fp32, dh0 fp32 or None.
 
     Stages: recompute W, U (from Tm) and the state at every 64-row sub-chunk with Vnew; the output's
@@ -190,6 +197,13 @@ def chunk_gated_delta_rule_bwd(
         if L != SUB_CHUNK:
             raise ValueError(f"saved states need the 64-row states of a forward at chunk_size 64, not {L}")
         w, v_new, h_sub = saved
+    elif v_new is not None:  # the forward's Vnew: W alone, and the states without the delta rule's W S product
+        w = w_from_tm(k, g_cum, beta, ai, L, cu_seqlens=cu, sub_indices=sub, config=config.get("ut"))
+        h_sub, _, _ = chunk_state_fwd(
+            k, v_new, g_cum, L, initial_state=initial_state, cu_seqlens=cu,
+            chunk_offsets=varlen.sub_offsets if varlen is not None else None,
+            num_chunks=varlen.sub_indices.shape[0] if varlen is not None else None,
+            config=config.get("state_lin"), store_every_sub_chunk=True)
     else:
         w, u, _ = ut_transform_fwd(k, v, g_cum, beta, L, cu_seqlens=cu, sub_indices=sub, config=config.get("ut"),
                                    ai=ai)
@@ -273,7 +287,12 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
         # saved: inputs, the cumulative gates (fp32, B*T*HV) and Tm (B*T*HV*64, input dtype); W, U,
         # Vnew and the per-sub-chunk states are recomputed in backward (README: memory) unless save_states
         # (L = 64: the forward's states are the 64-row ones) keeps W, Vnew and the states
-        extra = (inter["w"], inter["v_new"], inter["h"]) if opts.save_states else ()
+        if opts.save_states:
+            extra = (inter["w"], inter["v_new"], inter["h"])
+        elif opts.save_v_new:
+            extra = (inter["v_new"],)
+        else:
+            extra = ()
         ctx.save_for_backward(q, k, v, g, beta, initial_state, inter["g_cum"], inter["ai"], *extra)
         ctx.varlen, ctx.opts = varlen, opts
         return o, final_state
@@ -292,7 +311,7 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
             dht = dht.contiguous()
         dq, dk, dv, dg, dbeta, dh0 = chunk_gated_delta_rule_bwd(
             q, k, v, g_cum, beta, ai, opts.scale, initial_state, do.contiguous(), dht, opts.chunk_size, ctx.varlen,
-            saved=tuple(saved) if saved else None)
+            saved=tuple(saved) if len(saved) == 3 else None, v_new=saved[0] if len(saved) == 1 else None)
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), dbeta.to(beta.dtype),
                 dh0.to(initial_state.dtype) if dh0 is not None else None, None, None)
 
@@ -326,6 +345,7 @@ def chunk_gated_delta_rule(
     *,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     save_states: bool = False,
+    save_v_new: bool | None = None,
     use_gate_in_kernel: bool = False,
     A_log: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
@@ -359,6 +379,10 @@ def chunk_gated_delta_rule(
             step, more saved activations: ``B*T*HV*(K + V) + B*ceil(T/64)*HV*K*V`` more elements in the
             input dtype (512 MiB more than the default at B=4, T=8192, H=16, K=V=128, bf16, which saves
             66 MiB besides the inputs); README of this op.
+        save_v_new: keep Vnew (``B*T*HV*V`` elements in the input dtype, the size of v) from the forward
+            (keyword-only, any ``chunk_size``): the backward then recomputes W alone and the states by the plain
+            linear-attention pass over Vnew instead of the delta rule's chain. None: the module default
+            ``SAVE_V_NEW``; False: FLA's saved set (inputs, cumulative gates, Tm). README of this op.
         use_beta_sigmoid_in_kernel: beta holds pre-activations; ``sigmoid(beta)`` is used (FLA 0.6.0's
             option; here a differentiable PyTorch op before the kernels, fp32).
         allow_neg_eigval: with ``use_beta_sigmoid_in_kernel``, ``2 sigmoid(beta)`` (beta in [0, 2)).
@@ -406,8 +430,10 @@ def chunk_gated_delta_rule(
         check_varlen_bounds(varlen.bounds, T)
     if scale is None:
         scale = K ** -0.5
+    if save_v_new is not None and not isinstance(save_v_new, bool):
+        raise TypeError(f"`save_v_new` must be a bool or None, got {type(save_v_new).__name__}")
     opts = GDNOptions(float(scale), int(chunk_size), bool(output_final_state), bool(use_qk_l2norm_in_kernel),
-                      bool(save_states))
+                      bool(save_states), SAVE_V_NEW if save_v_new is None else save_v_new)
     if use_qk_l2norm_in_kernel:  # differentiable PyTorch ops: autograd carries the gradient through them
         q, k = _l2norm(q), _l2norm(k)
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
