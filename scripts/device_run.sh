@@ -50,6 +50,7 @@
 #   s30g     fp32 strong-gate GDN cases at L = 64 on CUDA with chunk_dqkw on and off
 #   s31a     ninth 2026-11-23 session: Vnew kept from the forward, wy_bwd's K K^T from one load (A/B, determinism,
 #            launch shapes, profile)
+#   s31b     the new defaults: GDN GPU tests incl. bf16 vs FLA, fwd+bwd rows vs FLA at T = 8192 / 32768
 #   s29b     the mLSTM's fwd+bwd profile with both, launch shapes of its state recompute / gradient / wy_bwd
 #   s29c     the mLSTM's new state-gradient launch against neighbours, its bench rows, mLSTM / simple GLA GPU tests
 #   s29d     the same at 128 columns / 8 warps: bench rows and the mLSTM GPU tests
@@ -121,6 +122,19 @@ print("W and U from Tm (the recompute now)", f"{do_bench(lambda: ut_transform_fw
 for cfg in ({}, {"BK": 64}, {"BK": 128}, {"wy_warps": 8, "BK": 64}, {"wy_stages": 3, "BK": 64}, {"wy_warps": 2, "BK": 64}):
     print("W alone", cfg, f"{do_bench(lambda: w_from_tm(k, gc, beta, ai, 64, config=cfg), warmup=10, rep=50):.3f} ms")
 PY
+      ;;
+    s31b)
+      # call B (carried: .whl fla-core, .whlb tilelang and its needs): the new defaults (Vnew kept, wy_bwd's K K^T from
+      # one load, pipelined): GPU tests (determinism, fp32 shapes, both save_v_new paths, bf16 vs FLA at L = 64 / 256);
+      # fwd+bwd rows vs FLA at T = 8192 and 32768 (default, recompute, save_states, L = 128)
+      bash scripts/device_run.sh peers
+      timeout 250 python3 -m pytest -q -s -p no:cacheprovider -rf tests/ops/test_gated_delta_rule_bwd.py -k \
+          "deterministic or (gpu_shapes and 64) or (bf16 and (64 or 256)) or save_v_new or save_states" \
+          > "$OUT/s31b_pytest_gdn.log" 2>&1
+      grep -E "bf16 bwd|passed|failed|Error" "$OUT/s31b_pytest_gdn.log" | head -30
+      timeout 250 python3 -m tfla bench gdn --mode fwdbwd --impls tfla,fla --chunk-sizes 64,64r,64s,128 --T 8192,32768 \
+          --no-progress --warmup 10 --rep 50 --json "$OUT/s31b_bench_gdn.json" 2>&1 | tee "$OUT/s31b_bench_gdn.log" \
+          | grep -E "tfla|fla|versions|rror" | head -20
       ;;
     peers)
       for d in .whl .whl2 .whlb; do

@@ -354,7 +354,8 @@ def w_from_tm(
     """W = Tm (beta 2^(G - G_c) K) of every 64-row sub-chunk from a stored Tm (``ai``), without U: the
     backward when the forward kept Vnew. Shapes and config keys as ``ut_transform_fwd``; returns
     ``w [B, T, HV, K]`` in k's dtype."""
-    cfg = {**UT_DEFAULTS, **(config or {})}
+    # 64-wide key tiles: 0.128 ms vs 0.142 at UT_DEFAULTS' 32 (H100, B=4 T=8192 H=16 K=128 bf16; 128: 0.124)
+    cfg = {**UT_DEFAULTS, "BK": 64, **(config or {})}
     B, T, H, K = k.shape
     HV = beta.shape[2]
     w = torch.empty(B, T, HV, K, dtype=k.dtype, device=k.device)
@@ -703,10 +704,13 @@ WY_BWD_STAGES = 3  # pipeline stages of wy_bwd's key / value loops (config key n
 # with the state terms precomputed (dw given) the key loops hold only loads and two products each, so Triton
 # pipelines them; under Triton 3.6 on the H100 (bf16) that gave a wrong, run-to-run varying K K^T (dbeta and dg
 # differed between identical calls by ~2e-2 rel. L2 at 2 and 3 stages, dk / dv bitwise equal; docs/perf.md,
-# 2026-11-23 eighth session; also with K^T from a second, transposed load of k). One stage was bitwise reproducible
+# 2026-11-23 eighth session; also with K^T from a second, transposed load of k). One stage was bitwise reproducible.
+# K K^T from one full-width load of k before the first key pass (precomputed terms, K <= 128; config key ``kk_full``): the
+# first key pass then holds dW's product alone, and pipelined (3 stages) it is bitwise reproducible on the H100 and
+# bitwise equal to the one-stage form (3.383 -> 3.350 ms fwd+bwd; ninth 2026-11-23 session). K > 128 keeps K K^T
+# in the key loop at one stage (WY_BWD_STAGES_PRE)
+WY_KK_FULL = True
 WY_BWD_STAGES_PRE = 1
-# K K^T from one full-width load of k before the first key pass (delta rule, K <= 128; config key ``kk_full``)
-WY_KK_FULL = False
 
 
 def wy_bwd(
@@ -811,10 +815,11 @@ def wy_bwd(
     # linear attention (no WY part) at K <= 128, 16-bit: one 128-wide key tile (H100, B=4 T=8192 H=16 K=V=128:
     # 0.46 vs 0.51 ms; mLSTM B=8 V=256: 1.45 vs 1.63 ms)
     one_k = not delta and gv_cum is None and K <= 128 and k.element_size() == 2
-    stages = WY_BWD_STAGES_PRE if pre else WY_BWD_STAGES
-    cfg = {"num_warps": 4, "num_stages": stages, "BK": 128 if one_k else 64, "BV": 64, "kk_full": WY_KK_FULL,
-           **(config or {})}
-    bkk = next_pow2(K) if delta and cfg["kk_full"] and next_pow2(K) <= 128 else 0
+    kk_full = pre and (config or {}).get("kk_full", WY_KK_FULL) and next_pow2(K) <= 128
+    stages = WY_BWD_STAGES_PRE if pre and not kk_full else WY_BWD_STAGES
+    cfg = {"num_warps": 4, "num_stages": stages, "BK": 128 if one_k else 64, "BV": 64, **(config or {})}
+    cfg.pop("kk_full", None)
+    bkk = next_pow2(K) if kk_full else 0
     # h_sub None: S is never read (sds_sub, precomputed terms or no gate gradient); dh_sub (or, with the precomputed
     # terms, v_new) stands in for the unused pointer
     dh_arg = dh_sub if dh_sub is not None else v_new

@@ -45,8 +45,10 @@ WY_IN_STATE = False
 DQKW = True
 # the forward keeps Vnew (B*T*HV*V elements, input dtype) for the backward, whose state recomputation is then the plain
 # linear-attention pass S' = 2^(G_n - G_c) S + (K 2^(G_n - G))^T Vnew (no W S product in its chain, no U) and whose
-# W/U recompute forms W only; off: Vnew recomputed with the delta-rule chain (FLA's saved set). README of this op
-SAVE_V_NEW = False
+# W/U recompute forms W only; off: Vnew recomputed with the delta-rule chain (FLA's saved set). H100, B=4 T=8192
+# H=16 K=V=128 bf16 L=64: fwd+bwd 3.383 -> 3.176 ms, peak unchanged (1358 MiB), 128 MiB more kept from forward to
+# backward (docs/perf.md, ninth 2026-11-23 session)
+SAVE_V_NEW = True
 
 
 @dataclasses.dataclass(frozen=True)
