@@ -51,6 +51,7 @@
 #   s31a     ninth 2026-11-23 session: Vnew kept from the forward, wy_bwd's K K^T from one load (A/B, determinism,
 #            launch shapes, profile)
 #   s31b     the new defaults: GDN GPU tests incl. bf16 vs FLA, fwd+bwd rows vs FLA at T = 8192 / 32768
+#   s31c     W beside the state pass on a side stream (A/B, determinism), the bf16 GPU tests vs FLA
 #   s29b     the mLSTM's fwd+bwd profile with both, launch shapes of its state recompute / gradient / wy_bwd
 #   s29c     the mLSTM's new state-gradient launch against neighbours, its bench rows, mLSTM / simple GLA GPU tests
 #   s29d     the same at 128 columns / 8 warps: bench rows and the mLSTM GPU tests
@@ -135,6 +136,17 @@ PY
       timeout 250 python3 -m tfla bench gdn --mode fwdbwd --impls tfla,fla --chunk-sizes 64,64r,64s,128 --T 8192,32768 \
           --no-progress --warmup 10 --rep 50 --json "$OUT/s31b_bench_gdn.json" 2>&1 | tee "$OUT/s31b_bench_gdn.log" \
           | grep -E "tfla|fla|versions|rror" | head -20
+      ;;
+    s31c)
+      # call C (carried: .whl, .whlb): W's kernel on a side stream beside the state pass over Vnew (OVERLAP_W), A/B and
+      # determinism; bf16 GPU tests vs FLA at L = 64 / 256 (cut by the previous call's limit); determinism tests
+      bash scripts/device_run.sh peers
+      GC=tfla.ops.gated_delta_rule.chunk
+      timeout 150 python3 scripts/ab_flags.py --ops gdn --L 64 --compare --determinism 3 --variants \
+          "base=;noov=$GC.OVERLAP_W=False;recompute=$GC.SAVE_V_NEW=False" 2>&1 | tee "$OUT/s31c_ab.log" | grep -vi warn
+      timeout 330 python3 -m pytest -q -s -p no:cacheprovider -rf tests/ops/test_gated_delta_rule_bwd.py -k \
+          "deterministic or (bf16 and (64 or 256))" > "$OUT/s31c_pytest_gdn.log" 2>&1
+      grep -E "bf16 bwd|passed|failed|Error" "$OUT/s31c_pytest_gdn.log" | head -30
       ;;
     peers)
       for d in .whl .whl2 .whlb; do
