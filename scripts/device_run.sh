@@ -52,6 +52,7 @@
 #            launch shapes, profile)
 #   s31b     the new defaults: GDN GPU tests incl. bf16 vs FLA, fwd+bwd rows vs FLA at T = 8192 / 32768
 #   s31c     W beside the state pass on a side stream (A/B, determinism), the bf16 GPU tests vs FLA
+#   s31d / s31e  W queued after the state pass (A/B), the default's profile; FlashQLA's row (minutes of TileLang compile)
 #   s29b     the mLSTM's fwd+bwd profile with both, launch shapes of its state recompute / gradient / wy_bwd
 #   s29c     the mLSTM's new state-gradient launch against neighbours, its bench rows, mLSTM / simple GLA GPU tests
 #   s29d     the same at 128 columns / 8 warps: bench rows and the mLSTM GPU tests
@@ -147,6 +148,22 @@ PY
       timeout 330 python3 -m pytest -q -s -p no:cacheprovider -rf tests/ops/test_gated_delta_rule_bwd.py -k \
           "deterministic or (bf16 and (64 or 256))" > "$OUT/s31c_pytest_gdn.log" 2>&1
       grep -E "bf16 bwd|passed|failed|Error" "$OUT/s31c_pytest_gdn.log" | head -30
+      ;;
+    s31d)
+      # call D: W's kernel queued after the state pass (the chain's programs first), A/B against no side stream; the
+      # default tree's fwd+bwd kernel profile
+      GC=tfla.ops.gated_delta_rule.chunk
+      timeout 150 python3 scripts/ab_flags.py --ops gdn --L 64 --determinism 2 --rounds 5 --variants \
+          "base=;noov=$GC.OVERLAP_W=False" 2>&1 | tee "$OUT/s31d_ab.log" | grep -vi warn
+      timeout 90 python3 scripts/profile_ops.py gdn --mode fwdbwd --L 64 2>&1 | tee "$OUT/s31d_profile.log" \
+          | grep -E "==|_kernel" | head -14
+      ;;
+    s31e)
+      # call E (carried: .whl, .whlb): FlashQLA's row beside tfla and FLA at T = 8192 (its TileLang compile needs minutes)
+      bash scripts/device_run.sh peers
+      timeout 560 python3 -m tfla bench gdn --mode fwdbwd --impls tfla,fla,flashqla --chunk-sizes 64 --T 8192 \
+          --no-progress --warmup 10 --rep 50 --json "$OUT/s31e_bench_gdn.json" 2>&1 | tee "$OUT/s31e_bench_gdn.log" \
+          | grep -E "tfla|fla|qla|versions|rror" | head -20
       ;;
     peers)
       for d in .whl .whl2 .whlb; do

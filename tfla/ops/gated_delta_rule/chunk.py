@@ -215,11 +215,9 @@ def chunk_gated_delta_rule_bwd(
         w = torch.empty(B, T, HV, K, dtype=k.dtype, device=k.device)
         w_args = dict(cu_seqlens=cu, sub_indices=sub, config=config.get("ut"), out=w)
         overlap = OVERLAP_W and k.is_cuda
-        if overlap:  # W beside the state pass (independent); every tensor it touches was allocated on `main`
+        if overlap:  # every tensor W's kernel touches was allocated on `main` before this point
             main, side = torch.cuda.current_stream(k.device), _side_stream(k.device)
-            side.wait_stream(main)
-            with torch.cuda.stream(side):
-                w_from_tm(k, g_cum, beta, ai, L, **w_args)
+            ready = main.record_event()
         else:
             w_from_tm(k, g_cum, beta, ai, L, **w_args)
         h_sub, _, _ = chunk_state_fwd(
@@ -227,7 +225,10 @@ def chunk_gated_delta_rule_bwd(
             chunk_offsets=varlen.sub_offsets if varlen is not None else None,
             num_chunks=varlen.sub_indices.shape[0] if varlen is not None else None,
             config=config.get("state_lin"), store_every_sub_chunk=True)
-        if overlap:
+        if overlap:  # queued after the state pass, so the chain's programs hold their SMs first and W's fill the rest
+            side.wait_event(ready)
+            with torch.cuda.stream(side):
+                w_from_tm(k, g_cum, beta, ai, L, **w_args)
             main.wait_stream(side)
     else:
         w, u, _ = ut_transform_fwd(k, v, g_cum, beta, L, cu_seqlens=cu, sub_indices=sub, config=config.get("ut"),
