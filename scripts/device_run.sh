@@ -151,7 +151,8 @@ PY
       ;;
     s31d)
       # call D: W's kernel queued after the state pass (the chain's programs first), A/B against no side stream; the
-      # default tree's fwd+bwd kernel profile
+      # default tree's fwd+bwd kernel profile. OVERLAP_W was removed after this call (no gain), so s31c / s31d need
+      # the trees 7fbc45a / 1d71b36 (docs/results/h100-2026-11-23i)
       GC=tfla.ops.gated_delta_rule.chunk
       timeout 150 python3 scripts/ab_flags.py --ops gdn --L 64 --determinism 2 --rounds 5 --variants \
           "base=;noov=$GC.OVERLAP_W=False" 2>&1 | tee "$OUT/s31d_ab.log" | grep -vi warn

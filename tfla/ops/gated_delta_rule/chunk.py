@@ -46,21 +46,9 @@ DQKW = True
 # the forward keeps Vnew (B*T*HV*V elements, input dtype) for the backward, whose state recomputation is then the plain
 # linear-attention pass S' = 2^(G_n - G_c) S + (K 2^(G_n - G))^T Vnew (no W S product in its chain, no U) and whose
 # W/U recompute forms W only; off: Vnew recomputed with the delta-rule chain (FLA's saved set). H100, B=4 T=8192
-# H=16 K=V=128 bf16 L=64: fwd+bwd 3.383 -> 3.176 ms, peak unchanged (1358 MiB), 128 MiB more kept from forward to
-# backward (docs/perf.md, ninth 2026-11-23 session)
+# H=16 K=V=128 bf16 L=64: fwd+bwd 3.383 -> 3.176 ms in one process (bench: 3.147 vs 3.358 ms), peak unchanged
+# (1358 MiB), 128 MiB more kept from forward to backward (docs/perf.md, ninth 2026-11-23 session)
 SAVE_V_NEW = True
-# with Vnew kept, on CUDA: W's kernel (parallel, small) runs on a side stream beside the state pass over Vnew (a chain of
-# one program per SM, latency-bound), which does not need W; the state-gradient recurrence waits for both
-OVERLAP_W = True
-_SIDE_STREAMS: dict = {}
-
-
-def _side_stream(device: torch.device):
-    """One side stream per CUDA device (created on first use)."""
-    key = torch.cuda.current_stream(device).device_index if device.index is None else device.index
-    if key not in _SIDE_STREAMS:
-        _SIDE_STREAMS[key] = torch.cuda.Stream(device=device)
-    return _SIDE_STREAMS[key]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,24 +200,12 @@ def chunk_gated_delta_rule_bwd(
             raise ValueError(f"saved states need the 64-row states of a forward at chunk_size 64, not {L}")
         w, v_new, h_sub = saved
     elif v_new is not None:  # the forward's Vnew: W alone, and the states without the delta rule's W S product
-        w = torch.empty(B, T, HV, K, dtype=k.dtype, device=k.device)
-        w_args = dict(cu_seqlens=cu, sub_indices=sub, config=config.get("ut"), out=w)
-        overlap = OVERLAP_W and k.is_cuda
-        if overlap:  # every tensor W's kernel touches was allocated on `main` before this point
-            main, side = torch.cuda.current_stream(k.device), _side_stream(k.device)
-            ready = main.record_event()
-        else:
-            w_from_tm(k, g_cum, beta, ai, L, **w_args)
+        w = w_from_tm(k, g_cum, beta, ai, L, cu_seqlens=cu, sub_indices=sub, config=config.get("ut"))
         h_sub, _, _ = chunk_state_fwd(
             k, v_new, g_cum, L, initial_state=initial_state, cu_seqlens=cu,
             chunk_offsets=varlen.sub_offsets if varlen is not None else None,
             num_chunks=varlen.sub_indices.shape[0] if varlen is not None else None,
             config=config.get("state_lin"), store_every_sub_chunk=True)
-        if overlap:  # queued after the state pass, so the chain's programs hold their SMs first and W's fill the rest
-            side.wait_event(ready)
-            with torch.cuda.stream(side):
-                w_from_tm(k, g_cum, beta, ai, L, **w_args)
-            main.wait_stream(side)
     else:
         w, u, _ = ut_transform_fwd(k, v, g_cum, beta, L, cu_seqlens=cu, sub_indices=sub, config=config.get("ut"),
                                    ai=ai)
