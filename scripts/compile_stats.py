@@ -137,7 +137,9 @@ def main(argv=None):
 
         g, beta = -torch.rand(1, T, H), torch.rand(1, T, H, dtype=dtype)
         _, _, inter = chunk_gated_delta_rule_fwd(q, k, v, g, beta, 0.1, h0, True, L)
-        chunk_gated_delta_rule_bwd(q, k, v, inter["g_cum"], beta, inter["ai"], 0.1, h0, do, dht, L)
+        import tfla.ops.gated_delta_rule.chunk as gdn_chunk  # the path the autograd function takes by default
+        chunk_gated_delta_rule_bwd(q, k, v, inter["g_cum"], beta, inter["ai"], 0.1, h0, do, dht, L,
+                                   v_new=inter["v_new"] if gdn_chunk.SAVE_V_NEW else None)
     else:
         from tfla.ops.simple_gla.chunk import chunk_simple_gla_bwd, chunk_simple_gla_fwd
 

@@ -53,6 +53,7 @@
 #   s31b     the new defaults: GDN GPU tests incl. bf16 vs FLA, fwd+bwd rows vs FLA at T = 8192 / 32768
 #   s31c     W beside the state pass on a side stream (A/B, determinism), the bf16 GPU tests vs FLA
 #   s31d / s31e  W queued after the state pass (A/B), the default's profile; FlashQLA's row (minutes of TileLang compile)
+#   s31f     W formed inside the linear state pass (A/B, determinism, profile, GPU tests)
 #   s29b     the mLSTM's fwd+bwd profile with both, launch shapes of its state recompute / gradient / wy_bwd
 #   s29c     the mLSTM's new state-gradient launch against neighbours, its bench rows, mLSTM / simple GLA GPU tests
 #   s29d     the same at 128 columns / 8 warps: bench rows and the mLSTM GPU tests
@@ -165,6 +166,19 @@ PY
       timeout 560 python3 -m tfla bench gdn --mode fwdbwd --impls tfla,fla,flashqla --chunk-sizes 64 --T 8192 \
           --no-progress --warmup 10 --rep 50 --json "$OUT/s31e_bench_gdn.json" 2>&1 | tee "$OUT/s31e_bench_gdn.log" \
           | grep -E "tfla|fla|qla|versions|rror" | head -20
+      ;;
+    s31f)
+      # call F: W formed by the linear state pass's programs (W_IN_LINEAR_PASS) vs its own kernel: A/B, bitwise
+      # comparison, determinism, profile; GPU tests of the paths it serves (fp32 shapes incl. K = V = 256, both
+      # save_v_new paths, save_states, determinism)
+      GC=tfla.ops.gated_delta_rule.chunk
+      timeout 150 python3 scripts/ab_flags.py --ops gdn --L 64 --compare --determinism 2 --rounds 5 --variants \
+          "base=;wsep=$GC.W_IN_LINEAR_PASS=False" 2>&1 | tee "$OUT/s31f_ab.log" | grep -vi warn
+      timeout 90 python3 scripts/profile_ops.py gdn --mode fwdbwd --L 64 2>&1 | tee "$OUT/s31f_profile.log" \
+          | grep -E "==|_kernel" | head -14
+      timeout 300 python3 -m pytest -q -p no:cacheprovider -rf tests/ops/test_gated_delta_rule_bwd.py -k \
+          "deterministic or gpu_shapes or save_v_new or save_states or varlen" 2>&1 | tee "$OUT/s31f_pytest_gdn.log" \
+          | tail -n 5
       ;;
     peers)
       for d in .whl .whl2 .whlb; do
