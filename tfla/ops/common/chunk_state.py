@@ -67,7 +67,7 @@ def _state_substep(b_h, b_n, t0, T, bos, i_h, i_hv, k, v, w, ai, beta, v_new, g,
         b_bw = tl.load(beta + (bos + o_t) * HV + i_hv, mask=m_t, other=0.0).to(ACC)
         if USE_G:
             b_bw = b_bw * tl.exp2(tl.where(m_t, b_g - b_gc, float("-inf")))
-        for i_w in tl.static_range(tl.cdiv(K, BW)):
+        for i_w in tl.static_range((K + BW - 1) // BW):  # a constexpr bound (tl.cdiv is a tensor in Triton 3.6)
             if i_w % NVP == i_v:
                 o_w = i_w * BW + tl.arange(0, BW)
                 m_tw = m_t[:, None] & (o_w < K)[None, :]
