@@ -54,6 +54,7 @@
 #   s31c     W beside the state pass on a side stream (A/B, determinism), the bf16 GPU tests vs FLA
 #   s31d / s31e  W queued after the state pass (A/B), the default's profile; FlashQLA's row (minutes of TileLang compile)
 #   s31f     W formed inside the linear state pass (A/B, determinism, profile, GPU tests)
+#   s31g     the committed tree: GDN GPU tests of the touched paths, tfla rows
 #   s29b     the mLSTM's fwd+bwd profile with both, launch shapes of its state recompute / gradient / wy_bwd
 #   s29c     the mLSTM's new state-gradient launch against neighbours, its bench rows, mLSTM / simple GLA GPU tests
 #   s29d     the same at 128 columns / 8 warps: bench rows and the mLSTM GPU tests
@@ -170,7 +171,8 @@ PY
     s31f)
       # call F: W formed by the linear state pass's programs (W_IN_LINEAR_PASS) vs its own kernel: A/B, bitwise
       # comparison, determinism, profile; GPU tests of the paths it serves (fp32 shapes incl. K = V = 256, both
-      # save_v_new paths, save_states, determinism)
+      # save_v_new paths, save_states, determinism). Needs the tree 9d22ca6: the flag was removed after this call
+      # (slower: the linear pass lost its pipelining)
       GC=tfla.ops.gated_delta_rule.chunk
       timeout 150 python3 scripts/ab_flags.py --ops gdn --L 64 --compare --determinism 2 --rounds 5 --variants \
           "base=;wsep=$GC.W_IN_LINEAR_PASS=False" 2>&1 | tee "$OUT/s31f_ab.log" | grep -vi warn
@@ -179,6 +181,15 @@ PY
       timeout 300 python3 -m pytest -q -p no:cacheprovider -rf tests/ops/test_gated_delta_rule_bwd.py -k \
           "deterministic or gpu_shapes or save_v_new or save_states or varlen" 2>&1 | tee "$OUT/s31f_pytest_gdn.log" \
           | tail -n 5
+      ;;
+    s31g)
+      # call G: the committed tree (Vnew kept, W by its own kernel): GPU tests of every path this session touched,
+      # one fwd+bwd row
+      timeout 420 python3 -m pytest -q -p no:cacheprovider -rf tests/ops/test_gated_delta_rule_bwd.py -k \
+          "deterministic or gpu_shapes or save_v_new or save_states or varlen" 2>&1 | tee "$OUT/s31g_pytest_gdn.log" \
+          | tail -n 5
+      timeout 100 python3 -m tfla bench gdn --mode fwdbwd --impls tfla --chunk-sizes 64,64r --T 8192 --no-progress \
+          --warmup 10 --rep 50 --json "$OUT/s31g_bench_gdn.json" 2>&1 | grep -E "tfla|rror" | head -6
       ;;
     peers)
       for d in .whl .whl2 .whlb; do

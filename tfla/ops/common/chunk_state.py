@@ -37,12 +37,9 @@ def _state_substep(b_h, b_n, t0, T, bos, i_h, i_hv, k, v, w, ai, beta, v_new, g,
                    V: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, USE_G: tl.constexpr,
                    SPLIT_G: tl.constexpr, HAS_GB: tl.constexpr,
                    DELTA: tl.constexpr, DOT_PREC: tl.constexpr, ACC: tl.constexpr, N_STATE: tl.constexpr,
-                   gv=None, VEC_G: tl.constexpr = False, W_OUT: tl.constexpr = False, i_v=0, NVP=1,
-                   BW: tl.constexpr = 64):
+                   gv=None, VEC_G: tl.constexpr = False):
     """Advance the state ``b_h [BK, BV]`` (and with N_STATE the normalizer state ``b_n [BK]``, the same
-    recurrence with v = 1) over the sub-chunk of rows ``t0 .. t0 + BS``; store Vnew. W_OUT (DELTA = 0 over a kept
-    Vnew): also store ``W = Tm (beta 2^(G - G_c) K)`` of the sub-chunk into ``w``, the BW-wide key-column tiles
-    ``i_v, i_v + NVP, ..`` (every value program a share; off the state's chain)."""
+    recurrence with v = 1) over the sub-chunk of rows ``t0 .. t0 + BS``; store Vnew."""
     dt = k.dtype.element_ty
     o_t = t0 + o_c
     m_t = o_t < T
@@ -61,20 +58,6 @@ def _state_substep(b_h, b_n, t0, T, bos, i_h, i_hv, k, v, w, ai, beta, v_new, g,
             b_g = tl.load(gk + bos * HV + i_hv + o_t * HV, mask=m_t, other=0.0)
         else:
             b_g = tl.load(p_g + o_t * HV, mask=m_t, other=0.0)
-    if W_OUT:
-        b_tw = tl.load(ai + (bos * HV + i_hv) * BS + o_t[:, None] * (HV * BS) + o_c[None, :],
-                       mask=m_t[:, None], other=0.0).to(dt)  # [BS, BS]
-        b_bw = tl.load(beta + (bos + o_t) * HV + i_hv, mask=m_t, other=0.0).to(ACC)
-        if USE_G:
-            b_bw = b_bw * tl.exp2(tl.where(m_t, b_g - b_gc, float("-inf")))
-        for i_w in tl.static_range((K + BW - 1) // BW):  # a constexpr bound (tl.cdiv is a tensor in Triton 3.6)
-            if i_w % NVP == i_v:
-                o_w = i_w * BW + tl.arange(0, BW)
-                m_tw = m_t[:, None] & (o_w < K)[None, :]
-                b_kw = tl.load(k + (bos * H + i_h) * K + o_t[:, None] * (H * K) + o_w[None, :], mask=m_tw, other=0.0)
-                b_ww = tl.dot(b_tw, (b_kw * b_bw[:, None]).to(dt), input_precision=DOT_PREC)
-                tl.store(w + (bos * HV + i_hv) * K + o_t[:, None] * (HV * K) + o_w[None, :],
-                         b_ww.to(w.dtype.element_ty), mask=m_tw)
     if DELTA == 1:  # Vnew = U - W S, with W and U from the WY kernel
         b_w = tl.load(w + (bos * HV + i_hv) * K + o_t[:, None] * (HV * K) + o_k[None, :],
                       mask=m_t[:, None] & m_k[None, :], other=0.0)
@@ -190,11 +173,9 @@ def _chunk_state_fwd_kernel(
     N_STATE: tl.constexpr,
     gv=None,
     VEC_G: tl.constexpr = False,
-    W_OUT: tl.constexpr = False,
 ):
     BS: tl.constexpr = 64
     i_v, i_nh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
-    NVP = tl.num_programs(0)
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
     SLOT: tl.constexpr = BS if STORE_SUB else BT  # rows per stored state
@@ -232,7 +213,7 @@ def _chunk_state_fwd_kernel(
                 b_h, b_n = _state_substep(
                     b_h, b_n, i_c * BT + j * BS, T, bos, i_h, i_hv, k, v, w, ai, beta, v_new, g, gk, gb,
                     o_c, o_k, o_v, m_k, m_v, H, HV, K, V, BT, BS, USE_G, SPLIT_G, HAS_GB, DELTA, DOT_PREC, ACC,
-                    N_STATE, gv, VEC_G, W_OUT, i_v, NVP, BV)
+                    N_STATE, gv, VEC_G)
         else:
             for j in range(BT // BS):
                 if STORE_SUB:
@@ -244,7 +225,7 @@ def _chunk_state_fwd_kernel(
                 b_h, b_n = _state_substep(
                     b_h, b_n, i_c * BT + j * BS, T, bos, i_h, i_hv, k, v, w, ai, beta, v_new, g, gk, gb,
                     o_c, o_k, o_v, m_k, m_v, H, HV, K, V, BT, BS, USE_G, SPLIT_G, HAS_GB, DELTA, DOT_PREC, ACC,
-                    N_STATE, gv, VEC_G, W_OUT, i_v, NVP, BV)
+                    N_STATE, gv, VEC_G)
 
     if STORE_FINAL_STATE:
         tl.store(ht + i_nh * K * V + o_kv, b_h, mask=m_kv)
@@ -277,7 +258,6 @@ def chunk_state_fwd(
     n_state: bool = False,
     initial_n: torch.Tensor | None = None,
     gv_cum: torch.Tensor | None = None,
-    w_out: torch.Tensor | None = None,
 ):
     """States at every outer-chunk start, and (delta rule) the new values.
 
@@ -301,9 +281,6 @@ def chunk_state_fwd(
             denominator, TFLA paper Section 2) in the same pass; ``initial_n [N, HV, K]`` its start.
         gv_cum: vector gate ``[B, T, HV, K]`` fp32 (log2, cumulative within outer chunks; GLA), instead
             of ``g_cum``; plain linear attention only.
-        w_out: ``[B, T, HV, K]`` in k's dtype, contiguous (with ``ai`` and ``beta``, ``v`` a kept Vnew): the plain
-            linear pass over ``v``, and ``W = Tm (beta 2^(G - G_c) K)`` of every 64-row sub-chunk written into
-            ``w_out`` by the same programs (the delta rule's backward when the forward kept Vnew).
     Returns:
         ``h [B, NT, HV, K, V]`` (varlen: ``[1, total chunks, HV, K, V]``), ``v_new [B, T, HV, V]``
         or None, ``final_state [N, HV, K, V]`` fp32 or None; with ``n_state`` two more:
@@ -313,12 +290,7 @@ def chunk_state_fwd(
     HV, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     NT = cdiv(T, SUB_CHUNK if store_every_sub_chunk else chunk_size) if cu_seqlens is None else num_chunks
-    if w_out is not None and (w is not None or ai is None or beta is None or gk_cum is not None or gb is not None
-                              or gv_cum is not None or n_state or tuple(w_out.shape) != (*v.shape[:3], k.shape[3])
-                              or w_out.dtype != k.dtype or not w_out.is_contiguous()):
-        raise ValueError("w_out [B, T, HV, K] (k's dtype, contiguous) needs ai and beta, and serves the scalar-gated "
-                         "delta rule's linear pass over a kept Vnew (no w, split or vector gates, n_state)")
-    delta = 1 if w is not None else (2 if ai is not None and w_out is None else 0)
+    delta = 1 if w is not None else (2 if ai is not None else 0)
     if (gk_cum is not None or gb is not None) and (delta or g_cum is None):
         raise ValueError("split gates (gk_cum, gb) need g_cum and serve plain linear attention only")
     if gv_cum is not None and (delta or g_cum is not None or n_state or tuple(gv_cum.shape) != (B, T, HV, K)):
@@ -348,15 +320,15 @@ def chunk_state_fwd(
     BK = max(16, next_pow2(K))
     BV = min(max(16, next_pow2(V)), cfg["BV"])
     _chunk_state_fwd_kernel[(cdiv(V, BV), N * HV)](
-        k, v, w if w_out is None else w_out, ai, beta, v_new, g_cum, h, initial_state, final_state, gk_cum, gb,
-        cu_seqlens, chunk_offsets, hn, initial_n if initial_n is not None else (torch.zeros(N, HV, K, dtype=hn.dtype, device=k.device)
+        k, v, w, ai, beta, v_new, g_cum, h, initial_state, final_state, gk_cum, gb, cu_seqlens, chunk_offsets,
+        hn, initial_n if initial_n is not None else (torch.zeros(N, HV, K, dtype=hn.dtype, device=k.device)
                                                       if n_state and initial_state is not None else None), final_n, T,
         H=H, HV=HV, K=K, V=V, BT=chunk_size, BK=BK, BV=BV,
         USE_G=g_cum is not None, SPLIT_G=gk_cum is not None, HAS_GB=gb is not None, DELTA=delta,
         USE_INITIAL_STATE=initial_state is not None, STORE_FINAL_STATE=output_final_state,
         IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(k.dtype), ACC=acc_dtype(k.dtype),
         UNROLL=cfg["unroll"], STORE_SUB=store_every_sub_chunk, N_STATE=n_state,
-        gv=gv_cum, VEC_G=gv_cum is not None, W_OUT=w_out is not None,
+        gv=gv_cum, VEC_G=gv_cum is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return rets

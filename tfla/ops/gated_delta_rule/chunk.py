@@ -49,9 +49,6 @@ DQKW = True
 # H=16 K=V=128 bf16 L=64: fwd+bwd 3.383 -> 3.176 ms in one process (bench: 3.147 vs 3.358 ms), peak unchanged
 # (1358 MiB), 128 MiB more kept from forward to backward (docs/perf.md, ninth 2026-11-23 session)
 SAVE_V_NEW = True
-# with Vnew kept: W formed by the linear state pass's own programs (each value tile's program a share of W's key-column
-# tiles, off the state's chain) instead of its own kernel before the pass
-W_IN_LINEAR_PASS = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,14 +200,9 @@ def chunk_gated_delta_rule_bwd(
             raise ValueError(f"saved states need the 64-row states of a forward at chunk_size 64, not {L}")
         w, v_new, h_sub = saved
     elif v_new is not None:  # the forward's Vnew: W alone, and the states without the delta rule's W S product
-        if W_IN_LINEAR_PASS:
-            w = torch.empty(B, T, HV, K, dtype=k.dtype, device=k.device)
-            w_pass = dict(ai=ai, beta=beta, w_out=w)
-        else:
-            w = w_from_tm(k, g_cum, beta, ai, L, cu_seqlens=cu, sub_indices=sub, config=config.get("ut"))
-            w_pass = {}
+        w = w_from_tm(k, g_cum, beta, ai, L, cu_seqlens=cu, sub_indices=sub, config=config.get("ut"))
         h_sub, _, _ = chunk_state_fwd(
-            k, v_new, g_cum, L, initial_state=initial_state, cu_seqlens=cu, **w_pass,
+            k, v_new, g_cum, L, initial_state=initial_state, cu_seqlens=cu,
             chunk_offsets=varlen.sub_offsets if varlen is not None else None,
             num_chunks=varlen.sub_indices.shape[0] if varlen is not None else None,
             config=config.get("state_lin"), store_every_sub_chunk=True)
