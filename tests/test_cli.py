@@ -1,4 +1,6 @@
 """The main job, ``tfla bench gdn``, runs end to end (CPU: through the interpreter on a tiny workload)."""
+import csv
+import datetime
 import json
 import subprocess
 import sys
@@ -23,7 +25,47 @@ def test_bench_gdn_small(tmp_path, capsys):
     assert len(rows) == 4 and all(r["status"] == "ok" and r["ms"] > 0 for r in rows)
     assert all(r["err_o"] < 1e-5 for r in rows)
     assert data["env"]["torch"] == torch.__version__
-    assert csv_path.read_text().startswith("impl,")
+    with open(csv_path, newline="") as f:
+        assert [r["impl"] for r in csv.DictReader(f)] == [r["impl"] for r in rows]
+
+
+def test_bench_csv_appends_rows(tmp_path):
+    """``--csv``: the fixed columns, a header once, one row per timed implementation appended on each run."""
+    from tfla.bench.common import CSV_COLUMNS, git_sha, source_hash
+
+    csv_path = tmp_path / "results.csv"
+    args = ["bench", "gdn", "--T", "70", "--B", "1", "--H", "1", "--HV", "2", "--K", "16", "--V", "16",
+            "--chunk-sizes", "64,128", "--dtype", "fp32", "--impls", "tfla", "--no-progress", "--csv", str(csv_path)]
+    if torch.cuda.is_available():
+        args += ["--warmup", "1", "--rep", "5"]
+    assert main(args) == 0
+    with open(csv_path, newline="") as f:
+        header = next(csv.reader(f))
+    assert header == list(CSV_COLUMNS) == ["date", "commit", "device", "torch", "triton", "op", "impl", "B", "T", "H",
+                                           "HV", "K", "V", "dtype", "mode", "ms", "peak_mib", "notes"]
+    assert main(args) == 0
+    text = csv_path.read_text()
+    assert text.count("date,commit,") == 1
+    with open(csv_path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["impl"] for r in rows] == ["tfla L=64", "tfla L=128"] * 2
+    for r in rows:
+        assert datetime.datetime.fromisoformat(r["date"]).utcoffset() == datetime.timedelta(0)
+        assert r["commit"] == git_sha() and r["torch"] == torch.__version__ and r["op"] == "chunk_gated_delta_rule"
+        assert (r["B"], r["T"], r["H"], r["HV"], r["K"], r["V"], r["dtype"], r["mode"]) == \
+            ("1", "70", "1", "2", "16", "16", "fp32", "fwd")
+        assert float(r["ms"]) > 0 and (r["peak_mib"] == "") == (not torch.cuda.is_available())
+        assert r["notes"].split()[0] == f"src={source_hash()}"
+
+
+def test_bench_csv_refuses_other_columns(tmp_path, capsys):
+    """A ``--csv`` file written with other columns is refused before anything runs, and left as it was."""
+    csv_path = tmp_path / "old.csv"
+    csv_path.write_text("impl,ms\ntfla,1.0\n")
+    with pytest.raises(SystemExit, match="other columns"):
+        main(["bench", "gdn", "--T", "64", "--H", "1", "--K", "16", "--V", "16", "--chunk-sizes", "64",
+              "--dtype", "fp32", "--no-progress", "--impls", "tfla", "--csv", str(csv_path)])
+    assert csv_path.read_text() == "impl,ms\ntfla,1.0\n"
 
 
 @pytest.mark.parametrize("mode,sizes", [("fwdbwd", "64,64s,128v,64r"), ("bwd", "64")])

@@ -1,5 +1,6 @@
 """``tfla bench linear-attn`` and ``tfla bench mlstm`` run end to end (CPU: through the interpreter on
-tiny workloads), write their CSV/JSON rows, check before timing and refuse to time a wrong kernel."""
+tiny workloads), write their JSON rows and CSV rows (timed implementations only), check before timing and
+refuse to time a wrong kernel."""
 import csv
 import json
 import subprocess
@@ -14,8 +15,17 @@ TIMING = ["--warmup", "1", "--rep", "5"] if torch.cuda.is_available() else []
 TINY = ["--B", "1", "--H", "1", "--K", "16", "--V", "16", "--impls", "tfla", "--chunk-sizes", "64",
         "--dtype", "fp32", "--no-progress", *TIMING]
 COLUMNS = {"impl", "version", "kind", "mode", "chunk", "B", "T", "H", "K", "V", "dtype", "op", "ref", "slice_T",
-           "err_o", "slice_err_o", "ms", "tflops", "peak_mib", "status", "speedup_vs_fla", "env_torch", "env_git",
-           "env_src"}
+           "err_o", "slice_err_o", "ms", "tflops", "peak_mib", "status", "speedup_vs_fla"}
+
+
+def _csv_rows(path):
+    from tfla.bench.common import CSV_COLUMNS
+
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        rows = list(reader)
+    assert tuple(reader.fieldnames) == CSV_COLUMNS
+    return rows
 
 
 def _rows(path):
@@ -47,13 +57,16 @@ def test_bench_linear_attn_small(tmp_path, capsys, mode):
             assert r["err_dg"] < 5e-5 and r["slice_err_dg"] < 5e-5
         if mode == "fwdbwd" and r["kind"] in ("none", "constant", "lightning"):
             assert "err_dg" not in r
-    with open(csv_path, newline="") as f:
-        reader = csv.DictReader(f)
-        header = set(reader.fieldnames)
-        assert len(list(reader)) == 5
-    assert COLUMNS <= header
+    assert all(COLUMNS <= set(r) for r in ran)
     if mode == "fwdbwd":
-        assert {"err_dq", "err_dk", "err_dv", "err_dg", "slice_err_dg"} <= header
+        assert all({"err_dq", "err_dk", "err_dv", "slice_err_dq"} <= set(r) for r in ran)
+    assert data["env"]["git"] is not None and data["env"]["src"]
+    ops = {"none": "chunk_linear_attn", "constant": "chunk_retention", "scalar": "chunk_simple_gla",
+           "vector": "chunk_gla", "lightning": "chunk_lightning_attn"}
+    written = _csv_rows(csv_path)
+    assert [(w["op"], w["impl"]) for w in written] == [(ops[r["kind"]], r["impl"]) for r in ran]
+    assert all(w["mode"] == mode and w["HV"] == w["H"] == "1" and f"kind={r['kind']}" in w["notes"].split()
+               for w, r in zip(written, ran))
 
 
 def test_bench_linear_attn_refuses_wrong_kernel(monkeypatch, capsys, tmp_path):
@@ -93,9 +106,13 @@ def test_bench_mlstm_small(tmp_path, capsys):
         assert r["status"] == "ok" and r["ms"] > 0 and r["grad_convention"] == "exact"
         for n in ("o", "dq", "dk", "dv", "di", "df"):
             assert r[f"err_{n}"] < 1e-5 and r[f"slice_err_{n}"] < 1e-5
-    header = csv_path.read_text().splitlines()[0].split(",")
-    assert {"input_gate", "grad_convention", "ref_grads", "err_di", "slice_err_df", "speedup_vs_mk",
-            "env_mlstm_kernels"} <= set(header)
+    data = _rows(json_path)[0]
+    assert all({"input_gate", "grad_convention", "ref_grads", "err_di", "slice_err_df", "speedup_vs_mk"} <= set(r)
+               for r in rows)
+    assert "mlstm_kernels" in data["env"]
+    written = _csv_rows(csv_path)
+    assert [w["op"] for w in written] == ["chunk_mlstm:exp", "chunk_mlstm:sigmoid"]
+    assert all(w["impl"] == "tfla L=64" and "grad_convention=exact" in w["notes"].split() for w in written)
 
 
 def test_bench_mlstm_detached_row_follows_mlstm_kernels_convention(tmp_path):

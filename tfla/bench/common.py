@@ -47,15 +47,12 @@ def peak_mib(fn) -> float | None:
 
 
 def git_sha() -> str:
-    import os
-
-    if os.environ.get("TFLA_GIT_SHA"):  # set by runs from a copy of the tree without .git
-        return os.environ["TFLA_GIT_SHA"]
+    """``git rev-parse --short HEAD`` of the checkout the package runs from, or "" (no git, no ``.git``)."""
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent, timeout=5).stdout.strip() or "?"
+                              cwd=Path(__file__).parent, timeout=5).stdout.strip()
     except Exception:
-        return "?"
+        return ""
 
 
 def source_hash(root: Path | None = None) -> str:
@@ -98,17 +95,51 @@ def env_info() -> dict:
     return info
 
 
-def write_rows(rows: list[dict], meta: dict, csv_path: str | None, json_path: str | None) -> None:
-    if csv_path:
-        keys = list(dict.fromkeys(k for r in rows for k in r))
-        with open(csv_path, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=keys + [f"env_{k}" for k in meta])
-            w.writeheader()
-            for r in rows:
-                w.writerow({**r, **{f"env_{k}": v for k, v in meta.items()}})
+def write_json(rows: list[dict], meta: dict, json_path: str | None) -> None:
+    """All rows, every column, and the environment: the full record of one run (rewritten after each row)."""
     if json_path:
         with open(json_path, "w") as f:
             json.dump({"env": meta, "rows": rows}, f, indent=1, default=str)
+
+
+# ``--csv``: one row per timed implementation, appended, so one file collects runs over time and machines
+CSV_COLUMNS = ("date", "commit", "device", "torch", "triton", "op", "impl", "B", "T", "H", "HV", "K", "V", "dtype",
+               "mode", "ms", "peak_mib", "notes")
+
+
+def check_csv(path: str | None) -> None:
+    """Refuse (SystemExit) a ``--csv`` file that exists with other columns, before anything runs."""
+    if not path or not Path(path).exists() or Path(path).stat().st_size == 0:
+        return
+    with open(path, newline="") as f:
+        header = next(csv.reader(f), [])
+    if tuple(header) != CSV_COLUMNS:
+        raise SystemExit(f"--csv {path}: the file has other columns ({','.join(header)[:200]}); "
+                         f"expected {','.join(CSV_COLUMNS)}")
+
+
+def csv_row(row: dict, meta: dict, op: str, **notes) -> dict:
+    """The ``--csv`` row of one timed bench row: ``notes`` is ``src=<source hash>`` and ``key=value`` pairs
+    of ``notes`` (those not None), space-separated."""
+    note = " ".join(f"{k}={v}" for k, v in {"src": meta["src"], **notes}.items() if v is not None)
+    peak = row.get("peak_mib")
+    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "commit": meta["git"], "device": meta["device"], "torch": meta["torch"], "triton": meta["triton"],
+            "op": op, "impl": row["impl"], "B": row["B"], "T": row["T"], "H": row["H"], "HV": row.get("HV", row["H"]),
+            "K": row["K"], "V": row["V"], "dtype": row["dtype"], "mode": row["mode"], "ms": f"{row['ms']:.4f}",
+            "peak_mib": "" if peak is None else f"{peak:.1f}", "notes": note}
+
+
+def append_csv(path: str | None, rows: list[dict]) -> None:
+    """Append ``rows`` (``csv_row`` dicts) to ``path``, writing the header first when the file is new or empty."""
+    if not path or not rows:
+        return
+    new = not Path(path).exists() or Path(path).stat().st_size == 0
+    with open(path, "a", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
+        if new:
+            w.writeheader()
+        w.writerows(rows)
 
 
 def fmt(x, spec: str = ".3f") -> str:

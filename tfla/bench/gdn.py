@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tfla.bench.common import env_info, fmt, peak_mib, rel_l2, time_ms, write_rows
+from tfla.bench.common import append_csv, check_csv, csv_row, env_info, fmt, peak_mib, rel_l2, time_ms, write_json
 from tfla.bench.inputs import GATES, gdn_inputs
 from tfla.bench.registry import gdn_impls
 from tfla.ops.gated_delta_rule.cost import gdn_bwd_cost, gdn_fwd_cost
@@ -83,7 +83,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gate", choices=GATES, default="default")
     p.add_argument("--warmup", type=float, default=25.0, help="do_bench warm-up, ms")
     p.add_argument("--rep", type=float, default=100.0, help="do_bench repetition time, ms")
-    p.add_argument("--csv", type=str, default=None, help="write one row per run to this CSV file")
+    p.add_argument("--csv", type=str, default=None,
+                   help="append one row per timed implementation to this CSV file (header written when the file is new; "
+                        "columns: tfla.bench.common.CSV_COLUMNS)")
     p.add_argument("--json", type=str, default=None, help="write rows and environment to this JSON file")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -152,6 +154,7 @@ def _timed_call(impl, x: dict, do: torch.Tensor | None, mode: str):
 def run(args) -> tuple[list[dict], dict]:
     from rich.progress import Progress
 
+    check_csv(args.csv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     wls = workloads_from_args(args)
     chunk_sizes = args.chunk_sizes if "tfla" in args.impls else []
@@ -161,9 +164,12 @@ def run(args) -> tuple[list[dict], dict]:
     meta["missing_peers"] = ",".join(missing) or "-"
     rows = []
 
-    def keep(row):  # files are rewritten after every row, so a run cut short keeps what it measured
+    def keep(row):  # written after every row, so a run cut short keeps what it measured
         rows.append(row)
-        write_rows(rows, meta, args.csv, args.json)
+        write_json(rows, meta, args.json)
+        if row.get("status") == "ok":
+            append_csv(args.csv, [csv_row(row, meta, "chunk_gated_delta_rule", chunk=row["chunk"], gate=row["gate"],
+                                          version=None if row["impl"].startswith("tfla") else row["version"])])
     with Progress(disable=args.no_progress, transient=True) as bar:
         task = bar.add_task("gdn", total=len(wls) * len(impls))
         for wl in wls:
@@ -257,12 +263,12 @@ def print_table(rows: list[dict], meta: dict) -> None:
     if meta.get("missing_peers", "-") != "-":
         console.print(f"not available (skipped): {meta['missing_peers']}", markup=False)
     console.print(f"versions: fla-core {meta['fla-core']}, flash-qla {meta['flash-qla']}, tfla {meta['tfla']} "
-                  f"(git {meta['git']}), {meta['date']}")
+                  f"(git {meta['git'] or '-'}), {meta['date']}")
 
 
 def main(args) -> int:
     rows, meta = run(args)
-    write_rows(rows, meta, args.csv, args.json)
+    write_json(rows, meta, args.json)
     print_table(rows, meta)
     bad = [r for r in rows if r["impl"].startswith("tfla") and r.get("status") != "ok"]
     return 1 if bad else 0

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tfla.bench.common import env_info, fmt, peak_mib, rel_l2, time_ms, write_rows
+from tfla.bench.common import append_csv, check_csv, csv_row, env_info, fmt, peak_mib, rel_l2, time_ms, write_json
 from tfla.bench.inputs import DECAY_KINDS, GATES, linear_attn_inputs
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -84,7 +84,9 @@ def add_common_arguments(p: argparse.ArgumentParser, impls: str, chunk_sizes: st
                    help="slice check against the float64 recurrence on B=1, T=min(T, slice-T)")
     p.add_argument("--warmup", type=float, default=25.0, help="do_bench warm-up, ms")
     p.add_argument("--rep", type=float, default=100.0, help="do_bench repetition time, ms")
-    p.add_argument("--csv", type=str, default=None, help="write one row per run to this CSV file")
+    p.add_argument("--csv", type=str, default=None,
+                   help="append one row per timed implementation to this CSV file (header written when the file is new; "
+                        "columns: tfla.bench.common.CSV_COLUMNS)")
     p.add_argument("--json", type=str, default=None, help="write rows and environment to this JSON file")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -275,8 +277,9 @@ def random_cotangent(shape, dtype, device, seed: int) -> torch.Tensor:
 def run(args) -> tuple[list[dict], dict]:
     from rich.progress import Progress
 
-    from tfla.bench.registry import linear_attn_impls, tfla_linear_attn_impl
+    from tfla.bench.registry import LINEAR_ATTN_OPS, linear_attn_impls, tfla_linear_attn_impl
 
+    check_csv(args.csv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     wls = workloads_from_args(args)
     want = names(args.impls)
@@ -289,9 +292,13 @@ def run(args) -> tuple[list[dict], dict]:
     missing = set()
     rows = []
 
-    def keep(row):  # files are rewritten after every row, so a run cut short keeps what it measured
+    def keep(row):  # written after every row, so a run cut short keeps what it measured
         rows.append(row)
-        write_rows(rows, meta, args.csv, args.json)
+        write_json(rows, meta, args.json)
+        if row.get("status") == "ok":
+            append_csv(args.csv, [csv_row(row, meta, LINEAR_ATTN_OPS[row["kind"]][0], kind=row["kind"],
+                                          chunk=row["chunk"], gate=row["gate"] if row["gate"] != "-" else None,
+                                          version=None if row["impl"].startswith("tfla") else row["version"])])
 
     per_kind = {kind: linear_attn_impls(kind, chunk_sizes, peers) for kind in dict.fromkeys(w.kind for w in wls)}
     with Progress(disable=args.no_progress, transient=True) as bar:
@@ -414,7 +421,8 @@ def print_table(rows: list[dict], meta: dict) -> None:
         console.print(f"not available (skipped): {meta['missing_peers']}", markup=False)
     if meta.get("reference_error"):
         console.print(f"tfla fp32 reference failed (rows use their own fp32 run): {meta['reference_error']}")
-    console.print(f"versions: fla-core {meta['fla-core']}, tfla {meta['tfla']} (git {meta['git']}), {meta['date']}")
+    console.print(f"versions: fla-core {meta['fla-core']}, tfla {meta['tfla']} (git {meta['git'] or '-'}), "
+                  f"{meta['date']}")
 
 
 def exit_code(rows: list[dict]) -> int:
@@ -426,6 +434,6 @@ def exit_code(rows: list[dict]) -> int:
 
 def main(args) -> int:
     rows, meta = run(args)
-    write_rows(rows, meta, args.csv, args.json)
+    write_json(rows, meta, args.json)
     print_table(rows, meta)
     return exit_code(rows)

@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from tfla.bench.common import env_info, fmt, write_rows
+from tfla.bench.common import append_csv, check_csv, csv_row, env_info, fmt, write_json
 from tfla.bench.inputs import mlstm_inputs
 from tfla.bench.linear_attn import (
     DTYPES,
@@ -272,6 +272,7 @@ def run(args) -> tuple[list[dict], dict]:
 
     from tfla.bench.registry import mlstm_impls, tfla_mlstm_impl
 
+    check_csv(args.csv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     wls = workloads_from_args(args)
     gates = names(args.input_gates)
@@ -285,9 +286,13 @@ def run(args) -> tuple[list[dict], dict]:
     missing = set()
     rows = []
 
-    def keep(row):  # files are rewritten after every row, so a run cut short keeps what it measured
+    def keep(row):  # written after every row, so a run cut short keeps what it measured
         rows.append(row)
-        write_rows(rows, meta, args.csv, args.json)
+        write_json(rows, meta, args.json)
+        if row.get("status") == "ok":
+            append_csv(args.csv, [csv_row(row, meta, f"chunk_mlstm:{row['input_gate']}", chunk=row["chunk"],
+                                          gate_dtype=row["gate_dtype"], grad_convention=row["grad_convention"],
+                                          version=None if row["impl"].startswith("tfla") else row["version"])])
 
     per_gate = {g: mlstm_impls(g, chunk_sizes, kernels, ints(args.mk_chunk_sizes), with_tfla, with_detached,
                                with_saved, saved_kernels) for g in gates}
@@ -416,13 +421,13 @@ def print_table(rows: list[dict], meta: dict) -> None:
     for k, v in meta.items():
         if k.startswith("reference_error"):
             console.print(f"tfla fp32 reference failed ({k[16:]}; rows use their own fp32 run): {v}")
-    console.print(f"versions: mlstm_kernels {meta['mlstm_kernels']}, tfla {meta['tfla']} (git {meta['git']}), "
+    console.print(f"versions: mlstm_kernels {meta['mlstm_kernels']}, tfla {meta['tfla']} (git {meta['git'] or '-'}), "
                   f"{meta['date']}")
 
 
 def main(args) -> int:
     rows, meta = run(args)
-    write_rows(rows, meta, args.csv, args.json)
+    write_json(rows, meta, args.json)
     print_table(rows, meta)
     return exit_code(rows)
 
