@@ -1,134 +1,89 @@
-"""Per-kernel GPU time of one tfla op call (torch.profiler), to see where the time goes.
+"""Per-kernel GPU time of tfla op calls (torch.profiler): where the time of one call goes.
 
-python scripts/profile_ops.py OP [OP ...] [--mode fwd|fwdbwd] [--L 64] [--reps 5]
-OPs: mlstm-sig, mlstm-exp, mlstm-sig-det, mlstm-exp-det (detach_normalizer; B=8 T=8192 H=16 K=128 V=256), sgla-scalar, sgla-scalar-nocheck (input
-check skipped, last), sgla-none, gla[-strong][-span0] (vector decay [B, T, H, K]; logsigmoid(x) instead of
-logsigmoid(x) / 16; VEC_SPAN = 0), retention (constant decay), gdn (B=4 T=8192 H=16
-K=V=128); all bf16. Prints, per op, the do_bench median of the whole call, the sum of kernel times per
-call and one line per kernel name (total per call, count per call), longest first. The gap between
-the whole call and the kernel sum is launch/host time (host syncs show up there).
+python scripts/profile_ops.py OP [OP ...] [--mode fwd|fwdbwd] [--L 64] [--config JSON] [--op-kwargs JSON]
+                              [--shape B,T,H,K,V] [--dtype bf16] [--gate default] [--reps 5] [--host]
+
+OPs: gdn, mlstm-exp, mlstm-sig, simple-gla, gla, retention, linear-attn, lightning (tfla.bench.opcalls; default
+workloads: B=4 T=8192 H=16 K=V=128, the mLSTM B=8 T=8192 H=16 K=128 V=256, bf16). Prints per op the median time of
+the whole call (``triton.testing.do_bench``), the sum of its kernel times, and one line per kernel (time per call,
+launches per call), longest first: each kernel is one stage of the op, timed inside a real call. The gap between the
+call and the kernel sum is launch and host time (host syncs show up there; ``--host`` profiles the Python side).
+``--config`` is passed as the op's ``config=`` (e.g. ``'{"state_bwd": {"num_warps": 8}}'``), ``--op-kwargs`` as
+keyword arguments (e.g. ``'{"save_states": true}'``). Without a GPU the call runs through the interpreter and only
+its wall time is printed.
 """
 import argparse
+import json
 
 import torch
-from torch.profiler import ProfilerActivity, profile
-from triton.testing import do_bench
 
-import tfla
-
-
-def inputs(op):
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    rnd = lambda *s, dt=torch.bfloat16: torch.randn(*s, device="cuda", generator=gen, dtype=dt)  # noqa: E731
-    if op.startswith("mlstm"):
-        B, T, H, K, V = 8, 8192, 16, 128, 256
-        return dict(q=rnd(B, T, H, K), k=rnd(B, T, H, K), v=rnd(B, T, H, V), i=rnd(B, T, H, dt=torch.float32),
-                    f=rnd(B, T, H, dt=torch.float32) + 3)
-    B, T, H, K, V = 4, 8192, 16, 128, 128
-    x = dict(q=rnd(B, T, H, K), k=torch.nn.functional.normalize(rnd(B, T, H, K).float(), dim=-1).bfloat16(),
-             v=rnd(B, T, H, V))
-    if op in ("sgla-scalar", "sgla-scalar-nocheck", "gdn"):
-        x["g"] = torch.nn.functional.logsigmoid(rnd(B, T, H, dt=torch.float32) + 4)
-    if op.startswith("gla"):  # per-channel log decays, FLA's benchmark style (logsigmoid / 16: mostly near 0)
-        x["g"] = torch.nn.functional.logsigmoid(rnd(B, T, H, K, dt=torch.float32)) / (1 if "strong" in op else 16)
-    if op == "gdn":
-        x["beta"] = torch.rand(B, T, H, device="cuda", generator=gen)
-    return x
+from tfla.bench.common import time_ms
+from tfla.bench.opcalls import OPS, kernel_times, op_run
+from tfla.cli import use_interpreter_without_gpu
 
 
-def call(op, L):
-    if op.startswith("mlstm"):  # mlstm-sig / mlstm-exp [-det: mlstm_kernels' gradient convention]
-        gate = "sigmoid" if op.startswith("mlstm-sig") else "exp"
-        det = op.endswith("-det")
-        return lambda x: tfla.chunk_mlstm(**x, input_gate=gate, chunk_size=L, detach_normalizer=det)[0]
-    if op == "sgla-scalar-nocheck":  # the host-synced `g <= 0` check skipped: its cost in isolation
-        import tfla.ops.simple_gla.chunk as sg
-        sg._positive_flag = lambda g: None
-    if op.startswith("gla"):  # gla[-strong][-span0]: strong gates; the diagonal's factored path off
-        import tfla.ops.gla.chunk as gc
-        gc.VEC_SPAN = 0 if "span0" in op else 32
-        return lambda x: tfla.chunk_gla(**x, chunk_size=L)[0]
-    if op.startswith("sgla"):
-        return lambda x: tfla.chunk_simple_gla(**x, chunk_size=L)[0]
-    if op == "retention":  # constant decay per head (FLA's chunk_retention)
-        return lambda x: tfla.chunk_retention(**x, chunk_size=L)[0]
-    return lambda x: tfla.chunk_gated_delta_rule(**x, chunk_size=L)[0]
+def shape_arg(s: str) -> tuple[int, ...]:
+    parts = tuple(int(x) for x in s.split(","))
+    if len(parts) != 5:
+        raise argparse.ArgumentTypeError(f"expected B,T,H,K,V, got {s!r}")
+    return parts
 
 
-def fwdbwd(op, L):
-    """``(run, fn, leaves, do)`` for ``op`` at chunk size L: ``run()`` is one forward plus ``torch.autograd.grad``
-    of every input with a fixed random cotangent ``do`` (the calls the timing scripts measure)."""
-    fn = call(op, L)
-    leaves = {n: t.clone().requires_grad_() for n, t in inputs(op).items()}
-    do = torch.randn_like(fn(leaves))
+def host_profile(run) -> None:
+    """Host (Python) time per call without syncs, and the functions it goes to."""
+    import cProfile
+    import io
+    import pstats
+    import time
 
-    def run():
-        return torch.autograd.grad(fn(leaves), list(leaves.values()), do)
-
-    return run, fn, leaves, do
-
-
-def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("ops", nargs="+")
-    p.add_argument("--mode", default="fwd", choices=["fwd", "fwdbwd"])
-    p.add_argument("--L", type=int, default=64)
-    p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--host", action="store_true", help="also: host (Python) time per call and its top functions")
-    p.add_argument("--unfused", action="store_true",
-                   help="backward at L = 64 without the fused paths (dvo inside the state backward, dq+dk in one launch)")
-    a = p.parse_args()
-    if a.unfused:
-        import tfla.ops.gated_delta_rule.chunk as gdn
-        import tfla.ops.simple_gla.chunk as sg
-        for mod in (gdn, sg):
-            mod.intra_supported = mod.dual_supported = lambda *args, **kw: False
-    for op in a.ops:
-        if a.mode == "fwdbwd":
-            run = fwdbwd(op, a.L)[0]
-        else:
-            x = inputs(op)
-            fn = call(op, a.L)
-
-            def run():
-                with torch.no_grad():
-                    fn(x)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(20):
         run()
-        torch.cuda.synchronize()
-        ms = do_bench(run, warmup=10, rep=50, return_mode="median")
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(a.reps):
-                run()
-            torch.cuda.synchronize()
-        rows = [(e.key, e.device_time_total / 1e3 / a.reps, e.count / a.reps) for e in prof.key_averages()
-                if e.device_time_total > 0]
-        rows.sort(key=lambda r: -r[1])
-        total = sum(r[1] for r in rows)
-        print(f"== {op} {a.mode} L={a.L}{' unfused' if a.unfused else ''}: call {ms:.3f} ms (do_bench median), kernels {total:.3f} ms per call")
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    print(f"   host {1e3 * (t1 - t0) / 20:.3f} ms per call (20 calls, no sync between)")
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(20):
+        run()
+    pr.disable()
+    torch.cuda.synchronize()
+    buf = io.StringIO()
+    pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(14)
+    print("\n".join(buf.getvalue().splitlines()[-20:]))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("ops", nargs="+", choices=list(OPS))
+    p.add_argument("--mode", default="fwd", choices=["fwd", "fwdbwd"])
+    p.add_argument("--L", type=int, default=64, help="chunk size")
+    p.add_argument("--config", type=json.loads, default=None, help="the op's config= (JSON dict)")
+    p.add_argument("--op-kwargs", type=json.loads, default=None, help="extra keyword arguments of the op (JSON)")
+    p.add_argument("--shape", type=shape_arg, default=None, help="B,T,H,K,V (default: the op's workload)")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None, help="default bf16 (fp32 on CPU)")
+    p.add_argument("--gate", default="default", help="gate regime of the inputs (tfla.bench.inputs.GATES)")
+    p.add_argument("--reps", type=int, default=5, help="profiled calls")
+    p.add_argument("--host", action="store_true", help="also: host time per call and its top functions")
+    a = p.parse_args(argv)
+    use_interpreter_without_gpu()
+    for op in a.ops:
+        try:
+            r = op_run(op, a.mode, a.L, a.config, shape=a.shape, dtype=a.dtype, gate=a.gate, op_kwargs=a.op_kwargs)
+        except ValueError as e:
+            raise SystemExit(f"{op}: {e}")
+        r.run()
+        ms = time_ms(r.run, 10, 50)
+        rows = kernel_times(r.run, a.reps)
+        total = sum(t for _, t, _ in rows)
+        cfg = f" config={json.dumps(a.config)}" if a.config else ""
+        print(f"== {r.label}{cfg}: call {ms:.3f} ms (median)" +
+              (f", kernels {total:.3f} ms per call" if rows else ", no CUDA: no kernel times"))
         for name, t, n in rows:
             print(f"   {t:8.3f} ms  x{n:4.1f}  {name[:110]}")
-        if a.host:  # where the host spends a call (a host sync inside shows up as the wait in bool/item)
-            import cProfile
-            import io
-            import pstats
-            import time
-
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(20):
-                run()
-            t1 = time.perf_counter()
-            torch.cuda.synchronize()
-            print(f"   host {1e3 * (t1 - t0) / 20:.3f} ms per call (20 calls, no sync between)")
-            pr = cProfile.Profile()
-            pr.enable()
-            for _ in range(20):
-                run()
-            pr.disable()
-            torch.cuda.synchronize()
-            buf = io.StringIO()
-            pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(14)
-            print("\n".join(buf.getvalue().splitlines()[-20:]))
+        if a.host and torch.cuda.is_available():
+            host_profile(r.run)
 
 
 if __name__ == "__main__":

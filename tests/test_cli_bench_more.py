@@ -195,3 +195,55 @@ def test_source_hash_names_the_sources(tmp_path):
     (tmp_path / "b.py").rename(tmp_path / "c.py")
     assert source_hash(tmp_path) != h
     assert env_info()["src"] == source_hash()
+
+
+def _script(name):
+    import runpy
+    from pathlib import Path
+
+    return runpy.run_path(str(Path(__file__).resolve().parents[1] / "scripts" / name), run_name="tfla_script")
+
+
+def _module_state():
+    """Every tfla module's attributes (by identity): what a tool must leave as it found them."""
+    return {name: dict(vars(m)) for name, m in sys.modules.items() if name.startswith("tfla.") and m is not None}
+
+
+def test_opcalls_config_reaches_the_op():
+    """``config`` is the op's argument: ``{}`` gives the default call's outputs bitwise (GDN), a launch override
+    the same values; an op without ``config=`` refuses anything but ``{}``."""
+    from tfla.bench.opcalls import op_run, rel_errors
+
+    base = op_run("gdn", "fwdbwd", 64, None, shape=(1, 70, 1, 16, 16), dtype="fp32")
+    ref = base.run()
+    assert base.names == ("o", "dq", "dk", "dv", "dg", "dbeta")
+    for cfg in ({}, {"state": {"num_warps": 8}}):
+        r = op_run("gdn", "fwdbwd", 64, cfg, inputs=base.inputs)
+        assert max(rel_errors(r.run(), ref, r.names).values()) < 1e-6
+    assert op_run("retention", "fwd", 64, {}, shape=(1, 70, 1, 16, 16), dtype="fp32").run()[0].shape == (1, 70, 1, 16)
+    with pytest.raises(ValueError, match="config"):
+        op_run("retention", "fwd", 64, {"state": {"BV": 16}}, shape=(1, 70, 1, 16, 16), dtype="fp32")
+
+
+def test_ab_and_tune_scripts_run_through_config(capsys):
+    """``scripts/ab.py`` and ``scripts/tune.py`` on a tiny workload: variants parsed as JSON configs, outputs compared,
+    times printed, and no tfla module attribute changed."""
+    import tfla
+
+    ab, tune = _script("ab.py"), _script("tune.py")
+    variants = ab["parse_variants"]('base={};w8={"state": {"num_warps": 8}}')
+    assert variants == [("base", {}), ("w8", {"state": {"num_warps": 8}})]
+    with pytest.raises(Exception, match="JSON"):
+        ab["parse_variants"]("x=gdn.FLAG=1")
+    for name in tfla.__all__:  # every op module imported, so that the snapshot covers it
+        getattr(tfla, name)
+    before = _module_state()
+    ab["main"](["--ops", "gdn", "--mode", "fwd", "--shape", "1,70,1,16,16", "--rounds", "1", "--compare",
+                "--variants", 'base={};w8={"state": {"num_warps": 8}}'])
+    tune["main"](["gdn", "--mode", "fwd", "--shape", "1,70,1,16,16", "--stage", "output", "--grid",
+                  '{"num_warps": [4, 8]}'])
+    after = _module_state()
+    assert all(after[name] == state for name, state in before.items() if name in after)
+    out = capsys.readouterr().out
+    assert "w8 vs base: o equal" in out and "base" in out and "ms  rounds" in out
+    assert out.count('{"output": {"num_warps"') == 4 and "WRONG" not in out

@@ -12,8 +12,9 @@ import os
 import sys
 
 
-def _use_interpreter_without_gpu() -> None:
-    # Must run before anything imports triton: the interpreter is chosen when kernels are defined.
+def use_interpreter_without_gpu() -> None:
+    """Without a CUDA GPU, run kernels through Triton's CPU interpreter (also used by ``scripts/``). Must run
+    before anything imports triton: the interpreter is chosen when kernels are defined."""
     import torch
 
     if not torch.cuda.is_available():
@@ -43,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    _use_interpreter_without_gpu()
+    use_interpreter_without_gpu()
     try:
         parser = build_parser()
     except ModuleNotFoundError as e:
