@@ -2,7 +2,7 @@
 without a GPU (nothing is launched), and print per kernel: registers, spill stores, shared memory.
 
 python scripts/compile_stats.py [--op gla|simple_gla|mlstm|gdn] [--dtype bf16|fp32] [--K 128] [--V 128] [--L 64]
-                                [--allocs] [--check] [--layouts] [--dump DIR]
+                                [--allocs] [--check] [--layouts] [--dump DIR] [--config JSON] [--save-v-new op|true|false]
 
 ``--allocs`` lists each kernel's shared-memory buffers (``ttg.local_alloc`` in its TTGIR: pipelined loads,
 dot operands staged there; tf32x3 stages a hi and a lo copy of each fp32 operand); ``--check`` exits 1
@@ -15,6 +15,7 @@ ops relative to each other, not to the 227 KiB limit to the byte). Launches are 
 ``JITFunction.run``, so the host code runs on CPU tensors with outputs left unwritten.
 """
 import argparse
+import json
 import os
 import re
 import subprocess
@@ -110,7 +111,13 @@ def main(argv=None):
     p.add_argument("--layouts", action="store_true",
                    help="count each kernel's layout conversions (ttg.convert_layout) and barriers in its TTGIR")
     p.add_argument("--dump", type=str, default=None, help="write each kernel's TTGIR to this folder")
+    p.add_argument("--config", type=json.loads, default=None,
+                   help="--op gdn: the config= of chunk_gated_delta_rule_fwd / _bwd (JSON, e.g. '{\"state\": {\"BV\": 32}}')")
+    p.add_argument("--save-v-new", choices=["op", "true", "false"], default="op",
+                   help="--op gdn: the backward with the forward's Vnew or recomputing it (op: the op's default)")
     args = p.parse_args(argv)
+    if (args.config or args.save_v_new != "op") and args.op != "gdn":
+        p.error("--config and --save-v-new apply to --op gdn")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     T, H, K, V, L = args.T, 2, args.K, args.V, args.L
     q, k = torch.randn(1, T, H, K, dtype=dtype), torch.randn(1, T, H, K, dtype=dtype)
@@ -135,11 +142,19 @@ def main(argv=None):
     elif args.op == "gdn":
         from tfla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_bwd, chunk_gated_delta_rule_fwd
 
+        import inspect
+
+        from tfla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+        # the backward the op runs: with the forward's Vnew (save_v_new) or recomputing it (FLA's saved set)
+        keep = {"true": True, "false": False}.get(args.save_v_new)
+        if keep is None:  # the op's default argument (None there: the op's own default, which keeps Vnew)
+            default = inspect.signature(chunk_gated_delta_rule).parameters["save_v_new"].default
+            keep = default if isinstance(default, bool) else True
         g, beta = -torch.rand(1, T, H), torch.rand(1, T, H, dtype=dtype)
-        _, _, inter = chunk_gated_delta_rule_fwd(q, k, v, g, beta, 0.1, h0, True, L)
-        import tfla.ops.gated_delta_rule.chunk as gdn_chunk  # the path the autograd function takes by default
-        chunk_gated_delta_rule_bwd(q, k, v, inter["g_cum"], beta, inter["ai"], 0.1, h0, do, dht, L,
-                                   v_new=inter["v_new"] if gdn_chunk.SAVE_V_NEW else None)
+        _, _, inter = chunk_gated_delta_rule_fwd(q, k, v, g, beta, 0.1, h0, True, L, config=args.config)
+        chunk_gated_delta_rule_bwd(q, k, v, inter["g_cum"], beta, inter["ai"], 0.1, h0, do, dht, L, config=args.config,
+                                   v_new=inter["v_new"] if keep else None)
     else:
         from tfla.ops.simple_gla.chunk import chunk_simple_gla_bwd, chunk_simple_gla_fwd
 
