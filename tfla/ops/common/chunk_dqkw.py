@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from tfla.ops.common.chunk_state import _sequence_slots, _tile_of
+from tfla.ops.common.grid import check_varlen_batch, program_tile, tile_grid
 from tfla.ops.common.utils import SUB_CHUNK, acc_dtype, cdiv, dot_precision, next_pow2
 
 
@@ -61,13 +62,14 @@ def _gdn_dqkw_kernel(
     IS_VARLEN: tl.constexpr,
     DOT_PREC: tl.constexpr,
     ACC: tl.constexpr,
+    FLAT: tl.constexpr = False,
 ):
     """One (key tile, 64-row chunk, batch x value head) program. Partial row dots per key tile go to
     ``dgd [NK, B, T, HV]`` (q . dq - k . dk of the tiled product, r = s terms out), ``pst [NK, B, T, HV]``
     (k . dk_state) and ``sds [NK, NS_total, HV]`` (<S, dS> over this key tile's rows), at strides ``s_part`` and
     ``s_slot`` per key tile; the host sums the NK parts."""
     BS: tl.constexpr = 64
-    i_k, i_t, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
+    i_k, i_t, i_bh = program_tile(T, (K + BK - 1) // BK, BS, HV, IS_VARLEN, FLAT)  # 3-D or flat grid (grid.py)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
     i_n, i_t = _tile_of(tile_indices, i_t, i_b, IS_VARLEN)
@@ -178,7 +180,7 @@ def chunk_dqkw_bwd(
             chunk of each sequence.
         dq_dtype / dk_dtype: of dq and dk (default q's dtype); dw: ``[B, T, HV, K]`` to write dW into (e.g. W's
             buffer, dead by now), else a new tensor of k's dtype.
-        config: ``BK``, ``BV``, ``num_warps``, ``num_stages``.
+        config: ``BK``, ``BV``, ``num_warps``, ``num_stages``; ``flat`` forces the 1-D grid (``grid.py``; for tests).
     Returns:
         ``dq [B, T, HV, K]``, ``dk [B, T, HV, K]`` (per value head: tiled and state parts), ``dw [B, T, HV, K]``,
         ``dgd [B, T, HV]`` fp32 (q . dq - k . dk of the tiled product without the r = s terms), ``pst [B, T, HV]``
@@ -205,11 +207,13 @@ def chunk_dqkw_bwd(
     sds = torch.empty(NK, nslot, HV, dtype=acc, device=q.device)
     NT = cdiv(T, SUB_CHUNK) if cu_seqlens is None else tile_indices.shape[0]
     if NT > 0 and B * HV > 0:
-        _gdn_dqkw_kernel[(NK, NT, B * HV)](
+        check_varlen_batch(B, cu_seqlens)
+        grid, flat = tile_grid(NK, NT, B * HV, force_flat=cfg.get("flat", False))
+        _gdn_dqkw_kernel[grid](
             q, k, v_new, do, du, h_sub, dh_sub, g_cum, dq, dk, dw, dgd, pst, sds, cu_seqlens, tile_indices,
             sub_offsets, scale, T, B * T * HV, nslot * HV,
             H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, USE_G=g_cum is not None, IS_VARLEN=cu_seqlens is not None,
-            DOT_PREC=dot_precision(q.dtype), ACC=acc_dtype(q.dtype),
+            DOT_PREC=dot_precision(q.dtype), ACC=acc_dtype(q.dtype), FLAT=flat,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
     if NK > 1:

@@ -45,6 +45,7 @@ import triton
 import triton.language as tl
 
 from tfla.ops.common.chunk_state import _sequence_slots, _tile_of
+from tfla.ops.common.grid import check_varlen_batch, program_tile, tile_grid
 from tfla.ops.common.utils import acc_dtype, cdiv, dot_precision, next_pow2, prepare_chunk_indices, seqlens_to_list
 
 
@@ -333,8 +334,10 @@ def _chunk_tiled_kernel(
     xdot2=None,
     DUAL: tl.constexpr = False,
     VEC_F32: tl.constexpr = 0,
+    FLAT: tl.constexpr = False,
 ):
-    i_c_, i_t, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
+    # (column tile, row tile, batch x head): a 3-D grid, or its flat form past CUDA's axis limits (grid.py)
+    i_c_, i_t, i_bh = program_tile(T, (DC + BC - 1) // BC, BQ, HV, IS_VARLEN, FLAT)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_n, i_t = _tile_of(tile_indices, i_t, i_b, IS_VARLEN)
     bos, T, boh = _sequence_slots(cu_seqlens, chunk_offsets, i_n, T, HS, IS_VARLEN)
@@ -694,7 +697,9 @@ def chunk_tiled(
         vec_f32 = 2 if (reverse and vec == 1) else 1
     NQ = cdiv(T, cfg["BQ"]) if cu_seqlens is None else tile_indices.shape[0]
     if NQ > 0 and B * HV > 0:
-        _chunk_tiled_kernel[(cdiv(DC, cfg["BV"]), NQ, B * HV)](
+        check_varlen_batch(B, cu_seqlens)
+        grid, flat = tile_grid(cdiv(DC, cfg["BV"]), NQ, B * HV, force_flat=cfg.get("flat", False))
+        _chunk_tiled_kernel[grid](
             a, b, c, h, gk_cum if (reverse and gk_cum is not None) else g_cum,
             g_cum if (reverse and gk_cum is not None) else gk_cum, gb,
             out, rowdot_with, xdot, cu_seqlens, tile_indices, chunk_offsets,
@@ -708,7 +713,7 @@ def chunk_tiled(
             IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(a.dtype), ACC=acc_dtype(a.dtype),
             NORM=0 if normalizer is None else (2 if norm.get("lo") is not None else 1), BAS=bas,
             gv=gv_cum, VEC_G=vec, VEC_ROWDOT=bool(vec) and rowdot_with is not None, add=row_add, ROWADD=rowadd,
-            VEC_SPAN=cfg.get("VEC_SPAN", 0), out2=out2, xdot2=xdot2, DUAL=dual, VEC_F32=vec_f32,
+            VEC_SPAN=cfg.get("VEC_SPAN", 0), out2=out2, xdot2=xdot2, DUAL=dual, VEC_F32=vec_f32, FLAT=flat,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
     if dual:

@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tfla.ops.common.grid import needs_int64, program_pair, tile_grid
 from tfla.ops.common.utils import SUB_CHUNK, acc_dtype, cdiv, dot_precision, next_pow2
 
 
@@ -37,35 +38,35 @@ def _state_substep(b_h, b_n, t0, T, bos, i_h, i_hv, k, v, w, ai, beta, v_new, g,
                    V: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, USE_G: tl.constexpr,
                    SPLIT_G: tl.constexpr, HAS_GB: tl.constexpr,
                    DELTA: tl.constexpr, DOT_PREC: tl.constexpr, ACC: tl.constexpr, N_STATE: tl.constexpr,
-                   gv=None, VEC_G: tl.constexpr = False):
+                   gv=None, VEC_G: tl.constexpr = False, IDX64: tl.constexpr = False):
     """Advance the state ``b_h [BK, BV]`` (and with N_STATE the normalizer state ``b_n [BK]``, the same
     recurrence with v = 1) over the sub-chunk of rows ``t0 .. t0 + BS``; store Vnew."""
     dt = k.dtype.element_ty
     o_t = t0 + o_c
     m_t = o_t < T
-    b_k = tl.load(k + (bos * H + i_h) * K + o_t[:, None] * (H * K) + o_k[None, :],
+    r0, o_r = _row_split(bos, t0, o_c, IDX64)
+    b_k = tl.load(k + (r0 * H + i_h) * K + o_r[:, None] * (H * K) + o_k[None, :],
                   mask=m_t[:, None] & m_k[None, :], other=0.0)  # [BS, BK]
-    b_v = tl.load(v + (bos * HV + i_hv) * V + o_t[:, None] * (HV * V) + o_v[None, :],
+    b_v = tl.load(v + (r0 * HV + i_hv) * V + o_r[:, None] * (HV * V) + o_v[None, :],
                   mask=m_t[:, None] & m_v[None, :], other=0.0).to(ACC)  # [BS, BV]
     if USE_G:
-        p_g = g + bos * HV + i_hv
         # clamped so a sub-chunk past T reads G_n = G_c = G[T - 1]: decay 1, no-op
-        b_gn = tl.load(p_g + (tl.minimum(t0 + BS, T) - 1) * HV)
-        b_gc = tl.load(p_g + (tl.minimum(t0, T) - 1) * HV, mask=(t0 % BT) != 0, other=0.0)
+        b_gn = tl.load(g + (bos + tl.minimum(t0 + BS, T) - 1) * HV + i_hv)
+        b_gc = tl.load(g + (bos + tl.minimum(t0, T) - 1) * HV + i_hv, mask=(t0 % BT) != 0, other=0.0)
         if HAS_GB:  # at an outer-chunk start: the gate of the row before it (the state's stabilizer)
             b_gc += tl.load(gb + (bos + tl.minimum(t0, T - 1)) * HV + i_hv, mask=(t0 % BT) == 0, other=0.0)
         if SPLIT_G:  # key weights 2^(GQ_n - GK_s)
-            b_g = tl.load(gk + bos * HV + i_hv + o_t * HV, mask=m_t, other=0.0)
+            b_g = tl.load(gk + r0 * HV + i_hv + o_r * HV, mask=m_t, other=0.0)
         else:
-            b_g = tl.load(p_g + o_t * HV, mask=m_t, other=0.0)
+            b_g = tl.load(g + r0 * HV + i_hv + o_r * HV, mask=m_t, other=0.0)
     if DELTA == 1:  # Vnew = U - W S, with W and U from the WY kernel
-        b_w = tl.load(w + (bos * HV + i_hv) * K + o_t[:, None] * (HV * K) + o_k[None, :],
+        b_w = tl.load(w + (r0 * HV + i_hv) * K + o_r[:, None] * (HV * K) + o_k[None, :],
                       mask=m_t[:, None] & m_k[None, :], other=0.0)
         b_v -= tl.dot(b_w, b_h.to(dt), input_precision=DOT_PREC)
     if DELTA == 2:  # Vnew = Tm (beta V - (beta 2^(G - G_c) K) S): W and U never leave the chip
-        b_tm = tl.load(ai + (bos * HV + i_hv) * BS + o_t[:, None] * (HV * BS) + o_c[None, :],
+        b_tm = tl.load(ai + (r0 * HV + i_hv) * BS + o_r[:, None] * (HV * BS) + o_c[None, :],
                        mask=m_t[:, None], other=0.0).to(dt)  # [BS, BS]
-        b_b = tl.load(beta + (bos + o_t) * HV + i_hv, mask=m_t, other=0.0).to(ACC)
+        b_b = tl.load(beta + r0 * HV + i_hv + o_r * HV, mask=m_t, other=0.0).to(ACC)
         if USE_G:
             b_sk = b_b * tl.exp2(tl.where(m_t, b_g - b_gc, float("-inf")))
         else:
@@ -73,7 +74,7 @@ def _state_substep(b_h, b_n, t0, T, bos, i_h, i_hv, k, v, w, ai, beta, v_new, g,
         b_y = b_v * b_b[:, None] - tl.dot((b_k * b_sk[:, None]).to(dt), b_h.to(dt), input_precision=DOT_PREC)
         b_v = tl.dot(b_tm, b_y.to(dt), input_precision=DOT_PREC)
     if DELTA > 0:
-        tl.store(v_new + (bos * HV + i_hv) * V + o_t[:, None] * (HV * V) + o_v[None, :],
+        tl.store(v_new + (r0 * HV + i_hv) * V + o_r[:, None] * (HV * V) + o_v[None, :],
                  b_v.to(v_new.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
     if USE_G:
         b_wk = tl.exp2(tl.where(m_t, b_gn - b_g, float("-inf")))  # [BS] key weights
@@ -84,25 +85,36 @@ def _state_substep(b_h, b_n, t0, T, bos, i_h, i_hv, k, v, w, ai, beta, v_new, g,
     elif N_STATE:
         b_n += tl.sum(b_k.to(ACC), 0)
     if VEC_G:  # per key row: keys weighted 2^(GV_n - GV_s), the state's rows decayed 2^(GV_n - GV_c)
-        b_wv, b_rd, _ = _vec_decays(gv, bos, i_hv, t0, T, o_t, m_t, o_k, m_k, HV, K, BT, BS)
+        b_wv, b_rd, _ = _vec_decays(gv, r0, o_r, i_hv, t0, T, bos, m_t, o_k, m_k, HV, K, BT, BS)
         b_k = (b_k * b_wv).to(dt)
         b_h *= b_rd[:, None]
     return tl.dot(tl.trans(b_k), b_v.to(dt), b_h, input_precision=DOT_PREC), b_n
 
 
 @triton.jit
-def _vec_decays(gv, bos, i_hv, t0, T, o_t, m_t, o_k, m_k, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
+def _row_split(bos, t0, o_c, IDX64: tl.constexpr):
+    """Rows ``t0 + o_c`` of the sequence that starts at token ``bos``, as a scalar row and in-tile row offsets
+    ``(r0, o_r)`` with ``r0 + o_r`` the row: ``(bos + t0, o_c)`` with IDX64 (r0 int64: ``o_r * stride`` stays
+    small, ``r0 * stride`` cannot wrap), else ``(bos, t0 + o_c)`` (32-bit ``(t0 + o_c) * stride``: fine while every
+    tensor's offsets fit in 31 bits, which the host checks; fewer registers in the pipelined loops)."""
+    if IDX64:
+        return bos + t0, o_c
+    else:
+        return bos, t0 + o_c
+
+
+@triton.jit
+def _vec_decays(gv, r0, o_r, i_hv, t0, T, bos, m_t, o_k, m_k, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
                 BS: tl.constexpr):
     """The vector gate of one sub-chunk (rows t0 .., c the row before it, n its last row in the
     sequence): key weights ``2^(GV_n - GV_s)`` ``[BS, BK]`` (0 past T) and row decays ``2^(GV_n - GV_c)``
     ``[BK]`` (GV_c = 0 at an outer-chunk start), and the rows' own ``2^GV_s`` (the output's use of the
     outer chunk's start state)."""
-    p_gv = gv + (bos * HV + i_hv) * K
-    b_gn = tl.load(p_gv + (tl.minimum(t0 + BS, T) - 1) * (HV * K) + o_k, mask=m_k, other=0.0)
+    b_gn = tl.load(gv + ((bos + tl.minimum(t0 + BS, T) - 1) * HV + i_hv) * K + o_k, mask=m_k, other=0.0)
     m_c = m_k & (((o_k * 0 + t0) % BT) != 0)  # (a vector mask: the interpreter rejects vector & scalar masks)
-    b_gc = tl.load(p_gv + (tl.minimum(t0, T) - 1) * (HV * K) + o_k, mask=m_c, other=0.0)
+    b_gc = tl.load(gv + ((bos + tl.minimum(t0, T) - 1) * HV + i_hv) * K + o_k, mask=m_c, other=0.0)
     m_tk = m_t[:, None] & m_k[None, :]
-    b_g = tl.load(p_gv + o_t[:, None] * (HV * K) + o_k[None, :], mask=m_tk, other=0.0)
+    b_g = tl.load(gv + (r0 * HV + i_hv) * K + o_r[:, None] * (HV * K) + o_k[None, :], mask=m_tk, other=0.0)
     return (tl.exp2(tl.where(m_tk, b_gn[None, :] - b_g, float("-inf"))), tl.exp2(b_gn - b_gc),
             tl.exp2(tl.where(m_tk, b_g, float("-inf"))))
 
@@ -121,7 +133,9 @@ def _tile_of(tile_indices, i_t, i_b, IS_VARLEN: tl.constexpr):
 @triton.jit
 def _sequence_slots(cu_seqlens, offsets, i_n, T, SLOT: tl.constexpr, IS_VARLEN: tl.constexpr):
     """Sequence i_n's first token ``bos``, its length ``T`` and its first state slot ``boh`` for states stored
-    every SLOT rows (varlen: the offsets table of that slot size; else B equal sequences of length T)."""
+    every SLOT rows (varlen: the offsets table of that slot size; else B equal sequences of length T). ``bos`` and
+    ``boh`` are int64; T stays int32 (loops over it stay 32-bit): a kernel forms a row's offset as the int64 scalar
+    ``(bos + t0) * stride`` of its tile's first row plus int32 in-tile offsets, never ``t * stride`` in 32 bits."""
     if IS_VARLEN:
         bos = tl.load(cu_seqlens + i_n).to(tl.int64)
         T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
@@ -173,9 +187,11 @@ def _chunk_state_fwd_kernel(
     N_STATE: tl.constexpr,
     gv=None,
     VEC_G: tl.constexpr = False,
+    IDX64: tl.constexpr = False,
+    FLAT: tl.constexpr = False,
 ):
     BS: tl.constexpr = 64
-    i_v, i_nh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    i_v, i_nh = program_pair((V + BV - 1) // BV, FLAT)  # (value tile, sequence x head): 2-D or flat grid
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
     SLOT: tl.constexpr = BS if STORE_SUB else BT  # rows per stored state
@@ -213,7 +229,7 @@ def _chunk_state_fwd_kernel(
                 b_h, b_n = _state_substep(
                     b_h, b_n, i_c * BT + j * BS, T, bos, i_h, i_hv, k, v, w, ai, beta, v_new, g, gk, gb,
                     o_c, o_k, o_v, m_k, m_v, H, HV, K, V, BT, BS, USE_G, SPLIT_G, HAS_GB, DELTA, DOT_PREC, ACC,
-                    N_STATE, gv, VEC_G)
+                    N_STATE, gv, VEC_G, IDX64)
         else:
             for j in range(BT // BS):
                 if STORE_SUB:
@@ -225,12 +241,18 @@ def _chunk_state_fwd_kernel(
                 b_h, b_n = _state_substep(
                     b_h, b_n, i_c * BT + j * BS, T, bos, i_h, i_hv, k, v, w, ai, beta, v_new, g, gk, gb,
                     o_c, o_k, o_v, m_k, m_v, H, HV, K, V, BT, BS, USE_G, SPLIT_G, HAS_GB, DELTA, DOT_PREC, ACC,
-                    N_STATE, gv, VEC_G)
+                    N_STATE, gv, VEC_G, IDX64)
 
     if STORE_FINAL_STATE:
         tl.store(ht + i_nh * K * V + o_kv, b_h, mask=m_kv)
         if N_STATE:
             tl.store(hnt + i_nh * K + o_k, b_n, mask=m_n)
+
+
+def _idx64(T: int, H: int, HV: int, K: int, V: int) -> bool:
+    """The state kernels' IDX64: a row offset ``t * stride`` of a ``[B, T, heads, dim]`` tensor (q, k, v, W, Vnew,
+    Tm's 64 columns, the vector gate) can pass 2^31 within one sequence of up to T tokens."""
+    return needs_int64(T * max(H * K, HV * max(K, V, SUB_CHUNK)))
 
 
 def _state_acc(dtype: torch.dtype) -> torch.dtype:
@@ -272,7 +294,8 @@ def chunk_state_fwd(
         state_dtype: dtype of the materialized states (default: k's dtype; the recurrence is fp32).
         chunk_offsets / num_chunks: varlen ``prepare_chunk_offsets(.., chunk_size)`` and its total (with
             ``store_every_sub_chunk``: the same for 64-row sub-chunks).
-        config: overrides of ``BV``, ``num_warps``, ``num_stages``, ``unroll``.
+        config: overrides of ``BV``, ``num_warps``, ``num_stages``, ``unroll``; ``flat`` / ``idx64`` force the 1-D
+            grid and the 64-bit row offsets that very large inputs take (``tfla/ops/common/grid.py``; for tests).
         store_every_sub_chunk: materialize the state at every 64-row sub-chunk start (backward pass).
         gk_cum, gb: split gates (linear attention only; see ``chunk_output.chunk_tiled``): ``g_cum`` is
             the query-side gate GQ, key weights are ``2^(GQ_n - GK_s)``, and at an outer-chunk start the
@@ -319,7 +342,8 @@ def chunk_state_fwd(
         cfg.update(unroll=False, num_stages=1 if K > 64 else 2)
     BK = max(16, next_pow2(K))
     BV = min(max(16, next_pow2(V)), cfg["BV"])
-    _chunk_state_fwd_kernel[(cdiv(V, BV), N * HV)](
+    grid, flat = tile_grid(cdiv(V, BV), N * HV, force_flat=cfg.get("flat", False))
+    _chunk_state_fwd_kernel[grid](
         k, v, w, ai, beta, v_new, g_cum, h, initial_state, final_state, gk_cum, gb, cu_seqlens, chunk_offsets,
         hn, initial_n if initial_n is not None else (torch.zeros(N, HV, K, dtype=hn.dtype, device=k.device)
                                                       if n_state and initial_state is not None else None), final_n, T,
@@ -328,7 +352,7 @@ def chunk_state_fwd(
         USE_INITIAL_STATE=initial_state is not None, STORE_FINAL_STATE=output_final_state,
         IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(k.dtype), ACC=acc_dtype(k.dtype),
         UNROLL=cfg["unroll"], STORE_SUB=store_every_sub_chunk, N_STATE=n_state,
-        gv=gv_cum, VEC_G=gv_cum is not None,
+        gv=gv_cum, VEC_G=gv_cum is not None, IDX64=cfg.get("idx64", False) or _idx64(T, H, HV, K, V), FLAT=flat,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return rets
@@ -396,6 +420,8 @@ def _chunk_state_bwd_kernel(
     QSPLIT: tl.constexpr = True,
     rl=None,
     ROWLOG: tl.constexpr = False,
+    IDX64: tl.constexpr = False,
+    FLAT: tl.constexpr = False,
 ):
     """Reverse state-gradient recurrence (DELTA: of the delta rule; otherwise of linear attention,
     where the W^T dU term is absent and dU is the whole gradient of V). ``b_dh`` is the gradient of the state
@@ -419,7 +445,7 @@ def _chunk_state_bwd_kernel(
     ``<S, dS>`` over its value tile (``sds [B, NS, HV, NV, K]`` fp32): the state-terms kernel then reads
     neither S nor a second ``[B, NS, HV, K, V]`` buffer (peak memory: one such buffer less)."""
     BS: tl.constexpr = 64
-    i_v, i_nh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    i_v, i_nh = program_pair((V + BV - 1) // BV, FLAT)  # (value tile, sequence x head): 2-D or flat grid
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
     bos, T, boh = _sequence_slots(cu_seqlens, sub_offsets, i_n, T, BS, IS_VARLEN)
@@ -435,8 +461,6 @@ def _chunk_state_bwd_kernel(
     b_dh = tl.zeros([BK, BV], dtype=ACC)
     if USE_FINAL_STATE_GRADIENT:
         b_dh += tl.load(dht + i_nh * K * V + o_kv, mask=m_kv, other=0.0).to(ACC)
-    if USE_G:
-        p_g = g + bos * HV + i_hv
     NT = tl.cdiv(T, BT)
     for i_cr in range(0, NT):
         i_c = NT - 1 - i_cr
@@ -447,6 +471,7 @@ def _chunk_state_bwd_kernel(
             t0 = i_c * BT + (NS - 1 - i_jr) * BS
             o_t = t0 + o_c
             m_t = o_t < T
+            r0, o_r = _row_split(bos, t0, o_c, IDX64)
             m_tk = m_t[:, None] & m_k[None, :]
             m_tv = m_t[:, None] & m_v[None, :]
             p_dhs = dh + ((boh + t0 // BS) * HV + i_hv) * K * V + o_kv
@@ -454,18 +479,18 @@ def _chunk_state_bwd_kernel(
                 b_s = tl.load(p_dhs, mask=m_kv, other=0.0)
             else:
                 tl.store(p_dhs, b_dh.to(dh.dtype.element_ty), mask=m_kv)
-            b_k = tl.load(k + (bos * H + i_h) * K + o_t[:, None] * (H * K) + o_k[None, :], mask=m_tk, other=0.0)
-            b_q = tl.load(q + (bos * H + i_h) * K + o_t[:, None] * (H * K) + o_k[None, :], mask=m_tk, other=0.0)
-            p_tv = (bos * HV + i_hv) * V + o_t[:, None] * (HV * V) + o_v[None, :]
+            b_k = tl.load(k + (r0 * H + i_h) * K + o_r[:, None] * (H * K) + o_k[None, :], mask=m_tk, other=0.0)
+            b_q = tl.load(q + (r0 * H + i_h) * K + o_r[:, None] * (H * K) + o_k[None, :], mask=m_tk, other=0.0)
+            p_tv = (r0 * HV + i_hv) * V + o_r[:, None] * (HV * V) + o_v[None, :]
             b_do = tl.load(do + p_tv, mask=m_tv, other=0.0)
             if USE_G:
-                b_g = tl.load(p_g + o_t * HV, mask=m_t, other=0.0)
+                b_g = tl.load(g + r0 * HV + i_hv + o_r * HV, mask=m_t, other=0.0)
                 if SPLIT_G:
-                    b_gkey = tl.load(gk + bos * HV + i_hv + o_t * HV, mask=m_t, other=0.0)
+                    b_gkey = tl.load(gk + r0 * HV + i_hv + o_r * HV, mask=m_t, other=0.0)
                 else:
                     b_gkey = b_g
                 if ROWLOG:  # dO's row factor 2^rl joins the gate of its (query) rows only
-                    b_g += tl.load(rl + (bos + o_t) * HV + i_hv, mask=m_t, other=0.0)
+                    b_g += tl.load(rl + r0 * HV + i_hv + o_r * HV, mask=m_t, other=0.0)
             if INTRA:  # dvo of this sub-chunk's diagonal tile: rows s (keys), columns r >= s (queries)
                 b_a = tl.dot(b_k, tl.trans(b_q), input_precision=DOT_PREC)  # [BS, BS]
                 m_a = (o_c[:, None] <= o_c[None, :]) & m_t[:, None] & m_t[None, :]
@@ -477,13 +502,13 @@ def _chunk_state_bwd_kernel(
             else:
                 b_du = tl.load(dvo + p_tv, mask=m_tv, other=0.0).to(ACC)
             if VEC_G:  # per key row: K * 2^(GV_n - GV), Q * 2^GV, and dS's row decays 2^(GV_n - GV_c)
-                b_wv, b_rd, b_wq = _vec_decays(gv, bos, i_hv, t0, T, o_t, m_t, o_k, m_k, HV, K, BT, BS)
+                b_wv, b_rd, b_wq = _vec_decays(gv, r0, o_r, i_hv, t0, T, bos, m_t, o_k, m_k, HV, K, BT, BS)
                 b_k = (b_k * b_wv).to(dt)
                 b_q = (b_q * b_wq).to(dt)
             b_kdh = tl.dot(b_k, b_dh.to(dt), input_precision=DOT_PREC)  # [BS, BV]
             if USE_G:
-                b_gn = tl.load(p_g + (tl.minimum(t0 + BS, T) - 1) * HV)
-                b_gc = tl.load(p_g + (t0 - 1) * HV, mask=(t0 % BT) != 0, other=0.0)
+                b_gn = tl.load(g + (bos + tl.minimum(t0 + BS, T) - 1) * HV + i_hv)
+                b_gc = tl.load(g + (bos + t0 - 1) * HV + i_hv, mask=(t0 % BT) != 0, other=0.0)
                 b_du += b_kdh * tl.exp2(tl.where(m_t, b_gn - b_gkey, float("-inf")))[:, None]
                 if HAS_GB:  # the outer chunk's start state is stabilized by gb at its first row
                     b_gb = tl.load(gb + (bos + i_c * BT) * HV + i_hv)
@@ -511,7 +536,7 @@ def _chunk_state_bwd_kernel(
             if VEC_G:
                 b_dh *= b_rd[:, None]
             if DELTA:
-                b_w = tl.load(w + (bos * HV + i_hv) * K + o_t[:, None] * (HV * K) + o_k[None, :], mask=m_tk, other=0.0)
+                b_w = tl.load(w + (r0 * HV + i_hv) * K + o_r[:, None] * (HV * K) + o_k[None, :], mask=m_tk, other=0.0)
                 b_dh -= tl.dot(tl.trans(b_w), b_du.to(dt), input_precision=DOT_PREC)
             if BT == BS:  # one sub-chunk per chunk: no second accumulator (register pressure)
                 b_dh += b_qt
@@ -525,7 +550,8 @@ def _chunk_state_bwd_kernel(
 def _normalizer_state_bwd_kernel(q, g, gb, dden, dnt, dhn, dn0, cu_seqlens, sub_offsets, scale, T,
                                  H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
                                  BK: tl.constexpr, USE_G: tl.constexpr, HAS_GB: tl.constexpr, USE_DNT: tl.constexpr,
-                                 STORE_DN0: tl.constexpr, IS_VARLEN: tl.constexpr, ACC: tl.constexpr):
+                                 STORE_DN0: tl.constexpr, IS_VARLEN: tl.constexpr, ACC: tl.constexpr,
+                                 IDX64: tl.constexpr = False, FLAT: tl.constexpr = False):
     """Reverse recurrence of the normalizer state's gradient dn (n is the state of v = 1, ``[K]`` per head; the
     mLSTM's normalizer), one key tile per program: per sub-chunk (reverse) ``dhn`` gets dn (the gradient of n
     after the sub-chunk), then ``dn <- 2^(G_n - G_c) dn`` and, at each outer-chunk start, ``+ scale sum_r
@@ -534,7 +560,7 @@ def _normalizer_state_bwd_kernel(q, g, gb, dden, dnt, dhn, dn0, cu_seqlens, sub_
     the state-gradient recurrence before, which cost that kernel ~0.7 ms at the mLSTM's B = 8, T = 8192, H = 16,
     K = 128, V = 256 (H100: 3.25 vs 2.62 ms without it; docs/perf.md)."""
     BS: tl.constexpr = 64
-    i_k, i_nh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    i_k, i_nh = program_pair((K + BK - 1) // BK, FLAT)  # (key tile, sequence x head): 2-D or flat grid
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
     bos, T, boh = _sequence_slots(cu_seqlens, sub_offsets, i_n, T, BS, IS_VARLEN)
@@ -544,7 +570,6 @@ def _normalizer_state_bwd_kernel(q, g, gb, dden, dnt, dhn, dn0, cu_seqlens, sub_
     b_dn = tl.zeros([BK], dtype=ACC)
     if USE_DNT:
         b_dn += tl.load(dnt + i_nh * K + o_k, mask=m_k, other=0.0).to(ACC)
-    p_g = g + bos * HV + i_hv
     NT = tl.cdiv(T, BT)
     for i_cr in range(0, NT):
         i_c = NT - 1 - i_cr
@@ -554,14 +579,15 @@ def _normalizer_state_bwd_kernel(q, g, gb, dden, dnt, dhn, dn0, cu_seqlens, sub_
             t0 = i_c * BT + (NS - 1 - i_jr) * BS
             o_t = t0 + o_c
             m_t = o_t < T
+            r0, o_r = _row_split(bos, t0, o_c, IDX64)
             tl.store(dhn + ((boh + t0 // BS) * HV + i_hv) * K + o_k, b_dn, mask=m_k)
-            b_q = tl.load(q + (bos * H + i_h) * K + o_t[:, None] * (H * K) + o_k[None, :],
+            b_q = tl.load(q + (r0 * H + i_h) * K + o_r[:, None] * (H * K) + o_k[None, :],
                           mask=m_t[:, None] & m_k[None, :], other=0.0).to(ACC)
-            b_dd = tl.load(dden + (bos + o_t) * HV + i_hv, mask=m_t, other=0.0).to(ACC)
+            b_dd = tl.load(dden + r0 * HV + i_hv + o_r * HV, mask=m_t, other=0.0).to(ACC)
             if USE_G:
-                b_g = tl.load(p_g + o_t * HV, mask=m_t, other=0.0)
-                b_gn = tl.load(p_g + (tl.minimum(t0 + BS, T) - 1) * HV)
-                b_gc = tl.load(p_g + (t0 - 1) * HV, mask=(t0 % BT) != 0, other=0.0)
+                b_g = tl.load(g + r0 * HV + i_hv + o_r * HV, mask=m_t, other=0.0)
+                b_gn = tl.load(g + (bos + tl.minimum(t0 + BS, T) - 1) * HV + i_hv)
+                b_gc = tl.load(g + (bos + t0 - 1) * HV + i_hv, mask=(t0 % BT) != 0, other=0.0)
                 if HAS_GB:  # the outer chunk's start state is stabilized by gb at its first row
                     b_gb = tl.load(gb + (bos + i_c * BT) * HV + i_hv)
                     b_gc += tl.where((t0 % BT) == 0, b_gb, 0.0)
@@ -679,7 +705,9 @@ def chunk_state_bwd(
         if dn0 is not None:
             dn0.copy_(dnt if dnt is not None else torch.zeros_like(dn0))
         return rets
-    _chunk_state_bwd_kernel[(cdiv(V, BV), N * HV)](
+    grid, flat = tile_grid(cdiv(V, BV), N * HV, force_flat=cfg.get("flat", False))
+    idx64 = cfg.get("idx64", False) or _idx64(T, H, HV, K, V)
+    _chunk_state_bwd_kernel[grid](
         q, k, w, do, dvo, g_cum, du, dh, dht, dh0, gk_cum, gb, cu_seqlens, sub_offsets, scale, T,
         H=H, HV=HV, K=K, V=V, BT=chunk_size, BK=BK, BV=BV, USE_G=g_cum is not None,
         SPLIT_G=gk_cum is not None, HAS_GB=gb is not None, DELTA=w is not None,
@@ -688,16 +716,18 @@ def chunk_state_bwd(
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         gv=gv_cum, VEC_G=gv_cum is not None, INTRA=intra, sds=sds_t, SDS=sds_on,
         QSPLIT=cfg.get("qsplit", QSPLIT if w is not None else QSPLIT_LINEAR), rl=do_row_log2,
-        ROWLOG=do_row_log2 is not None,
+        ROWLOG=do_row_log2 is not None, IDX64=idx64, FLAT=flat,
     )
     if n_state:
         # its own launch config (config keys n_bk, n_warps, n_stages; H100, B=8 T=8192 H=16 K=128, scripts/tune_dn.py:
         # 32-wide key tiles on one warp ~0.15 ms, two warps 0.21, 16 / 64-wide 0.16-0.28, stages no matter)
         BKN = min(cfg.get("n_bk", 32), BK)
-        _normalizer_state_bwd_kernel[(cdiv(K, BKN), N * HV)](
+        grid, flat = tile_grid(cdiv(K, BKN), N * HV, force_flat=cfg.get("flat", False))
+        _normalizer_state_bwd_kernel[grid](
             q, g_cum, gb, dden, dnt, dhn, dn0, cu_seqlens, sub_offsets, scale, T, H=H, HV=HV, K=K, BT=chunk_size,
             BK=BKN, USE_G=g_cum is not None, HAS_GB=gb is not None, USE_DNT=dnt is not None, STORE_DN0=need_dh0,
-            IS_VARLEN=cu_seqlens is not None, ACC=acc_dtype(k.dtype), num_warps=cfg.get("n_warps", 1),
+            IS_VARLEN=cu_seqlens is not None, ACC=acc_dtype(k.dtype), IDX64=idx64, FLAT=flat,
+            num_warps=cfg.get("n_warps", 1),
             num_stages=cfg.get("n_stages", 3))
     return rets
 

@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tfla.ops.common.grid import check_varlen_batch, program_rows, tile_grid
 from tfla.ops.common.utils import cdiv, prepare_chunk_indices
 
 
@@ -35,13 +36,14 @@ def _chunk_local_cumsum_scalar_kernel(
     add=None,
     HAS_SUB: tl.constexpr = False,
     HAS_ADD: tl.constexpr = False,
+    FLAT: tl.constexpr = False,
 ):
     """One (chunk, batch x head, channel tile) per program. ``BD = 0``: a scalar gate ``[B, T, H]``;
     else a per-channel gate ``[B, T, H, D]`` in ``[BT, BD]`` tiles (channels contiguous: coalesced).
     ``FLAG``: also raise ``flag[0]`` to 1 when any loaded ``g`` is positive (a growth, not a decay).
     ``HAS_SUB`` / ``HAS_ADD``: scan ``g - sub`` and add ``add`` to the result (same shape as g; the backward's
     ``dG = q.dq - k.dk`` difference and the sub-chunk part of dg, without their own passes over HBM)."""
-    i_t, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    i_t, i_bh = program_rows(T, BT, H, IS_VARLEN, FLAT)  # (chunk, batch x head): 2-D or flat grid (grid.py)
     i_b, i_h = i_bh // H, i_bh % H
     if IS_VARLEN:
         i_n = tl.load(chunk_indices + i_t * 2).to(tl.int64)
@@ -56,7 +58,11 @@ def _chunk_local_cumsum_scalar_kernel(
         p = (bos + o_t) * H + i_h
         m = m_t
     else:
-        o_d = tl.program_id(2) * BD + tl.arange(0, BD)
+        if FLAT:  # the channel tile's axis follows the chunk x head axes: 1 after the flat grid's one, else 2
+            i_d = tl.program_id(1)
+        else:
+            i_d = tl.program_id(2)
+        o_d = i_d * BD + tl.arange(0, BD)
         p = ((bos + o_t) * H + i_h)[:, None] * D + o_d[None, :]
         m = m_t[:, None] & (o_d < D)[None, :]
     b_g = tl.load(g + p, mask=m, other=0.0).to(out.dtype.element_ty)  # summed in the output dtype
@@ -85,6 +91,7 @@ def chunk_local_cumsum(
     positive_flag: "PositiveFlag | None" = None,
     sub: torch.Tensor | None = None,
     add: torch.Tensor | None = None,
+    force_flat: bool = False,
 ) -> torch.Tensor:
     """Chunk-local (reverse) cumsum of ``g: [B, T, H]`` (scalar gate) or ``[B, T, H, D]`` (per-channel
     gate, summed per channel) over chunks of ``chunk_size`` tokens.
@@ -93,7 +100,8 @@ def chunk_local_cumsum(
     precomputed ``chunk_indices``. ``positive_flag``: a ``PositiveFlag`` whose int32 device tensor ``[1]``
     (zero) the kernel sets to 1 when any element of ``g`` is > 0 (the ops' ``g <= 0`` check without a
     second pass over g); its host copy is queued right after the kernel. ``sub`` / ``add`` (g's shape): the
-    result is ``scale * cumsum(g - sub) + add`` in one pass. Returns g's shape in ``out_dtype`` (fp32 by default).
+    result is ``scale * cumsum(g - sub) + add`` in one pass. ``force_flat``: the 1-D grid that very large inputs
+    take (``tfla/ops/common/grid.py``; for tests). Returns g's shape in ``out_dtype`` (fp32 by default).
     """
     B, T, H = g.shape[:3]
     D = g.shape[3] if g.dim() == 4 else 1
@@ -112,11 +120,13 @@ def chunk_local_cumsum(
         if positive_flag is not None:
             positive_flag.queued()
         return out
+    check_varlen_batch(B, cu_seqlens)
     BD = 0 if g.dim() == 3 else min(triton.next_power_of_2(D), max(16, 4096 // chunk_size))
-    _chunk_local_cumsum_scalar_kernel[(NT, B * H, cdiv(D, BD) if BD else 1)](
+    grid, flat = tile_grid(NT, B * H, force_flat=force_flat)
+    _chunk_local_cumsum_scalar_kernel[grid + (cdiv(D, BD) if BD else 1,)](
         g, out, positive_flag.flag if positive_flag is not None else None, cu_seqlens, chunk_indices, scale, T,
         H=H, D=D, BD=BD, BT=chunk_size, REVERSE=reverse, IS_VARLEN=cu_seqlens is not None,
-        FLAG=positive_flag is not None, sub=sub, add=add, HAS_SUB=sub is not None, HAS_ADD=add is not None,
+        FLAG=positive_flag is not None, sub=sub, add=add, HAS_SUB=sub is not None, HAS_ADD=add is not None, FLAT=flat,
         num_warps=4,
     )
     if positive_flag is not None:

@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tfla.ops.common.grid import check_varlen_batch, program_rows, tile_grid
 from tfla.ops.common.utils import SUB_CHUNK, acc_dtype, cdiv, dot_precision, next_pow2
 
 
@@ -75,12 +76,13 @@ def _gdn_ut_inverse_kernel(
     DOT_PREC: tl.constexpr,
     MERGE_PREC: tl.constexpr,
     ACC: tl.constexpr,
+    FLAT: tl.constexpr = False,
 ):
     """Tm = (I + A)^-1 of one 64-row sub-chunk, A = beta (K K^T) 2^(G_r - G_i) strictly lower
     (and, with FUSE_WY, W and U of the same sub-chunk)."""
     BS: tl.constexpr = 64
     BC: tl.constexpr = 16
-    i_s, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    i_s, i_bh = program_rows(T, BS, HV, IS_VARLEN, FLAT)  # (64-row sub-chunk, batch x head): 2-D or flat grid
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
     if IS_VARLEN:
@@ -282,9 +284,10 @@ def _gdn_wy_fwd_kernel(
     DOT_PREC: tl.constexpr,
     ACC: tl.constexpr,
     WITH_U: tl.constexpr = True,
+    FLAT: tl.constexpr = False,
 ):
     """W and U (WITH_U off: W only) of one 64-row sub-chunk from a stored Tm."""
-    i_s, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    i_s, i_bh = program_rows(T, 64, HV, IS_VARLEN, FLAT)  # (64-row sub-chunk, batch x head): 2-D or flat grid
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
     if IS_VARLEN:
@@ -362,8 +365,10 @@ def w_from_tm(
     NS = sub_indices.shape[0] if cu_seqlens is not None else cdiv(T, SUB_CHUNK)
     if NS == 0 or B * HV == 0:
         return w
-    _gdn_wy_fwd_kernel[(NS, B * HV)](
-        k, None, g_cum, beta, ai, w, None, cu_seqlens, sub_indices, T, H=H, HV=HV, K=K, V=16, BT=chunk_size,
+    check_varlen_batch(B, cu_seqlens)
+    grid, flat = tile_grid(NS, B * HV, force_flat=cfg.get("flat", False))
+    _gdn_wy_fwd_kernel[grid](
+        k, None, g_cum, beta, ai, w, None, cu_seqlens, sub_indices, T, H=H, HV=HV, K=K, V=16, BT=chunk_size, FLAT=flat,
         BK=min(max(16, next_pow2(K)), cfg["BK"]), BV=16, USE_G=g_cum is not None, IS_VARLEN=cu_seqlens is not None,
         DOT_PREC=dot_precision(k.dtype), ACC=acc_dtype(k.dtype), WITH_U=False,
         num_warps=cfg["wy_warps"], num_stages=cfg["wy_stages"],
@@ -388,19 +393,21 @@ def _ut_launch(k, v, g_cum, beta, chunk_size, cu_seqlens, sub_indices, config, f
         ai = torch.empty(B, T, HV, SUB_CHUNK, dtype=k.dtype, device=k.device)
     if NS == 0 or B * HV == 0:
         return w, u, ai
+    check_varlen_batch(B, cu_seqlens)
     BK = min(max(16, next_pow2(K)), cfg["BK"])
     BV = min(max(16, next_pow2(V)), cfg["BV"])
+    grid, flat = tile_grid(NS, B * HV, force_flat=cfg.get("flat", False))
     common = dict(H=H, HV=HV, K=K, V=V, BT=chunk_size, BV=BV, USE_G=g_cum is not None,
-                  IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(k.dtype), ACC=acc_dtype(k.dtype))
+                  IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(k.dtype), ACC=acc_dtype(k.dtype), FLAT=flat)
     if compute_ai:
-        _gdn_ut_inverse_kernel[(NS, B * HV)](
+        _gdn_ut_inverse_kernel[grid](
             k, v, g_cum, beta, ai, w, u, cu_seqlens, sub_indices, T,
             BK=min(max(16, next_pow2(K)), 64), BK2=BK, FUSE_WY=fuse,
             # Tm is rounded to k's dtype afterwards: TF32 merges suffice for 16-bit inputs, fp32 stays exact
             MERGE_PREC=dot_precision(k.dtype), num_warps=cfg["inv_warps"], **common,
         )
     if v is not None and not (fuse and compute_ai):
-        _gdn_wy_fwd_kernel[(NS, B * HV)](
+        _gdn_wy_fwd_kernel[grid](
             k, v, g_cum, beta, ai, w, u, cu_seqlens, sub_indices, T, BK=BK,
             num_warps=cfg["wy_warps"], num_stages=cfg["wy_stages"], **common,
         )
@@ -513,6 +520,7 @@ def _gdn_wy_bwd_kernel(
     sdst=None,
     PRE: tl.constexpr = False,
     BKK: tl.constexpr = 0,
+    FLAT: tl.constexpr = False,
 ):
     """Delta-rule gradients of one 64-row sub-chunk (W = Tm X_k, U = Tm X_v, Tm = (I + A)^-1,
     Vnew = U - W S, S' = 2^(g_n) S + K^T 2^(g_n - g) Vnew):
@@ -541,7 +549,7 @@ def _gdn_wy_bwd_kernel(
     nor dS is read (``h``, ``dh`` unused). BKK > 0 (>= K): K K^T from one [64, BKK] load of k before the first key
     pass instead of inside it (that pass then holds dW's product alone)."""
     BS: tl.constexpr = 64
-    i_s, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    i_s, i_bh = program_rows(T, BS, HV, IS_VARLEN, FLAT)  # (64-row sub-chunk, batch x head): 2-D or flat grid
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
     if IS_VARLEN:
@@ -808,6 +816,7 @@ def wy_bwd(
     rets = (dk, dv, dbeta, dgam) + ((kdk,) if kdot else ())
     if NS == 0 or B * HV == 0:
         return rets
+    check_varlen_batch(B, cu_seqlens)
     # delta rule: 4 warps, 64-wide tiles, 3 stages (H100, B=4 T=8192 H=16 K=V=128: 1.04 ms; 32/32 1.25, 8 warps 1.46,
     # 1 / 2 stages 1.17 / 1.20; forming dk's S / dS terms in the first key pass (S and dU read once) 1.80,
     # with two more live fp32 [64, 64] accumulators in that pass;
@@ -823,7 +832,8 @@ def wy_bwd(
     # h_sub None: S is never read (sds_sub, precomputed terms or no gate gradient); dh_sub (or, with the precomputed
     # terms, v_new) stands in for the unused pointer
     dh_arg = dh_sub if dh_sub is not None else v_new
-    _gdn_wy_bwd_kernel[(NS, B * HV)](
+    grid, flat = tile_grid(NS, B * HV, force_flat=cfg.get("flat", False))
+    _gdn_wy_bwd_kernel[grid](
         k, v, beta, g_cum, ai, v_new, du, h_sub if h_sub is not None else dh_arg, dh_arg, dk, dv, dbeta, dgam, gk_cum,
         gb, cu_seqlens, sub_indices, T,
         H=H, HV=HV, K=K, V=V, BT=chunk_size, BK=min(max(16, next_pow2(K)), cfg["BK"]),
@@ -834,6 +844,6 @@ def wy_bwd(
         gv=gv_cum, dgv=dgam if gv_cum is not None else None, VEC_G=gv_cum is not None,
         hn=hn_sub, dhn=dhn_sub, N_STATE=n_state, dka=dk_add, kdk=kdk, ADD_DK=dk_add is not None, KDOT=kdot,
         DG=need_dg, sds=sds_sub, NVS=sds_sub.shape[3] if sds_sub is not None else 0,
-        dwp=dw, pst=pst, sdst=sdst, PRE=pre, BKK=max(bkk, 16) if bkk else 0,
+        dwp=dw, pst=pst, sdst=sdst, PRE=pre, BKK=max(bkk, 16) if bkk else 0, FLAT=flat,
     )
     return rets

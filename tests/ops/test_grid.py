@@ -1,0 +1,89 @@
+"""Launch grids past CUDA's axis limits and 64-bit row offsets (``tfla/ops/common/grid.py``).
+
+Inputs large enough to need them only fit a GPU (``test_large_inputs.py``); here every stage runs its flat grid and
+its 64-bit offsets on small inputs (the config keys ``flat`` / ``idx64``), and must give bitwise the same result as
+its default launch: the two forms index the same programs and the same elements.
+"""
+import pytest
+import torch
+
+from tfla.bench.inputs import gdn_inputs, random_cu_seqlens
+from tfla.ops.common.chunk_state import chunk_state_fwd
+from tfla.ops.common.cumsum import chunk_local_cumsum
+from tfla.ops.common.grid import MAX_GRID_X, flat_grid, needs_int64, tile_grid
+from tfla.ops.gated_delta_rule.chunk import VarlenIndex, chunk_gated_delta_rule_bwd, chunk_gated_delta_rule_fwd
+
+FORCED = {"flat": True, "idx64": True}
+STAGES = ("ut", "state", "output", "state_lin", "state_bwd", "dqkw", "wy_bwd")
+
+
+def test_tile_grid_goes_flat_only_past_the_limits():
+    assert tile_grid(2, 65535, 65535) == ((2, 65535, 65535), False)
+    assert tile_grid(2, 65536, 3) == ((2 * 65536 * 3,), True)
+    assert tile_grid(2, 3, 65536) == ((2 * 3 * 65536,), True)
+    assert tile_grid(4, 5, force_flat=True) == ((20,), True)
+    with pytest.raises(ValueError, match="2147483647"):
+        flat_grid(2**16, 2**16)
+    assert flat_grid(MAX_GRID_X) == (MAX_GRID_X,)
+    assert needs_int64(2**31) and not needs_int64(2**31 - 1)
+
+
+def _equal(a, b, name):
+    if a is None or b is None:
+        assert a is None and b is None, name
+        return
+    assert torch.equal(a, b), f"{name}: the flat grid / 64-bit offsets changed the result"
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+@pytest.mark.parametrize("save_v_new", [False, True])
+def test_gdn_stages_flat_and_int64_equal_default(device, varlen, save_v_new):
+    """GDN forward and backward at L = 64 (ut, state, tiled output, dqkw, wy_bwd) and L = 128 (the dual tiled
+    launch and the recompute), with every stage forced to the flat grid and 64-bit offsets."""
+    T, H, HV, K, V = 150, 1, 2, 32, 16
+    cu = random_cu_seqlens(T, 3, seed=3, device=device) if varlen else None
+    x = gdn_inputs(1 if varlen else 2, T, H, K, V, HV=HV, dtype=torch.float32, device=device, initial_state=True,
+                   num_seqs=3 if varlen else None, seed=5)
+    for L in (64, 128):
+        vl = VarlenIndex.build(cu, L) if varlen else None
+        outs = []
+        for cfg in (None, {s: FORCED for s in STAGES}):
+            o, s, inter = chunk_gated_delta_rule_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], 0.3,
+                                                     x["initial_state"], True, L, vl, config=cfg)
+            gen = torch.Generator().manual_seed(1)
+            do = torch.randn(o.shape, generator=gen).to(device)
+            dht = torch.randn(s.shape, generator=gen).to(device)
+            grads = chunk_gated_delta_rule_bwd(x["q"], x["k"], x["v"], inter["g_cum"], x["beta"], inter["ai"], 0.3,
+                                               x["initial_state"], do, dht, L, vl, config=cfg,
+                                               v_new=inter["v_new"] if save_v_new else None)
+            outs.append((o, s) + tuple(grads))
+        for name, a, b in zip(("o", "final", "dq", "dk", "dv", "dg", "dbeta", "dh0"), *outs):
+            _equal(a, b, f"L={L} {name}")
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_cumsum_and_vector_gate_state_flat_equal_default(device, varlen):
+    """The chunk cumsum (scalar and per-channel gates) and the linear-attention state pass with a vector gate
+    (the GLA path of the state kernel) on the flat grid with 64-bit offsets."""
+    T, H, K, V = 140, 2, 32, 16
+    gen = torch.Generator().manual_seed(7)
+    B = 1 if varlen else 2
+    cu = random_cu_seqlens(T, 3, seed=4, device=device) if varlen else None
+    bounds = cu.tolist() if varlen else None
+    g = -torch.rand(B, T, H, generator=gen).to(device)
+    gk = -torch.rand(B, T, H, K, generator=gen).to(device)
+    wide = -torch.rand(B, T, H, 80, generator=gen).to(device)  # two 64-channel tiles (the grid's last axis)
+    for x in (g, gk, wide):
+        a = chunk_local_cumsum(x, 64, cu_seqlens=cu, bounds=bounds)
+        b = chunk_local_cumsum(x, 64, cu_seqlens=cu, bounds=bounds, force_flat=True)
+        _equal(a, b, f"cumsum {tuple(x.shape)}")
+    k = torch.randn(B, T, H, K, generator=gen).to(device)
+    v = torch.randn(B, T, H, V, generator=gen).to(device)
+    gv = chunk_local_cumsum(gk, 64, cu_seqlens=cu, bounds=bounds)
+    vl = VarlenIndex.build(cu, 64) if varlen else None
+    kw = dict(output_final_state=True, gv_cum=gv, cu_seqlens=cu, chunk_offsets=vl.chunk_offsets if vl else None,
+              num_chunks=vl.num_chunks if vl else None)
+    a = chunk_state_fwd(k, v, None, 64, **kw)
+    b = chunk_state_fwd(k, v, None, 64, config=FORCED, **kw)
+    for name, x, y in zip(("h", "v_new", "final"), a, b):
+        _equal(x, y, f"vector-gate state {name}")
