@@ -142,6 +142,16 @@ def append_csv(path: str | None, rows: list[dict]) -> None:
         w.writerows(rows)
 
 
+def error_status(e: BaseException, limit: int = 240) -> str:
+    """``error: <type>: <first line> ... <last line>`` of an exception (a Triton CompilationError names the
+    source position first and the reason last)."""
+    lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
+    msg = lines[0] if lines else ""
+    if len(lines) > 1:
+        msg = f"{msg} ... {lines[-1]}"
+    return f"error: {type(e).__name__}: {msg}"[:limit]
+
+
 def fmt(x, spec: str = ".3f") -> str:
     if x is None or (isinstance(x, float) and x != x):
         return "-"

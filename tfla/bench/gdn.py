@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tfla.bench.common import append_csv, check_csv, csv_row, env_info, fmt, peak_mib, rel_l2, time_ms, write_json
+from tfla.bench.common import (append_csv, check_csv, csv_row, env_info, error_status, fmt, peak_mib, rel_l2,
+                               time_ms, write_json)
 from tfla.bench.inputs import GATES, gdn_inputs
 from tfla.bench.registry import gdn_impls
 from tfla.ops.gated_delta_rule.cost import gdn_bwd_cost, gdn_fwd_cost
@@ -199,7 +200,7 @@ def run(args) -> tuple[list[dict], dict]:
                             row[f"err_{name}"] = rel_l2(gr, rg)
                     del o, s, grads
                 except Exception as e:  # a peer that rejects this shape or machine: report, keep going
-                    row["status"] = f"error: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+                    row["status"] = error_status(e)
                     keep(row)
                     bar.advance(task)
                     continue

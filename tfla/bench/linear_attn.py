@@ -35,7 +35,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tfla.bench.common import append_csv, check_csv, csv_row, env_info, fmt, peak_mib, rel_l2, time_ms, write_json
+from tfla.bench.common import (append_csv, check_csv, csv_row, env_info, error_status, fmt, peak_mib, rel_l2,
+                               time_ms, write_json)
 from tfla.bench.inputs import DECAY_KINDS, GATES, linear_attn_inputs
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -248,11 +249,6 @@ def over_tolerance(row: dict, dtype: str) -> list[str]:
         if not e <= tol:
             bad.append(key.removeprefix("err_").replace("slice_err_", "slice "))
     return bad
-
-
-def error_status(e: BaseException) -> str:
-    msg = str(e).strip().splitlines()[0][:160] if str(e).strip() else ""
-    return f"error: {type(e).__name__}: {msg}"
 
 
 def measure(row: dict, fn, x: dict, leaves, do, mode: str, head_first: bool, warmup: float, rep: float,

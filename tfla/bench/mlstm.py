@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from tfla.bench.common import append_csv, check_csv, csv_row, env_info, fmt, write_json
+from tfla.bench.common import append_csv, check_csv, csv_row, env_info, error_status, fmt, write_json
 from tfla.bench.inputs import mlstm_inputs
 from tfla.bench.linear_attn import (
     DTYPES,
@@ -47,7 +47,6 @@ from tfla.bench.linear_attn import (
     add_errors,
     add_speedups,
     as_dtype,
-    error_status,
     exit_code,
     ints,
     linear_attn_cost,
