@@ -175,14 +175,18 @@ def kernel_times(run: Callable, reps: int = 5) -> list[tuple[str, float, float]]
     (torch.profiler over ``reps`` calls); empty without a CUDA GPU."""
     if not torch.cuda.is_available():
         return []
+    import warnings
+
     from torch.profiler import ProfilerActivity, profile
 
     run()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            run()
-        torch.cuda.synchronize()
-    rows = [(e.key, e.device_time_total / 1e3 / reps, e.count / reps) for e in prof.key_averages()
-            if e.device_time_total > 0]
+    with warnings.catch_warnings():  # torch's notice that events of earlier profiling cycles are dropped
+        warnings.filterwarnings("ignore", message=".*Profiler clears events")
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(reps):
+                run()
+            torch.cuda.synchronize()
+        rows = [(e.key, e.device_time_total / 1e3 / reps, e.count / reps) for e in prof.key_averages()
+                if e.device_time_total > 0]
     return sorted(rows, key=lambda r: -r[1])
