@@ -31,7 +31,9 @@ def test_bench_gdn_small(tmp_path, capsys):
 
 def test_bench_csv_appends_rows(tmp_path):
     """``--csv``: the fixed columns, a header once, one row per timed implementation appended on each run."""
-    from tfla.bench.common import CSV_COLUMNS, git_sha, source_hash
+    import re
+
+    from tfla.bench.common import CSV_COLUMNS
 
     csv_path = tmp_path / "results.csv"
     args = ["bench", "gdn", "--T", "70", "--B", "1", "--H", "1", "--HV", "2", "--K", "16", "--V", "16",
@@ -51,11 +53,12 @@ def test_bench_csv_appends_rows(tmp_path):
     assert [r["impl"] for r in rows] == ["tfla L=64", "tfla L=128"] * 2
     for r in rows:
         assert datetime.datetime.fromisoformat(r["date"]).utcoffset() == datetime.timedelta(0)
-        assert r["commit"] == git_sha() and r["torch"] == torch.__version__ and r["op"] == "chunk_gated_delta_rule"
+        assert re.fullmatch(r"[0-9a-f]{4,40}|", r["commit"])  # git rev-parse --short HEAD, or "" without git
+        assert r["torch"] == torch.__version__ and r["op"] == "chunk_gated_delta_rule"
         assert (r["B"], r["T"], r["H"], r["HV"], r["K"], r["V"], r["dtype"], r["mode"]) == \
             ("1", "70", "1", "2", "16", "16", "fp32", "fwd")
         assert float(r["ms"]) > 0 and (r["peak_mib"] == "") == (not torch.cuda.is_available())
-        assert r["notes"].split()[0] == f"src={source_hash()}"
+        assert re.fullmatch(r"src=[0-9a-f]{12}", r["notes"].split()[0])  # the source hash of env_info
 
 
 def test_bench_csv_refuses_other_columns(tmp_path, capsys):
