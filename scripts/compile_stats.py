@@ -112,7 +112,8 @@ def main(argv=None):
                    help="count each kernel's layout conversions (ttg.convert_layout) and barriers in its TTGIR")
     p.add_argument("--dump", type=str, default=None, help="write each kernel's TTGIR to this folder")
     p.add_argument("--config", type=json.loads, default=None,
-                   help="--op gdn: the config= of chunk_gated_delta_rule_fwd / _bwd (JSON, e.g. '{\"state\": {\"BV\": 32}}')")
+                   help="--op gdn: the config= of chunk_gated_delta_rule_fwd / _bwd "
+                        "(JSON, e.g. '{\"state\": {\"BV\": 32}}')")
     p.add_argument("--save-v-new", choices=["op", "true", "false"], default="op",
                    help="--op gdn: the backward with the forward's Vnew or recomputing it (op: the op's default)")
     args = p.parse_args(argv)
