@@ -28,7 +28,7 @@ def _gate(z, gate):
         "near_one": -1e-3 * torch.rand_like(z),  # e^g in (0.999, 1]
         "near_zero": -12 + torch.tanh(z),  # e^g ~ 6e-6
         "zero": torch.zeros_like(z),  # no decay
-        # ~0.98 log2 per step: a 32-row tile spans ~30 <= VEC_SPAN = 32, so the diagonal takes the factored
+        # ~0.98 log2 per step: a 32-row tile spans ~30 <= the default vec_span = 32, so the diagonal takes the factored
         # product with factors up to 2^30 (one more row per tile would not: the steps)
         "span_edge": -0.68 + 0.01 * torch.tanh(z),
     }[gate]
@@ -121,8 +121,8 @@ def test_gla_tile_rows(device, monkeypatch, BQ):
 
     default = gla_chunk._tiled_cfg
 
-    def tiles(chunk_size, a, DC, rowdot=False):
-        return {**default(chunk_size, a, DC, rowdot), "BQ": BQ, "BKV": BQ, "num_warps": 4}
+    def tiles(chunk_size, a, DC, rowdot=False, opts=None):
+        return {**default(chunk_size, a, DC, rowdot, opts), "BQ": BQ, "BKV": BQ, "num_warps": 4}
 
     monkeypatch.setattr(gla_chunk, "_tiled_cfg", tiles)
     _check(device, 1, 150, 1, 16, 16, 128, gate="mixed", seed=12)
@@ -143,13 +143,10 @@ def test_gla_fp16(device):
 def _lowp_errors(x, L, monkeypatch, vec_f32):
     """Relative L2 of o and every gradient of a 16-bit call against the float64 recurrence on the same
     (rounded) inputs, with the gated operands kept in fp32 (``vec_f32``) or rounded to the input dtype."""
-    import tfla.ops.gla.chunk as gla_chunk
-
-    monkeypatch.setattr(gla_chunk, "VEC_F32", vec_f32)
     names = ["q", "k", "v", "g", "h0"]
     leaves = {n: x[n].clone().requires_grad_() for n in names}
     o, s = tfla.chunk_gla(leaves["q"], leaves["k"], leaves["v"], leaves["g"], initial_state=leaves["h0"],
-                          output_final_state=True, chunk_size=L)
+                          output_final_state=True, chunk_size=L, config={"vec_f32": vec_f32})
     gen = torch.Generator().manual_seed(5)
     do = torch.randn(o.shape, generator=gen).to(device=o.device, dtype=o.dtype)
     dht = torch.randn(s.shape, generator=gen).to(device=s.device, dtype=s.dtype)

@@ -144,11 +144,6 @@ def _gdn_dqkw_kernel(
     tl.store(sds + i_k * s_slot + slot, tl.sum(b_sds, 0))
 
 
-# launch defaults (docs/perf.md, 2026-11-23 eighth session; H100, bf16, B=4 T=8192 H=16 K=V=128): 64-wide key and
-# value tiles, 4 warps, 3 stages: 0.696 ms (2 stages 0.720, 8 warps 0.999, BV 32 / 128 0.876 / 0.769, BK 32 0.961);
-# local sm_90 compile at 2 stages: 246 registers, no spills, 64 KiB shared memory
-DQKW_WARPS = 4
-DQKW_STAGES = 3
 
 
 def chunk_dqkw_bwd(
@@ -190,7 +185,10 @@ def chunk_dqkw_bwd(
     HV, V = do.shape[2], do.shape[3]
     if tuple(h_sub.shape) != tuple(dh_sub.shape) or h_sub.shape[2:] != (HV, K, V) or tuple(du.shape) != (B, T, HV, V):
         raise ValueError("h_sub / dh_sub must be [B, NS, HV, K, V] and du [B, T, HV, V]")
-    cfg = {"BK": 64, "BV": 64, "num_warps": DQKW_WARPS, "num_stages": DQKW_STAGES, **(config or {})}
+    # launch defaults (docs/performance.md, 2026-11-23, 293a86c; H100, bf16, B=4 T=8192 H=16 K=V=128): 64-wide key
+    # and value tiles, 4 warps, 3 stages: 0.696 ms (2 stages 0.720, 8 warps 0.999, BV 32 / 128 0.876 / 0.769, BK 32
+    # 0.961); local sm_90 compile at 2 stages: 246 registers, no spills, 64 KiB shared memory
+    cfg = {"BK": 64, "BV": 64, "num_warps": 4, "num_stages": 3, **(config or {})}
     BK = min(max(16, next_pow2(K)), cfg["BK"])
     BV = min(max(16, next_pow2(V)), cfg["BV"])
     NK = cdiv(K, BK)

@@ -9,7 +9,6 @@ chunk in log2 units, c the row before the sub-chunk (G_c = 0 at an outer-chunk s
 Per sub-chunk, with state S (fp32, ``[K, V]``) after row c:
 
     DELTA = 1 (delta rule):    Vnew = U - W @ S            ("new values", TFLA Appendix A.2)
-    DELTA = 2 (delta rule):    Vnew = Tm @ (beta V - (beta 2^(G - G_c) K) @ S)   (same, W/U on chip)
     DELTA = 0 (linear attn):   Vnew = V
     S <- 2^(G_n - G_c) S + (K * 2^(G_n - G))^T @ Vnew
 
@@ -33,7 +32,7 @@ from tfla.ops.common.utils import SUB_CHUNK, acc_dtype, cdiv, dot_precision, nex
 
 
 @triton.jit
-def _state_substep(b_h, b_n, t0, T, bos, i_h, i_hv, k, v, w, ai, beta, v_new, g, gk, gb,
+def _state_substep(b_h, b_n, t0, T, bos, i_h, i_hv, k, v, w, v_new, g, gk, gb,
                    o_c, o_k, o_v, m_k, m_v, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                    V: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, USE_G: tl.constexpr,
                    SPLIT_G: tl.constexpr, HAS_GB: tl.constexpr,
@@ -63,16 +62,6 @@ def _state_substep(b_h, b_n, t0, T, bos, i_h, i_hv, k, v, w, ai, beta, v_new, g,
         b_w = tl.load(w + (r0 * HV + i_hv) * K + o_r[:, None] * (HV * K) + o_k[None, :],
                       mask=m_t[:, None] & m_k[None, :], other=0.0)
         b_v -= tl.dot(b_w, b_h.to(dt), input_precision=DOT_PREC)
-    if DELTA == 2:  # Vnew = Tm (beta V - (beta 2^(G - G_c) K) S): W and U never leave the chip
-        b_tm = tl.load(ai + (r0 * HV + i_hv) * BS + o_r[:, None] * (HV * BS) + o_c[None, :],
-                       mask=m_t[:, None], other=0.0).to(dt)  # [BS, BS]
-        b_b = tl.load(beta + r0 * HV + i_hv + o_r * HV, mask=m_t, other=0.0).to(ACC)
-        if USE_G:
-            b_sk = b_b * tl.exp2(tl.where(m_t, b_g - b_gc, float("-inf")))
-        else:
-            b_sk = b_b
-        b_y = b_v * b_b[:, None] - tl.dot((b_k * b_sk[:, None]).to(dt), b_h.to(dt), input_precision=DOT_PREC)
-        b_v = tl.dot(b_tm, b_y.to(dt), input_precision=DOT_PREC)
     if DELTA > 0:
         tl.store(v_new + (r0 * HV + i_hv) * V + o_r[:, None] * (HV * V) + o_v[None, :],
                  b_v.to(v_new.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
@@ -151,8 +140,6 @@ def _chunk_state_fwd_kernel(
     k,
     v,
     w,
-    ai,
-    beta,
     v_new,
     g,
     h,
@@ -227,7 +214,7 @@ def _chunk_state_fwd_kernel(
         if UNROLL:
             for j in tl.static_range(BT // BS):
                 b_h, b_n = _state_substep(
-                    b_h, b_n, i_c * BT + j * BS, T, bos, i_h, i_hv, k, v, w, ai, beta, v_new, g, gk, gb,
+                    b_h, b_n, i_c * BT + j * BS, T, bos, i_h, i_hv, k, v, w, v_new, g, gk, gb,
                     o_c, o_k, o_v, m_k, m_v, H, HV, K, V, BT, BS, USE_G, SPLIT_G, HAS_GB, DELTA, DOT_PREC, ACC,
                     N_STATE, gv, VEC_G, IDX64)
         else:
@@ -239,7 +226,7 @@ def _chunk_state_fwd_kernel(
                         if N_STATE:
                             tl.store(hn + ((boh + i_c * (BT // BS) + j) * HV + i_hv) * K + o_k, b_n, mask=m_n)
                 b_h, b_n = _state_substep(
-                    b_h, b_n, i_c * BT + j * BS, T, bos, i_h, i_hv, k, v, w, ai, beta, v_new, g, gk, gb,
+                    b_h, b_n, i_c * BT + j * BS, T, bos, i_h, i_hv, k, v, w, v_new, g, gk, gb,
                     o_c, o_k, o_v, m_k, m_v, H, HV, K, V, BT, BS, USE_G, SPLIT_G, HAS_GB, DELTA, DOT_PREC, ACC,
                     N_STATE, gv, VEC_G, IDX64)
 
@@ -265,8 +252,6 @@ def chunk_state_fwd(
     g_cum: torch.Tensor | None,
     chunk_size: int,
     w: torch.Tensor | None = None,
-    ai: torch.Tensor | None = None,
-    beta: torch.Tensor | None = None,
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
     state_dtype: torch.dtype | None = None,
@@ -283,9 +268,8 @@ def chunk_state_fwd(
 ):
     """States at every outer-chunk start, and (delta rule) the new values.
 
-    Modes: plain linear attention (``w`` and ``ai`` None; ``v`` is V); delta rule from the WY kernel
-    (``w`` given, ``v`` is U); delta rule with W/U formed on chip (``ai`` = Tm and ``beta`` given,
-    ``v`` is V).
+    Modes: plain linear attention (``w`` None; ``v`` is V); delta rule from the WY kernel (``w`` given, ``v`` is
+    U). (Forming W and U on chip from Tm inside this pass was measured slower and removed: docs/performance.md.)
 
     Args:
         k: ``[B, T, H, K]``. v: ``[B, T, HV, V]``.
@@ -313,7 +297,7 @@ def chunk_state_fwd(
     HV, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     NT = cdiv(T, SUB_CHUNK if store_every_sub_chunk else chunk_size) if cu_seqlens is None else num_chunks
-    delta = 1 if w is not None else (2 if ai is not None else 0)
+    delta = 1 if w is not None else 0
     if (gk_cum is not None or gb is not None) and (delta or g_cum is None):
         raise ValueError("split gates (gk_cum, gb) need g_cum and serve plain linear attention only")
     if gv_cum is not None and (delta or g_cum is not None or n_state or tuple(gv_cum.shape) != (B, T, HV, K)):
@@ -344,7 +328,7 @@ def chunk_state_fwd(
     BV = min(max(16, next_pow2(V)), cfg["BV"])
     grid, flat = tile_grid(cdiv(V, BV), N * HV, force_flat=cfg.get("flat", False))
     _chunk_state_fwd_kernel[grid](
-        k, v, w, ai, beta, v_new, g_cum, h, initial_state, final_state, gk_cum, gb, cu_seqlens, chunk_offsets,
+        k, v, w, v_new, g_cum, h, initial_state, final_state, gk_cum, gb, cu_seqlens, chunk_offsets,
         hn, initial_n if initial_n is not None else (torch.zeros(N, HV, K, dtype=hn.dtype, device=k.device)
                                                       if n_state and initial_state is not None else None), final_n, T,
         H=H, HV=HV, K=K, V=V, BT=chunk_size, BK=BK, BV=BV,
@@ -603,8 +587,6 @@ def _normalizer_state_bwd_kernel(q, g, gb, dden, dnt, dhn, dn0, cu_seqlens, sub_
         tl.store(dn0 + i_nh * K + o_k, b_dn, mask=m_k)
 
 
-QSPLIT = True  # delta rule: the q-term's row factors split hi + lo (bf16), config key ``qsplit``
-QSPLIT_LINEAR = True  # the same for linear attention (the mLSTM, simple GLA)
 
 
 def chunk_state_bwd(
@@ -715,7 +697,7 @@ def chunk_state_bwd(
         IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(k.dtype), ACC=acc_dtype(k.dtype),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         gv=gv_cum, VEC_G=gv_cum is not None, INTRA=intra, sds=sds_t, SDS=sds_on,
-        QSPLIT=cfg.get("qsplit", QSPLIT if w is not None else QSPLIT_LINEAR), rl=do_row_log2,
+        QSPLIT=cfg.get("qsplit", True), rl=do_row_log2,
         ROWLOG=do_row_log2 is not None, IDX64=idx64, FLAT=flat,
     )
     if n_state:

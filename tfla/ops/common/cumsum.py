@@ -37,6 +37,7 @@ def _chunk_local_cumsum_scalar_kernel(
     HAS_SUB: tl.constexpr = False,
     HAS_ADD: tl.constexpr = False,
     FLAT: tl.constexpr = False,
+    FLOOR: tl.constexpr = None,
 ):
     """One (chunk, batch x head, channel tile) per program. ``BD = 0``: a scalar gate ``[B, T, H]``;
     else a per-channel gate ``[B, T, H, D]`` in ``[BT, BD]`` tiles (channels contiguous: coalesced).
@@ -66,6 +67,8 @@ def _chunk_local_cumsum_scalar_kernel(
         p = ((bos + o_t) * H + i_h)[:, None] * D + o_d[None, :]
         m = m_t[:, None] & (o_d < D)[None, :]
     b_g = tl.load(g + p, mask=m, other=0.0).to(out.dtype.element_ty)  # summed in the output dtype
+    if FLOOR is not None:  # raised to the floor (a comparison, so NaN stays NaN)
+        b_g = tl.where(b_g < FLOOR, FLOOR, b_g)
     if HAS_SUB:
         b_g -= tl.load(sub + p, mask=m, other=0.0).to(out.dtype.element_ty)
     if FLAG:
@@ -92,6 +95,7 @@ def chunk_local_cumsum(
     sub: torch.Tensor | None = None,
     add: torch.Tensor | None = None,
     force_flat: bool = False,
+    floor: float | None = None,
 ) -> torch.Tensor:
     """Chunk-local (reverse) cumsum of ``g: [B, T, H]`` (scalar gate) or ``[B, T, H, D]`` (per-channel
     gate, summed per channel) over chunks of ``chunk_size`` tokens.
@@ -100,7 +104,8 @@ def chunk_local_cumsum(
     precomputed ``chunk_indices``. ``positive_flag``: a ``PositiveFlag`` whose int32 device tensor ``[1]``
     (zero) the kernel sets to 1 when any element of ``g`` is > 0 (the ops' ``g <= 0`` check without a
     second pass over g); its host copy is queued right after the kernel. ``sub`` / ``add`` (g's shape): the
-    result is ``scale * cumsum(g - sub) + add`` in one pass. ``force_flat``: the 1-D grid that very large inputs
+    result is ``scale * cumsum(g - sub) + add`` in one pass. ``floor``: each g is raised to it first (the log decays'
+    ``LOG_DECAY_FLOOR``; NaN stays NaN). ``force_flat``: the 1-D grid that very large inputs
     take (``tfla/ops/common/grid.py``; for tests). Returns g's shape in ``out_dtype`` (fp32 by default).
     """
     B, T, H = g.shape[:3]
@@ -127,6 +132,7 @@ def chunk_local_cumsum(
         g, out, positive_flag.flag if positive_flag is not None else None, cu_seqlens, chunk_indices, scale, T,
         H=H, D=D, BD=BD, BT=chunk_size, REVERSE=reverse, IS_VARLEN=cu_seqlens is not None,
         FLAG=positive_flag is not None, sub=sub, add=add, HAS_SUB=sub is not None, HAS_ADD=add is not None, FLAT=flat,
+        FLOOR=None if floor is None else float(floor),
         num_warps=4,
     )
     if positive_flag is not None:

@@ -301,19 +301,6 @@ def _gdn_wy_fwd_kernel(
               WITH_U)
 
 
-def ut_inverse_fwd(
-    k: torch.Tensor,
-    g_cum: torch.Tensor | None,
-    beta: torch.Tensor,
-    cu_seqlens: torch.Tensor | None = None,
-    sub_indices: torch.Tensor | None = None,
-    config: dict | None = None,
-) -> torch.Tensor:
-    """Tm = (I + A)^-1 of every 64-row sub-chunk: ``ai [B, T, HV, 64]`` in k's dtype (row r of a
-    sub-chunk holds Tm[r, :]). ``beta``/``g_cum`` are ``[B, T, HV]``; config key ``inv_warps``."""
-    return _ut_launch(k, None, g_cum, beta, 64, cu_seqlens, sub_indices, config, fuse=False)[2]
-
-
 def ut_transform_fwd(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -708,17 +695,6 @@ def _gdn_wy_bwd_kernel(
         tl.store(dgam + (bos + o_t) * HV + i_hv, b_dg, mask=m_t)
 
 
-WY_BWD_STAGES = 3  # pipeline stages of wy_bwd's key / value loops (config key num_stages)
-# with the state terms precomputed (dw given) the key loops hold only loads and two products each, so Triton
-# pipelines them; under Triton 3.6 on the H100 (bf16) that gave a wrong, run-to-run varying K K^T (dbeta and dg
-# differed between identical calls by ~2e-2 rel. L2 at 2 and 3 stages, dk / dv bitwise equal; docs/perf.md,
-# 2026-11-23 eighth session; also with K^T from a second, transposed load of k). One stage was bitwise reproducible.
-# K K^T from one full-width load of k before the first key pass (precomputed terms, K <= 128; config key ``kk_full``): the
-# first key pass then holds dW's product alone, and pipelined (3 stages) it is bitwise reproducible on the H100 and
-# bitwise equal to the one-stage form (3.383 -> 3.350 ms fwd+bwd; ninth 2026-11-23 session). K > 128 keeps K K^T
-# in the key loop at one stage (WY_BWD_STAGES_PRE)
-WY_KK_FULL = True
-WY_BWD_STAGES_PRE = 1
 
 
 def wy_bwd(
@@ -776,7 +752,7 @@ def wy_bwd(
     ``dw [B, T, HV, K]``, ``pst [B, T, HV]``, ``sdst [B, NS, HV]`` (delta rule, all three; from
     ``chunk_dqkw.chunk_dqkw_bwd``, whose dk output then holds dk_state and is passed as ``dk_add``): the state terms
     precomputed, so S and dS are not read (``h_sub`` and ``dh_sub`` may be None); one pipeline stage by default
-    (``WY_BWD_STAGES_PRE``).
+    (one pipeline stage then).
     """
     delta = ai is not None
     pre = dw is not None
@@ -824,8 +800,15 @@ def wy_bwd(
     # linear attention (no WY part) at K <= 128, 16-bit: one 128-wide key tile (H100, B=4 T=8192 H=16 K=V=128:
     # 0.46 vs 0.51 ms; mLSTM B=8 V=256: 1.45 vs 1.63 ms)
     one_k = not delta and gv_cum is None and K <= 128 and k.element_size() == 2
-    kk_full = pre and (config or {}).get("kk_full", WY_KK_FULL) and next_pow2(K) <= 128
-    stages = WY_BWD_STAGES_PRE if pre and not kk_full else WY_BWD_STAGES
+    # 3 pipeline stages for the key / value loops. With the state terms precomputed (pre) the key loops hold only
+    # loads and two products each, and pipelined under Triton 3.6 on the H100 (bf16) they gave a wrong, run-to-run
+    # varying K K^T (dbeta, dg ~2e-2 apart between identical calls at 2 and 3 stages; 2026-11-23, 293a86c; also with
+    # K^T from a second, transposed load): K K^T from one full-width load of k before the first key pass (config key
+    # ``kk_full``, K <= 128) leaves that pass dW's product alone, and it is bitwise reproducible at 3 stages and
+    # bitwise equal to one stage (H100 fwd+bwd 3.383 -> 3.350 ms; 95b3700). K > 128 keeps K K^T in the key loop at
+    # one stage.
+    kk_full = pre and (config or {}).get("kk_full", True) and next_pow2(K) <= 128
+    stages = 1 if pre and not kk_full else 3
     cfg = {"num_warps": 4, "num_stages": stages, "BK": 128 if one_k else 64, "BV": 64, **(config or {})}
     cfg.pop("kk_full", None)
     bkk = next_pow2(K) if kk_full else 0

@@ -21,6 +21,14 @@ MAX_HEAD_DIM = 256
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
+# Log decays below this (natural log) are raised to it by the chunk cumsum that first reads them
+# (``chunk_local_cumsum(floor=..)``): e^-80 = 1.8e-35 is a state reset in fp32 like e^-1e4 or e^-inf, but the chunk
+# sums keep the following rows' gates to ~1e-5 (fp32's spacing at 80): -1e4 left them ~1e-3 from their true
+# differences, -inf made them NaN (-inf - -inf). The gradient of a floored g is that of the floor, whose terms all
+# carry its e^-80 (zero up to rounding). NaN stays NaN.
+LOG_DECAY_FLOOR = -80.0
+
+
 def next_pow2(x: int) -> int:
     return 1 << (max(int(x), 1) - 1).bit_length()
 

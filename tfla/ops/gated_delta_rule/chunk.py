@@ -22,8 +22,8 @@ from tfla.ops.common.chunk_dqkw import chunk_dqkw_bwd
 from tfla.ops.common.chunk_output import chunk_output_fwd, chunk_tiled, dual_supported, output_config
 from tfla.ops.common.chunk_state import chunk_state_bwd, chunk_state_fwd, intra_supported
 from tfla.ops.common.cumsum import chunk_local_cumsum
-from tfla.ops.common.utils import RCP_LN2, SUB_CHUNK, prepare_chunk_indices, prepare_chunk_offsets, seqlens_to_list
-from tfla.ops.common.ut_transform import ut_inverse_fwd, ut_transform_fwd, w_from_tm, wy_bwd
+from tfla.ops.common.utils import LOG_DECAY_FLOOR, RCP_LN2, SUB_CHUNK, prepare_chunk_indices, prepare_chunk_offsets, seqlens_to_list
+from tfla.ops.common.ut_transform import ut_transform_fwd, w_from_tm, wy_bwd
 from tfla.utils.validation import (
     check_common,
     check_gate_dtype,
@@ -37,18 +37,6 @@ from tfla.utils.validation import (
 
 # fastest forward measured on an H200 (docs/perf.md); larger L trades speed for state memory
 DEFAULT_CHUNK_SIZE = 64
-# form W and U inside the state kernel from Tm (saves their HBM round trip) instead of a WY kernel
-WY_IN_STATE = False
-# L = 64 backward: dq, dk and the WY backward's state terms (dW = -dU S^T, dk's 2^(G_n - G) Vnew dS^T, <S, dS>) in
-# one launch after the state-gradient recurrence (chunk_dqkw: S and dS read once), instead of the dual tiled launch
-# before it plus those terms in wy_bwd (which read S and dS in both of its key passes); README of this op
-DQKW = True
-# the forward keeps Vnew (B*T*HV*V elements, input dtype) for the backward, whose state recomputation is then the plain
-# linear-attention pass S' = 2^(G_n - G_c) S + (K 2^(G_n - G))^T Vnew (no W S product in its chain, no U) and whose
-# W/U recompute forms W only; off: Vnew recomputed with the delta-rule chain (FLA's saved set). H100, B=4 T=8192
-# H=16 K=V=128 bf16 L=64: fwd+bwd 3.383 -> 3.176 ms in one process (bench: 3.147 vs 3.358 ms), peak unchanged
-# (1358 MiB), 128 MiB more kept from forward to backward (docs/perf.md, ninth 2026-11-23 session)
-SAVE_V_NEW = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,15 +113,15 @@ def chunk_gated_delta_rule_fwd(
     holds ``g_cum [B, T, HV] fp32 (log2)``, ``ai`` (Tm), ``w``, ``u`` (None when formed on chip),
     ``v_new``, ``h [B, NT, HV, K, V]``.
 
-    ``config`` (tuning, see docs/perf.md): ``{"ut": {...}, "state": {...}, "output": {...},
-    "wy_in_state": bool}``; every key optional.
+    ``config`` (tuning, see docs/performance.md): ``{"ut": {...}, "state": {...}, "output": {...}}``; every key
+    optional.
     """
     config = config or {}
     cu = varlen.cu_seqlens if varlen is not None else None
     g_cum = chunk_local_cumsum(
         g, chunk_size, scale=RCP_LN2, cu_seqlens=cu,
         chunk_indices=varlen.chunk_indices if varlen is not None else None,
-        out_dtype=torch.float64 if q.dtype == torch.float64 else torch.float32,
+        out_dtype=torch.float64 if q.dtype == torch.float64 else torch.float32, floor=LOG_DECAY_FLOOR,
     )
     sub = varlen.sub_indices if varlen is not None else None
     state_args = dict(
@@ -141,14 +129,8 @@ def chunk_gated_delta_rule_fwd(
         chunk_offsets=varlen.chunk_offsets if varlen is not None else None,
         num_chunks=varlen.num_chunks if varlen is not None else None, config=config.get("state"),
     )
-    if config.get("wy_in_state", WY_IN_STATE):
-        w = u = None
-        ai = ut_inverse_fwd(k, g_cum, beta, cu_seqlens=cu, sub_indices=sub, config=config.get("ut"))
-        h, v_new, final_state = chunk_state_fwd(k, v, g_cum, chunk_size, ai=ai, beta=beta, **state_args)
-    else:
-        w, u, ai = ut_transform_fwd(k, v, g_cum, beta, chunk_size, cu_seqlens=cu, sub_indices=sub,
-                                    config=config.get("ut"))
-        h, v_new, final_state = chunk_state_fwd(k, u, g_cum, chunk_size, w=w, **state_args)
+    w, u, ai = ut_transform_fwd(k, v, g_cum, beta, chunk_size, cu_seqlens=cu, sub_indices=sub, config=config.get("ut"))
+    h, v_new, final_state = chunk_state_fwd(k, u, g_cum, chunk_size, w=w, **state_args)
     ocfg = output_config(chunk_size, q.shape[-1], v.shape[-1], config.get("output"))
     o = chunk_output_fwd(
         q, k, v_new, h, g_cum, scale, chunk_size, cu_seqlens=cu,
@@ -185,7 +167,9 @@ def chunk_gated_delta_rule_bwd(
     gradients of Vnew, q and k with the TFLA-tiled product at L (one launch per gradient, ULA's
     permuted arguments); the state-gradient recurrence (reverse); the delta/UT-WY backward per
     sub-chunk; dg = reverse cumsum of the output's gate gradient at L plus the delta part's at 64.
-    At L = 64 (``DQKW``) dq, dk and the WY backward's state terms come from one launch after the recurrence
+    At L = 64 dq, dk and the WY backward's state terms (dW = -dU S^T, dk's 2^(G_n - G) Vnew dS^T, <S, dS>) come from
+    one launch after the recurrence, S and dS read once (instead of the dual tiled launch before it plus those terms
+    in wy_bwd, which read S and dS in both of its key passes: H100 3.528 -> 3.369 ms fwd+bwd, 293a86c)
     (``chunk_dqkw``), and dvo is formed inside the recurrence. ``config`` keys: ``ut``, ``state``, ``output``,
     ``state_bwd``, ``dqkw``, ``wy_bwd`` (launch configs of those stages).
     """
@@ -228,7 +212,7 @@ def chunk_gated_delta_rule_bwd(
     # dk's tiled part (added to the state / WY part in wy_bwd) in the input dtype, as FLA's dk of chunk_bwd_dqkwg:
     # half the bytes of its write and read (fp32 with grouped heads, whose sum comes later)
     part = acc if grouped else k.dtype
-    dqkw = L == SUB_CHUNK and DQKW
+    dqkw = L == SUB_CHUNK
     dgk = None
     if not dqkw:  # L > 64: dq and dk of the tiled product in TFLA tiles at L (before the recurrence)
         dq_args = dict(h=h_sub, state_every=SUB_CHUNK, state_transposed=True, rowdot_with=q,
@@ -347,7 +331,7 @@ def chunk_gated_delta_rule(
     *,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     save_states: bool = False,
-    save_v_new: bool | None = None,
+    save_v_new: bool = True,
     use_gate_in_kernel: bool = False,
     A_log: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
@@ -383,8 +367,9 @@ def chunk_gated_delta_rule(
             66 MiB besides the inputs); README of this op.
         save_v_new: keep Vnew (``B*T*HV*V`` elements in the input dtype, the size of v) from the forward
             (keyword-only, any ``chunk_size``): the backward then recomputes W alone and the states by the plain
-            linear-attention pass over Vnew instead of the delta rule's chain. None: the module default
-            ``SAVE_V_NEW``; False: FLA's saved set (inputs, cumulative gates, Tm). README of this op.
+            linear-attention pass over Vnew instead of the delta rule's chain (default True: H100, B=4 T=8192 H=16
+            K=V=128 bf16 L=64, fwd+bwd 3.383 -> 3.176 ms in one process, peak unchanged, 128 MiB more kept from
+            forward to backward; 95b3700). False: FLA's saved set (inputs, cumulative gates, Tm). README of this op.
         use_beta_sigmoid_in_kernel: beta holds pre-activations; ``sigmoid(beta)`` is used (FLA 0.6.0's
             option; here a differentiable PyTorch op before the kernels, fp32).
         allow_neg_eigval: with ``use_beta_sigmoid_in_kernel``, ``2 sigmoid(beta)`` (beta in [0, 2)).
@@ -432,10 +417,10 @@ def chunk_gated_delta_rule(
         check_varlen_bounds(varlen.bounds, T)
     if scale is None:
         scale = K ** -0.5
-    if save_v_new is not None and not isinstance(save_v_new, bool):
-        raise TypeError(f"`save_v_new` must be a bool or None, got {type(save_v_new).__name__}")
+    if not isinstance(save_v_new, bool):
+        raise TypeError(f"`save_v_new` must be a bool, got {type(save_v_new).__name__}")
     opts = GDNOptions(float(scale), int(chunk_size), bool(output_final_state), bool(use_qk_l2norm_in_kernel),
-                      bool(save_states), SAVE_V_NEW if save_v_new is None else save_v_new)
+                      bool(save_states), save_v_new)
     if use_qk_l2norm_in_kernel:  # differentiable PyTorch ops: autograd carries the gradient through them
         q, k = _l2norm(q), _l2norm(k)
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))

@@ -20,7 +20,7 @@ from tfla.ops.common.chunk_output import chunk_tiled, output_config
 from tfla.ops.common.chunk_state import chunk_state_bwd, chunk_state_fwd
 from tfla.ops.common.cumsum import chunk_local_cumsum
 from tfla.ops.common.ut_transform import wy_bwd
-from tfla.ops.common.utils import RCP_LN2, SUB_CHUNK, next_pow2
+from tfla.ops.common.utils import LOG_DECAY_FLOOR, RCP_LN2, SUB_CHUNK, next_pow2
 from tfla.ops.gated_delta_rule.chunk import VarlenIndex, _check_cotangent
 from tfla.ops.simple_gla.chunk import _positive_flag, _raise_if_positive
 from tfla.utils.validation import (
@@ -35,15 +35,6 @@ from tfla.utils.validation import (
 )
 
 DEFAULT_CHUNK_SIZE = 64
-# The tiled kernels' diagonal square as one masked tensor-core product when the gate spans at most this
-# many log2 units over a tile's rows in every channel (checked per tile at run time; otherwise the 16-row
-# elementwise steps). Off for fp32 at more than 128 columns (spill stores there; see _tiled_cfg).
-VEC_SPAN = 32
-# 16-bit inputs: the gated operands of the intra-chunk products (a_r 2^(GV_r - GV_m), b_s 2^(GV_m - GV_s), and
-# c_s 2^(GV_m - GV_s) with its scores for dq / dk) stay fp32 and those products run in TF32, as FLA's chunk_gla
-# forms its intra-chunk scores; rounding them to bf16 doubled some bf16 errors (H100 bench, B = 4, T = 8192:
-# dv 3.64e-3 vs FLA 2.01e-3, dg 4.84e-3 vs 1.37e-3, against the fp32 run)
-VEC_F32 = True  # (the bf16 errors of this paragraph: the tiled parts of dv and dk were also bf16 then)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,19 +42,22 @@ class GLAOptions:
     scale: float
     chunk_size: int
     output_final_state: bool
+    vec_f32: bool = True
+    vec_span: int = 32
 
 
-def _channel_cumsum(x, chunk_size, varlen, reverse=False, scale=1.0, positive_flag=None, sub=None, add=None):
+def _channel_cumsum(x, chunk_size, varlen, reverse=False, scale=1.0, positive_flag=None, sub=None, add=None,
+                    floor=None):
     """Chunk-local (reverse) cumsum of ``[B, T, H, K]`` per channel (the cumsum kernel's channel tiles),
     of ``x - sub`` plus ``add`` when given. fp32 (float64 for float64)."""
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     return chunk_local_cumsum(x, chunk_size, scale=scale, reverse=reverse,
                               cu_seqlens=varlen.cu_seqlens if varlen is not None else None, out_dtype=acc,
                               chunk_indices=varlen.chunk_indices if varlen is not None else None,
-                              positive_flag=positive_flag, sub=sub, add=add)
+                              positive_flag=positive_flag, sub=sub, add=add, floor=floor)
 
 
-def _tiled_cfg(chunk_size, a, DC, rowdot=False):
+def _tiled_cfg(chunk_size, a, DC, rowdot=False, opts: GLAOptions | None = None):
     """Tiles of one ``chunk_tiled`` call under the vector gate, passed as its config, so the varlen tile
     table is built once here for the kernel's ``BQ`` (``chunk_tiled`` would otherwise rebuild it with a
     host read when its own fp32 override changes the tiles).
@@ -82,13 +76,14 @@ def _tiled_cfg(chunk_size, a, DC, rowdot=False):
     cfg["num_warps"] = 8
     if wide_fp32:
         cfg["num_stages"] = 1
-    cfg["VEC_SPAN"] = 0 if wide_fp32 else VEC_SPAN
-    cfg["VEC_F32"] = VEC_F32
+    opts = opts or GLAOptions(1.0, chunk_size, False)
+    cfg["VEC_SPAN"] = 0 if wide_fp32 else opts.vec_span
+    cfg["VEC_F32"] = opts.vec_f32
     return cfg
 
 
-def _tiled_args(chunk_size, a, DC, varlen, offsets, rowdot=False):
-    cfg = _tiled_cfg(chunk_size, a, DC, rowdot)
+def _tiled_args(chunk_size, a, DC, varlen, offsets, rowdot=False, opts: GLAOptions | None = None):
+    cfg = _tiled_cfg(chunk_size, a, DC, rowdot, opts)
     if varlen is None:
         return {"config": cfg}
     return {"config": cfg, "cu_seqlens": varlen.cu_seqlens, "tile_indices": varlen.tiles(cfg["BQ"]),
@@ -104,21 +99,23 @@ def _state_cfg(k):
 
 
 def chunk_gla_fwd(q, k, v, g, scale, initial_state, output_final_state, chunk_size, varlen=None,
-                  positive_flag=None):
+                  positive_flag=None, opts: GLAOptions | None = None):
     """Plain forward: ``(o, final_state, gv_cum)``; g is the log decay ``[B, T, H, K]`` (natural log).
     ``positive_flag``: a ``PositiveFlag`` the cumsum kernel raises when any ``g > 0``."""
     cu = varlen.cu_seqlens if varlen is not None else None
-    gv_cum = _channel_cumsum(g, chunk_size, varlen, scale=RCP_LN2, positive_flag=positive_flag)
+    gv_cum = _channel_cumsum(g, chunk_size, varlen, scale=RCP_LN2, positive_flag=positive_flag, floor=LOG_DECAY_FLOOR)
     h, _, final_state = chunk_state_fwd(
         k, v, None, chunk_size, initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu,
         chunk_offsets=varlen.chunk_offsets if varlen is not None else None,
         num_chunks=varlen.num_chunks if varlen is not None else None, gv_cum=gv_cum, config=_state_cfg(k))
     o = chunk_tiled(q, k, v, None, scale, chunk_size, h=h, gv_cum=gv_cum,
-                    **_tiled_args(chunk_size, q, v.shape[-1], varlen, varlen.chunk_offsets if varlen else None))
+                    **_tiled_args(chunk_size, q, v.shape[-1], varlen, varlen.chunk_offsets if varlen else None,
+                                  opts=opts))
     return o, final_state, gv_cum
 
 
-def chunk_gla_bwd(q, k, v, gv_cum, scale, initial_state, do, dht, chunk_size, varlen=None):
+def chunk_gla_bwd(q, k, v, gv_cum, scale, initial_state, do, dht, chunk_size, varlen=None,
+                  opts: GLAOptions | None = None):
     """Plain backward: ``(dq, dk, dv, dg, dh0)`` (dq, dk in q's dtype, each rounded once from its fp32 sum;
     dg fp32; dg ``[B, T, H, K]`` is the gradient of
     the natural-log decay g). dg = reverse chunk cumsum of ``q * dq - k * dk`` per channel (the tiled
@@ -137,12 +134,12 @@ def chunk_gla_bwd(q, k, v, gv_cum, scale, initial_state, do, dht, chunk_size, va
     # the tiled parts of dv and dk stay fp32 until the state parts are added (one rounding to the input
     # dtype, as FLA's chunk_gla; bf16 tiled parts rounded twice: dk 2.43e-3 vs FLA 1.85e-3, H100)
     dvo = chunk_tiled(k, q, do, None, scale, L, reverse=True, gv_cum=gv_cum, out_dtype=acc,
-                      **_tiled_args(L, k, V, varlen, offs))
+                      **_tiled_args(L, k, V, varlen, offs, opts=opts))
     dq, dgq = chunk_tiled(do, v, k, None, scale, L, h=h_sub, state_every=SUB_CHUNK, state_transposed=True,
                           rowdot_with=q, out_dtype=q.dtype, gv_cum=gv_cum, gv_on_out=True,
-                          **_tiled_args(L, do, K, varlen, offs, rowdot=True))
+                          **_tiled_args(L, do, K, varlen, offs, rowdot=True, opts=opts))
     dko, dgk = chunk_tiled(v, do, q, None, scale, L, reverse=True, rowdot_with=k, out_dtype=acc, gv_cum=gv_cum,
-                           gv_on_out=True, **_tiled_args(L, v, K, varlen, offs, rowdot=True))
+                           gv_on_out=True, **_tiled_args(L, v, K, varlen, offs, rowdot=True, opts=opts))
     # without the delta rule the state-gradient recurrence's dU is the whole gradient of v
     dh_sub, dv, dh0, sds_sub = chunk_state_bwd(
         q, k, None, do, dvo, None, scale, L, dht=dht, need_dh0=initial_state is not None, cu_seqlens=cu,
@@ -165,7 +162,7 @@ class ChunkGLAFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, initial_state, varlen, opts: GLAOptions, positive_flag=None):
         o, final_state, gv_cum = chunk_gla_fwd(q, k, v, g, opts.scale, initial_state, opts.output_final_state,
-                                               opts.chunk_size, varlen, positive_flag)
+                                               opts.chunk_size, varlen, positive_flag, opts)
         ctx.save_for_backward(q, k, v, g, initial_state, gv_cum)
         ctx.varlen, ctx.opts = varlen, opts
         return o, final_state
@@ -179,7 +176,7 @@ class ChunkGLAFunction(torch.autograd.Function):
         if dht is not None:
             dht = dht.contiguous()
         dq, dk, dv, dg, dh0 = chunk_gla_bwd(q, k, v, gv_cum, ctx.opts.scale, initial_state, do.contiguous(), dht,
-                                            ctx.opts.chunk_size, ctx.varlen)
+                                            ctx.opts.chunk_size, ctx.varlen, ctx.opts)
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype),
                 dh0.to(initial_state.dtype) if dh0 is not None else None, None, None, None)
 
@@ -212,6 +209,7 @@ def chunk_gla(
     cu_seqlens_cpu: torch.LongTensor | None = None,
     *,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
+    config: dict | None = None,
 ):
     r"""Gated linear attention with a vector decay per key channel (GLA, HGRN2-style). A drop-in for
     FLA's ``chunk_gla`` (``fla.ops.gla``).
@@ -235,6 +233,14 @@ def chunk_gla(
         cu_seqlens_cpu: FLA's host copy of ``cu_seqlens`` (same values; the index tables are built from it
             without a device read).
         chunk_size: outer chunk L in {64, 128, 256, 512} (keyword-only; states live every L tokens).
+        config: tuning keys (keyword-only, each optional). ``vec_f32`` (default True): with 16-bit inputs the gated
+            operands of the intra-chunk products (``a_r 2^(GV_r - GV_m)``, ``b_s 2^(GV_m - GV_s)``, and ``c_s`` with
+            its scores for dq / dk) stay fp32 and those products run in TF32, as FLA's ``chunk_gla`` forms its
+            intra-chunk scores; False rounds them to the input dtype (H100, B = 4, T = 8192 bf16: dv 3.64e-3 vs
+            FLA's 2.01e-3, dg 4.84e-3 vs 1.37e-3 against the fp32 run, when the tiled parts of dv and dk were also
+            bf16). ``vec_span`` (default 32): the diagonal square as one masked tensor-core product when the gate
+            spans at most this many log2 units over a tile's rows in every channel (checked per tile at run time;
+            else 16-row elementwise steps); 0 always takes the steps (and fp32 at more than 128 columns does).
 
     Returns ``(o [B, T, H, V] in q's dtype, final_state [N, H, K, V] fp32 or None)``; differentiable in
     q, k, v, g and initial_state.
@@ -256,7 +262,12 @@ def chunk_gla(
     if scale is None:
         scale = K ** -0.5
     q, k, v, g = (x.contiguous() for x in (q, k, v, g))
-    opts = GLAOptions(float(scale), int(chunk_size), bool(output_final_state))
+    config = dict(config or {})
+    unknown = set(config) - {"vec_f32", "vec_span"}
+    if unknown:
+        raise ValueError(f"`config` has unknown keys {sorted(unknown)} (known: vec_f32, vec_span)")
+    opts = GLAOptions(float(scale), int(chunk_size), bool(output_final_state), bool(config.get("vec_f32", True)),
+                      int(config.get("vec_span", 32)))
     o, final_state = ChunkGLAFunction.apply(q, k, v, g, initial_state.contiguous() if initial_state is not None
                                             else None, varlen, opts, positive)
     _raise_if_positive(positive)

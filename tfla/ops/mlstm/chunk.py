@@ -42,7 +42,7 @@ import triton.language as tl
 from tfla.ops.gated_delta_rule.chunk import VarlenIndex, _check_cotangent
 from tfla.ops.mlstm.step import INPUT_GATES, check_mlstm_options, check_mlstm_state  # noqa: F401
 from tfla.ops.common.cumsum import chunk_local_cumsum
-from tfla.ops.common.utils import cdiv, device_sm_count, next_pow2
+from tfla.ops.common.utils import LOG_DECAY_FLOOR, cdiv, device_sm_count, next_pow2
 from tfla.ops.simple_gla.chunk import chunk_simple_gla_bwd, chunk_simple_gla_fwd
 from tfla.utils.validation import (
     check_common,
@@ -163,11 +163,11 @@ def _gates(i, f, m0, opts: MLSTMOptions, seg: _Segments, acc: torch.dtype, varle
         # (sums of <= L terms; the float64 path below spent ~0.35 ms of PyTorch scans and copies per fwd+bwd at
         # B = 8, T = 8192, H = 16 on an H100: docs/perf.md)
         ig = F.logsigmoid(i.to(acc))
-        gq = chunk_local_cumsum(F.logsigmoid(f.to(acc)), L, scale=LOG2E, out_dtype=acc,
+        gq = chunk_local_cumsum(F.logsigmoid(f.to(acc)), L, scale=LOG2E, out_dtype=acc, floor=LOG_DECAY_FLOOR,
                                 cu_seqlens=varlen.cu_seqlens if varlen is not None else None,
                                 chunk_indices=varlen.chunk_indices if varlen is not None else None)
         return _Gates(gq, gq - ig * LOG2E, None, 1.0, None, None, ig)
-    logf = F.logsigmoid(f.double())
+    logf = F.logsigmoid(f.double()).clamp_min(LOG_DECAY_FLOOR)  # (utils.LOG_DECAY_FLOOR: why)
     ig = i.double()
     Fc = seg.cumsum(logf)  # F_t, per sequence
     t = torch.arange(T, device=i.device)
@@ -400,7 +400,8 @@ def chunk_mlstm_bwd(q, k, v, i, f, C0, n0, m0, h, den, final, dh, dC, dn, dm, op
         di = dig
     else:
         di = dig * torch.sigmoid(-i.to(dig.dtype))
-    df = dlogf * torch.sigmoid(-f.to(dlogf.dtype))
+    fd = f.to(dlogf.dtype)  # d log sigmoid(f) / df, 0 where the floor holds log sigmoid(f)
+    df = torch.where(F.logsigmoid(fd) >= LOG_DECAY_FLOOR, dlogf * torch.sigmoid(-fd), 0.0)
     return dq, dk, dv, di, df, dC0, dn0, dm0
 
 

@@ -17,7 +17,7 @@ import torch
 from tfla.ops.common.chunk_output import chunk_output_fwd, chunk_tiled, dual_supported, output_config
 from tfla.ops.common.chunk_state import chunk_state_bwd, chunk_state_fwd, intra_supported
 from tfla.ops.common.cumsum import PositiveFlag, chunk_local_cumsum
-from tfla.ops.common.utils import RCP_LN2, SUB_CHUNK
+from tfla.ops.common.utils import LOG_DECAY_FLOOR, RCP_LN2, SUB_CHUNK
 from tfla.ops.common.ut_transform import wy_bwd
 from tfla.ops.gated_delta_rule.chunk import VarlenIndex, _check_cotangent
 from tfla.utils.validation import (
@@ -56,7 +56,7 @@ def chunk_simple_gla_fwd(q, k, v, g, scale, initial_state, output_final_state, c
     cu = varlen.cu_seqlens if varlen is not None else None
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     if g is not None:
-        g_cum = chunk_local_cumsum(g, chunk_size, scale=RCP_LN2, cu_seqlens=cu, out_dtype=acc,
+        g_cum = chunk_local_cumsum(g, chunk_size, scale=RCP_LN2, cu_seqlens=cu, out_dtype=acc, floor=LOG_DECAY_FLOOR,
                                    chunk_indices=varlen.chunk_indices if varlen is not None else None,
                                    positive_flag=positive_flag)
     h, _, final_state, *ns = chunk_state_fwd(
