@@ -29,11 +29,13 @@ def assert_rel_close(name: str, out: torch.Tensor, ref: torch.Tensor, tol: float
 
 # Relative-L2 tolerances of a result against its float64 reference, by (input dtype, where the kernels run).
 # fp32 runs IEEE fp32 dots on the CPU interpreter but tf32x3 (three TF32 tensor-core products, ~1e-6 per product)
-# on CUDA (tfla.ops.common.utils.dot_precision), whose rounding strong decays amplify in the gate gradient.
+# on CUDA (tfla.ops.common.utils.dot_precision), whose rounding strong decays amplify in the gate gradient: the GDN
+# backward's strong-gate cases at L = 64 measured dg 1.26e-5 and 1.81e-5 on an H100 (2026-11-23, 293a86c) and fail
+# 1e-5 on an H200 (2026-11-24, bb68e62; the other 146 GDN GPU cases passed at 1e-5 there).
 TOLERANCES = {
     (torch.float64, "interpreter"): 1e-12,
     (torch.float32, "interpreter"): 1e-5,
-    (torch.float32, "cuda"): 1e-5,
+    (torch.float32, "cuda"): 3e-5,
     (torch.float16, "interpreter"): 1e-2,
     (torch.float16, "cuda"): 1e-2,
 }
