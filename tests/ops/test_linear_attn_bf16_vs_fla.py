@@ -20,7 +20,7 @@ def test_bf16_no_worse_than_fla(kind, L):
     if kind == "vector" and not os.environ.get("TFLA_TEST_FLA_GLA"):
         # FLA 0.6.0's chunk_gla did not finish compiling/autotuning within 400 s on an H100 (Triton 3.6),
         # and pytest-timeout could not interrupt it; opt in with TFLA_TEST_FLA_GLA=1 after compiling its
-        # configs in parallel (scripts/warm_autotune.py; device stage s25f)
+        # configs in parallel (2026-11-23)
         pytest.skip("FLA's chunk_gla compile is too slow here; set TFLA_TEST_FLA_GLA=1 to run")
     fla = fla_linear_attn_impl(kind)
     if fla is None:

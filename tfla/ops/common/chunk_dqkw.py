@@ -16,7 +16,7 @@ cancel exactly), ``k_s . (2^(G_n - G_s) Vnew_s dS^T)`` and per chunk ``<S, dS>``
 This is FLA's ``chunk_bwd_dqkwg`` division of work (key tiles in the grid, value tiles looped, the scores formed
 again per key tile) applied to tfla's pipeline: ``wy_bwd(dw=..)`` then reads dW, the row dots and ``<S, dS>``
 instead of S and dS (twice each, with dU four times, before). It replaced the same terms added to the dual tiled
-launch (one program per chunk over all of K: 255 registers at 8 warps, slower; docs/perf.md).
+launch (one program per chunk over all of K: 255 registers at 8 warps, slower; docs/performance.md).
 """
 from __future__ import annotations
 

@@ -552,7 +552,7 @@ def _chunk_tiled_kernel(
 def tiled_config(chunk_size: int, DA: int, DC: int, config: dict | None = None) -> dict:
     """Tile sizes and launch shape of the tiled kernel: a fixed heuristic, overridable per key
     (``BQ``, ``BKV``, ``BV`` (output columns), ``num_warps``, ``num_stages``)."""
-    # defaults measured on an H200 (docs/perf.md): full-width output tiles, 4 warps
+    # defaults measured on an H200 (docs/performance.md): full-width output tiles, 4 warps
     cfg = {"BQ": 64, "BKV": 64, "BV": 128 if DA <= 128 else 64, "num_warps": 4, **(config or {})}
     cfg["BQ"] = min(cfg["BQ"], chunk_size)
     cfg["BKV"] = min(cfg["BKV"], chunk_size)
@@ -560,8 +560,8 @@ def tiled_config(chunk_size: int, DA: int, DC: int, config: dict | None = None) 
     # tiles: none) the pipeliner's prologue just holds the next tile's loads, in shared memory and
     # registers (sm_90 compile, Triton 3.6, bf16 K = V = 128, L = 64: 98560-115976 B of shared memory
     # and up to 268 B of spill stores per launch with 2 stages, 32768-49664 B and none of the GDN /
-    # simple GLA launches with 1; commit message has the table). H100, whole fwd+bwd calls (docs/perf.md,
-    # sixth session): GDN 4.07 -> 3.86 ms, mLSTM sigmoid (V = 256) 11.61 -> 10.44 ms with 1 stage
+    # simple GLA launches with 1; commit message has the table). H100, whole fwd+bwd calls (docs/performance.md,
+    # 2026-11-23): GDN 4.07 -> 3.86 ms, mLSTM sigmoid (V = 256) 11.61 -> 10.44 ms with 1 stage
     cfg.setdefault("num_stages", 2 if (chunk_size - cfg["BQ"]) // cfg["BKV"] >= 2 else 1)
     cfg["BV"] = min(max(16, next_pow2(DC)), cfg["BV"])
     if chunk_size % cfg["BQ"] or chunk_size % cfg["BKV"] or cfg["BQ"] % cfg["BKV"]:

@@ -313,7 +313,7 @@ def chunk_state_fwd(
     rets = (h, v_new, final_state) + ((hn, final_n) if n_state else ())
     if N * HV == 0:
         return rets
-    # defaults measured on an H200 at K = V = 128 (docs/perf.md); 3 stages do not fit K = 256
+    # defaults measured on an H200 at K = V = 128 (docs/performance.md); 3 stages do not fit K = 256
     cfg = {"BV": 64 if K <= 128 else 32, "num_warps": 4, "num_stages": 3 if K <= 128 else 2, "unroll": False,
            **(config or {})}
     if chunk_size == 128 and K <= 128 and not config:
@@ -542,7 +542,7 @@ def _normalizer_state_bwd_kernel(q, g, gb, dden, dnt, dhn, dn0, cu_seqlens, sub_
     2^(G_r) dden_r q_r`` over the outer chunk (``2^(G_r - gb)`` with split gates). The row sums do not depend
     on dn, so only one multiply-add per sub-chunk is sequential. It ran as a ``[BK, 16]`` column beside dS in
     the state-gradient recurrence before, which cost that kernel ~0.7 ms at the mLSTM's B = 8, T = 8192, H = 16,
-    K = 128, V = 256 (H100: 3.25 vs 2.62 ms without it; docs/perf.md)."""
+    K = 128, V = 256 (H100: 3.25 vs 2.62 ms without it; docs/performance.md)."""
     BS: tl.constexpr = 64
     i_k, i_nh = program_pair((K + BK - 1) // BK, FLAT)  # (key tile, sequence x head): 2-D or flat grid
     i_n, i_hv = i_nh // HV, i_nh % HV
@@ -645,7 +645,7 @@ def chunk_state_bwd(
     NS = cdiv(T, SUB_CHUNK) if cu_seqlens is None else num_sub_chunks
     if sds and (h_sub is None or w is not None):
         raise ValueError("sds (the rows of <S, dS>) needs h_sub and serves linear attention (w None)")
-    # measured (docs/perf.md): the delta rule at K <= 128 runs best on 64-column value tiles with 8 warps
+    # measured (docs/performance.md): the delta rule at K <= 128 runs best on 64-column value tiles with 8 warps
     # (H100: 0.53 vs 0.73 ms at 32 columns / 4 warps); linear attention keeps 32 columns and 4 warps (H100:
     # simple GLA 0.53 ms, other tiles 0.51-0.59; the mLSTM's V = 256 state backward 2.41 ms, others 2.50-3.95).
     # 16-bit inputs pipeline two stages at any K: one stage (the K > 128 default before) hit an illegal address
@@ -656,7 +656,7 @@ def chunk_state_bwd(
     BK = max(16, next_pow2(K))
     BV = min(max(16, next_pow2(V)), cfg["BV"])
     # 16-bit inputs read S in this kernel only on pipelined launches (a config override to one stage keeps dS
-    # apart: that launch faults under Triton 3.6 on the H100, scripts/debug_sds.py; fine under 3.9)
+    # apart: that launch faults under Triton 3.6 on the H100, 2026-11-23; fine under 3.9)
     sds_on = sds and (k.element_size() > 2 or cfg["num_stages"] >= 2)
     if h_sub is not None and (sds_on or not sds):
         if tuple(h_sub.shape) != (B, NS, HV, K, V) or h_sub.dtype != k.dtype or not h_sub.is_contiguous():
@@ -701,7 +701,7 @@ def chunk_state_bwd(
         ROWLOG=do_row_log2 is not None, IDX64=idx64, FLAT=flat,
     )
     if n_state:
-        # its own launch config (config keys n_bk, n_warps, n_stages; H100, B=8 T=8192 H=16 K=128, scripts/tune_dn.py:
+        # its own launch config (config keys n_bk, n_warps, n_stages; H100, B=8 T=8192 H=16 K=128, scripts/tune.py:
         # 32-wide key tiles on one warp ~0.15 ms, two warps 0.21, 16 / 64-wide 0.16-0.28, stages no matter)
         BKN = min(cfg.get("n_bk", 32), BK)
         grid, flat = tile_grid(cdiv(K, BKN), N * HV, force_flat=cfg.get("flat", False))

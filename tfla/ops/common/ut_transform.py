@@ -14,7 +14,7 @@ sub-chunk in the same outer chunk; G_c = 0 at an outer-chunk start):
 
 Two kernels: ``_gdn_ut_inverse_kernel`` builds ``Tm`` from 16 x 16 blocks (diagonal blocks by forward
 substitution, off-diagonal blocks by block forward substitution ``Tm_ji = -Tm_jj sum_{m=i..j-1} A_jm
-Tm_mi``, design note ``gdn-two-level.md`` "Level 2", way 1), in fp32 with IEEE dots, on few warps
+Tm_mi``, ``docs/gdn-math.md`` section 4.1), in fp32 with IEEE dots, on few warps
 (16 x 16 tiles waste wide programs), and stores it in the input dtype; ``_gdn_wy_fwd_kernel`` then
 forms W and U with full 64 x 64 products. Every exponent used is ``<= 0`` for ``g <= 0``; nothing
 divides by ``2^G``.
@@ -363,7 +363,7 @@ def w_from_tm(
     return w
 
 
-# measured on an H200 (docs/perf.md): one single-warp kernel for Tm, W and U beats the split pair
+# measured on an H200 (docs/performance.md): one single-warp kernel for Tm, W and U beats the split pair
 UT_DEFAULTS = {"fuse": True, "inv_warps": 1, "wy_warps": 4, "wy_stages": 2, "BK": 32, "BV": 32}
 
 

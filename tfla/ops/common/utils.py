@@ -46,7 +46,7 @@ def dot_precision(dtype: torch.dtype) -> str:
     """``tl.dot`` input precision for fp32 inputs (irrelevant for 16-bit operands; Triton's default
     would be one TF32 product, ~1e-3 relative). On the GPU fp32 uses ``tf32x3`` (three TF32 tensor-core
     products, ~1e-6 relative): exact IEEE fp32 dots lower to unrolled FMA loops whose ptxas compile took
-    minutes per kernel at head dim 256 (H200, Triton 3.6; docs/perf.md). float64 and the CPU
+    minutes per kernel at head dim 256 (H200, Triton 3.6; docs/performance.md). float64 and the CPU
     interpreter use IEEE."""
     if dtype == torch.float64 or (dtype == torch.float32 and interpret_mode()):
         return "ieee"

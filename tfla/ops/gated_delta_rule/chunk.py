@@ -35,7 +35,7 @@ from tfla.utils.validation import (
     state_in_kv_layout,
 )
 
-# fastest forward measured on an H200 (docs/perf.md); larger L trades speed for state memory
+# fastest forward measured on an H200 (docs/performance.md); larger L trades speed for state memory
 DEFAULT_CHUNK_SIZE = 64
 
 
@@ -339,7 +339,7 @@ def chunk_gated_delta_rule(
 ):
     r"""Gated delta rule (Gated DeltaNet), chunkwise with two-level TFLA tiling.
 
-    Recurrence per value head (design note ``gdn-two-level.md``; Yang et al., ICLR 2025, Eq. 10):
+    Recurrence per value head (``docs/gdn-math.md``; Yang et al., ICLR 2025, Eq. 10):
     ``S_t = e^{g_t} S_{t-1} + k_t beta_t (v_t - e^{g_t} S_{t-1}^T k_t)^T``, ``o_t = scale S_t^T q_t``.
     Computed exactly (no approximation) in outer chunks of ``chunk_size`` tokens with states stored
     only every ``chunk_size`` tokens and the UT/WY transform on 64-row sub-chunks. A drop-in for

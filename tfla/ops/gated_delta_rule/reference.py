@@ -3,7 +3,7 @@
 Notation: B batch, T time, H key heads, HV value heads (HV = H * groups), K/V head dims,
 N sequences, L outer chunk, C = 64 sub-chunk.
 
-Recurrence (FLA's convention; design note ``gdn-two-level.md``), per batch element and value head,
+Recurrence (FLA's convention; ``docs/gdn-math.md``), per batch element and value head,
 state ``S [K, V]``, log-space gate ``g_t <= 0``:
 
     S_t = exp(g_t) S_{t-1};   S_t = S_t + k_t (beta_t (v_t - S_t^T k_t))^T;   o_t = scale S_t^T q_t

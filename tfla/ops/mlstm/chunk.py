@@ -55,7 +55,7 @@ DEFAULT_CHUNK_SIZE = 128
 # The backward runs at L = 64 whatever the forward's chunk_size: it recomputes the gates (restarting every
 # L) and stores states at every 64-row sub-chunk anyway, so a larger L only adds intra-chunk work there
 # (H100, bf16, B = 8, T = 8192, H = 16, K = 128, V = 256, sigmoid: fwd+bwd 10.52 ms at L = 64, 11.11 at
-# L = 128), while the forward is faster at L = 128 (2.01 vs 2.30 ms; 1048 vs 1564 MiB). docs/perf.md.
+# L = 128), while the forward is faster at L = 128 (2.01 vs 2.30 ms; 1048 vs 1564 MiB). docs/performance.md.
 BWD_CHUNK_SIZE = 64
 LOG2E = 1.0 / math.log(2.0)
 
@@ -78,7 +78,7 @@ class MLSTMOptions:
 # ----------------------------------------------------------------------------------------------
 def _cumsum_t(x: torch.Tensor) -> torch.Tensor:
     """cumsum over T of [B, T, H], run on a time-last copy: PyTorch's scan over a middle dim of
-    [8, 8192, 16] float64 took 2 ms on an H100 (docs/perf.md), the innermost scan a few us."""
+    [8, 8192, 16] float64 took 2 ms on an H100 (docs/performance.md), the innermost scan a few us."""
     return x.transpose(1, 2).contiguous().cumsum(-1).transpose(1, 2).contiguous()
 
 
@@ -161,7 +161,7 @@ def _gates(i, f, m0, opts: MLSTMOptions, seg: _Segments, acc: torch.dtype, varle
     if opts.input_gate == "sigmoid":
         # no max state: only the chunk-local sums of log f, in the accumulator dtype on the shared cumsum kernel
         # (sums of <= L terms; the float64 path below spent ~0.35 ms of PyTorch scans and copies per fwd+bwd at
-        # B = 8, T = 8192, H = 16 on an H100: docs/perf.md)
+        # B = 8, T = 8192, H = 16 on an H100: docs/performance.md)
         ig = F.logsigmoid(i.to(acc))
         gq = chunk_local_cumsum(F.logsigmoid(f.to(acc)), L, scale=LOG2E, out_dtype=acc, floor=LOG_DECAY_FLOOR,
                                 cu_seqlens=varlen.cu_seqlens if varlen is not None else None,
@@ -301,7 +301,7 @@ def _normalizer_bwd_prep(dh, h, den, lo, eps, exact):
 # split), which lets wider value tiles run without spilling. H100, B = 8, T = 8192, H = 16, K = 128, V = 256,
 # sigmoid fwd+bwd: 8.322 -> 8.195 ms without the split (bf16 errors against float64 unchanged to 2 digits); that
 # kernel 2.638 ms at 32 columns / 4 warps (the default before), 2.20 at 64 / 4, 2.13 at 128 / 8 (exp: 2.62 / 2.39)
-# (docs/perf.md, seventh 2026-11-23 session). fp32 tiles keep the shared default (twice the shared memory)
+# (docs/performance.md, 2026-11-23, c36da31). fp32 tiles keep the shared default (twice the shared memory)
 STATE_BWD_CONFIG = {"qsplit": False, "BV": 128, "num_warps": 8}
 # narrower when that leaves fewer programs than SMs: each program is a chain of T / 64 steps, and at the TFLA paper's
 # T = 65536 (B = 1, H = 16) 128 columns give 32 programs (H100: fwd+bwd 17.54 ms, 14.48 at 32 columns in an older tree)
