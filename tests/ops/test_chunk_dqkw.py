@@ -5,10 +5,10 @@ import pytest
 import torch
 
 import tfla
-import tfla.ops.gated_delta_rule.chunk as gdn_chunk
 from tfla.bench.inputs import gdn_inputs, random_cu_seqlens
 from tfla.ops.common.chunk_dqkw import chunk_dqkw_bwd
 from tfla.ops.common.utils import RCP_LN2
+from tfla.ops.common.varlen import VarlenIndex
 from tfla.utils.testing import assert_rel_close
 
 TOL = 1e-5  # fp32 (IEEE dots through the interpreter, tf32x3 on the GPU)
@@ -72,7 +72,7 @@ def test_chunk_dqkw_matches_formulas(device, poison_empty, B, T, H, HV, K, V, ga
     cu = tiles = offsets = None
     if varlen:
         cu = random_cu_seqlens(T, 3, seed=T, device=device)
-        idx = gdn_chunk.VarlenIndex.build(cu, 64)
+        idx = VarlenIndex.build(cu, 64)
         bounds, tiles, offsets = idx.bounds, idx.sub_indices, idx.sub_offsets
         NS = idx.sub_indices.shape[0]
     else:

@@ -177,7 +177,7 @@ def test_tuning_configs_compute_the_same_function(device, poison_empty, L, confi
     T = 333
     cu = torch.tensor([0, 100, 101, 333], device=device)
     x = gdn_inputs(1, T, 1, 32, 48, HV=2, dtype=torch.float32, device=device, initial_state=True, num_seqs=3, seed=L)
-    from tfla.ops.gated_delta_rule.chunk import VarlenIndex
+    from tfla.ops.common.varlen import VarlenIndex
     for varlen in (None, VarlenIndex.build(cu, L)):
         h0 = x["initial_state"] if varlen is not None else x["initial_state"][:1]
         o, s, _ = chunk_gated_delta_rule_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], 32 ** -0.5, h0, True, L,

@@ -11,7 +11,8 @@ from tfla.bench.inputs import gdn_inputs, random_cu_seqlens
 from tfla.ops.common.chunk_state import chunk_state_fwd
 from tfla.ops.common.cumsum import chunk_local_cumsum
 from tfla.ops.common.grid import MAX_GRID_X, flat_grid, needs_int64, tile_grid
-from tfla.ops.gated_delta_rule.chunk import VarlenIndex, chunk_gated_delta_rule_bwd, chunk_gated_delta_rule_fwd
+from tfla.ops.common.varlen import VarlenIndex
+from tfla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_bwd, chunk_gated_delta_rule_fwd
 
 FORCED = {"flat": True, "idx64": True}
 STAGES = ("ut", "state", "output", "state_lin", "state_bwd", "dqkw", "wy_bwd")

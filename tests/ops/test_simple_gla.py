@@ -322,7 +322,7 @@ def test_state_bwd_in_place_of_the_states(device, poison_empty, gate, T, V, cu_l
     into a fresh buffer (bitwise), and its rows of <S, dS> (one partial per value tile) sum to those of the
     states and gradients of the out-of-place run; varlen slots included (an empty sequence among them)."""
     from tfla.ops.common.chunk_state import chunk_state_bwd, chunk_state_fwd
-    from tfla.ops.gated_delta_rule.chunk import VarlenIndex
+    from tfla.ops.common.varlen import VarlenIndex
 
     gen = torch.Generator().manual_seed(T + V)
     B, H, K, L = 1, 2, 32, 64

@@ -120,3 +120,17 @@ def host_bounds(cu_seqlens, cu_seqlens_cpu) -> list[int] | None:
             or cu_seqlens_cpu.numel() != cu_seqlens.numel():
         raise ValueError("`cu_seqlens_cpu` must be a 1-D int32/int64 CPU tensor with as many offsets as `cu_seqlens`")
     return [int(x) for x in cu_seqlens_cpu.tolist()]
+
+
+def check_cotangent(name: str, x: torch.Tensor, shape, dtype) -> None:
+    """The cotangent autograd hands a backward for output ``name``: ``shape``, ``dtype`` (None: any), floating point.
+
+    Raises:
+        ValueError: wrong shape. TypeError: wrong or non-floating dtype.
+    """
+    if tuple(x.shape) != tuple(shape):
+        raise ValueError(f"cotangent of `{name}` must have shape {tuple(shape)}, got {tuple(x.shape)}")
+    if dtype is not None and x.dtype != dtype:
+        raise TypeError(f"cotangent of `{name}` must have dtype {dtype}, got {x.dtype}")
+    if not x.is_floating_point():
+        raise TypeError(f"cotangent of `{name}` must be floating point, got {x.dtype}")

@@ -456,7 +456,7 @@ def _vec_state_dg(b_dks, b_k, b_sds, gv, dgv, bos, i_hv, t0, T, o_t, m_t, o_k, m
 
 
 @triton.jit
-def _gdn_wy_bwd_kernel(
+def _wy_bwd_kernel(
     k,
     v,
     beta,
@@ -816,7 +816,7 @@ def wy_bwd(
     # terms, v_new) stands in for the unused pointer
     dh_arg = dh_sub if dh_sub is not None else v_new
     grid, flat = tile_grid(NS, B * HV, force_flat=cfg.get("flat", False))
-    _gdn_wy_bwd_kernel[grid](
+    _wy_bwd_kernel[grid](
         k, v, beta, g_cum, ai, v_new, du, h_sub if h_sub is not None else dh_arg, dh_arg, dk, dv, dbeta, dgam, gk_cum,
         gb, cu_seqlens, sub_indices, T,
         H=H, HV=HV, K=K, V=V, BT=chunk_size, BK=min(max(16, next_pow2(K)), cfg["BK"]),

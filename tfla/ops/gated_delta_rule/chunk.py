@@ -22,10 +22,12 @@ from tfla.ops.common.chunk_dqkw import chunk_dqkw_bwd
 from tfla.ops.common.chunk_output import chunk_output_fwd, chunk_tiled, dual_supported, output_config
 from tfla.ops.common.chunk_state import chunk_state_bwd, chunk_state_fwd, intra_supported
 from tfla.ops.common.cumsum import chunk_local_cumsum
-from tfla.ops.common.utils import LOG_DECAY_FLOOR, RCP_LN2, SUB_CHUNK, prepare_chunk_indices, prepare_chunk_offsets, seqlens_to_list
+from tfla.ops.common.utils import LOG_DECAY_FLOOR, RCP_LN2, SUB_CHUNK
 from tfla.ops.common.ut_transform import ut_transform_fwd, w_from_tm, wy_bwd
+from tfla.ops.common.varlen import VarlenIndex
 from tfla.utils.validation import (
     check_common,
+    check_cotangent,
     check_gate_dtype,
     check_qkv,
     check_tensor,
@@ -49,45 +51,6 @@ class GDNOptions:
     use_qk_l2norm_in_kernel: bool
     save_states: bool = False
     save_v_new: bool = False
-
-
-@dataclasses.dataclass
-class VarlenIndex:
-    """Index tables for ``cu_seqlens`` (built once per call from one host sync)."""
-
-    cu_seqlens: torch.Tensor
-    bounds: list[int]
-    chunk_indices: torch.Tensor  # (seq, outer chunk) pairs
-    chunk_offsets: torch.Tensor  # first outer chunk of each sequence
-    sub_indices: torch.Tensor  # (seq, 64-row sub-chunk) pairs
-    sub_offsets: torch.Tensor  # first 64-row sub-chunk of each sequence
-
-    @property
-    def num_chunks(self) -> int:
-        return int(self.chunk_indices.shape[0])
-
-    def tiles(self, size: int) -> torch.Tensor:
-        """(seq, tile) table for tiles of ``size`` rows (64-row tiles reuse ``sub_indices``)."""
-        if size == SUB_CHUNK:
-            return self.sub_indices
-        return prepare_chunk_indices(self.bounds, size, self.cu_seqlens.device)
-
-    def with_chunk_size(self, chunk_size: int) -> "VarlenIndex":
-        """The same sequences indexed for another outer chunk size (no host sync)."""
-        return VarlenIndex.build(self.cu_seqlens, chunk_size, bounds=self.bounds)
-
-    @classmethod
-    def build(cls, cu_seqlens: torch.Tensor, chunk_size: int, bounds: list[int] | None = None) -> "VarlenIndex":
-        bounds = seqlens_to_list(cu_seqlens) if bounds is None else bounds
-        dev = cu_seqlens.device
-        return cls(
-            cu_seqlens=cu_seqlens,
-            bounds=bounds,
-            chunk_indices=prepare_chunk_indices(bounds, chunk_size, dev),
-            chunk_offsets=prepare_chunk_offsets(bounds, chunk_size, dev),
-            sub_indices=prepare_chunk_indices(bounds, SUB_CHUNK, dev),
-            sub_offsets=prepare_chunk_offsets(bounds, SUB_CHUNK, dev),
-        )
 
 
 def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -289,26 +252,17 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
         opts = ctx.opts
         if do is None:
             do = torch.zeros(*v.shape, dtype=q.dtype, device=q.device)
-        _check_cotangent("o", do, v.shape, q.dtype)
+        check_cotangent("o", do, v.shape, q.dtype)
         if dht is not None:
             N = initial_state.shape[0] if initial_state is not None else (
                 q.shape[0] if ctx.varlen is None else len(ctx.varlen.bounds) - 1)
-            _check_cotangent("final_state", dht, (N, v.shape[2], q.shape[3], v.shape[3]), None)
+            check_cotangent("final_state", dht, (N, v.shape[2], q.shape[3], v.shape[3]), None)
             dht = dht.contiguous()
         dq, dk, dv, dg, dbeta, dh0 = chunk_gated_delta_rule_bwd(
             q, k, v, g_cum, beta, ai, opts.scale, initial_state, do.contiguous(), dht, opts.chunk_size, ctx.varlen,
             saved=tuple(saved) if len(saved) == 3 else None, v_new=saved[0] if len(saved) == 1 else None)
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), dbeta.to(beta.dtype),
                 dh0.to(initial_state.dtype) if dh0 is not None else None, None, None)
-
-
-def _check_cotangent(name: str, x: torch.Tensor, shape, dtype) -> None:
-    if tuple(x.shape) != tuple(shape):
-        raise ValueError(f"cotangent of `{name}` must have shape {tuple(shape)}, got {tuple(x.shape)}")
-    if dtype is not None and x.dtype != dtype:
-        raise TypeError(f"cotangent of `{name}` must have dtype {dtype}, got {x.dtype}")
-    if not x.is_floating_point():
-        raise TypeError(f"cotangent of `{name}` must be floating point, got {x.dtype}")
 
 
 def chunk_gated_delta_rule(

@@ -18,12 +18,12 @@ import torch
 
 from tfla.ops.common.chunk_output import chunk_tiled, output_config
 from tfla.ops.common.chunk_state import chunk_state_bwd, chunk_state_fwd
-from tfla.ops.common.cumsum import chunk_local_cumsum
+from tfla.ops.common.cumsum import chunk_local_cumsum, positive_flag_for, raise_if_positive
 from tfla.ops.common.ut_transform import wy_bwd
 from tfla.ops.common.utils import LOG_DECAY_FLOOR, RCP_LN2, SUB_CHUNK, next_pow2
-from tfla.ops.gated_delta_rule.chunk import VarlenIndex, _check_cotangent
-from tfla.ops.simple_gla.chunk import _positive_flag, _raise_if_positive
+from tfla.ops.common.varlen import VarlenIndex
 from tfla.utils.validation import (
+    check_cotangent,
     check_common,
     check_gate_dtype,
     check_qkv,
@@ -172,7 +172,7 @@ class ChunkGLAFunction(torch.autograd.Function):
         q, k, v, g, initial_state, gv_cum = ctx.saved_tensors
         if do is None:
             do = torch.zeros_like(v)
-        _check_cotangent("o", do, v.shape, q.dtype)
+        check_cotangent("o", do, v.shape, q.dtype)
         if dht is not None:
             dht = dht.contiguous()
         dq, dk, dv, dg, dh0 = chunk_gla_bwd(q, k, v, gv_cum, ctx.opts.scale, initial_state, do.contiguous(), dht,
@@ -253,7 +253,7 @@ def chunk_gla(
     initial_state = state_in_kv_layout(initial_state, state_v_first)
     bounds = host_bounds(cu_seqlens, cu_seqlens_cpu)
     _check(q, k, v, g, scale, initial_state, cu_seqlens, chunk_size)
-    positive = _positive_flag(g)
+    positive = positive_flag_for(g)
     K = q.shape[-1]
     varlen = None
     if cu_seqlens is not None:
@@ -270,5 +270,5 @@ def chunk_gla(
                       int(config.get("vec_span", 32)))
     o, final_state = ChunkGLAFunction.apply(q, k, v, g, initial_state.contiguous() if initial_state is not None
                                             else None, varlen, opts, positive)
-    _raise_if_positive(positive)
+    raise_if_positive(positive)
     return o, state_in_fla_layout(final_state, state_v_first)

@@ -39,12 +39,13 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from tfla.ops.gated_delta_rule.chunk import VarlenIndex, _check_cotangent
-from tfla.ops.mlstm.step import INPUT_GATES, check_mlstm_options, check_mlstm_state  # noqa: F401
 from tfla.ops.common.cumsum import chunk_local_cumsum
+from tfla.ops.common.linear_attn import chunk_simple_gla_bwd, chunk_simple_gla_fwd
 from tfla.ops.common.utils import LOG_DECAY_FLOOR, cdiv, device_sm_count, next_pow2
-from tfla.ops.simple_gla.chunk import chunk_simple_gla_bwd, chunk_simple_gla_fwd
+from tfla.ops.common.varlen import VarlenIndex
+from tfla.ops.mlstm.step import INPUT_GATES, check_mlstm_options, check_mlstm_state  # noqa: F401
 from tfla.utils.validation import (
+    check_cotangent,
     check_common,
     check_qkv,
     check_tensor,
@@ -432,7 +433,7 @@ class ChunkMLSTMFunction(torch.autograd.Function):
         states, ctx.states = ctx.states, None  # a second backward (retain_graph) recomputes them
         if dh is None:
             dh = torch.zeros_like(v)
-        _check_cotangent("h", dh, v.shape, v.dtype)
+        check_cotangent("h", dh, v.shape, v.dtype)
         dq, dk, dv, di, df, dC0, dn0, dm0 = chunk_mlstm_bwd(
             q, k, v, i, f, C0, n0, m0, h, den, tuple(final) if final else None, dh.contiguous(), dC, dn, dm,
             opts, varlen, states=states)
