@@ -88,3 +88,21 @@ def test_cumsum_and_vector_gate_state_flat_equal_default(device, varlen):
     b = chunk_state_fwd(k, v, None, 64, config=FORCED, **kw)
     for name, x, y in zip(("h", "v_new", "final"), a, b):
         _equal(x, y, f"vector-gate state {name}")
+
+
+def test_public_gdn_config_reaches_every_stage(device):
+    """``chunk_gated_delta_rule(config=..)``: forced large-input indexing in every stage gives bitwise the default's
+    outputs and gradients; a config that names no stage is an error."""
+    import tfla
+    from tfla.ops.gated_delta_rule.chunk import CONFIG_STAGES
+
+    x = gdn_inputs(1, 130, 1, 32, 16, HV=2, dtype=torch.float32, device=device, initial_state=True, seed=2)
+    outs = []
+    for cfg in (None, {s: FORCED for s in CONFIG_STAGES}):
+        leaves = [x[n].clone().requires_grad_() for n in ("q", "k", "v", "g", "beta", "initial_state")]
+        o, s = tfla.chunk_gated_delta_rule(*leaves[:5], initial_state=leaves[5], output_final_state=True, config=cfg)
+        outs.append((o, s) + torch.autograd.grad(o.sum() + s.sum(), leaves))
+    for i, (a, b) in enumerate(zip(*outs)):
+        _equal(a, b, f"output {i}")
+    with pytest.raises(ValueError, match="config"):
+        tfla.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], config={"stat": {}})

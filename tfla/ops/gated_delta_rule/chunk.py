@@ -51,6 +51,11 @@ class GDNOptions:
     use_qk_l2norm_in_kernel: bool
     save_states: bool = False
     save_v_new: bool = False
+    config: dict | None = dataclasses.field(default=None, compare=False, hash=False)
+
+
+# stages of the forward and backward whose launches ``config`` can override (each stage function documents its keys)
+CONFIG_STAGES = ("ut", "state", "output", "state_lin", "state_bwd", "dqkw", "wy_bwd")
 
 
 def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -232,7 +237,8 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, initial_state, varlen, opts: GDNOptions):
         o, final_state, inter = chunk_gated_delta_rule_fwd(
-            q, k, v, g, beta, opts.scale, initial_state, opts.output_final_state, opts.chunk_size, varlen)
+            q, k, v, g, beta, opts.scale, initial_state, opts.output_final_state, opts.chunk_size, varlen,
+            config=opts.config)
         # saved: inputs, the cumulative gates (fp32, B*T*HV) and Tm (B*T*HV*64, input dtype); W, U,
         # Vnew and the per-sub-chunk states are recomputed in backward (README: memory) unless save_states
         # (L = 64: the forward's states are the 64-row ones) keeps W, Vnew and the states
@@ -260,7 +266,8 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
             dht = dht.contiguous()
         dq, dk, dv, dg, dbeta, dh0 = chunk_gated_delta_rule_bwd(
             q, k, v, g_cum, beta, ai, opts.scale, initial_state, do.contiguous(), dht, opts.chunk_size, ctx.varlen,
-            saved=tuple(saved) if len(saved) == 3 else None, v_new=saved[0] if len(saved) == 1 else None)
+            config=opts.config, saved=tuple(saved) if len(saved) == 3 else None,
+            v_new=saved[0] if len(saved) == 1 else None)
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), dbeta.to(beta.dtype),
                 dh0.to(initial_state.dtype) if dh0 is not None else None, None, None)
 
@@ -286,6 +293,7 @@ def chunk_gated_delta_rule(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     save_states: bool = False,
     save_v_new: bool = True,
+    config: dict | None = None,
     use_gate_in_kernel: bool = False,
     A_log: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
@@ -324,6 +332,10 @@ def chunk_gated_delta_rule(
             linear-attention pass over Vnew instead of the delta rule's chain (default True: H100, B=4 T=8192 H=16
             K=V=128 bf16 L=64, fwd+bwd 3.383 -> 3.176 ms in one process, peak unchanged, 128 MiB more kept from
             forward to backward; 95b3700). False: FLA's saved set (inputs, cumulative gates, Tm). README of this op.
+        config: launch overrides per stage (keyword-only, for tuning; results do not depend on it): a dict whose keys
+            are stages of ``CONFIG_STAGES`` and whose values are that stage's launch config (``BK``, ``BV``,
+            ``num_warps``, ``num_stages``, ...: the keys each stage function in ``tfla/ops/common`` documents;
+            ``flat`` / ``idx64`` force the large-input indexing, for tests). ``scripts/tune.py`` searches them.
         use_beta_sigmoid_in_kernel: beta holds pre-activations; ``sigmoid(beta)`` is used (FLA 0.6.0's
             option; here a differentiable PyTorch op before the kernels, fp32).
         allow_neg_eigval: with ``use_beta_sigmoid_in_kernel``, ``2 sigmoid(beta)`` (beta in [0, 2)).
@@ -373,8 +385,11 @@ def chunk_gated_delta_rule(
         scale = K ** -0.5
     if not isinstance(save_v_new, bool):
         raise TypeError(f"`save_v_new` must be a bool, got {type(save_v_new).__name__}")
+    if config is not None and (not isinstance(config, dict) or not set(config) <= set(CONFIG_STAGES)
+                               or not all(isinstance(c, dict) for c in config.values())):
+        raise ValueError(f"`config` must map stages of {CONFIG_STAGES} to dicts of launch overrides, got {config!r}")
     opts = GDNOptions(float(scale), int(chunk_size), bool(output_final_state), bool(use_qk_l2norm_in_kernel),
-                      bool(save_states), save_v_new)
+                      bool(save_states), save_v_new, config)
     if use_qk_l2norm_in_kernel:  # differentiable PyTorch ops: autograd carries the gradient through them
         q, k = _l2norm(q), _l2norm(k)
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
