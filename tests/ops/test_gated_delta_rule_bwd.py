@@ -145,7 +145,7 @@ def test_save_v_new_keeps_what_it_says(device):
 
 def test_save_states_and_fused_paths_reject_what_they_do_not_serve(device):
     from tfla.ops.common.chunk_output import chunk_tiled
-    from tfla.ops.common.chunk_state import chunk_state_bwd
+    from tfla.ops.common.chunk_state_bwd import chunk_state_bwd
 
     x = gdn_inputs(1, 128, 1, 16, 16, device=device)
     with pytest.raises(ValueError, match="save_states"):

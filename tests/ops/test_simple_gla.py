@@ -321,7 +321,8 @@ def test_state_bwd_in_place_of_the_states(device, poison_empty, gate, T, V, cu_l
     """The state-gradient recurrence writing dS over S (``h_sub``) gives the same dS, dU and d initial_state as
     into a fresh buffer (bitwise), and its rows of <S, dS> (one partial per value tile) sum to those of the
     states and gradients of the out-of-place run; varlen slots included (an empty sequence among them)."""
-    from tfla.ops.common.chunk_state import chunk_state_bwd, chunk_state_fwd
+    from tfla.ops.common.chunk_state import chunk_state_fwd
+    from tfla.ops.common.chunk_state_bwd import chunk_state_bwd
     from tfla.ops.common.varlen import VarlenIndex
 
     gen = torch.Generator().manual_seed(T + V)
@@ -358,7 +359,7 @@ def test_bwd_do_row_log2_equals_scaled_do(device, L, split):
     L = 64 with split gates through the query-side gate (no scaled copy of do; the normalizer's row constant dden
     and its states beside), elsewhere by scaling do first. Rows with rl of both signs; varlen not needed (the row
     factor is per token)."""
-    from tfla.ops.common.chunk_state import chunk_state_bwd
+    from tfla.ops.common.chunk_state_bwd import chunk_state_bwd
     from tfla.ops.simple_gla.chunk import chunk_simple_gla_bwd
 
     gen = torch.Generator().manual_seed(L + split)
@@ -385,7 +386,8 @@ def test_bwd_do_row_log2_equals_scaled_do(device, L, split):
 def test_state_bwd_keeps_ds_apart_on_one_stage_16bit(device):
     """16-bit inputs on a one-stage launch do not take the dS-over-S path (Triton 3.6 faulted there on the H100):
     the rows of <S, dS> come back None, dS gets a buffer of its own and S is left as it was."""
-    from tfla.ops.common.chunk_state import chunk_state_bwd, chunk_state_fwd
+    from tfla.ops.common.chunk_state import chunk_state_fwd
+    from tfla.ops.common.chunk_state_bwd import chunk_state_bwd
 
     gen = torch.Generator().manual_seed(9)
     B, T, H, K, V, L = 1, 130, 1, 16, 16, 64
@@ -422,8 +424,8 @@ def test_head_dim_256_bf16_gpu(K, V):
 def test_in_place_stage_arguments_checked(device):
     """The in-place stage's preconditions raise ValueError: rows of <S, dS> without the states to overwrite or with
     the delta rule's W, a state-terms call that needs S without it, h_sub of the wrong shape."""
-    from tfla.ops.common.chunk_state import chunk_state_bwd
-    from tfla.ops.common.ut_transform import wy_bwd
+    from tfla.ops.common.chunk_state_bwd import chunk_state_bwd
+    from tfla.ops.common.wy_bwd import wy_bwd
 
     B, T, H, K, V, L = 1, 128, 1, 16, 16, 64
     q, k, v, do = (torch.randn(B, T, H, K, device=device) for _ in range(4))

@@ -8,10 +8,11 @@ from __future__ import annotations
 import torch
 
 from tfla.ops.common.chunk_output import chunk_output_fwd, chunk_tiled, dual_supported, output_config
-from tfla.ops.common.chunk_state import chunk_state_bwd, chunk_state_fwd, intra_supported
+from tfla.ops.common.chunk_state import chunk_state_fwd, intra_supported
+from tfla.ops.common.chunk_state_bwd import chunk_state_bwd
 from tfla.ops.common.cumsum import chunk_local_cumsum
 from tfla.ops.common.utils import LOG_DECAY_FLOOR, RCP_LN2, SUB_CHUNK
-from tfla.ops.common.ut_transform import wy_bwd
+from tfla.ops.common.wy_bwd import wy_bwd
 
 
 def chunk_simple_gla_fwd(q, k, v, g, scale, initial_state, output_final_state, chunk_size, varlen=None,

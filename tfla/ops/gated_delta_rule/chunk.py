@@ -20,10 +20,12 @@ import torch
 
 from tfla.ops.common.chunk_dqkw import chunk_dqkw_bwd
 from tfla.ops.common.chunk_output import chunk_output_fwd, chunk_tiled, dual_supported, output_config
-from tfla.ops.common.chunk_state import chunk_state_bwd, chunk_state_fwd, intra_supported
+from tfla.ops.common.chunk_state import chunk_state_fwd, intra_supported
+from tfla.ops.common.chunk_state_bwd import chunk_state_bwd
 from tfla.ops.common.cumsum import chunk_local_cumsum
 from tfla.ops.common.utils import LOG_DECAY_FLOOR, RCP_LN2, SUB_CHUNK
-from tfla.ops.common.ut_transform import ut_transform_fwd, w_from_tm, wy_bwd
+from tfla.ops.common.ut_transform import ut_transform_fwd, w_from_tm
+from tfla.ops.common.wy_bwd import wy_bwd
 from tfla.ops.common.varlen import VarlenIndex
 from tfla.utils.validation import (
     check_common,

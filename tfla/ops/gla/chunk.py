@@ -17,9 +17,10 @@ import dataclasses
 import torch
 
 from tfla.ops.common.chunk_output import chunk_tiled, output_config
-from tfla.ops.common.chunk_state import chunk_state_bwd, chunk_state_fwd
+from tfla.ops.common.chunk_state import chunk_state_fwd
+from tfla.ops.common.chunk_state_bwd import chunk_state_bwd
 from tfla.ops.common.cumsum import chunk_local_cumsum, positive_flag_for, raise_if_positive
-from tfla.ops.common.ut_transform import wy_bwd
+from tfla.ops.common.wy_bwd import wy_bwd
 from tfla.ops.common.utils import LOG_DECAY_FLOOR, RCP_LN2, SUB_CHUNK, next_pow2
 from tfla.ops.common.varlen import VarlenIndex
 from tfla.utils.validation import (

@@ -1,0 +1,384 @@
+"""Reverse state-gradient recurrence of the level-1 stage (``chunk_state_bwd``) and the normalizer state's gradient;
+notation and the forward recurrence in ``chunk_state.py``.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tfla.ops.common.chunk_state import (_idx64, _row_split, _sequence_slots, _state_acc, _vec_decays,
+                                         intra_supported)
+from tfla.ops.common.grid import program_pair, tile_grid
+from tfla.ops.common.utils import SUB_CHUNK, acc_dtype, cdiv, dot_precision, next_pow2
+
+@triton.jit
+def _rowscaled_qdot(b_q, b_x, b_sr, dt: tl.constexpr, ACC: tl.constexpr, DOT_PREC: tl.constexpr,
+                    SPLIT: tl.constexpr = True):
+    """``q^T diag(sr) x`` ([BK, BS] x [BS, C], ACC result) with the row factors kept unrounded: x sr
+    split into bf16 hi + lo (about 16 mantissa bits) for bf16 inputs, two 16-bit tensor-core products
+    with q as it is; an fp32 product otherwise (fp16 could underflow the split; fp32 keeps its
+    precision). SPLIT off (bf16): x sr rounded to bf16, one product."""
+    b_xs = b_x.to(ACC) * b_sr.to(ACC)[:, None]
+    if dt == tl.bfloat16 and not SPLIT:
+        b_r = tl.dot(tl.trans(b_q), b_xs.to(dt), input_precision=DOT_PREC, out_dtype=ACC)
+    elif dt == tl.bfloat16:
+        b_hi = b_xs.to(dt)
+        b_lo = (b_xs - b_hi.to(ACC)).to(dt)
+        b_r = tl.dot(tl.trans(b_q), b_hi, input_precision=DOT_PREC, out_dtype=ACC)
+        b_r = tl.dot(tl.trans(b_q), b_lo, b_r, input_precision=DOT_PREC)
+    else:
+        b_r = tl.dot(tl.trans(b_q.to(ACC)), b_xs, input_precision=DOT_PREC)
+    return b_r
+
+
+@triton.jit
+def _chunk_state_bwd_kernel(
+    q,
+    k,
+    w,
+    do,
+    dvo,
+    g,
+    du,
+    dh,
+    dht,
+    dh0,
+    gk,
+    gb,
+    cu_seqlens,
+    sub_offsets,
+    scale,
+    T,
+    H: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    USE_G: tl.constexpr,
+    SPLIT_G: tl.constexpr,
+    HAS_GB: tl.constexpr,
+    DELTA: tl.constexpr,
+    USE_FINAL_STATE_GRADIENT: tl.constexpr,
+    STORE_INITIAL_STATE_GRADIENT: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    ACC: tl.constexpr,
+    gv=None,
+    VEC_G: tl.constexpr = False,
+    INTRA: tl.constexpr = False,
+    sds=None,
+    SDS: tl.constexpr = False,
+    QSPLIT: tl.constexpr = True,
+    rl=None,
+    ROWLOG: tl.constexpr = False,
+    IDX64: tl.constexpr = False,
+    FLAT: tl.constexpr = False,
+):
+    """Reverse state-gradient recurrence (DELTA: of the delta rule; otherwise of linear attention,
+    where the W^T dU term is absent and dU is the whole gradient of V). ``b_dh`` is the gradient of the state
+    after the current sub-chunk; per sub-chunk (reverse): dU = dvo + 2^(G_n - G) (K dS),
+    dS <- 2^(G_n - G_c) dS - W^T dU; at each outer-chunk start the output's use of the state adds
+    scale (2^G Q)^T dO of the whole outer chunk. Stores dS at every sub-chunk (for the parallel
+    gradient kernels) and dU. That product keeps the row factor scale 2^G unrounded on dO's side
+    (``_rowscaled_qdot``): rounding 2^G q to bf16 made d initial_state 3-4x less accurate than FLA's (H100,
+    bf16); the fp32 q tile that fixed it (a TF32 product) spilled registers (GDN on the H100: 0.49 -> 0.89 ms).
+
+    The normalizer state's gradient (``chunk_state_bwd(dden=..)``) runs in its own launch
+    (``_normalizer_state_bwd_kernel``).
+
+    INTRA (BT = BS = 64, scalar or no gate): the output's intra-chunk gradient of Vnew,
+    ``dvo_s = scale sum_{r >= s} (k_s . q_r) 2^(GQ_r - GK_s) dO_r`` over the sub-chunk, is formed here from
+    the q, k and dO tiles this step loads anyway (two products) instead of read from ``dvo``: at L = 64
+    it is one diagonal tile, so its separate tiled launch and the fp32 round trip of dvo go away.
+
+    SDS (linear attention): ``dh`` holds the states S at every sub-chunk on entry (the forward recompute's
+    ``h_sub``) and each dS overwrites the S of its own slot, after this program has read it for the rows of
+    ``<S, dS>`` over its value tile (``sds [B, NS, HV, NV, K]`` fp32): the state-terms kernel then reads
+    neither S nor a second ``[B, NS, HV, K, V]`` buffer (peak memory: one such buffer less)."""
+    BS: tl.constexpr = 64
+    i_v, i_nh = program_pair((V + BV - 1) // BV, FLAT)  # (value tile, sequence x head): 2-D or flat grid
+    i_n, i_hv = i_nh // HV, i_nh % HV
+    i_h = i_hv // (HV // H)
+    bos, T, boh = _sequence_slots(cu_seqlens, sub_offsets, i_n, T, BS, IS_VARLEN)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    o_c = tl.arange(0, BS)
+    m_k = o_k < K
+    m_v = o_v < V
+    m_kv = m_k[:, None] & m_v[None, :]
+    o_kv = o_k[:, None] * V + o_v[None, :]
+    dt = k.dtype.element_ty
+
+    b_dh = tl.zeros([BK, BV], dtype=ACC)
+    if USE_FINAL_STATE_GRADIENT:
+        b_dh += tl.load(dht + i_nh * K * V + o_kv, mask=m_kv, other=0.0).to(ACC)
+    NT = tl.cdiv(T, BT)
+    for i_cr in range(0, NT):
+        i_c = NT - 1 - i_cr
+        if BT > BS:  # the output's use of this chunk's start state, added once the chunk is done
+            b_dhi = tl.zeros([BK, BV], dtype=ACC)
+        NS = tl.minimum(BT // BS, tl.cdiv(T - i_c * BT, BS))
+        for i_jr in range(0, NS):
+            t0 = i_c * BT + (NS - 1 - i_jr) * BS
+            o_t = t0 + o_c
+            m_t = o_t < T
+            r0, o_r = _row_split(bos, t0, o_c, IDX64)
+            m_tk = m_t[:, None] & m_k[None, :]
+            m_tv = m_t[:, None] & m_v[None, :]
+            p_dhs = dh + ((boh + t0 // BS) * HV + i_hv) * K * V + o_kv
+            if SDS:  # S of this slot, read here and used below (its latency behind this step's loads and products)
+                b_s = tl.load(p_dhs, mask=m_kv, other=0.0)
+            else:
+                tl.store(p_dhs, b_dh.to(dh.dtype.element_ty), mask=m_kv)
+            b_k = tl.load(k + (r0 * H + i_h) * K + o_r[:, None] * (H * K) + o_k[None, :], mask=m_tk, other=0.0)
+            b_q = tl.load(q + (r0 * H + i_h) * K + o_r[:, None] * (H * K) + o_k[None, :], mask=m_tk, other=0.0)
+            p_tv = (r0 * HV + i_hv) * V + o_r[:, None] * (HV * V) + o_v[None, :]
+            b_do = tl.load(do + p_tv, mask=m_tv, other=0.0)
+            if USE_G:
+                b_g = tl.load(g + r0 * HV + i_hv + o_r * HV, mask=m_t, other=0.0)
+                if SPLIT_G:
+                    b_gkey = tl.load(gk + r0 * HV + i_hv + o_r * HV, mask=m_t, other=0.0)
+                else:
+                    b_gkey = b_g
+                if ROWLOG:  # dO's row factor 2^rl joins the gate of its (query) rows only
+                    b_g += tl.load(rl + r0 * HV + i_hv + o_r * HV, mask=m_t, other=0.0)
+            if INTRA:  # dvo of this sub-chunk's diagonal tile: rows s (keys), columns r >= s (queries)
+                b_a = tl.dot(b_k, tl.trans(b_q), input_precision=DOT_PREC)  # [BS, BS]
+                m_a = (o_c[:, None] <= o_c[None, :]) & m_t[:, None] & m_t[None, :]
+                if USE_G:
+                    b_a *= tl.exp2(tl.where(m_a, b_g[None, :] - b_gkey[:, None], float("-inf")))
+                else:
+                    b_a = tl.where(m_a, b_a, 0.0)
+                b_du = tl.dot(b_a.to(dt), b_do, input_precision=DOT_PREC) * scale
+            else:
+                b_du = tl.load(dvo + p_tv, mask=m_tv, other=0.0).to(ACC)
+            if VEC_G:  # per key row: K * 2^(GV_n - GV), Q * 2^GV, and dS's row decays 2^(GV_n - GV_c)
+                b_wv, b_rd, b_wq = _vec_decays(gv, r0, o_r, i_hv, t0, T, bos, m_t, o_k, m_k, HV, K, BT, BS)
+                b_k = (b_k * b_wv).to(dt)
+                b_q = (b_q * b_wq).to(dt)
+            b_kdh = tl.dot(b_k, b_dh.to(dt), input_precision=DOT_PREC)  # [BS, BV]
+            if USE_G:
+                b_gn = tl.load(g + (bos + tl.minimum(t0 + BS, T) - 1) * HV + i_hv)
+                b_gc = tl.load(g + (bos + t0 - 1) * HV + i_hv, mask=(t0 % BT) != 0, other=0.0)
+                b_du += b_kdh * tl.exp2(tl.where(m_t, b_gn - b_gkey, float("-inf")))[:, None]
+                if HAS_GB:  # the outer chunk's start state is stabilized by gb at its first row
+                    b_gb = tl.load(gb + (bos + i_c * BT) * HV + i_hv)
+                    b_gc += tl.where((t0 % BT) == 0, b_gb, 0.0)
+                    b_sr = scale * tl.exp2(tl.where(m_t, b_g - b_gb, float("-inf")))
+                else:
+                    b_sr = scale * tl.exp2(b_g)
+            else:
+                b_du += b_kdh
+                b_sr = tl.full([BS], scale, dtype=tl.float32)
+            tl.store(du + p_tv, b_du.to(du.dtype.element_ty), mask=m_tv)
+            # the output's q-term (scale 2^G q)^T dO with the row factor on dO's side ([BS, BV], not [BS, BK])
+            b_qt = _rowscaled_qdot(b_q, b_do, b_sr, dt, ACC, DOT_PREC, QSPLIT)
+            if BT > BS:
+                b_dhi += b_qt
+            if SDS:  # before b_dh changes: <S, dS> rows, then dS over S. Each stored element depends on its row's
+                # sum, i.e. on every read of that row (a barrier there hit an illegal address in bf16 on the H100
+                # under Triton 3.6). IEEE semantics keep the `+ 0.0 * sum` (no fast-math flags: it stays an fma with
+                # 0 in the sm_90 PTX, Triton 3.9, checked locally)
+                b_sdsr = tl.sum(b_s.to(ACC) * b_dh, 1)
+                tl.store(sds + (((boh + t0 // BS) * HV + i_hv) * tl.cdiv(V, BV) + i_v) * K + o_k, b_sdsr, mask=m_k)
+                tl.store(p_dhs, (b_dh + 0.0 * b_sdsr[:, None]).to(dh.dtype.element_ty), mask=m_kv)
+            if USE_G:
+                b_dh *= tl.exp2(b_gn - b_gc)
+            if VEC_G:
+                b_dh *= b_rd[:, None]
+            if DELTA:
+                b_w = tl.load(w + (r0 * HV + i_hv) * K + o_r[:, None] * (HV * K) + o_k[None, :], mask=m_tk, other=0.0)
+                b_dh -= tl.dot(tl.trans(b_w), b_du.to(dt), input_precision=DOT_PREC)
+            if BT == BS:  # one sub-chunk per chunk: no second accumulator (register pressure)
+                b_dh += b_qt
+        if BT > BS:
+            b_dh += b_dhi
+    if STORE_INITIAL_STATE_GRADIENT:
+        tl.store(dh0 + i_nh * K * V + o_kv, b_dh, mask=m_kv)
+
+
+@triton.jit
+def _normalizer_state_bwd_kernel(q, g, gb, dden, dnt, dhn, dn0, cu_seqlens, sub_offsets, scale, T,
+                                 H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
+                                 BK: tl.constexpr, USE_G: tl.constexpr, HAS_GB: tl.constexpr, USE_DNT: tl.constexpr,
+                                 STORE_DN0: tl.constexpr, IS_VARLEN: tl.constexpr, ACC: tl.constexpr,
+                                 IDX64: tl.constexpr = False, FLAT: tl.constexpr = False):
+    """Reverse recurrence of the normalizer state's gradient dn (n is the state of v = 1, ``[K]`` per head; the
+    mLSTM's normalizer), one key tile per program: per sub-chunk (reverse) ``dhn`` gets dn (the gradient of n
+    after the sub-chunk), then ``dn <- 2^(G_n - G_c) dn`` and, at each outer-chunk start, ``+ scale sum_r
+    2^(G_r) dden_r q_r`` over the outer chunk (``2^(G_r - gb)`` with split gates). The row sums do not depend
+    on dn, so only one multiply-add per sub-chunk is sequential. It ran as a ``[BK, 16]`` column beside dS in
+    the state-gradient recurrence before, which cost that kernel ~0.7 ms at the mLSTM's B = 8, T = 8192, H = 16,
+    K = 128, V = 256 (H100: 3.25 vs 2.62 ms without it; docs/performance.md)."""
+    BS: tl.constexpr = 64
+    i_k, i_nh = program_pair((K + BK - 1) // BK, FLAT)  # (key tile, sequence x head): 2-D or flat grid
+    i_n, i_hv = i_nh // HV, i_nh % HV
+    i_h = i_hv // (HV // H)
+    bos, T, boh = _sequence_slots(cu_seqlens, sub_offsets, i_n, T, BS, IS_VARLEN)
+    o_k = i_k * BK + tl.arange(0, BK)
+    o_c = tl.arange(0, BS)
+    m_k = o_k < K
+    b_dn = tl.zeros([BK], dtype=ACC)
+    if USE_DNT:
+        b_dn += tl.load(dnt + i_nh * K + o_k, mask=m_k, other=0.0).to(ACC)
+    NT = tl.cdiv(T, BT)
+    for i_cr in range(0, NT):
+        i_c = NT - 1 - i_cr
+        b_dni = tl.zeros([BK], dtype=ACC)  # the q-terms of this outer chunk's start state
+        NS = tl.minimum(BT // BS, tl.cdiv(T - i_c * BT, BS))
+        for i_jr in range(0, NS):
+            t0 = i_c * BT + (NS - 1 - i_jr) * BS
+            o_t = t0 + o_c
+            m_t = o_t < T
+            r0, o_r = _row_split(bos, t0, o_c, IDX64)
+            tl.store(dhn + ((boh + t0 // BS) * HV + i_hv) * K + o_k, b_dn, mask=m_k)
+            b_q = tl.load(q + (r0 * H + i_h) * K + o_r[:, None] * (H * K) + o_k[None, :],
+                          mask=m_t[:, None] & m_k[None, :], other=0.0).to(ACC)
+            b_dd = tl.load(dden + r0 * HV + i_hv + o_r * HV, mask=m_t, other=0.0).to(ACC)
+            if USE_G:
+                b_g = tl.load(g + r0 * HV + i_hv + o_r * HV, mask=m_t, other=0.0)
+                b_gn = tl.load(g + (bos + tl.minimum(t0 + BS, T) - 1) * HV + i_hv)
+                b_gc = tl.load(g + (bos + t0 - 1) * HV + i_hv, mask=(t0 % BT) != 0, other=0.0)
+                if HAS_GB:  # the outer chunk's start state is stabilized by gb at its first row
+                    b_gb = tl.load(gb + (bos + i_c * BT) * HV + i_hv)
+                    b_gc += tl.where((t0 % BT) == 0, b_gb, 0.0)
+                    b_sr = scale * tl.exp2(tl.where(m_t, b_g - b_gb, float("-inf")))
+                else:
+                    b_sr = scale * tl.exp2(tl.where(m_t, b_g, float("-inf")))
+                b_dn *= tl.exp2(b_gn - b_gc)
+            else:
+                b_sr = tl.where(m_t, scale, 0.0)
+            b_dni += tl.sum(b_q * (b_sr * b_dd)[:, None], 0)
+        b_dn += b_dni
+    if STORE_DN0:
+        tl.store(dn0 + i_nh * K + o_k, b_dn, mask=m_k)
+
+
+
+
+def chunk_state_bwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    w: torch.Tensor | None,
+    do: torch.Tensor,
+    dvo: torch.Tensor | None,
+    g_cum: torch.Tensor | None,
+    scale: float,
+    chunk_size: int,
+    dht: torch.Tensor | None = None,
+    need_dh0: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    sub_offsets: torch.Tensor | None = None,
+    num_sub_chunks: int | None = None,
+    config: dict | None = None,
+    gk_cum: torch.Tensor | None = None,
+    gb: torch.Tensor | None = None,
+    gv_cum: torch.Tensor | None = None,
+    dden: torch.Tensor | None = None,
+    dnt: torch.Tensor | None = None,
+    h_sub: torch.Tensor | None = None,
+    sds: bool = False,
+    do_row_log2: torch.Tensor | None = None,
+):
+    """State-gradient recurrence of the gated delta rule (reverse, 64-row sub-chunks, outer chunk L).
+
+    Args:
+        q, k: ``[B, T, H, K]``; w: ``[B, T, HV, K]`` WY keys (None: linear attention); do: ``[B, T, HV, V]``; dvo: the output's
+            gradient of Vnew, ``[B, T, HV, V]``, or None to form it in the kernel (``intra_supported``:
+            ``chunk_size`` 64, scalar or no gate); g_cum: ``[B, T, HV]`` (log2, restarting every L).
+        dht: cotangent of the final state ``[N, HV, K, V]`` or None.
+        gk_cum, gb: split gates (as ``chunk_state_fwd``).
+        gv_cum: vector gate ``[B, T, HV, K]`` (as ``chunk_state_fwd``; linear attention, g_cum None).
+        dden: ``[B, T, HV]`` fp32, the cotangent of the normalizer's dot (``chunk_state_fwd(n_state=True)``):
+            also run the normalizer state's gradient (linear attention only); dnt ``[N, HV, K]`` its final
+            cotangent or None.
+        h_sub: the states at every sub-chunk ``[B, NS, HV, K, V]`` (``chunk_state_fwd(store_every_sub_chunk=True)``,
+            k's dtype) or None; given, dh is written into it (S is overwritten; read what needs S first), and
+            with ``sds`` (linear attention) the rows of ``<S, dS>`` are returned last: ``[B, NS, HV, NV, K]`` fp32,
+            one partial per value tile (for ``wy_bwd(sds_sub=..)``), or None where that path is not used (16-bit
+            inputs on a one-stage launch: Triton 3.6 faults there on the H100); dh is then a new buffer and
+            h_sub keeps S.
+        do_row_log2: ``[B, T, HV]`` (g_cum's dtype) or None: the output's cotangent is ``do * 2^do_row_log2`` per
+            row, applied through the query rows' gate (needs ``g_cum`` and dvo None: formed here).
+    Returns:
+        ``dh [B, NS, HV, K, V]`` (gradient of the state after each 64-row sub-chunk, k's dtype),
+        ``du [B, T, HV, V]`` (total gradient of U = Vnew's gradient, k's dtype), ``dh0 [N, HV, K, V]``
+        fp32 or None; with ``dden`` two more: ``dhn [B, NS, HV, K]`` fp32 (the normalizer state's
+        gradient after each sub-chunk) and ``dn0 [N, HV, K]`` fp32 or None.
+    """
+    B, T, H, K = k.shape
+    HV, V = do.shape[2], do.shape[3]
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    NS = cdiv(T, SUB_CHUNK) if cu_seqlens is None else num_sub_chunks
+    if sds and (h_sub is None or w is not None):
+        raise ValueError("sds (the rows of <S, dS>) needs h_sub and serves linear attention (w None)")
+    # measured (docs/performance.md): the delta rule at K <= 128 runs best on 64-column value tiles with 8 warps
+    # (H100: 0.53 vs 0.73 ms at 32 columns / 4 warps); linear attention keeps 32 columns and 4 warps (H100:
+    # simple GLA 0.53 ms, other tiles 0.51-0.59; the mLSTM's V = 256 state backward 2.41 ms, others 2.50-3.95).
+    # 16-bit inputs pipeline two stages at any K: one stage (the K > 128 default before) hit an illegal address
+    # on the H100 under Triton 3.6 (bf16, K = 256: simple GLA; GDN / mLSTM at K = 256 run with two)
+    wide = w is not None and K <= 128 and k.element_size() == 2  # 16-bit only: fp32 tiles double the smem
+    cfg = {"BV": 64 if wide else 32, "num_warps": 8 if wide else 4,
+           "num_stages": 2 if (K <= 128 or k.element_size() == 2) and gv_cum is None else 1, **(config or {})}
+    BK = max(16, next_pow2(K))
+    BV = min(max(16, next_pow2(V)), cfg["BV"])
+    # 16-bit inputs read S in this kernel only on pipelined launches (a config override to one stage keeps dS
+    # apart: that launch faults under Triton 3.6 on the H100, 2026-11-23; fine under 3.9)
+    sds_on = sds and (k.element_size() > 2 or cfg["num_stages"] >= 2)
+    if h_sub is not None and (sds_on or not sds):
+        if tuple(h_sub.shape) != (B, NS, HV, K, V) or h_sub.dtype != k.dtype or not h_sub.is_contiguous():
+            raise ValueError(f"h_sub must be a contiguous {(B, NS, HV, K, V)} tensor of k's dtype")
+        dh = h_sub  # in place: each slot's S is read (SDS) before its dS is stored
+    else:
+        dh = torch.empty(B, NS, HV, K, V, dtype=k.dtype, device=k.device)
+    du = torch.empty(B, T, HV, V, dtype=k.dtype, device=k.device)
+    dh0 = torch.empty(N, HV, K, V, dtype=_state_acc(k.dtype), device=k.device) if need_dh0 else None
+    n_state = dden is not None
+    intra = dvo is None
+    if intra and not intra_supported(chunk_size, gv_cum):
+        raise ValueError("dvo=None (formed in the kernel) needs chunk_size 64 and no vector gate")
+    if do_row_log2 is not None and (not intra or g_cum is None
+                                    or tuple(do_row_log2.shape) != (B, T, HV) or not do_row_log2.is_contiguous()):
+        raise ValueError("do_row_log2 must be a contiguous [B, T, HV] tensor and needs g_cum and dvo=None")
+    if n_state and (w is not None or gv_cum is not None):
+        raise ValueError("the normalizer state's gradient (dden) serves linear attention with scalar gates")
+    dhn = torch.empty(B, NS, HV, K, dtype=_state_acc(k.dtype), device=k.device) if n_state else None
+    dn0 = torch.empty(N, HV, K, dtype=_state_acc(k.dtype), device=k.device) if n_state and need_dh0 else None
+    sds_t = torch.empty(B, NS, HV, cdiv(V, BV), K, dtype=_state_acc(k.dtype), device=k.device) if sds_on else None
+    rets = (dh, du, dh0) + ((dhn, dn0) if n_state else ()) + ((sds_t,) if sds else ())
+    if N * HV == 0:
+        if sds_t is not None:
+            sds_t.zero_()
+        if dh0 is not None:
+            dh0.copy_(dht if dht is not None else torch.zeros_like(dh0))
+        if dn0 is not None:
+            dn0.copy_(dnt if dnt is not None else torch.zeros_like(dn0))
+        return rets
+    grid, flat = tile_grid(cdiv(V, BV), N * HV, force_flat=cfg.get("flat", False))
+    idx64 = cfg.get("idx64", False) or _idx64(T, H, HV, K, V)
+    _chunk_state_bwd_kernel[grid](
+        q, k, w, do, dvo, g_cum, du, dh, dht, dh0, gk_cum, gb, cu_seqlens, sub_offsets, scale, T,
+        H=H, HV=HV, K=K, V=V, BT=chunk_size, BK=BK, BV=BV, USE_G=g_cum is not None,
+        SPLIT_G=gk_cum is not None, HAS_GB=gb is not None, DELTA=w is not None,
+        USE_FINAL_STATE_GRADIENT=dht is not None, STORE_INITIAL_STATE_GRADIENT=need_dh0,
+        IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(k.dtype), ACC=acc_dtype(k.dtype),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        gv=gv_cum, VEC_G=gv_cum is not None, INTRA=intra, sds=sds_t, SDS=sds_on,
+        QSPLIT=cfg.get("qsplit", True), rl=do_row_log2,
+        ROWLOG=do_row_log2 is not None, IDX64=idx64, FLAT=flat,
+    )
+    if n_state:
+        # its own launch config (config keys n_bk, n_warps, n_stages; H100, B=8 T=8192 H=16 K=128, scripts/tune.py:
+        # 32-wide key tiles on one warp ~0.15 ms, two warps 0.21, 16 / 64-wide 0.16-0.28, stages no matter)
+        BKN = min(cfg.get("n_bk", 32), BK)
+        grid, flat = tile_grid(cdiv(K, BKN), N * HV, force_flat=cfg.get("flat", False))
+        _normalizer_state_bwd_kernel[grid](
+            q, g_cum, gb, dden, dnt, dhn, dn0, cu_seqlens, sub_offsets, scale, T, H=H, HV=HV, K=K, BT=chunk_size,
+            BK=BKN, USE_G=g_cum is not None, HAS_GB=gb is not None, USE_DNT=dnt is not None, STORE_DN0=need_dh0,
+            IS_VARLEN=cu_seqlens is not None, ACC=acc_dtype(k.dtype), IDX64=idx64, FLAT=flat,
+            num_warps=cfg.get("n_warps", 1),
+            num_stages=cfg.get("n_stages", 3))
+    return rets
