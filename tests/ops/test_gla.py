@@ -44,12 +44,12 @@ def _inputs(B, T, H, K, V, dtype, device, seed, num_seqs=None, gate="default"):
 
 
 def _check(device, B, T, H, K, V, L, dtype=torch.float32, seed=0, cu=None, num_seqs=None, gate="default",
-           tol=FP32_TOL, h0=True, final=True, tols=None):
+           tol=FP32_TOL, h0=True, final=True, tols=None, config=None):
     x = _inputs(B, T, H, K, V, dtype, device, seed, num_seqs, gate)
     names = ["q", "k", "v", "g"] + (["h0"] if h0 else [])
     leaves = {n: x[n].clone().requires_grad_() for n in names}
     o, s = tfla.chunk_gla(leaves["q"], leaves["k"], leaves["v"], leaves["g"], initial_state=leaves.get("h0"),
-                          output_final_state=final, cu_seqlens=cu, chunk_size=L)
+                          output_final_state=final, cu_seqlens=cu, chunk_size=L, config=config)
     assert o.dtype == dtype and o.shape == (B, T, H, V)
     assert (s is None) == (not final)
     gen = torch.Generator().manual_seed(seed + 1)
@@ -114,19 +114,13 @@ def test_gla_varlen_wide_heads(device):
 
 
 @pytest.mark.parametrize("BQ", [16, 64])
-def test_gla_tile_rows(device, monkeypatch, BQ):
+def test_gla_tile_rows(device, BQ):
     """The vector gate's diagonal square at other tile heights than the op's default 32 rows (one
-    16-row block; four blocks), forward and backward, L = 128."""
-    import tfla.ops.gla.chunk as gla_chunk
-
-    default = gla_chunk._tiled_cfg
-
-    def tiles(chunk_size, a, DC, rowdot=False, opts=None):
-        return {**default(chunk_size, a, DC, rowdot, opts), "BQ": BQ, "BKV": BQ, "num_warps": 4}
-
-    monkeypatch.setattr(gla_chunk, "_tiled_cfg", tiles)
-    _check(device, 1, 150, 1, 16, 16, 128, gate="mixed", seed=12)
-    _check(device, 1, 130, 2, 16, 16, 64, cu=torch.tensor([0, 50, 130], device=device), num_seqs=2, seed=13)
+    16-row block; four blocks), forward and backward, L = 128 (``config={"tile_rows": ..}``)."""
+    cfg = {"tile_rows": BQ}
+    _check(device, 1, 150, 1, 16, 16, 128, gate="mixed", seed=12, config=cfg)
+    _check(device, 1, 130, 2, 16, 16, 64, cu=torch.tensor([0, 50, 130], device=device), num_seqs=2, seed=13,
+           config=cfg)
 
 
 def test_gla_float64_exact(device):

@@ -45,6 +45,7 @@ class GLAOptions:
     output_final_state: bool
     vec_f32: bool = True
     vec_span: int = 32
+    tile_rows: int | None = None
 
 
 def _channel_cumsum(x, chunk_size, varlen, reverse=False, scale=1.0, positive_flag=None, sub=None, add=None,
@@ -78,6 +79,9 @@ def _tiled_cfg(chunk_size, a, DC, rowdot=False, opts: GLAOptions | None = None):
     if wide_fp32:
         cfg["num_stages"] = 1
     opts = opts or GLAOptions(1.0, chunk_size, False)
+    if opts.tile_rows is not None:
+        cfg["BQ"] = cfg["BKV"] = min(opts.tile_rows, chunk_size)
+        cfg["num_warps"] = 4
     cfg["VEC_SPAN"] = 0 if wide_fp32 else opts.vec_span
     cfg["VEC_F32"] = opts.vec_f32
     return cfg
@@ -242,6 +246,8 @@ def chunk_gla(
             bf16). ``vec_span`` (default 32): the diagonal square as one masked tensor-core product when the gate
             spans at most this many log2 units over a tile's rows in every channel (checked per tile at run time;
             else 16-row elementwise steps); 0 always takes the steps (and fp32 at more than 128 columns does).
+            ``tile_rows`` (16, 32 or 64; default 32, 16 for fp32 at more than 128 columns): rows of the tiled
+            products' tiles (with 4 warps when set).
 
     Returns ``(o [B, T, H, V] in q's dtype, final_state [N, H, K, V] fp32 or None)``; differentiable in
     q, k, v, g and initial_state.
@@ -264,11 +270,13 @@ def chunk_gla(
         scale = K ** -0.5
     q, k, v, g = (x.contiguous() for x in (q, k, v, g))
     config = dict(config or {})
-    unknown = set(config) - {"vec_f32", "vec_span"}
+    unknown = set(config) - {"vec_f32", "vec_span", "tile_rows"}
     if unknown:
-        raise ValueError(f"`config` has unknown keys {sorted(unknown)} (known: vec_f32, vec_span)")
+        raise ValueError(f"`config` has unknown keys {sorted(unknown)} (known: vec_f32, vec_span, tile_rows)")
+    if config.get("tile_rows", 16) not in (16, 32, 64):
+        raise ValueError(f"`config['tile_rows']` must be 16, 32 or 64, got {config['tile_rows']!r}")
     opts = GLAOptions(float(scale), int(chunk_size), bool(output_final_state), bool(config.get("vec_f32", True)),
-                      int(config.get("vec_span", 32)))
+                      int(config.get("vec_span", 32)), config.get("tile_rows"))
     o, final_state = ChunkGLAFunction.apply(q, k, v, g, initial_state.contiguous() if initial_state is not None
                                             else None, varlen, opts, positive)
     raise_if_positive(positive)
