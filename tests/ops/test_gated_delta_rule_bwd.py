@@ -342,3 +342,26 @@ def test_bwd_bf16_realistic_gates_vs_peers(L):
     assert all(m.startswith("dg:") for m in missed), "; ".join(missed)
     if missed:  # the open part of the gate-gradient precision target (docs/performance.md, 2026-11-24)
         pytest.xfail("; ".join(missed))
+
+
+def test_kept_v_new_rebuilds_the_forward_states(device):
+    """With Vnew kept (``save_v_new=True``) the backward's linear pass over the stored Vnew rebuilds the same states
+    as the delta rule's chain (the forward puts the gate's weights on K, so both products take Vnew as stored): the
+    two backward paths give bitwise equal gradients in 16-bit (fp16 here; 2026-11-24, before that the kept path
+    rounded Vnew twice and its dg was up to 10% further from float64 than the chain's with Qwen3-Next-style gates)."""
+    gen = torch.Generator(device=device).manual_seed(3)
+    x = gdn_inputs(1, 200, 1, 32, 32, HV=4, dtype=torch.float16, device=device, initial_state=True, seed=3)
+    x["g"] = qwen3_next_gates(1, 200, 4, device, gen)
+    names = ("q", "k", "v", "g", "beta", "initial_state")
+    do = torch.randn(1, 200, 4, 32, generator=gen, device=device).half()
+    outs = []
+    for keep in (True, False):
+        leaves = [x[n].clone().requires_grad_() for n in names]
+        o, s = tfla.chunk_gated_delta_rule(*leaves[:5], initial_state=leaves[5], output_final_state=True,
+                                           save_v_new=keep)
+        outs.append(torch.autograd.grad((o * do).sum() + s.sum(), leaves))
+    for name, a, b in zip(NAMES, *outs):
+        if device == "cpu":
+            assert torch.equal(a, b), name
+        else:  # (on CUDA the two paths' W / U kernels may order their sums differently: not checked bitwise)
+            assert_rel_close(name, a.float().cpu(), b.float().cpu(), 2e-3)

@@ -128,14 +128,18 @@ def _gdn_dqkw_kernel(
     tl.store(dw + p_tk, (-b_dw).to(dw.dtype.element_ty), mask=m_tk)
     b_kf = b_k.to(ACC)
     b_qf = b_q.to(ACC)
-    # dq: state term + tiled part, its row dot with q without the r = s terms, then those terms
+    # dq: state term + tiled part; the gate gradient's rows q . dq - k . dk: the state term's q . dq_state, and the
+    # tiled part as sum_s P_rs (q_r . k_s) - sum_r P_rs (q_r . k_s) from the fp32 scores P and the fp32 q k^T of
+    # this key tile (as FLA's chunk_bwd_dqkwg forms it), not from dq / dk, whose P went through the input dtype (with
+    # Qwen3-Next-style gates that rounding put tfla's bf16 dg above FLA's and FlashQLA's; the r = s terms cancel)
+    b_dg = tl.sum(b_qf * b_dq, 1) * scale
+    b_pa = b_p * tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC)  # [BS, BS], strictly lower
+    b_dg += (tl.sum(b_pa, 1) - tl.sum(b_pa, 0)) * scale
     b_dq = tl.dot(b_pb, b_k, b_dq, input_precision=DOT_PREC) * scale
-    b_dg = tl.sum(b_qf * b_dq, 1)
     b_dq += (scale * b_sd)[:, None] * b_kf
     tl.store(dq + p_tk, b_dq.to(dq.dtype.element_ty), mask=m_tk)
-    # dk: the tiled part (rows s, the transposed scores), its row dot with k, the r = s terms, the state term
+    # dk: the tiled part (rows s, the transposed scores), the r = s terms, the state term
     b_dki = tl.dot(tl.trans(b_pb), b_q, input_precision=DOT_PREC) * scale
-    b_dg -= tl.sum(b_kf * b_dki, 1)
     b_dki += (scale * b_sd)[:, None] * b_qf + b_dks
     tl.store(dk + p_tk, b_dki.to(dk.dtype.element_ty), mask=m_tk)
     p_row = i_k * s_part + (bos + o_t) * HV + i_hv

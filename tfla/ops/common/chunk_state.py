@@ -37,7 +37,7 @@ def _state_substep(b_h, b_n, t0, T, bos, i_h, i_hv, k, v, w, v_new, g, gk, gb,
                    V: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, USE_G: tl.constexpr,
                    SPLIT_G: tl.constexpr, HAS_GB: tl.constexpr,
                    DELTA: tl.constexpr, DOT_PREC: tl.constexpr, ACC: tl.constexpr, N_STATE: tl.constexpr,
-                   gv=None, VEC_G: tl.constexpr = False, IDX64: tl.constexpr = False):
+                   gv=None, VEC_G: tl.constexpr = False, IDX64: tl.constexpr = False, KEY_W: tl.constexpr = False):
     """Advance the state ``b_h [BK, BV]`` (and with N_STATE the normalizer state ``b_n [BK]``, the same
     recurrence with v = 1) over the sub-chunk of rows ``t0 .. t0 + BS``; store Vnew."""
     dt = k.dtype.element_ty
@@ -67,10 +67,14 @@ def _state_substep(b_h, b_n, t0, T, bos, i_h, i_hv, k, v, w, v_new, g, gk, gb,
                  b_v.to(v_new.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
     if USE_G:
         b_wk = tl.exp2(tl.where(m_t, b_gn - b_g, float("-inf")))  # [BS] key weights
-        b_v = b_v * b_wk[:, None]
         b_h *= tl.exp2(b_gn - b_gc)
         if N_STATE:
             b_n = b_n * tl.exp2(b_gn - b_gc) + tl.sum(b_k.to(ACC) * b_wk[:, None], 0)
+        if KEY_W:  # the weights on K, not on V: the product then takes V as stored (the delta rule: the backward's
+            # linear pass over the kept Vnew rebuilds the forward's states bit for bit; weighting Vnew rounded it twice)
+            b_k = (b_k * b_wk[:, None]).to(dt)
+        else:
+            b_v = b_v * b_wk[:, None]
     elif N_STATE:
         b_n += tl.sum(b_k.to(ACC), 0)
     if VEC_G:  # per key row: keys weighted 2^(GV_n - GV_s), the state's rows decayed 2^(GV_n - GV_c)
@@ -176,6 +180,7 @@ def _chunk_state_fwd_kernel(
     VEC_G: tl.constexpr = False,
     IDX64: tl.constexpr = False,
     FLAT: tl.constexpr = False,
+    KEY_W: tl.constexpr = False,
 ):
     BS: tl.constexpr = 64
     i_v, i_nh = program_pair((V + BV - 1) // BV, FLAT)  # (value tile, sequence x head): 2-D or flat grid
@@ -216,7 +221,7 @@ def _chunk_state_fwd_kernel(
                 b_h, b_n = _state_substep(
                     b_h, b_n, i_c * BT + j * BS, T, bos, i_h, i_hv, k, v, w, v_new, g, gk, gb,
                     o_c, o_k, o_v, m_k, m_v, H, HV, K, V, BT, BS, USE_G, SPLIT_G, HAS_GB, DELTA, DOT_PREC, ACC,
-                    N_STATE, gv, VEC_G, IDX64)
+                    N_STATE, gv, VEC_G, IDX64, KEY_W)
         else:
             for j in range(BT // BS):
                 if STORE_SUB:
@@ -228,7 +233,7 @@ def _chunk_state_fwd_kernel(
                 b_h, b_n = _state_substep(
                     b_h, b_n, i_c * BT + j * BS, T, bos, i_h, i_hv, k, v, w, v_new, g, gk, gb,
                     o_c, o_k, o_v, m_k, m_v, H, HV, K, V, BT, BS, USE_G, SPLIT_G, HAS_GB, DELTA, DOT_PREC, ACC,
-                    N_STATE, gv, VEC_G, IDX64)
+                    N_STATE, gv, VEC_G, IDX64, KEY_W)
 
     if STORE_FINAL_STATE:
         tl.store(ht + i_nh * K * V + o_kv, b_h, mask=m_kv)
@@ -265,6 +270,7 @@ def chunk_state_fwd(
     n_state: bool = False,
     initial_n: torch.Tensor | None = None,
     gv_cum: torch.Tensor | None = None,
+    key_weights: bool = False,
 ):
     """States at every outer-chunk start, and (delta rule) the new values.
 
@@ -288,6 +294,8 @@ def chunk_state_fwd(
             denominator, TFLA paper Section 2) in the same pass; ``initial_n [N, HV, K]`` its start.
         gv_cum: vector gate ``[B, T, HV, K]`` fp32 (log2, cumulative within outer chunks; GLA), instead
             of ``g_cum``; plain linear attention only.
+        key_weights: the scalar gate's weights ``2^(G_n - G)`` go on K instead of V in the state update (the delta
+            rule's forward and both of its backward recomputations, which then agree bit for bit).
     Returns:
         ``h [B, NT, HV, K, V]`` (varlen: ``[1, total chunks, HV, K, V]``), ``v_new [B, T, HV, V]``
         or None, ``final_state [N, HV, K, V]`` fp32 or None; with ``n_state`` two more:
@@ -337,6 +345,7 @@ def chunk_state_fwd(
         IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(k.dtype), ACC=acc_dtype(k.dtype),
         UNROLL=cfg["unroll"], STORE_SUB=store_every_sub_chunk, N_STATE=n_state,
         gv=gv_cum, VEC_G=gv_cum is not None, IDX64=cfg.get("idx64", False) or _idx64(T, H, HV, K, V), FLAT=flat,
+        KEY_W=key_weights,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return rets

@@ -100,7 +100,7 @@ def chunk_gated_delta_rule_fwd(
         num_chunks=varlen.num_chunks if varlen is not None else None, config=config.get("state"),
     )
     w, u, ai = ut_transform_fwd(k, v, g_cum, beta, chunk_size, cu_seqlens=cu, sub_indices=sub, config=config.get("ut"))
-    h, v_new, final_state = chunk_state_fwd(k, u, g_cum, chunk_size, w=w, **state_args)
+    h, v_new, final_state = chunk_state_fwd(k, u, g_cum, chunk_size, w=w, key_weights=True, **state_args)
     ocfg = output_config(chunk_size, q.shape[-1], v.shape[-1], config.get("output"))
     o = chunk_output_fwd(
         q, k, v_new, h, g_cum, scale, chunk_size, cu_seqlens=cu,
@@ -159,7 +159,7 @@ def chunk_gated_delta_rule_bwd(
             k, v_new, g_cum, L, initial_state=initial_state, cu_seqlens=cu,
             chunk_offsets=varlen.sub_offsets if varlen is not None else None,
             num_chunks=varlen.sub_indices.shape[0] if varlen is not None else None,
-            config=config.get("state_lin"), store_every_sub_chunk=True)
+            config=config.get("state_lin"), store_every_sub_chunk=True, key_weights=True)
     else:
         w, u, _ = ut_transform_fwd(k, v, g_cum, beta, L, cu_seqlens=cu, sub_indices=sub, config=config.get("ut"),
                                    ai=ai)
@@ -167,7 +167,7 @@ def chunk_gated_delta_rule_bwd(
             k, u, g_cum, L, w=w, initial_state=initial_state, cu_seqlens=cu,
             chunk_offsets=varlen.sub_offsets if varlen is not None else None,
             num_chunks=varlen.sub_indices.shape[0] if varlen is not None else None,
-            config=config.get("state"), store_every_sub_chunk=True)
+            config=config.get("state"), store_every_sub_chunk=True, key_weights=True)
         del u
     tiled = dict(cu_seqlens=cu, config=config.get("output"))
     ocfg = output_config(L, K, v.shape[-1], config.get("output"))
