@@ -23,6 +23,7 @@ from tfla.ops.common.cumsum import chunk_local_cumsum
 from tfla.ops.common.grid import check_varlen_batch, program_pair, tile_grid
 from tfla.ops.common.utils import LOG_DECAY_FLOOR, RCP_LN2, SUB_CHUNK, acc_dtype, cdiv, dot_precision, next_pow2
 from tfla.ops.common.ut_transform import _ut_launch
+from tfla.ops.common.varlen import VarlenIndex
 
 
 @triton.jit
@@ -161,7 +162,6 @@ def fused_delta_fwd_segmented(q, k, v, g, beta, scale, initial_state=None, outpu
     cuts, first = segment_bounds(bounds, segments)
     dev = q.device
     seg_cu = torch.tensor(cuts, dtype=torch.int64, device=dev)
-    from tfla.ops.common.varlen import VarlenIndex  # (the (piece, 64-row chunk) table of the prep kernels)
     sub = VarlenIndex.build(seg_cu, SUB_CHUNK, bounds=cuts).sub_indices
     P = len(cuts) - 1
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
