@@ -375,7 +375,9 @@ def tiled_config(chunk_size: int, DA: int, DC: int, config: dict | None = None) 
     # simple GLA launches with 1; commit message has the table). H100, whole fwd+bwd calls (docs/performance.md,
     # 2026-11-23): GDN 4.07 -> 3.86 ms, mLSTM sigmoid (V = 256) 11.61 -> 10.44 ms with 1 stage
     cfg.setdefault("num_stages", 2 if (chunk_size - cfg["BQ"]) // cfg["BKV"] >= 2 else 1)
-    cfg["BV"] = min(max(16, next_pow2(DC)), cfg["BV"])
+    # tiles at least 32 wide: 16-wide 16-bit operands made Triton 3.6's dots read shared memory out of bounds
+    # (H100, compute-sanitizer, head dim 16, 2026-11-24: an illegal memory access); the masks pad them
+    cfg["BV"] = max(32, min(next_pow2(DC), cfg["BV"]))
     if chunk_size % cfg["BQ"] or chunk_size % cfg["BKV"] or cfg["BQ"] % cfg["BKV"]:
         raise ValueError(f"tiles BQ={cfg['BQ']}, BKV={cfg['BKV']} must divide chunk_size={chunk_size} "
                          "and BKV must divide BQ")
@@ -462,13 +464,13 @@ def chunk_tiled(
     cfg = tiled_config(chunk_size, DA, DC, config)
     bq_tiles = cfg["BQ"]  # the row tiles the caller's varlen tile_indices were built for
     if rowdot_with is not None:
-        cfg["BV"] = max(16, next_pow2(DC))  # the row dot needs the whole row in one program
+        cfg["BV"] = max(32, next_pow2(DC))  # the row dot needs the whole row in one program
         cfg["BKV"] = cfg["BQ"]  # and the diagonal tile's rows to be the output rows
     if a.element_size() >= 4 and max(next_pow2(DA), cfg["BV"]) > 128 and not (config and "BQ" in config):
         # fp32 tiles of 256 columns: 64-row tiles need more shared memory than an H200 has (tf32x3
         # operands are staged there; 262144 B requested vs 232448 B at K = 100, V = 200)
         cfg["BQ"] = cfg["BKV"] = 32
-    BA = max(16, next_pow2(DA))
+    BA = max(32, next_pow2(DA))
     bas = BA  # the state term's contraction piece: fp32 state tiles of more than 64 KiB go in pieces
     if h is not None and a.element_size() >= 4 and BA * cfg["BV"] > 16384:
         bas = max(16, 16384 // cfg["BV"])

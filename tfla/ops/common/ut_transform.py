@@ -382,7 +382,9 @@ def _ut_launch(k, v, g_cum, beta, chunk_size, cu_seqlens, sub_indices, config, f
         return w, u, ai
     check_varlen_batch(B, cu_seqlens)
     BK = min(max(16, next_pow2(K)), cfg["BK"])
-    BV = min(max(16, next_pow2(V)), cfg["BV"])
+    # U's value tiles at least 32 wide: with 16 columns (V <= 16) in 16-bit the U product of _gdn_wy_fwd_kernel read
+    # shared memory out of bounds (Triton 3.6, H100, compute-sanitizer, 2026-11-24: an illegal memory access)
+    BV = max(32, min(next_pow2(V), cfg["BV"]))
     grid, flat = tile_grid(NS, B * HV, force_flat=cfg.get("flat", False))
     common = dict(H=H, HV=HV, K=K, V=V, BT=chunk_size, BV=BV, USE_G=g_cum is not None,
                   IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(k.dtype), ACC=acc_dtype(k.dtype), FLAT=flat)
