@@ -6,7 +6,6 @@ import torch
 
 from tfla.bench.inputs import gdn_inputs
 from tfla.ops.common.fused_delta_fwd import fused_delta_fwd
-from tfla.ops.common.varlen import VarlenIndex
 from tfla.ops.gated_delta_rule.reference import recurrent_gated_delta_rule_ref
 from tfla.utils.testing import assert_rel_close, tolerance
 
@@ -27,10 +26,9 @@ def test_fused_delta_fwd_matches_recurrence(device, poison_empty, B, T, H, HV, K
     x = gdn_inputs(B, T, H, K, V, HV=HV, dtype=torch.float32, device=device, gate=gate or "default",
                    initial_state=True, num_seqs=N, seed=T + K)
     g = x["g"] if gate is not None else None
-    sub = VarlenIndex.build(cu, 64).sub_indices if varlen else None
     scale = K ** -0.5
-    o, s = fused_delta_fwd(x["q"], x["k"], x["v"], g, x["beta"], scale, x["initial_state"], True, cu_seqlens=cu,
-                           sub_indices=sub)
+    out = fused_delta_fwd(x["q"], x["k"], x["v"], g, x["beta"], scale, x["initial_state"], True, cu_seqlens=cu)
+    o, s = out["o"], out["final_state"]
     r = {n: (t.double().cpu() if t is not None else None) for n, t in x.items()}
     g_ref = r["g"] if gate is not None else torch.zeros_like(r["beta"])
     ro, rs = recurrent_gated_delta_rule_ref(r["q"], r["k"], r["v"], g_ref, r["beta"], scale=scale,
@@ -43,10 +41,10 @@ def test_fused_delta_fwd_matches_recurrence(device, poison_empty, B, T, H, HV, K
 def test_fused_delta_fwd_flat_and_int64_equal_default(device):
     x = gdn_inputs(2, 130, 1, 32, 16, HV=2, dtype=torch.float32, device=device, initial_state=True, seed=1)
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"], 0.2, x["initial_state"], True)
-    a = fused_delta_fwd(*args)
-    b = fused_delta_fwd(*args, config={"flat": True, "idx64": True})
-    for u, w in zip(a, b):
-        assert torch.equal(u, w)
+    a = fused_delta_fwd(*args, save=2)
+    b = fused_delta_fwd(*args, save=2, config={"flat": True, "idx64": True})
+    for n in ("o", "final_state", "v_new", "h"):
+        assert torch.equal(a[n], b[n]), n
 
 
 @pytest.mark.parametrize("segments", [1, 2, 4])
@@ -54,14 +52,13 @@ def test_fused_delta_fwd_flat_and_int64_equal_default(device):
 def test_fused_delta_fwd_segments_match_recurrence(device, poison_empty, segments, varlen):
     """Pieces of a sequence in parallel with the exact start states from the [M | N] scan (pieces shorter than 64
     rows, sequences of length 0 and 1, shorter and longer than a piece)."""
-    from tfla.ops.common.fused_delta_fwd import fused_delta_fwd_segmented
-
     T = 330
     cu = torch.tensor([0, 1, 1, 70, 330], device=device) if varlen else None
     x = gdn_inputs(1 if varlen else 2, T, 1, 32, 16, HV=2, dtype=torch.float32, device=device, gate="strong",
                    initial_state=True, num_seqs=4 if varlen else None, seed=segments)
-    o, s = fused_delta_fwd_segmented(x["q"], x["k"], x["v"], x["g"], x["beta"], 0.3, x["initial_state"], True,
-                                     cu_seqlens=cu, segments=segments)
+    out = fused_delta_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], 0.3, x["initial_state"], True,
+                          cu_seqlens=cu, segments=segments)
+    o, s = out["o"], out["final_state"]
     r = {n: t.double().cpu() for n, t in x.items()}
     ro, rs = recurrent_gated_delta_rule_ref(r["q"], r["k"], r["v"], r["g"], r["beta"], scale=0.3,
                                             initial_state=r["initial_state"], output_final_state=True,
@@ -78,3 +75,103 @@ def test_segment_bounds():
     assert segment_bounds([0, 1000], 4) == ([0, 256, 512, 768, 1000], [0, 4])
     with pytest.raises(ValueError, match="segments"):
         segment_bounds([0, 10], 0)
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_fused_delta_fwd_saved_tensors_equal_across_segments(device, varlen):
+    """Vnew and the states before every 64-row chunk (``save`` 2) are the same with and without the split (the
+    pieces' chunks land in the sequence's own slots); sequences of length 0 and 1 and a piece shorter than 64."""
+    T = 330
+    cu = torch.tensor([0, 1, 1, 70, 330], device=device) if varlen else None
+    x = gdn_inputs(1 if varlen else 2, T, 1, 32, 16, HV=2, dtype=torch.float32, device=device, gate="strong",
+                   initial_state=True, num_seqs=4 if varlen else None, seed=5)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], 0.3, x["initial_state"], True)
+    a = fused_delta_fwd(*args, cu_seqlens=cu, segments=1, save=2)
+    b = fused_delta_fwd(*args, cu_seqlens=cu, segments=3, save=2)
+    for n in ("o", "final_state", "v_new", "h"):
+        assert a[n].shape == b[n].shape, n
+        assert_rel_close(n, b[n].cpu(), a[n].cpu().double(), tolerance(torch.float32))
+
+
+def test_choose_piece():
+    """The split is taken for one long sequence and left out where the heads already fill the GPU."""
+    from tfla.ops.common.fused_delta_fwd import choose_piece
+
+    piece = choose_piece([0, 65536], 16, 128, sms=132)
+    assert piece is not None and piece % 64 == 0 and 1024 <= piece < 65536
+    assert choose_piece([i * 8192 for i in range(5)], 16, 128, sms=132) is None  # 256 programs fill 132 SMs
+    assert choose_piece([0, 12767, 20959, 26959, 30959, 32767, 32768], 32, 128, sms=132) is None  # varlen, HV 32
+    assert choose_piece([0, 500], 1, 128, sms=132) is None  # shorter than two pieces
+    assert choose_piece([0], 16, 128, sms=132) is None
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, 1.5, "2"])
+def test_segments_must_be_a_positive_int(device, bad):
+    import tfla
+
+    x = gdn_inputs(1, 8, 1, 16, 16, dtype=torch.float32, device=device)
+    with pytest.raises(ValueError, match="segments"):
+        tfla.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], segments=bad)
+
+
+def test_op_segments_agree(device):
+    """The public op gives the same output, final state and gradients with the sequence cut into pieces."""
+    import tfla
+
+    x = gdn_inputs(1, 300, 1, 32, 16, HV=2, dtype=torch.float32, device=device, initial_state=True, seed=2)
+    names = ("q", "k", "v", "g", "beta", "initial_state")
+    res = []
+    for segments in (1, 4):
+        leaves = [x[n].clone().requires_grad_() for n in names]
+        o, s = tfla.chunk_gated_delta_rule(*leaves[:5], initial_state=leaves[5], output_final_state=True,
+                                           segments=segments)
+        grads = torch.autograd.grad((o * o).sum() + s.sum(), leaves)
+        res.append((o, s, *grads))
+    for name, a, b in zip(("o", "final_state") + names, *res):
+        assert_rel_close(name, b.detach().cpu(), a.detach().cpu().double(), tolerance(torch.float32))
+
+
+@pytest.mark.parametrize("L", [64, 128])
+def test_split_forward_keeps_consistent_tensors(device, L):
+    """With the sequence cut, a kept Vnew would not match the backward's state pass from the initial state (the
+    pieces start from the scan's states): the op then keeps the forward's own states (L = 64, as ``save_states``)
+    or keeps nothing (L > 64, as ``save_v_new=False``). The gradients equal those paths' (bitwise on the CPU)."""
+    import tfla
+
+    x = gdn_inputs(1, 300, 1, 32, 16, HV=2, dtype=torch.float16, device=device, initial_state=True, seed=4)
+    names = ("q", "k", "v", "g", "beta", "initial_state")
+    other = dict(save_states=True) if L == 64 else dict(save_v_new=False)
+    res = []
+    for kw in (dict(), other):
+        leaves = [x[n].clone().requires_grad_() for n in names]
+        o, s = tfla.chunk_gated_delta_rule(*leaves[:5], initial_state=leaves[5], output_final_state=True,
+                                           segments=4, chunk_size=L, **kw)
+        res.append(torch.autograd.grad((o.float() ** 2).sum() + s.sum(), leaves))
+    for name, a, b in zip(names, *res):
+        if device == "cpu":
+            assert torch.equal(a, b), name
+        else:
+            assert_rel_close(name, a.float().cpu(), b.float().cpu().double(), 1e-3)
+
+
+def test_forward_without_grad_keeps_nothing(device, monkeypatch):
+    """Under ``torch.no_grad`` (inputs that require grad or not) the fused pass writes only o and the final state;
+    with gradients it keeps Vnew (the default ``save_v_new``)."""
+    import tfla
+    import tfla.ops.gated_delta_rule.chunk as chunk
+
+    seen = []
+    real = chunk.fused_delta_fwd
+
+    def spy(*a, **kw):
+        seen.append(kw["save"])
+        return real(*a, **kw)
+
+    monkeypatch.setattr(chunk, "fused_delta_fwd", spy)
+    x = gdn_inputs(1, 70, 1, 16, 16, dtype=torch.float32, device=device)
+    leaves = [x[n].clone().requires_grad_() for n in ("q", "k", "v", "g", "beta")]
+    with torch.no_grad():
+        tfla.chunk_gated_delta_rule(*leaves)
+    tfla.chunk_gated_delta_rule(*(t.detach() for t in leaves))
+    tfla.chunk_gated_delta_rule(*leaves)
+    assert seen == [0, 0, 1]

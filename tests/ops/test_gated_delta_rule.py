@@ -105,16 +105,19 @@ def test_fwd_varlen_matches_per_sequence_runs(device, poison_empty, L):
 
 @pytest.mark.parametrize("L", [64, 256])
 def test_stages_match_chunk_reference(device, L):
-    """Each Triton stage against the chunkwise reference's intermediate (same chunk size)."""
+    """What the forward keeps for the backward against the chunkwise reference's intermediates: the gates cumulated
+    within L, Vnew and the state before every 64-row chunk (``save`` 2)."""
     x = gdn_inputs(2, 333, 1, 32, 16, HV=2, dtype=torch.float32, device=device, initial_state=True, seed=8)
     o, s, inter = chunk_gated_delta_rule_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], 32 ** -0.5,
-                                             x["initial_state"], True, L)
+                                             x["initial_state"], True, L, save=2)
     r = as_reference({n: (t.cpu() if t is not None else None) for n, t in x.items()})
     _, _, ri = chunk_gated_delta_rule_ref(r["q"], r["k"], r["v"], r["g"], r["beta"], initial_state=r["initial_state"],
                                           chunk_size=L, return_intermediates=True)
+    _, _, r64 = chunk_gated_delta_rule_ref(r["q"], r["k"], r["v"], r["g"], r["beta"],
+                                           initial_state=r["initial_state"], chunk_size=64, return_intermediates=True)
     assert_rel_close("g_cum", inter["g_cum"].cpu() * LN2, ri["g_cum"], 1e-6)
-    for name in ("w", "u", "v_new", "h"):
-        assert_rel_close(name, inter[name].cpu(), ri[name], FP32_TOL)
+    for name in ("v_new", "h"):
+        assert_rel_close(name, inter[name].cpu(), r64[name], FP32_TOL)
 
 
 def test_fwd_fp16(device, poison_empty):

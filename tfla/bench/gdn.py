@@ -77,8 +77,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--K", type=int, default=128 if gpu else 32)
     p.add_argument("--V", type=int, default=128 if gpu else 32)
     p.add_argument("--dtype", choices=list(DTYPES), default="bf16" if gpu else "fp32")
-    p.add_argument("--chunk-sizes", type=_chunk_sizes, default="64,128,256,512",
-                   help="tfla outer chunk sizes L (64s: L = 64 with save_states=True; 64v / 64r: save_v_new True / False)")
+    p.add_argument("--chunk-sizes", type=_chunk_sizes, default=None,
+                   help="tfla chunk sizes L, the backward's outer chunk (64s: L = 64 with save_states=True; 64v / 64r: "
+                        "save_v_new True / False); default 64 with --mode fwd (the fused forward is the same at every "
+                        "L), else 64,128,256,512")
     p.add_argument("--impls", type=str, default="tfla,fla,flashqla",
                    help="comma-separated subset of tfla,fla,flashqla (peers only when installed)")
     p.add_argument("--gate", choices=GATES, default="default")
@@ -158,6 +160,8 @@ def run(args) -> tuple[list[dict], dict]:
     check_csv(args.csv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     wls = workloads_from_args(args)
+    if args.chunk_sizes is None:
+        args.chunk_sizes = _chunk_sizes("64" if args.mode == "fwd" else "64,128,256,512")
     chunk_sizes = args.chunk_sizes if "tfla" in args.impls else []
     peers = [p for p in ("fla", "flashqla") if p in args.impls.split(",")]
     impls, missing = gdn_impls(chunk_sizes, peers)

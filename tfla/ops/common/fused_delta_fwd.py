@@ -1,16 +1,20 @@
-"""The gated delta rule's forward in one pass per (sequence, value head, value tile): the first step of the fused
-design of issue 23 (``docs/gdn-math.md``). Not yet the op's path: it is tested against the recurrence and waits for
-its measurement on the GPU (``docs/performance.md``).
+"""The gated delta rule's forward in one pass per (sequence or segment, value head, value tile) (issue 23,
+``docs/gdn-math.md`` sections 4 and 6).
 
 Per 64-row chunk, with the state S (fp32, ``[K, BV]``) on chip, G the gate cumulated within the chunk (log2) and Tm
-the chunk's UT inverse from the prep kernel (``ut_transform``):
+the chunk's UT inverse from the prep pass (``ut_transform``):
 
-    Vnew = Tm (beta V - (beta 2^G K) S)        (= U - W S with W = Tm (beta 2^G K), U = Tm (beta V))
-    o = scale (2^G (q S) + (causal (q k^T) 2^(G_r - G_s)) Vnew)
+    Vnew = (Tm diag(beta)) (V - 2^G o (K S))        (= U - W S with W = Tm (beta 2^G K), U = Tm (beta V))
+    o = scale (2^G o (q S) + (causal (q k^T) o 2^(G_r - G_s)) Vnew)
     S <- 2^(G_n) S + (K 2^(G_n - G))^T Vnew
 
-W, U, Vnew and the per-chunk states never reach HBM; the pass writes o and the final state. Its chain has one step
-per 64 rows and B * HV * ceil(V / BV) programs (the segment split of ``docs/gdn-math.md`` section 6 is the next step).
+W, U and the per-chunk states stay on chip; the pass writes o, the final state and, for the backward, Vnew and the
+state before every chunk when asked (``save``). Its chain has one step per 64 rows.
+
+Segments (section 6): a long sequence is cut into pieces (multiples of 64 rows) that run in parallel, exactly. A
+first pass over every piece with the state ``[I | 0]`` and the values ``[0 | v]`` (``TRANSITION``: no outputs) gives
+the piece's transition and input ``[M | N]`` (``S_end = M S_start + N``); a scan kernel walks each sequence's pieces
+(``S <- M S + N``) for their start states and the final state; the second pass runs every piece from its start.
 """
 from __future__ import annotations
 
@@ -21,32 +25,61 @@ import triton.language as tl
 from tfla.ops.common.chunk_state import _idx64, _row_split, _sequence_slots
 from tfla.ops.common.cumsum import chunk_local_cumsum
 from tfla.ops.common.grid import check_varlen_batch, program_pair, tile_grid
-from tfla.ops.common.utils import LOG_DECAY_FLOOR, RCP_LN2, SUB_CHUNK, acc_dtype, cdiv, dot_precision, next_pow2
+from tfla.ops.common.utils import (
+    LOG_DECAY_FLOOR,
+    RCP_LN2,
+    SUB_CHUNK,
+    acc_dtype,
+    cdiv,
+    device_sm_count,
+    dot_precision,
+    next_pow2,
+    prepare_chunk_indices,
+    prepare_chunk_offsets,
+)
 from tfla.ops.common.ut_transform import _ut_launch
-from tfla.ops.common.varlen import VarlenIndex
+
+# launch of the fused pass. 32-wide value tiles measured fastest on an H100 at B = 4, T = 8192, H = 16,
+# K = V = 128, bf16 (2026-11-24: 0.554 ms for the pass; 64 columns 0.60, 16 columns 0.91, 8 warps or 3 stages
+# slower); the transition pass (no output) at 64 columns (docs/performance.md)
+FUSED_DEFAULTS = {"BV": 32, "num_warps": 4, "num_stages": 2, "mn_BV": 64, "mn_warps": 4}
+SAVE_NONE, SAVE_V_NEW, SAVE_STATES = 0, 1, 2
 
 
 @triton.jit
-def _fused_delta_fwd_kernel(q, k, v, g, beta, ai, o, h0, ht, cu_seqlens, scale, T,
+def _fused_delta_fwd_kernel(q, k, v, g, beta, ai, o, v_new, h, h0, ht, cu_seqlens, chunk_offsets, scale, T,
                             H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                             BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr,
                             USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
-                            IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, ACC: tl.constexpr,
-                            IDX64: tl.constexpr, FLAT: tl.constexpr):
+                            IS_VARLEN: tl.constexpr, SAVE: tl.constexpr, TRANSITION: tl.constexpr,
+                            DOT_PREC: tl.constexpr, ACC: tl.constexpr, IDX64: tl.constexpr, FLAT: tl.constexpr):
+    """One program: value columns ``[i_v BV, (i_v + 1) BV)`` of one (sequence, value head). TRANSITION: the columns
+    run over ``K + V`` (the first K: the state starts as the identity and the values are 0; the rest: v's columns
+    from a zero state), only the final ``[M | N]`` is written (``ht [N, HV, K, K + V]``). SAVE 1: Vnew; 2: also the
+    state before each chunk (``h``, k's dtype, slots from ``chunk_offsets``)."""
     BS: tl.constexpr = 64
-    i_v, i_nh = program_pair((V + BV - 1) // BV, FLAT)  # (value tile, sequence x head)
+    NCOL: tl.constexpr = K + V if TRANSITION else V
+    i_v, i_nh = program_pair((NCOL + BV - 1) // BV, FLAT)  # (value tile, sequence x head)
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
-    bos, T, _ = _sequence_slots(cu_seqlens, cu_seqlens, i_n, T, BS, IS_VARLEN)
+    bos, T, boh = _sequence_slots(cu_seqlens, chunk_offsets, i_n, T, BS, IS_VARLEN)
     o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
+    o_j = i_v * BV + tl.arange(0, BV)  # the program's columns of the state
     o_c = tl.arange(0, BS)
     m_k = o_k < K
-    m_v = o_v < V
-    m_kv = m_k[:, None] & m_v[None, :]
+    m_j = o_j < NCOL
+    m_kv = m_k[:, None] & m_j[None, :]
+    if TRANSITION:  # value column of each state column (negative: an identity column, whose value is 0)
+        o_v = o_j - K
+        m_v = m_j & (o_v >= 0)
+    else:
+        o_v = o_j
+        m_v = m_j
     dt = k.dtype.element_ty
     b_h = tl.zeros([BK, BV], dtype=ACC)
-    if USE_INITIAL_STATE:
+    if TRANSITION:
+        b_h += tl.where(o_k[:, None] == o_j[None, :], 1.0, 0.0).to(ACC)
+    elif USE_INITIAL_STATE:
         b_h += tl.load(h0 + i_nh * K * V + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.0).to(ACC)
     for i_c in range(0, tl.cdiv(T, BS)):
         t0 = i_c * BS
@@ -56,33 +89,40 @@ def _fused_delta_fwd_kernel(q, k, v, g, beta, ai, o, h0, ht, cu_seqlens, scale, 
         m_tv = m_t[:, None] & m_v[None, :]
         p_qk = (r0 * H + i_h) * K + o_r[:, None] * (H * K) + o_k[None, :]
         b_k = tl.load(k + p_qk, mask=m_tk, other=0.0)  # [BS, BK]
-        b_q = tl.load(q + p_qk, mask=m_tk, other=0.0)
         p_tv = (r0 * HV + i_hv) * V + o_r[:, None] * (HV * V) + o_v[None, :]
         b_v = tl.load(v + p_tv, mask=m_tv, other=0.0).to(ACC)  # [BS, BV]
         b_b = tl.load(beta + r0 * HV + i_hv + o_r * HV, mask=m_t, other=0.0).to(ACC)
+        # Tm diag(beta): beta on the 64 x 64 inverse's columns rather than on the [BS, BK] keys
         b_tm = tl.load(ai + (r0 * HV + i_hv) * BS + o_r[:, None] * (HV * BS) + o_c[None, :], mask=m_t[:, None],
-                       other=0.0).to(dt)  # [BS, BS]
+                       other=0.0).to(ACC)
+        b_tm = (b_tm * b_b[None, :]).to(dt)
         if USE_G:
             b_g = tl.load(g + r0 * HV + i_hv + o_r * HV, mask=m_t, other=0.0)
             b_gn = tl.load(g + (bos + tl.minimum(t0 + BS, T) - 1) * HV + i_hv)
             b_eg = tl.exp2(b_g)
         else:
             b_eg = tl.full([BS], 1.0, dtype=ACC)
-        # Vnew = U - W S = Tm (beta V - (beta 2^G K) S): W is never formed (a [BS, BK] fp32 tile less on chip)
         b_hd = b_h.to(dt)  # the state as the products' operand, shared by Vnew and the output
-        b_y = b_v * b_b[:, None] - tl.dot((b_k * (b_b * b_eg)[:, None]).to(dt), b_hd, input_precision=DOT_PREC)
+        if SAVE == 2:
+            tl.store(h + ((boh + i_c) * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :], b_hd, mask=m_kv)
+        # Vnew = (Tm diag(beta)) (V - 2^G o (K S)): W is never formed
+        b_y = b_v - tl.dot(b_k, b_hd, input_precision=DOT_PREC) * b_eg[:, None]
         b_vd = tl.dot(b_tm, b_y.to(dt), input_precision=DOT_PREC).to(dt)  # [BS, BV]
-        # output: the state's part with its row factor 2^G applied after the product, then the causal part
-        b_o = tl.dot(b_q, b_hd, input_precision=DOT_PREC) * b_eg[:, None]
-        b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC)  # [BS, BS]
-        m_s = (o_c[:, None] >= o_c[None, :]) & m_t[:, None] & m_t[None, :]
-        if USE_G:
-            b_s = b_s * tl.exp2(tl.where(m_s, b_g[:, None] - b_g[None, :], float("-inf")))
-        else:
-            b_s = tl.where(m_s, b_s, 0.0)
-        b_o = tl.dot(b_s.to(dt), b_vd, b_o, input_precision=DOT_PREC) * scale
-        tl.store(o + p_tv, b_o.to(o.dtype.element_ty), mask=m_tv)
-        # the state after the chunk
+        if SAVE > 0:
+            tl.store(v_new + p_tv, b_vd, mask=m_tv)
+        if not TRANSITION:  # the output: the state's part with its row factor 2^G after the product, the causal part
+            b_q = tl.load(q + p_qk, mask=m_tk, other=0.0)
+            b_o = tl.dot(b_q, b_hd, input_precision=DOT_PREC) * b_eg[:, None]
+            b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC)  # [BS, BS]
+            m_s = (o_c[:, None] >= o_c[None, :]) & m_t[:, None] & m_t[None, :]
+            if USE_G:
+                b_s = b_s * tl.exp2(tl.where(m_s, b_g[:, None] - b_g[None, :], float("-inf")))
+            else:
+                b_s = tl.where(m_s, b_s, 0.0)
+            b_o = tl.dot(b_s.to(dt), b_vd, b_o, input_precision=DOT_PREC) * scale
+            tl.store(o + p_tv, b_o.to(o.dtype.element_ty), mask=m_tv)
+        # the state after the chunk (gate weights on the keys: the backward's state pass over the saved Vnew,
+        # chunk_state_fwd with key_weights, rebuilds these states bit for bit)
         if USE_G:
             b_h *= tl.exp2(b_gn)
             b_kw = (b_k * tl.exp2(tl.where(m_t, b_gn - b_g, float("-inf")))[:, None]).to(dt)
@@ -90,97 +130,202 @@ def _fused_delta_fwd_kernel(q, k, v, g, beta, ai, o, h0, ht, cu_seqlens, scale, 
             b_kw = b_k
         b_h = tl.dot(tl.trans(b_kw), b_vd, b_h, input_precision=DOT_PREC)
     if STORE_FINAL_STATE:
-        tl.store(ht + i_nh * K * V + o_k[:, None] * V + o_v[None, :], b_h, mask=m_kv)
+        tl.store(ht + i_nh * K * NCOL + o_k[:, None] * NCOL + o_j[None, :], b_h, mask=m_kv)
 
 
-def fused_delta_fwd(q, k, v, g, beta, scale, initial_state=None, output_final_state=False, cu_seqlens=None,
-                    sub_indices=None, config=None):
-    """``(o [B, T, HV, V] in v's dtype, final_state [N, HV, K, V] fp32 or None)`` of the gated delta rule, with the
-    arguments of ``chunk_gated_delta_rule`` (q, k ``[B, T, H, K]``, v ``[B, T, HV, V]``, g ``[B, T, HV]`` natural-log
-    decay or None, beta ``[B, T, HV]``); varlen: ``cu_seqlens`` with B = 1 and ``sub_indices`` its (sequence,
-    64-row chunk) table. ``config``: ``BV``, ``num_warps``, ``num_stages`` of the fused pass, ``ut`` of the prep."""
+@triton.jit
+def _segment_scan_kernel(mn, h0, starts, ht, first, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                         BK: tl.constexpr, BV: tl.constexpr, USE_INITIAL_STATE: tl.constexpr,
+                         STORE_FINAL_STATE: tl.constexpr, DOT_PREC: tl.constexpr, ACC: tl.constexpr,
+                         FLAT: tl.constexpr):
+    """Per (sequence, value head, value tile): ``S <- M_p S + N_p`` over the sequence's pieces p (``mn [P, HV, K,
+    K + V]``, ``first``: each sequence's first piece), writing each piece's start state and the final state."""
+    i_v, i_nh = program_pair((V + BV - 1) // BV, FLAT)
+    i_n, i_hv = i_nh // HV, i_nh % HV
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = o_k < K
+    m_kv = m_k[:, None] & (o_v < V)[None, :]
+    b_s = tl.zeros([BK, BV], dtype=ACC)
+    if USE_INITIAL_STATE:
+        b_s += tl.load(h0 + i_nh * K * V + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.0).to(ACC)
+    p0 = tl.load(first + i_n).to(tl.int64)
+    p1 = tl.load(first + i_n + 1).to(tl.int64)
+    for p in range(p0, p1):
+        tl.store(starts + (p * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :], b_s, mask=m_kv)
+        base = mn + (p * HV + i_hv) * K * (K + V)
+        b_m = tl.load(base + o_k[:, None] * (K + V) + o_k[None, :], mask=m_k[:, None] & m_k[None, :], other=0.0)
+        b_n = tl.load(base + o_k[:, None] * (K + V) + K + o_v[None, :], mask=m_kv, other=0.0)
+        b_s = tl.dot(b_m, b_s, input_precision=DOT_PREC) + b_n
+    if STORE_FINAL_STATE:
+        tl.store(ht + i_nh * K * V + o_k[:, None] * V + o_v[None, :], b_s, mask=m_kv)
+
+
+def fused_delta_prep(k, g, beta, cu_seqlens=None, sub_indices=None, config=None):
+    """The prep pass: ``(g_cum [B, T, HV] fp32 log2 restarting every 64 rows or None, Tm [B, T, HV, 64] in k's
+    dtype)``; g natural-log decay ``[B, T, HV]`` or None, floored at ``LOG_DECAY_FLOOR``."""
+    acc = torch.float64 if k.dtype == torch.float64 else torch.float32
+    g_cum = None if g is None else chunk_local_cumsum(g, SUB_CHUNK, scale=RCP_LN2, cu_seqlens=cu_seqlens,
+                                                      chunk_indices=sub_indices, out_dtype=acc, floor=LOG_DECAY_FLOOR)
+    _, _, ai = _ut_launch(k, None, g_cum, beta, SUB_CHUNK, cu_seqlens, sub_indices, config, fuse=False)
+    return g_cum, ai
+
+
+def fused_delta_pass(q, k, v, g_cum, beta, ai, scale, initial_state=None, output_final_state=False,
+                     cu_seqlens=None, chunk_offsets=None, num_chunks=None, save=SAVE_NONE, transition=False,
+                     config=None):
+    """One fused pass over the sequences (or pieces) of ``cu_seqlens`` from the prep's ``g_cum`` and ``ai``.
+    Returns ``(o, final, v_new, h)``: o ``[B, T, HV, V]`` in v's dtype (None with ``transition``), final
+    ``[N, HV, K, V]`` (``[N, HV, K, K + V]`` = ``[M | N]`` with ``transition``) in fp32 or None, v_new like v
+    (``save`` >= 1) and h ``[B, NT, HV, K, V]`` in k's dtype, the state before each 64-row chunk (``save`` 2; varlen:
+    ``chunk_offsets`` / ``num_chunks`` of 64-row chunks)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
-    # 32-wide value tiles: the fewest spills of a local sm_90 compile (Triton 3.6, bf16, K = V = 128: 44 B at 4 warps,
-    # 2 stages; 64 columns 232 B, 184 B at 8 warps); not yet timed
-    cfg = {"BV": 32, "num_warps": 4, "num_stages": 2, **(config or {})}
+    cfg = {**FUSED_DEFAULTS, **(config or {})}
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    g_cum = None if g is None else chunk_local_cumsum(g, SUB_CHUNK, scale=RCP_LN2, cu_seqlens=cu_seqlens,
-                                                      chunk_indices=sub_indices, out_dtype=acc, floor=LOG_DECAY_FLOOR)
-    _, _, ai = _ut_launch(k, None, g_cum, beta, SUB_CHUNK, cu_seqlens, sub_indices, cfg.get("ut"), fuse=False)
-    o = torch.empty(B, T, HV, V, dtype=v.dtype, device=v.device)
-    final = torch.empty(N, HV, K, V, dtype=acc, device=q.device) if output_final_state else None
+    ncol = K + V if transition else V
+    o = None if transition else torch.empty(B, T, HV, V, dtype=v.dtype, device=v.device)
+    final = torch.empty(N, HV, K, ncol, dtype=acc, device=q.device) if output_final_state or transition else None
+    v_new = torch.empty_like(v) if save >= SAVE_V_NEW else None
+    NT = cdiv(T, SUB_CHUNK) if cu_seqlens is None else num_chunks
+    h = torch.empty(B, NT, HV, K, V, dtype=k.dtype, device=k.device) if save == SAVE_STATES else None
     if N * HV == 0:
-        return o, final
+        return o, final, v_new, h
     check_varlen_batch(B, cu_seqlens)
     BK = max(16, next_pow2(K))
-    BV = min(max(16, next_pow2(V)), cfg["BV"])
-    grid, flat = tile_grid(cdiv(V, BV), N * HV, force_flat=cfg.get("flat", False))
+    BV = min(max(16, next_pow2(ncol)), cfg["mn_BV" if transition else "BV"])
+    grid, flat = tile_grid(cdiv(ncol, BV), N * HV, force_flat=cfg.get("flat", False))
     _fused_delta_fwd_kernel[grid](
-        q, k, v, g_cum, beta, ai, o, initial_state, final, cu_seqlens, scale, T,
+        q, k, v, g_cum, beta, ai, o, v_new, h, initial_state, final, cu_seqlens, chunk_offsets, scale, T,
         H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, USE_G=g_cum is not None, USE_INITIAL_STATE=initial_state is not None,
-        STORE_FINAL_STATE=output_final_state, IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(q.dtype),
-        ACC=acc_dtype(q.dtype), IDX64=cfg.get("idx64", False) or _idx64(T, H, HV, K, V), FLAT=flat,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        STORE_FINAL_STATE=final is not None, IS_VARLEN=cu_seqlens is not None, SAVE=save, TRANSITION=transition,
+        DOT_PREC=dot_precision(q.dtype), ACC=acc_dtype(q.dtype), IDX64=cfg.get("idx64", False) or _idx64(T, H, HV, K, V),
+        FLAT=flat, num_warps=cfg["mn_warps" if transition else "num_warps"], num_stages=cfg["num_stages"],
     )
-    return o, final
+    return o, final, v_new, h
 
 
-def segment_bounds(bounds: list[int], segments: int) -> tuple[list[int], list[int]]:
-    """Cut each sequence ``[bounds[n], bounds[n + 1])`` into at most ``segments`` pieces whose lengths are multiples
-    of 64 (the last one takes the rest; an empty sequence keeps one empty piece). Returns ``(cuts, first)``: the
-    pieces' offsets (a ``cu_seqlens``) and the index of each sequence's first piece (``first[-1]`` = their count).
-    Raises ValueError for ``segments`` not a positive int."""
-    if isinstance(segments, bool) or not isinstance(segments, int) or segments < 1:
-        raise ValueError(f"`segments` must be a positive int, got {segments!r}")
+def segment_scan(mn, initial_state, first, V, output_final_state=True, config=None):
+    """Start states ``[P, HV, K, V]`` of the pieces and final states ``[N, HV, K, V]`` (fp32, or None) from the
+    pieces' ``[M | N]`` (``mn [P, HV, K, K + V]``) and ``first`` (int tensor ``[N + 1]``: each sequence's first
+    piece)."""
+    P, HV, K = mn.shape[0], mn.shape[1], mn.shape[2]
+    N = first.numel() - 1
+    starts = torch.empty(P, HV, K, V, dtype=mn.dtype, device=mn.device)
+    final = torch.empty(N, HV, K, V, dtype=mn.dtype, device=mn.device) if output_final_state else None
+    if N * HV == 0:
+        return starts, final
+    BK = max(16, next_pow2(K))
+    BV = min(max(16, next_pow2(V)), (config or {}).get("scan_BV", 32))
+    grid, flat = tile_grid(cdiv(V, BV), N * HV)
+    _segment_scan_kernel[grid](
+        mn, initial_state, starts, final, first, HV=HV, K=K, V=V, BK=BK, BV=BV,
+        USE_INITIAL_STATE=initial_state is not None, STORE_FINAL_STATE=final is not None,
+        DOT_PREC=dot_precision(mn.dtype), ACC=acc_dtype(mn.dtype), FLAT=flat,
+        num_warps=8 if BK >= 128 else 4,
+    )
+    return starts, final
+
+
+def segment_bounds(bounds: list[int], segments: int | None = None, piece: int | None = None
+                   ) -> tuple[list[int], list[int]]:
+    """Cut each sequence ``[bounds[n], bounds[n + 1])`` into pieces whose lengths are multiples of 64 (the last one
+    takes the rest; an empty sequence keeps one empty piece): into at most ``segments`` pieces, or into pieces of
+    ``piece`` rows (a multiple of 64). Returns ``(cuts, first)``: the pieces' offsets (a ``cu_seqlens``) and the
+    index of each sequence's first piece (``first[-1]`` = their count). Raises ValueError for ``segments`` not a
+    positive int."""
+    if piece is None:
+        if isinstance(segments, bool) or not isinstance(segments, int) or segments < 1:
+            raise ValueError(f"`segments` must be a positive int, got {segments!r}")
     cuts, first = [bounds[0]], [0]
     for b, e in zip(bounds[:-1], bounds[1:]):
-        step = max(SUB_CHUNK, cdiv(cdiv(e - b, segments), SUB_CHUNK) * SUB_CHUNK)
+        step = piece if piece is not None else max(SUB_CHUNK, cdiv(cdiv(e - b, segments), SUB_CHUNK) * SUB_CHUNK)
         cuts.extend(list(range(b + step, e, step)) + [e])
         first.append(len(cuts) - 1)
     return cuts, first
 
 
-def fused_delta_fwd_segmented(q, k, v, g, beta, scale, initial_state=None, output_final_state=False,
-                              cu_seqlens=None, segments: int = 2, config=None):
-    """``fused_delta_fwd`` with each sequence cut into up to ``segments`` pieces that run in parallel, exactly
-    (``docs/gdn-math.md`` section 6): one pass over every piece with the state ``[I | 0]`` and the values ``[0 | v]``
-    gives its transition and input ``[M | N]`` (``S_end = M S_start + N``), a short scan over the pieces gives each
-    its start state, and a second pass gives the outputs. Arguments and returns as ``fused_delta_fwd``; the offsets
-    are read on the host (``cu_seqlens.tolist()``)."""
+def choose_piece(bounds: list[int], HV: int, V: int, sms: int, BV: int = 32) -> int | None:
+    """The piece length (rows, a multiple of 64) of the split, or None (no split).
+
+    A pass's time is about the longest chain (``max_n c_n`` 64-row steps, c_n the chunks of sequence n) or the work
+    spread over the resident programs (``sum_n c_n * HV * V / BV / (2 sms)`` steps, two programs per SM), whichever
+    is larger. The split pays a second pass over every piece (the transitions), so it is taken only where the chain
+    is more than twice the spread work; the pieces are then cut for about ``8 sms`` programs in the second pass
+    (H100, one sequence of 65,536 tokens, H = 16, K = V = 128, bf16, 2026-11-24: 3.78 ms unsplit, 3.56 / 2.81 / 2.69
+    ms at 4 / 4 / 16 pieces with 32 / 64 / 64-wide transition tiles; docs/performance.md), never below 1,024 rows."""
+    chunks = [cdiv(e - b, SUB_CHUNK) for b, e in zip(bounds[:-1], bounds[1:])]
+    if not chunks:
+        return None
+    work = sum(chunks) * HV * cdiv(V, BV)
+    if max(chunks) <= 2 * work / (2 * sms):
+        return None
+    piece = max(16, cdiv(work, 8 * sms))
+    return piece * SUB_CHUNK if piece < max(chunks) else None
+
+
+def fused_delta_fwd(q, k, v, g, beta, scale, initial_state=None, output_final_state=False, cu_seqlens=None,
+                    bounds: list[int] | None = None, segments: int | None = 1, save=SAVE_NONE, split_save=None,
+                    config=None):
+    """The gated delta rule's forward, fused. Arguments as ``chunk_gated_delta_rule``: q, k ``[B, T, H, K]``, v
+    ``[B, T, HV, V]``, g ``[B, T, HV]`` natural-log decay or None, beta ``[B, T, HV]``, initial_state
+    ``[N, HV, K, V]``; ``bounds``: the host copy of ``cu_seqlens`` (read from the device when None);
+    ``segments``: pieces per sequence (1: no split; None: from the shape and the device, ``choose_piece``);
+    ``split_save``: the ``save`` to use instead when a sequence is cut (a kept Vnew is consistent only with the
+    forward's own states there: the pieces start from the scan's states, not from the recurrence a backward would
+    run over Vnew from the initial state).
+
+    Returns a dict: ``o [B, T, HV, V]`` (v's dtype), ``final_state`` (fp32 or None), ``g_cum``, ``ai`` (the prep's
+    log2 gates restarting every 64 rows and Tm, for the backward), ``v_new`` (``save`` >= 1), ``h`` (``save`` 2:
+    states before every 64-row chunk, ``[B, ceil(T/64), HV, K, V]``; varlen ``[1, chunks, HV, K, V]``), ``save``
+    (the one used)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
-    if cu_seqlens is None:
-        bounds = [i * T for i in range(B + 1)]
-        q, k, v, beta = (x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, beta))
-        g = g.reshape(1, B * T, HV) if g is not None else None
-    else:
-        check_varlen_batch(B, cu_seqlens)
-        bounds = [int(x) for x in cu_seqlens.tolist()]
-    N = len(bounds) - 1
-    cuts, first = segment_bounds(bounds, segments)
+    cfg = config or {}
     dev = q.device
+    if cu_seqlens is not None:
+        check_varlen_batch(B, cu_seqlens)
+        bounds = [int(x) for x in cu_seqlens.tolist()] if bounds is None else bounds
+        sub = prepare_chunk_indices(bounds, SUB_CHUNK, dev)
+        offsets = prepare_chunk_offsets(bounds, SUB_CHUNK, dev)
+    else:
+        bounds = [i * T for i in range(B + 1)]
+        sub = offsets = None
+    g_cum, ai = fused_delta_prep(k, g, beta, cu_seqlens, sub, cfg.get("ut"))
+    if segments is None:
+        sms = device_sm_count(dev.index or 0) if q.is_cuda else 132
+        piece = choose_piece(bounds, HV, V, sms, cfg.get("BV", FUSED_DEFAULTS["BV"]))
+        cuts, first = segment_bounds(bounds, piece=piece) if piece else (bounds, None)
+    elif segments == 1:
+        cuts, first = bounds, None
+    else:
+        cuts, first = segment_bounds(bounds, segments)
+        if first == list(range(len(bounds))):  # no sequence was cut
+            cuts, first = bounds, None
+    if first is not None and split_save is not None:
+        save = split_save
+    out = dict(g_cum=g_cum, ai=ai, save=save)
+    if first is None:
+        o, final, v_new, h = fused_delta_pass(
+            q, k, v, g_cum, beta, ai, scale, initial_state, output_final_state, cu_seqlens, offsets,
+            sum(cdiv(e - b, SUB_CHUNK) for b, e in zip(bounds[:-1], bounds[1:])), save, config=cfg)
+        out.update(o=o, final_state=final, v_new=v_new, h=h)
+        return out
+    # pieces: B sequences of T rows become one packed batch
+    flat = [x.reshape(1, B * T, *x.shape[2:]) if x is not None else None for x in (q, k, v, g_cum, beta, ai)]
+    qf, kf, vf, gf, bf, af = flat
     seg_cu = torch.tensor(cuts, dtype=torch.int64, device=dev)
-    sub = VarlenIndex.build(seg_cu, SUB_CHUNK, bounds=cuts).sub_indices
-    P = len(cuts) - 1
+    seg_off = prepare_chunk_offsets(cuts, SUB_CHUNK, dev)
+    _, mn, _, _ = fused_delta_pass(qf, kf, vf, gf, bf, af, scale, None, True, seg_cu, seg_off, transition=True,
+                                   config=cfg)
+    first_t = torch.tensor(first, dtype=torch.int32, device=dev)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    # pass 1: [M | N] of every piece
-    v_aug = torch.cat([torch.zeros(*v.shape[:3], K, dtype=v.dtype, device=dev), v], -1)
-    h_aug = torch.zeros(P, HV, K, K + V, dtype=acc, device=dev)
-    h_aug[..., :K] = torch.eye(K, dtype=acc, device=dev)
-    _, mn = fused_delta_fwd(q, k, v_aug, g, beta, scale, h_aug, True, cu_seqlens=seg_cu, sub_indices=sub,
-                            config=config)
-    m, n = mn[..., :K], mn[..., K:]
-    # the scan over each sequence's pieces (host loop over pieces, batched over heads)
-    starts = torch.empty(P, HV, K, V, dtype=acc, device=dev)
-    finals = torch.empty(N, HV, K, V, dtype=acc, device=dev)
-    for i in range(N):
-        s = initial_state[i].to(acc) if initial_state is not None else torch.zeros(HV, K, V, dtype=acc, device=dev)
-        for j in range(first[i], first[i + 1]):
-            starts[j] = s
-            s = torch.matmul(m[j], s) + n[j]
-        finals[i] = s
-    # pass 2: every piece's outputs from its exact start state
-    o, _ = fused_delta_fwd(q, k, v, g, beta, scale, starts, False, cu_seqlens=seg_cu, sub_indices=sub, config=config)
-    return o.reshape(B, T, HV, V), (finals if output_final_state else None)
+    h0 = initial_state.to(acc).contiguous() if initial_state is not None else None
+    starts, final = segment_scan(mn, h0, first_t, V, output_final_state, cfg)
+    num_chunks = sum(cdiv(e - b, SUB_CHUNK) for b, e in zip(cuts[:-1], cuts[1:]))
+    o, _, v_new, h = fused_delta_pass(qf, kf, vf, gf, bf, af, scale, starts, False, seg_cu, seg_off, num_chunks,
+                                      save, config=cfg)
+    out.update(o=o.reshape(B, T, HV, V), final_state=final, v_new=None if v_new is None else v_new.reshape(v.shape),
+               h=None if h is None else h.reshape(B, -1, HV, K, V))
+    return out

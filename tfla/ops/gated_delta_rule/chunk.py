@@ -3,14 +3,13 @@
 Notation: B batch, T time, H key heads, HV value heads, K/V head dims, N sequences,
 L = chunk_size (outer chunk; states live every L tokens), 64-row sub-chunks (UT/WY level).
 
-Forward stages (each a Triton kernel in ``tfla/ops/common``):
-  1. ``chunk_local_cumsum``: G = cumsum(g) restarting every L tokens, in log2 units.
-  2. ``ut_transform_fwd``: per 64-row sub-chunk, Tm = (I + A)^-1 by 16-row block inversion
-     (one kernel), then W = Tm (beta 2^(G - G_c) K), U = Tm (beta V) (a second kernel).
-  3. ``chunk_state_fwd``: S over sub-chunks on chip, written to HBM only every L tokens;
-     Vnew = U - W S (block forward substitution of the L x L UT transform).
-  4. ``chunk_output_fwd``: o = scale (2^G q S_c + causal-gated (q k^T) Vnew), TFLA-tiled over the
-     L x L chunk (query tiles parallel, key tiles looped).
+Forward (``tfla/ops/common/fused_delta_fwd.py``): a prep pass per 64-row chunk (G = cumsum(g) in log2 units,
+Tm = (I + A)^-1), then one fused pass per (sequence or segment, value head, value tile) with the state on chip that
+writes o, the final state and what the backward keeps (Vnew by default, the 64-row states with ``save_states``);
+long sequences are cut into segments joined by an exact scan (``segments``).
+
+Backward (``chunk_gated_delta_rule_bwd``): the states at every 64 rows recomputed (or kept), then the TFLA-tiled
+gradients at L, the state-gradient recurrence and the UT/WY backward.
 """
 from __future__ import annotations
 
@@ -19,10 +18,12 @@ import dataclasses
 import torch
 
 from tfla.ops.common.chunk_dqkw import chunk_dqkw_bwd
-from tfla.ops.common.chunk_output import chunk_output_fwd, chunk_tiled, dual_supported, output_config
+from tfla.ops.common.chunk_output import chunk_tiled, dual_supported, output_config
 from tfla.ops.common.chunk_state import chunk_state_fwd, intra_supported
 from tfla.ops.common.chunk_state_bwd import chunk_state_bwd
 from tfla.ops.common.cumsum import chunk_local_cumsum
+from tfla.ops.common.fused_delta_fwd import SAVE_NONE, SAVE_STATES, SAVE_V_NEW, fused_delta_fwd
+from tfla.ops.common.l2norm import l2norm
 from tfla.ops.common.utils import LOG_DECAY_FLOOR, RCP_LN2, SUB_CHUNK
 from tfla.ops.common.ut_transform import ut_transform_fwd, w_from_tm
 from tfla.ops.common.wy_bwd import wy_bwd
@@ -53,17 +54,13 @@ class GDNOptions:
     use_qk_l2norm_in_kernel: bool
     save_states: bool = False
     save_v_new: bool = False
+    segments: int | None = None
+    needs_grad: bool = True  # autograd will call backward (grad mode on and an input requires grad)
     config: dict | None = dataclasses.field(default=None, compare=False, hash=False)
 
 
 # stages of the forward and backward whose launches ``config`` can override (each stage function documents its keys)
-CONFIG_STAGES = ("ut", "state", "output", "state_lin", "state_bwd", "dqkw", "wy_bwd")
-
-
-def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """FLA's in-kernel l2norm semantics: fp32 ``x / sqrt(sum x^2 + eps)``, returned in x's dtype."""
-    xf = x.float()
-    return (xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + eps)).to(x.dtype)
+CONFIG_STAGES = ("ut", "fused", "state", "output", "state_lin", "state_bwd", "dqkw", "wy_bwd")
 
 
 def chunk_gated_delta_rule_fwd(
@@ -78,36 +75,29 @@ def chunk_gated_delta_rule_fwd(
     chunk_size: int,
     varlen: VarlenIndex | None = None,
     config: dict | None = None,
+    save: int = SAVE_NONE,
+    segments: int | None = 1,
+    split_save: int | None = None,
+    for_backward: bool = True,
 ):
-    """Plain forward (no autograd): returns ``(o, final_state, intermediates)`` where intermediates
-    holds ``g_cum [B, T, HV] fp32 (log2)``, ``ai`` (Tm), ``w``, ``u`` (None when formed on chip),
-    ``v_new``, ``h [B, NT, HV, K, V]``.
+    """Plain forward (no autograd): the fused pass (``fused_delta_fwd``). Returns ``(o, final_state, saved)`` where
+    saved holds ``g_cum [B, T, HV]`` fp32 (log2, restarting every ``chunk_size`` rows, the backward's L), ``ai``
+    (Tm) and, by ``save``, ``v_new`` and ``h`` (the state before every 64-row chunk).
 
-    ``config`` (tuning, see docs/performance.md): ``{"ut": {...}, "state": {...}, "output": {...}}``; every key
-    optional.
+    ``config`` (tuning, see docs/performance.md): ``{"ut": {...}, "fused": {...}}``; every key optional.
     """
     config = config or {}
     cu = varlen.cu_seqlens if varlen is not None else None
-    g_cum = chunk_local_cumsum(
-        g, chunk_size, scale=RCP_LN2, cu_seqlens=cu,
-        chunk_indices=varlen.chunk_indices if varlen is not None else None,
-        out_dtype=torch.float64 if q.dtype == torch.float64 else torch.float32, floor=LOG_DECAY_FLOOR,
-    )
-    sub = varlen.sub_indices if varlen is not None else None
-    state_args = dict(
-        initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu,
-        chunk_offsets=varlen.chunk_offsets if varlen is not None else None,
-        num_chunks=varlen.num_chunks if varlen is not None else None, config=config.get("state"),
-    )
-    w, u, ai = ut_transform_fwd(k, v, g_cum, beta, chunk_size, cu_seqlens=cu, sub_indices=sub, config=config.get("ut"))
-    h, v_new, final_state = chunk_state_fwd(k, u, g_cum, chunk_size, w=w, key_weights=True, **state_args)
-    ocfg = output_config(chunk_size, q.shape[-1], v.shape[-1], config.get("output"))
-    o = chunk_output_fwd(
-        q, k, v_new, h, g_cum, scale, chunk_size, cu_seqlens=cu,
-        tile_indices=varlen.tiles(ocfg["BQ"]) if varlen is not None else None,
-        chunk_offsets=varlen.chunk_offsets if varlen is not None else None, config=ocfg,
-    )
-    return o, final_state, {"g_cum": g_cum, "ai": ai, "w": w, "u": u, "v_new": v_new, "h": h}
+    out = fused_delta_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens=cu,
+                          bounds=varlen.bounds if varlen is not None else None, segments=segments, save=save,
+                          split_save=split_save,
+                          config={**config.get("fused", {}), **({"ut": config["ut"]} if "ut" in config else {})})
+    if chunk_size != SUB_CHUNK and for_backward:  # the backward's gates restart every L
+        out["g_cum"] = chunk_local_cumsum(
+            g, chunk_size, scale=RCP_LN2, cu_seqlens=cu,
+            chunk_indices=varlen.chunk_indices if varlen is not None else None,
+            out_dtype=torch.float64 if q.dtype == torch.float64 else torch.float32, floor=LOG_DECAY_FLOOR)
+    return out["o"], out["final_state"], out
 
 
 def chunk_gated_delta_rule_bwd(
@@ -152,7 +142,8 @@ def chunk_gated_delta_rule_bwd(
     if saved is not None:
         if L != SUB_CHUNK:
             raise ValueError(f"saved states need the 64-row states of a forward at chunk_size 64, not {L}")
-        w, v_new, h_sub = saved
+        v_new, h_sub = saved
+        w = w_from_tm(k, g_cum, beta, ai, L, cu_seqlens=cu, sub_indices=sub, config=config.get("ut"))
     elif v_new is not None:  # the forward's Vnew: W alone, and the states without the delta rule's W S product
         w = w_from_tm(k, g_cum, beta, ai, L, cu_seqlens=cu, sub_indices=sub, config=config.get("ut"))
         h_sub, _, _ = chunk_state_fwd(
@@ -238,18 +229,22 @@ def check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size)
 class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, initial_state, varlen, opts: GDNOptions):
+        # (ctx.needs_input_grad stays True under torch.no_grad: the public op decides from the grad mode)
+        grad = opts.needs_grad
+        save = SAVE_NONE if not grad else SAVE_STATES if opts.save_states else \
+            SAVE_V_NEW if opts.save_v_new else SAVE_NONE
+        # a kept Vnew matches the backward's state pass only without a split: with one, keep the forward's own
+        # states too (L = 64) or recompute both (L > 64)
+        split_save = (SAVE_STATES if opts.chunk_size == SUB_CHUNK else SAVE_NONE) if save == SAVE_V_NEW else None
         o, final_state, inter = chunk_gated_delta_rule_fwd(
             q, k, v, g, beta, opts.scale, initial_state, opts.output_final_state, opts.chunk_size, varlen,
-            config=opts.config)
+            config=opts.config, save=save, split_save=split_save, for_backward=grad,
+            # L > 64 with a kept Vnew: no split unless asked (the kept Vnew then matches the backward's pass at L)
+            segments=1 if opts.segments is None and opts.chunk_size != SUB_CHUNK and save else opts.segments)
         # saved: inputs, the cumulative gates (fp32, B*T*HV) and Tm (B*T*HV*64, input dtype); W, U,
-        # Vnew and the per-sub-chunk states are recomputed in backward (README: memory) unless save_states
-        # (L = 64: the forward's states are the 64-row ones) keeps W, Vnew and the states
-        if opts.save_states:
-            extra = (inter["w"], inter["v_new"], inter["h"])
-        elif opts.save_v_new:
-            extra = (inter["v_new"],)
-        else:
-            extra = ()
+        # Vnew and the per-sub-chunk states are recomputed in backward (README: memory) unless save_v_new keeps
+        # Vnew or save_states (L = 64) keeps Vnew and the states before every 64-row chunk
+        extra = tuple(inter[n] for n in ("v_new", "h")[:inter["save"]])
         ctx.save_for_backward(q, k, v, g, beta, initial_state, inter["g_cum"], inter["ai"], *extra)
         ctx.varlen, ctx.opts = varlen, opts
         return o, final_state
@@ -268,7 +263,7 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
             dht = dht.contiguous()
         dq, dk, dv, dg, dbeta, dh0 = chunk_gated_delta_rule_bwd(
             q, k, v, g_cum, beta, ai, opts.scale, initial_state, do.contiguous(), dht, opts.chunk_size, ctx.varlen,
-            config=opts.config, saved=tuple(saved) if len(saved) == 3 else None,
+            config=opts.config, saved=tuple(saved) if len(saved) == 2 else None,
             v_new=saved[0] if len(saved) == 1 else None)
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), dbeta.to(beta.dtype),
                 dh0.to(initial_state.dtype) if dh0 is not None else None, None, None)
@@ -300,6 +295,7 @@ def chunk_gated_delta_rule(
     A_log: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
     transpose_state_layout: bool | None = None,
+    segments: int | None = None,
 ):
     r"""Gated delta rule (Gated DeltaNet), chunkwise with two-level TFLA tiling.
 
@@ -322,13 +318,13 @@ def chunk_gated_delta_rule(
         output_final_state: also return the final state.
         use_qk_l2norm_in_kernel: L2-normalise q and k (``x / sqrt(sum x^2 + 1e-6)``) first.
         cu_seqlens: ``[N + 1]`` int offsets of N packed sequences (then B must be 1).
-        chunk_size: outer chunk L in {64, 128, 256, 512} (keyword-only). 64 is the single-level
-            (FLA-style) algorithm.
-        save_states: keep W, Vnew and the states (every 64 rows) from the forward for the backward
-            instead of recomputing them there (keyword-only; ``chunk_size`` 64 only). Faster training
-            step, more saved activations: ``B*T*HV*(K + V) + B*ceil(T/64)*HV*K*V`` more elements in the
-            input dtype (512 MiB more than the default at B=4, T=8192, H=16, K=V=128, bf16, which saves
-            66 MiB besides the inputs); README of this op.
+        chunk_size: the backward's outer chunk L in {64, 128, 256, 512} (keyword-only): its TFLA tiles and the
+            states of its recurrence every L rows (64 is the single-level, FLA-style algorithm). The forward is the
+            fused pass over 64-row chunks at any L.
+        save_states: keep Vnew and the states (every 64 rows) from the forward for the backward instead of
+            recomputing the states there (keyword-only; ``chunk_size`` 64 only): ``B*ceil(T/64)*HV*K*V`` more
+            elements in the input dtype than the default (256 MiB at B=4, T=8192, H=16, K=V=128, bf16); README of
+            this op.
         save_v_new: keep Vnew (``B*T*HV*V`` elements in the input dtype, the size of v) from the forward
             (keyword-only, any ``chunk_size``): the backward then recomputes W alone and the states by the plain
             linear-attention pass over Vnew instead of the delta rule's chain (default True: H100, B=4 T=8192 H=16
@@ -347,6 +343,10 @@ def chunk_gated_delta_rule(
             are built from it without reading ``cu_seqlens`` back from the device.
         chunk_indices: accepted for FLA compatibility and unused (tfla builds its own tables for its L).
         cp_context: context parallelism is not supported yet: anything but None raises ValueError.
+        segments: pieces each sequence is cut into for the forward (keyword-only): 1 runs every sequence in one
+            chain; an int > 1 cuts each into at most that many pieces (multiples of 64 rows) joined by an exact
+            scan (``docs/gdn-math.md`` section 6); None (default) chooses the piece length from the lengths, the
+            heads and the GPU's SM count (``choose_piece``). Results equal up to rounding for any value.
         use_gate_in_kernel, A_log, dt_bias (keyword-only): g holds pre-activations and the log decay is
             ``-exp(A_log) softplus(g + dt_bias)`` (A_log, dt_bias ``[HV]``; dt_bias optional), FLA's GDN gate,
             here a differentiable PyTorch op before the kernels (fp32), so A_log and dt_bias get gradients.
@@ -368,7 +368,7 @@ def chunk_gated_delta_rule(
     saves, what the backward recomputes, and the memory that costs).
 
     Precision: the recurrence and gates are fp32; materialized states and W/U use the input dtype
-    (as in FLA); fp32 inputs use IEEE fp32 dots throughout.
+    (as in FLA); fp32 inputs use tf32x3 dots on the GPU (IEEE on the CPU interpreter).
     """
     q, k, v, g, beta, initial_state, state_v_first = _fla_options(
         q, k, v, g, beta, initial_state, use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, cp_context,
@@ -385,15 +385,19 @@ def chunk_gated_delta_rule(
         check_varlen_bounds(varlen.bounds, T)
     if scale is None:
         scale = K ** -0.5
+    if segments is not None and (isinstance(segments, bool) or not isinstance(segments, int) or segments < 1):
+        raise ValueError(f"`segments` must be a positive int or None, got {segments!r}")
     if not isinstance(save_v_new, bool):
         raise TypeError(f"`save_v_new` must be a bool, got {type(save_v_new).__name__}")
     if config is not None and (not isinstance(config, dict) or not set(config) <= set(CONFIG_STAGES)
                                or not all(isinstance(c, dict) for c in config.values())):
         raise ValueError(f"`config` must map stages of {CONFIG_STAGES} to dicts of launch overrides, got {config!r}")
     opts = GDNOptions(float(scale), int(chunk_size), bool(output_final_state), bool(use_qk_l2norm_in_kernel),
-                      bool(save_states), save_v_new, config)
-    if use_qk_l2norm_in_kernel:  # differentiable PyTorch ops: autograd carries the gradient through them
-        q, k = _l2norm(q), _l2norm(k)
+                      bool(save_states), save_v_new, segments,
+                      torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
+                                                      for t in (q, k, v, g, beta, initial_state)), config)
+    if use_qk_l2norm_in_kernel:  # one Triton pass each way per tensor (tfla/ops/common/l2norm.py)
+        q, k = l2norm(q), l2norm(k)
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     if initial_state is not None:
         initial_state = initial_state.contiguous()
