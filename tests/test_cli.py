@@ -121,3 +121,16 @@ def test_bench_refuses_wrong_kernel(monkeypatch, capsys):
 def test_module_entry_point(argv):
     r = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "--chunk-sizes" in r.stdout
+
+
+def test_bench_gdn_named_workloads(tmp_path, capsys):
+    """``--workload qwen3-next``: packed varlen (a length-0 and a length-1 sequence), HV = 2H, l2norm and gate in the
+    op, initial states; checked against the float32 reference with the same prologue before it is timed."""
+    json_path = tmp_path / "w.json"
+    main(["bench", "gdn", "--workload", "qwen3-next", "--dtype", "fp32", "--impls", "tfla", "--no-progress",
+          "--json", str(json_path)])
+    rows = json.loads(json_path.read_text())["rows"]
+    assert [r["impl"] for r in rows] == ["tfla L=64"]
+    r = rows[0]
+    assert r["status"] == "ok" and r["workload"] == "qwen3-next" and "varlen N=6 l2norm+gate" in r["label"]
+    assert r["HV"] == 2 * r["H"] and r["err_o"] < 1e-5

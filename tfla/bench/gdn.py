@@ -39,10 +39,73 @@ class Workload:
     K: int
     V: int
     dtype: str
+    lens: tuple[int, ...] | None = None  # packed sequences (cu_seqlens, B = 1, T = their sum)
+    layer: bool = False  # l2norm of q, k and the gate inside the op, initial states (a Qwen3-Next-style layer)
 
     def label(self) -> str:
         gva = f" HV={self.HV}" if self.HV != self.H else ""
-        return f"B={self.B} T={self.T} H={self.H}{gva} K={self.K} V={self.V} {self.dtype}"
+        extra = (f" varlen N={len(self.lens)}" if self.lens else "") + (" l2norm+gate" if self.layer else "")
+        return f"B={self.B} T={self.T} H={self.H}{gva} K={self.K} V={self.V} {self.dtype}{extra}"
+
+
+# Qwen3-Next-style packed batch: 6 sequences of 1 to 12,767 tokens, 32,768 in all (issue 23's layer)
+QWEN3_NEXT_LENS = (12767, 8192, 6000, 4000, 1808, 1)
+WORKLOADS = ("mve", "qwen3-next", "long", "sweep")
+
+
+def named_workloads(name: str, gpu: bool, dtype: str) -> list[Workload]:
+    """``--workload``: the MVE (B = 4, T = 8192, H = 16, K = V = 128); a Qwen3-Next-style layer (packed varlen,
+    HV = 2H = 32, l2norm and gate in the op, initial states); one long sequence (T = 65536); the T sweep at 65,536
+    tokens (B = 65536 / T). Without a GPU: the same structure at interpreter sizes."""
+    if not gpu:  # tiny shapes for Triton's CPU interpreter
+        lens = (40, 30, 20, 9, 1, 0)
+        return {"mve": [Workload(2, 100, 2, 2, 32, 32, dtype)],
+                "qwen3-next": [Workload(1, sum(lens), 2, 4, 32, 32, dtype, lens=lens, layer=True)],
+                "long": [Workload(1, 300, 2, 2, 32, 32, dtype)],
+                "sweep": [Workload(256 // T, T, 2, 2, 32, 32, dtype) for T in (64, 128, 256)]}[name]
+    return {"mve": [Workload(4, 8192, 16, 16, 128, 128, dtype)],
+            "qwen3-next": [Workload(1, sum(QWEN3_NEXT_LENS), 16, 32, 128, 128, dtype, lens=QWEN3_NEXT_LENS,
+                                    layer=True)],
+            "long": [Workload(1, 65536, 16, 16, 128, 128, dtype)],
+            "sweep": [Workload(65536 // T, T, 16, 16, 128, 128, dtype) for T in (2048, 8192, 32768, 65536)]}[name]
+
+
+def workload_inputs(wl: Workload, device, gate: str, seed: int) -> dict:
+    """Inputs of one workload (``gdn_inputs``); a layer workload has raw q, k and gate pre-activations ``g`` with
+    ``kw`` = the op's ``use_qk_l2norm_in_kernel`` / ``use_gate_in_kernel`` arguments (``A_log``, ``dt_bias`` as
+    Qwen3-Next initialises them: ``A_log = log U(1, 16)``, ``dt_bias`` the inverse softplus of
+    ``exp(U(log 1e-3, log 1e-1))``), initial states and ``cu_seqlens``."""
+    import math
+
+    dtype = DTYPES[wl.dtype]
+    N = len(wl.lens) if wl.lens else wl.B
+    x = gdn_inputs(wl.B, wl.T, wl.H, wl.K, wl.V, HV=wl.HV, dtype=dtype, device=device, gate=gate, seed=seed,
+                   initial_state=wl.layer, num_seqs=N)
+    if wl.lens:
+        cu = [0]
+        for n in wl.lens:
+            cu.append(cu[-1] + n)
+        x["cu_seqlens"] = torch.tensor(cu, dtype=torch.int32, device=device)
+    if wl.layer:
+        gen = torch.Generator().manual_seed(seed + 7)
+        x["q"] = torch.randn(x["q"].shape, generator=gen).to(dtype).to(device)
+        x["k"] = torch.randn(x["k"].shape, generator=gen).to(dtype).to(device)
+        x["g"] = torch.randn(x["g"].shape, generator=gen).to(device)  # gate pre-activations a
+        a_log = torch.log(torch.empty(wl.HV).uniform_(1.0, 16.0, generator=gen))
+        dt = torch.exp(torch.empty(wl.HV).uniform_(math.log(1e-3), math.log(1e-1), generator=gen))
+        x["kw"] = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=a_log.to(device),
+                       dt_bias=(dt + torch.log(-torch.expm1(-dt))).to(device))
+    return x
+
+
+def layer_prologue(x: dict, q, k, g):
+    """The layer workloads' l2norm and gate in PyTorch (fp32 inside): what the op does with ``kw``."""
+    kw = x.get("kw") or {}
+    if kw.get("use_qk_l2norm_in_kernel"):
+        q, k = (t.float() * torch.rsqrt((t.float() ** 2).sum(-1, keepdim=True) + 1e-6) for t in (q, k))
+    if kw.get("use_gate_in_kernel"):
+        g = -kw["A_log"].float().exp() * torch.nn.functional.softplus(g.float() + kw["dt_bias"].float())
+    return q, k, g
 
 
 def _ints(s: str) -> list[int]:
@@ -65,6 +128,10 @@ def _chunk_sizes(spec: str) -> list:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     gpu = torch.cuda.is_available()
+    p.add_argument("--workload", choices=WORKLOADS, default=None,
+                   help="a named workload (overrides --B/--T/--H/--HV/--K/--V): mve, qwen3-next (packed varlen, HV = 2H, "
+                        "l2norm and gate in the op, initial states), long (B = 1, T = 65536), sweep (T = 2048 .. 65536 "
+                        "at 65,536 tokens)")
     p.add_argument("--mode", choices=["fwd", "fwdbwd", "bwd"], default="fwd",
                    help="what to time: forward only, forward+backward, or backward only (graph kept)")
     p.add_argument("--B", type=int, default=4 if gpu else 1, help="batch size (ignored with --tokens)")
@@ -95,6 +162,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def workloads_from_args(args) -> list[Workload]:
+    if args.workload:
+        return named_workloads(args.workload, torch.cuda.is_available(), args.dtype)
     out = []
     for H in _ints(args.H):
         HV = args.HV or H
@@ -111,11 +180,12 @@ def _reference(x: dict, do: torch.Tensor | None = None):
     """float32 pure-PyTorch chunkwise reference: (o, final_state) and, given ``do``, the gradients."""
     from tfla.ops.gated_delta_rule.reference import chunk_gated_delta_rule_ref
 
-    f = {k: (v.float() if isinstance(v, torch.Tensor) else v) for k, v in x.items()}
+    f = {k: (v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for k, v in x.items()}
     with torch.enable_grad():
         leaves = [f[n].clone().requires_grad_(do is not None) for n in LEAVES]
-        o, s = chunk_gated_delta_rule_ref(*leaves, initial_state=f["initial_state"], output_final_state=True,
-                                          chunk_size=64)
+        q, k, g = layer_prologue(x, leaves[0], leaves[1], leaves[3])
+        o, s = chunk_gated_delta_rule_ref(q, k, leaves[2], g, leaves[4], initial_state=f["initial_state"],
+                                          output_final_state=True, chunk_size=64, cu_seqlens=x.get("cu_seqlens"))
         grads = torch.autograd.grad(o, leaves, do.float()) if do is not None else None
     return o.detach(), s.detach(), grads
 
@@ -179,8 +249,7 @@ def run(args) -> tuple[list[dict], dict]:
         task = bar.add_task("gdn", total=len(wls) * len(impls))
         for wl in wls:
             dtype = DTYPES[wl.dtype]
-            x = gdn_inputs(wl.B, wl.T, wl.H, wl.K, wl.V, HV=wl.HV, dtype=dtype, device=device,
-                           gate=args.gate, seed=args.seed)
+            x = workload_inputs(wl, device, args.gate, args.seed)
             do = None
             if args.mode != "fwd":
                 gen = torch.Generator(device=device).manual_seed(args.seed + 1)
@@ -195,7 +264,8 @@ def run(args) -> tuple[list[dict], dict]:
                     flops += gdn_bwd_cost(wl.B, wl.T, wl.H, wl.HV, wl.K, wl.V, impl.chunk_size)
                 row = {"impl": impl.name, "version": impl.version, "mode": args.mode, "chunk": impl.chunk_size,
                        "B": wl.B, "T": wl.T, "H": wl.H, "HV": wl.HV, "K": wl.K, "V": wl.V, "dtype": wl.dtype,
-                       "gate": args.gate}
+                       "gate": "qwen3-next in op" if wl.layer else args.gate, "workload": args.workload or "custom",
+                       "label": wl.label()}
                 try:
                     o, s, grads = _run_impl(impl, x, do)
                     row["err_o"], row["err_state"] = rel_l2(o, ref_o), rel_l2(s, ref_s)
@@ -256,8 +326,8 @@ def print_table(rows: list[dict], meta: dict) -> None:
                 "err o", "err state", *grad_cols, "vs FLA", "status"):
         t.add_column(col, justify="left" if col in ("impl", "workload", "status") else "right")
     for r in rows:
-        wl = f"B={r['B']} T={r['T']} H={r['H']}" + (f" HV={r['HV']}" if r["HV"] != r["H"] else "") + \
-             f" K={r['K']} V={r['V']} {r['dtype']}"
+        wl = r.get("label") or (f"B={r['B']} T={r['T']} H={r['H']}" + (f" HV={r['HV']}" if r["HV"] != r["H"] else "")
+                                + f" K={r['K']} V={r['V']} {r['dtype']}")
         t.add_row(r["impl"], wl, fmt(r.get("ms")), fmt(r.get("tflops"), ".1f"),
                   *([fmt(r.get("gbps_min"), ".0f")] if bw_cols else []),
                   fmt(r.get("peak_mib"), ".0f"), fmt(r.get("state_mib"), ".1f"), fmt(r.get("err_o"), ".2e"),

@@ -54,7 +54,8 @@ def tfla_impl(chunk_size: int | str) -> Impl:
     def fn(x, output_final_state=True, **kw):
         return chunk_gated_delta_rule(
             x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x.get("initial_state"),
-            output_final_state=output_final_state, cu_seqlens=x.get("cu_seqlens"), chunk_size=L, **save, **kw)
+            output_final_state=output_final_state, cu_seqlens=x.get("cu_seqlens"), chunk_size=L, **save,
+            **x.get("kw", {}), **kw)
 
     return Impl(f"tfla L={L}{' ' + label if label else ''}", fn, L, None, _version("tfla"))
 
@@ -87,7 +88,7 @@ def fla_impl() -> Impl | None:
         os.environ["FLA_FLASH_QLA"] = "0"
         try:
             return fla_gdn(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x.get("initial_state"),
-                           output_final_state=output_final_state, cu_seqlens=x.get("cu_seqlens"))
+                           output_final_state=output_final_state, cu_seqlens=x.get("cu_seqlens"), **x.get("kw", {}))
         finally:
             if old is None:
                 os.environ.pop("FLA_FLASH_QLA", None)
@@ -105,11 +106,16 @@ def flashqla_impl() -> Impl | None:
         return None
 
     def fn(x, output_final_state=True):
-        return fq.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"],
+        kw = dict(x.get("kw", {}))
+        g = x["g"]
+        if kw.pop("use_gate_in_kernel", False):  # flash-qla 0.1.3 has no gate option: the gate in PyTorch, timed
+            g = -kw.pop("A_log").float().exp() * torch.nn.functional.softplus(g.float() + kw.pop("dt_bias").float())
+        return fq.chunk_gated_delta_rule(x["q"], x["k"], x["v"], g, x["beta"],
                                          initial_state=x.get("initial_state"),
-                                         output_final_state=output_final_state, cu_seqlens=x.get("cu_seqlens"))
+                                         output_final_state=output_final_state, cu_seqlens=x.get("cu_seqlens"), **kw)
 
-    return Impl("flashqla", fn, 64, None, _version("flash-qla"))
+    return Impl("flashqla", fn, 64, None, _version("flash-qla"),
+                "layer workloads: the gate -exp(A_log) softplus(a + dt_bias) in PyTorch inside the timed call")
 
 
 def gdn_impls(chunk_sizes=(64, 128, 256, 512), peers=("fla", "flashqla")) -> tuple[list[Impl], list[str]]:
