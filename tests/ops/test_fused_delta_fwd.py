@@ -175,3 +175,28 @@ def test_forward_without_grad_keeps_nothing(device, monkeypatch):
     tfla.chunk_gated_delta_rule(*(t.detach() for t in leaves))
     tfla.chunk_gated_delta_rule(*leaves)
     assert seen == [0, 0, 1]
+
+
+@pytest.mark.parametrize("segments", [1, 3])
+def test_varlen_with_host_offsets_never_reads_cu_seqlens(device, monkeypatch, segments):
+    """With ``cu_seqlens_cpu`` given, neither the forward (with or without a split) nor the backward reads
+    ``cu_seqlens`` back to the host: every host-side read of that tensor raises here."""
+    import tfla
+
+    T = 200
+    cu = torch.tensor([0, 1, 1, 90, T], device=device)
+    cu_cpu = cu.cpu().clone()  # a distinct tensor also when the device is the CPU
+    for name in ("tolist", "item", "cpu", "numpy", "__int__", "__index__", "__iter__", "__bool__"):
+        real = getattr(torch.Tensor, name)
+
+        def spy(self, *a, _real=real, _name=name, **kw):
+            if self is cu:
+                raise AssertionError(f"cu_seqlens.{_name}() read on the host")
+            return _real(self, *a, **kw)
+
+        monkeypatch.setattr(torch.Tensor, name, spy)
+    x = gdn_inputs(1, T, 1, 32, 16, HV=2, dtype=torch.float32, device=device, initial_state=True, num_seqs=4, seed=6)
+    leaves = [x[n].clone().requires_grad_() for n in ("q", "k", "v", "g", "beta", "initial_state")]
+    o, s = tfla.chunk_gated_delta_rule(*leaves[:5], initial_state=leaves[5], output_final_state=True, cu_seqlens=cu,
+                                       cu_seqlens_cpu=cu_cpu, segments=segments)
+    torch.autograd.grad((o * o).sum() + s.sum(), leaves)
