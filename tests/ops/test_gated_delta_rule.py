@@ -170,7 +170,7 @@ def test_fwd_bf16_no_worse_than_fla(L, gate):
 
 @pytest.mark.parametrize("L, config", [
     (256, {"state": {"BV": 32, "unroll": True}}),
-    (128, {"ut": {"fuse": True, "BK": 32, "BV": 32}, "state": {"unroll": False}}),
+    (128, {"ut": {"BK": 32, "BV": 32}, "state": {"unroll": False}}),
     (128, {"output": {"BQ": 128, "BV": 128}}),
     (256, {"output": {"BQ": 128, "BKV": 64, "BV": 32}}),
     (512, {"output": {"BQ": 128, "BKV": 128}, "ut": {"BV": 32}}),

@@ -37,7 +37,7 @@ from tfla.ops.common.utils import (
     prepare_chunk_indices,
     prepare_chunk_offsets,
 )
-from tfla.ops.common.ut_transform import _ut_launch
+from tfla.ops.common.ut_transform import ut_transform_fwd
 
 # launch of the fused pass. 32-wide value tiles measured fastest on an H100 at B = 4, T = 8192, H = 16,
 # K = V = 128, bf16 (2026-11-24: 0.554 ms for the pass; 64 columns 0.60, 16 columns 0.91, 8 warps or 3 stages
@@ -167,7 +167,7 @@ def fused_delta_prep(k, g, beta, cu_seqlens=None, sub_indices=None, config=None)
     acc = torch.float64 if k.dtype == torch.float64 else torch.float32
     g_cum = None if g is None else chunk_local_cumsum(g, SUB_CHUNK, scale=RCP_LN2, cu_seqlens=cu_seqlens,
                                                       chunk_indices=sub_indices, out_dtype=acc, floor=LOG_DECAY_FLOOR)
-    _, _, ai = _ut_launch(k, None, g_cum, beta, SUB_CHUNK, cu_seqlens, sub_indices, config, fuse=False)
+    _, _, ai = ut_transform_fwd(k, None, g_cum, beta, SUB_CHUNK, cu_seqlens, sub_indices, config)
     return g_cum, ai
 
 

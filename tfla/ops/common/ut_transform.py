@@ -68,9 +68,7 @@ def _gdn_ut_inverse_kernel(
     V: tl.constexpr,
     BT: tl.constexpr,
     BK: tl.constexpr,
-    BK2: tl.constexpr,
     BV: tl.constexpr,
-    FUSE_WY: tl.constexpr,
     USE_G: tl.constexpr,
     IS_VARLEN: tl.constexpr,
     DOT_PREC: tl.constexpr,
@@ -78,8 +76,7 @@ def _gdn_ut_inverse_kernel(
     ACC: tl.constexpr,
     FLAT: tl.constexpr = False,
 ):
-    """Tm = (I + A)^-1 of one 64-row sub-chunk, A = beta (K K^T) 2^(G_r - G_i) strictly lower
-    (and, with FUSE_WY, W and U of the same sub-chunk)."""
+    """Tm = (I + A)^-1 of one 64-row sub-chunk, A = beta (K K^T) 2^(G_r - G_i) strictly lower."""
     BS: tl.constexpr = 64
     BC: tl.constexpr = 16
     i_s, i_bh = program_rows(T, BS, HV, IS_VARLEN, FLAT)  # (64-row sub-chunk, batch x head): 2-D or flat grid
@@ -215,10 +212,6 @@ def _gdn_ut_inverse_kernel(
     tl.store(p_ai + t_3[:, None] * (HV * BS) + BC, b_T31.to(dt_ai), mask=m_3[:, None])
     tl.store(p_ai + t_3[:, None] * (HV * BS) + 2 * BC, b_T32.to(dt_ai), mask=m_3[:, None])
     tl.store(p_ai + t_3[:, None] * (HV * BS) + 3 * BC, b_T33.to(dt_ai), mask=m_3[:, None])
-    if FUSE_WY:
-        # read Tm back as one [64, 64] tile (written by other threads of this program: barrier)
-        tl.debug_barrier()
-        _wy_apply(k, v, g, beta, ai, w, u, t0, T, bos, i_h, i_hv, H, HV, K, V, BT, BK2, BV, USE_G, DOT_PREC, ACC)
 
 
 @triton.jit
@@ -319,16 +312,13 @@ def ut_transform_fwd(
         g_cum: ``[B, T, HV]`` fp32 cumulative gate within outer chunks of ``chunk_size``, log2 units
             (or None for the ungated delta rule).
         sub_indices: varlen table of (sequence, sub-chunk) from ``prepare_chunk_indices(.., 64)``.
-        config: overrides of ``fuse`` (one kernel for Tm, W, U), ``inv_warps``, ``wy_warps``,
+        config: overrides of ``inv_warps``, ``wy_warps``,
             ``wy_stages``, ``BK``, ``BV``.
     Returns:
         ``w [B, T, HV, K]``, ``u [B, T, HV, V]`` and ``ai [B, T, HV, 64]`` (Tm, row r of each sub-chunk
         in row r), all in k's dtype.
     """
-    cfg = {**UT_DEFAULTS, **(config or {})}
-    if ai is not None:
-        cfg["fuse"] = False
-    return _ut_launch(k, v, g_cum, beta, chunk_size, cu_seqlens, sub_indices, cfg, fuse=cfg["fuse"], ai=ai)
+    return _ut_launch(k, v, g_cum, beta, chunk_size, cu_seqlens, sub_indices, config, ai=ai)
 
 
 def w_from_tm(
@@ -363,11 +353,12 @@ def w_from_tm(
     return w
 
 
-# measured on an H200 (docs/performance.md): one single-warp kernel for Tm, W and U beats the split pair
-UT_DEFAULTS = {"fuse": True, "inv_warps": 1, "wy_warps": 4, "wy_stages": 2, "BK": 32, "BV": 32}
+# the inverse in one warp per sub-chunk (its 16 x 16 block products); W and U in a second kernel (the fused forward
+# needs Tm alone; the one-kernel Tm + W + U of the three-kernel forward went with it, 2026-11-24)
+UT_DEFAULTS = {"inv_warps": 1, "wy_warps": 4, "wy_stages": 2, "BK": 32, "BV": 32}
 
 
-def _ut_launch(k, v, g_cum, beta, chunk_size, cu_seqlens, sub_indices, config, fuse, ai=None):
+def _ut_launch(k, v, g_cum, beta, chunk_size, cu_seqlens, sub_indices, config, ai=None):
     B, T, H, K = k.shape
     HV = beta.shape[2]
     V = v.shape[3] if v is not None else 16
@@ -391,11 +382,11 @@ def _ut_launch(k, v, g_cum, beta, chunk_size, cu_seqlens, sub_indices, config, f
     if compute_ai:
         _gdn_ut_inverse_kernel[grid](
             k, v, g_cum, beta, ai, w, u, cu_seqlens, sub_indices, T,
-            BK=min(max(16, next_pow2(K)), 64), BK2=BK, FUSE_WY=fuse,
+            BK=min(max(16, next_pow2(K)), 64),
             # Tm is rounded to k's dtype afterwards: TF32 merges suffice for 16-bit inputs, fp32 stays exact
             MERGE_PREC=dot_precision(k.dtype), num_warps=cfg["inv_warps"], **common,
         )
-    if v is not None and not (fuse and compute_ai):
+    if v is not None:
         _gdn_wy_fwd_kernel[grid](
             k, v, g_cum, beta, ai, w, u, cu_seqlens, sub_indices, T, BK=BK,
             num_warps=cfg["wy_warps"], num_stages=cfg["wy_stages"], **common,
