@@ -129,9 +129,9 @@ def _chunk_sizes(spec: str) -> list:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     gpu = torch.cuda.is_available()
     p.add_argument("--workload", choices=WORKLOADS, default=None,
-                   help="a named workload (overrides --B/--T/--H/--HV/--K/--V): mve, qwen3-next (packed varlen, HV = 2H, "
-                        "l2norm and gate in the op, initial states), long (B = 1, T = 65536), sweep (T = 2048 .. 65536 "
-                        "at 65,536 tokens)")
+                   help="a named workload (overrides --B/--T/--H/--HV/--K/--V): mve, qwen3-next (packed varlen, "
+                        "HV = 2H, l2norm and gate in the op, initial states), long (B = 1, T = 65536), sweep "
+                        "(T = 2048 .. 65536 at 65,536 tokens)")
     p.add_argument("--mode", choices=["fwd", "fwdbwd", "bwd"], default="fwd",
                    help="what to time: forward only, forward+backward, or backward only (graph kept)")
     p.add_argument("--B", type=int, default=4 if gpu else 1, help="batch size (ignored with --tokens)")

@@ -200,7 +200,8 @@ def fused_delta_pass(q, k, v, g_cum, beta, ai, scale, initial_state=None, output
         q, k, v, g_cum, beta, ai, o, v_new, h, initial_state, final, cu_seqlens, chunk_offsets, scale, T,
         H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, USE_G=g_cum is not None, USE_INITIAL_STATE=initial_state is not None,
         STORE_FINAL_STATE=final is not None, IS_VARLEN=cu_seqlens is not None, SAVE=save, TRANSITION=transition,
-        DOT_PREC=dot_precision(q.dtype), ACC=acc_dtype(q.dtype), IDX64=cfg.get("idx64", False) or _idx64(T, H, HV, K, V),
+        DOT_PREC=dot_precision(q.dtype), ACC=acc_dtype(q.dtype),
+        IDX64=cfg.get("idx64", False) or _idx64(T, H, HV, K, V),
         FLAT=flat, num_warps=cfg["mn_warps" if transition else "num_warps"], num_stages=cfg["num_stages"],
     )
     return o, final, v_new, h
@@ -271,7 +272,8 @@ def fused_delta_fwd(q, k, v, g, beta, scale, initial_state=None, output_final_st
     """The gated delta rule's forward, fused. Arguments as ``chunk_gated_delta_rule``: q, k ``[B, T, H, K]``, v
     ``[B, T, HV, V]``, g ``[B, T, HV]`` natural-log decay or None, beta ``[B, T, HV]``, initial_state
     ``[N, HV, K, V]``; ``bounds``: the host copy of ``cu_seqlens`` (read from the device when None);
-    ``segments``: pieces per sequence (1: no split; None: from the shape and the device, ``choose_piece``);
+    ``segments``: pieces per sequence (1: no split; None: from the shape and the device, ``choose_piece``, at head
+    dims K <= 128 only);
     ``split_save``: the ``save`` to use instead when a sequence is cut (a kept Vnew is consistent only with the
     forward's own states there: the pieces start from the scan's states, not from the recurrence a backward would
     run over Vnew from the initial state).
@@ -294,8 +296,10 @@ def fused_delta_fwd(q, k, v, g, beta, scale, initial_state=None, output_final_st
         sub = offsets = None
     g_cum, ai = fused_delta_prep(k, g, beta, cu_seqlens, sub, cfg.get("ut"))
     if segments is None:
+        # the scan holds a K x K transition in registers: the automatic split stays at head dims up to 128 (the
+        # ones measured; K = 256 would put a 256 x 256 fp32 tile there)
         sms = device_sm_count(dev.index or 0) if q.is_cuda else 132
-        piece = choose_piece(bounds, HV, V, sms, cfg.get("BV", FUSED_DEFAULTS["BV"]))
+        piece = choose_piece(bounds, HV, V, sms, cfg.get("BV", FUSED_DEFAULTS["BV"])) if K <= 128 else None
         cuts, first = segment_bounds(bounds, piece=piece) if piece else (bounds, None)
     elif segments == 1:
         cuts, first = bounds, None

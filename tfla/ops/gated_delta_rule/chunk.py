@@ -346,7 +346,8 @@ def chunk_gated_delta_rule(
         segments: pieces each sequence is cut into for the forward (keyword-only): 1 runs every sequence in one
             chain; an int > 1 cuts each into at most that many pieces (multiples of 64 rows) joined by an exact
             scan (``docs/gdn-math.md`` section 6); None (default) chooses the piece length from the lengths, the
-            heads and the GPU's SM count (``choose_piece``). Results equal up to rounding for any value.
+            heads and the GPU's SM count (``choose_piece``; no split at K > 128). Results equal up to rounding
+            for any value.
         use_gate_in_kernel, A_log, dt_bias (keyword-only): g holds pre-activations and the log decay is
             ``-exp(A_log) softplus(g + dt_bias)`` (A_log, dt_bias ``[HV]``; dt_bias optional), FLA's GDN gate,
             here a differentiable PyTorch op before the kernels (fp32), so A_log and dt_bias get gradients.
