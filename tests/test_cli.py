@@ -134,3 +134,14 @@ def test_bench_gdn_named_workloads(tmp_path, capsys):
     r = rows[0]
     assert r["status"] == "ok" and r["workload"] == "qwen3-next" and "varlen N=6 l2norm+gate" in r["label"]
     assert r["HV"] == 2 * r["H"] and r["err_o"] < 1e-5
+
+
+def test_bench_gdn_sweep_plot(tmp_path, capsys):
+    """``--workload sweep --plot``: one timed row per T, and the plot file written."""
+    pytest.importorskip("matplotlib")
+    json_path, png = tmp_path / "s.json", tmp_path / "s.png"
+    main(["bench", "gdn", "--workload", "sweep", "--dtype", "fp32", "--impls", "tfla", "--no-progress",
+          "--json", str(json_path), "--plot", str(png)])
+    rows = json.loads(json_path.read_text())["rows"]
+    assert sorted(r["T"] for r in rows) == [64, 128, 256] and all(r["status"] == "ok" for r in rows)
+    assert png.stat().st_size > 1000

@@ -157,6 +157,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="append one row per timed implementation to this CSV file (header written when the file is new; "
                         "columns: tfla.bench.common.CSV_COLUMNS)")
     p.add_argument("--json", type=str, default=None, help="write rows and environment to this JSON file")
+    p.add_argument("--plot", type=str, default=None, metavar="PATH",
+                   help="write a plot of time against T per implementation (e.g. with --workload sweep) to PATH "
+                        "(needs matplotlib: the plot extra)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -341,9 +344,45 @@ def print_table(rows: list[dict], meta: dict) -> None:
                   f"(git {meta['git'] or '-'}), {meta['date']}")
 
 
+def plot(rows: list[dict], meta: dict, path: str) -> None:
+    """Time against T, one line per implementation (rows with a time), log-log, to ``path`` (any format matplotlib
+    writes). Needs matplotlib (``pip install 'tfla[plot]'``)."""
+    try:
+        import matplotlib
+    except ImportError as e:
+        raise SystemExit("--plot needs matplotlib: pip install 'tfla[plot]'") from e
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for impl in dict.fromkeys(r["impl"] for r in rows):
+        pts = sorted((r["T"], r["ms"]) for r in rows if r["impl"] == impl and r.get("ms") is not None)
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=impl)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("T (tokens per sequence)")
+    ax.set_ylabel("ms (median)")
+    mode = rows[0]["mode"] if rows else "fwd"
+    ax.set_title(f"Gated DeltaNet {mode}, {meta['device']}\ntorch {meta['torch']}, triton {meta['triton']}, "
+                 f"{meta['date']}", fontsize=8)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=150)
+    plt.close(fig)
+
+
 def main(args) -> int:
+    if args.plot:  # fail before the run, not after it
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError as e:
+            raise SystemExit("--plot needs matplotlib: pip install 'tfla[plot]'") from e
     rows, meta = run(args)
     write_json(rows, meta, args.json)
     print_table(rows, meta)
+    if args.plot:
+        plot(rows, meta, args.plot)
     bad = [r for r in rows if r["impl"].startswith("tfla") and r.get("status") != "ok"]
     return 1 if bad else 0
