@@ -268,10 +268,12 @@ def choose_piece(bounds: list[int], HV: int, V: int, sms: int, BV: int = 32) -> 
 
 def fused_delta_fwd(q, k, v, g, beta, scale, initial_state=None, output_final_state=False, cu_seqlens=None,
                     bounds: list[int] | None = None, segments: int | None = 1, save=SAVE_NONE, split_save=None,
-                    config=None):
+                    sub_tables: tuple | None = None, config=None):
     """The gated delta rule's forward, fused. Arguments as ``chunk_gated_delta_rule``: q, k ``[B, T, H, K]``, v
     ``[B, T, HV, V]``, g ``[B, T, HV]`` natural-log decay or None, beta ``[B, T, HV]``, initial_state
     ``[N, HV, K, V]``; ``bounds``: the host copy of ``cu_seqlens`` (read from the device when None);
+    ``sub_tables``: the caller's ``(sub_indices, sub_offsets)`` of ``cu_seqlens`` at 64 rows (``VarlenIndex``), built
+    here when None;
     ``segments``: pieces per sequence (1: no split; None: from the shape and the device, ``choose_piece``, at head
     dims K <= 128 only);
     ``split_save``: the ``save`` to use instead when a sequence is cut (a kept Vnew is consistent only with the
@@ -289,8 +291,8 @@ def fused_delta_fwd(q, k, v, g, beta, scale, initial_state=None, output_final_st
     if cu_seqlens is not None:
         check_varlen_batch(B, cu_seqlens)
         bounds = [int(x) for x in cu_seqlens.tolist()] if bounds is None else bounds
-        sub = prepare_chunk_indices(bounds, SUB_CHUNK, dev)
-        offsets = prepare_chunk_offsets(bounds, SUB_CHUNK, dev)
+        sub, offsets = sub_tables if sub_tables is not None else (
+            prepare_chunk_indices(bounds, SUB_CHUNK, dev), prepare_chunk_offsets(bounds, SUB_CHUNK, dev))
     else:
         bounds = [i * T for i in range(B + 1)]
         sub = offsets = None

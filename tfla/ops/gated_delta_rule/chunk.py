@@ -91,6 +91,7 @@ def chunk_gated_delta_rule_fwd(
     out = fused_delta_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens=cu,
                           bounds=varlen.bounds if varlen is not None else None, segments=segments, save=save,
                           split_save=split_save,
+                          sub_tables=(varlen.sub_indices, varlen.sub_offsets) if varlen is not None else None,
                           config={**config.get("fused", {}), **({"ut": config["ut"]} if "ut" in config else {})})
     if chunk_size != SUB_CHUNK and for_backward:  # the backward's gates restart every L
         out["g_cum"] = chunk_local_cumsum(
