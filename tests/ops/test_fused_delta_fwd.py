@@ -186,17 +186,53 @@ def test_varlen_with_host_offsets_never_reads_cu_seqlens(device, monkeypatch, se
     T = 200
     cu = torch.tensor([0, 1, 1, 90, T], device=device)
     cu_cpu = cu.cpu().clone()  # a distinct tensor also when the device is the CPU
-    for name in ("tolist", "item", "cpu", "numpy", "__int__", "__index__", "__iter__", "__bool__"):
-        real = getattr(torch.Tensor, name)
-
-        def spy(self, *a, _real=real, _name=name, **kw):
-            if self is cu:
-                raise AssertionError(f"cu_seqlens.{_name}() read on the host")
-            return _real(self, *a, **kw)
-
-        monkeypatch.setattr(torch.Tensor, name, spy)
+    _forbid_host_reads(monkeypatch, cu)
     x = gdn_inputs(1, T, 1, 32, 16, HV=2, dtype=torch.float32, device=device, initial_state=True, num_seqs=4, seed=6)
     leaves = [x[n].clone().requires_grad_() for n in ("q", "k", "v", "g", "beta", "initial_state")]
     o, s = tfla.chunk_gated_delta_rule(*leaves[:5], initial_state=leaves[5], output_final_state=True, cu_seqlens=cu,
                                        cu_seqlens_cpu=cu_cpu, segments=segments)
     torch.autograd.grad((o * o).sum() + s.sum(), leaves)
+
+
+def _forbid_host_reads(monkeypatch, tensor):
+    """Every host-side read of ``tensor`` raises from here on."""
+    for name in ("tolist", "item", "cpu", "numpy", "__int__", "__index__", "__iter__", "__bool__"):
+        real = getattr(torch.Tensor, name)
+
+        def spy(self, *a, _real=real, _name=name, **kw):
+            if self is tensor:
+                raise AssertionError(f"cu_seqlens.{_name}() read on the host")
+            return _real(self, *a, **kw)
+
+        monkeypatch.setattr(torch.Tensor, name, spy)
+
+
+def test_varlen_tables_cached_per_cu_seqlens(device, monkeypatch):
+    """A second call with the same ``cu_seqlens`` tensor reads nothing back (forward and backward, with a split);
+    new offsets written into it by a PyTorch op are seen (its version counter changes): the outputs then match a
+    fresh tensor with those offsets, and a reused tensor whose contents changed does not reuse stale tables."""
+    import tfla
+
+    T = 200
+    x = gdn_inputs(1, T, 1, 32, 16, HV=2, dtype=torch.float32, device=device, initial_state=True, num_seqs=4, seed=7)
+    names = ("q", "k", "v", "g", "beta", "initial_state")
+
+    def run(cu, **kw):
+        leaves = [x[n].clone().requires_grad_() for n in names]
+        o, s = tfla.chunk_gated_delta_rule(*leaves[:5], initial_state=leaves[5], output_final_state=True,
+                                           cu_seqlens=cu, **kw)
+        return [o, s, *torch.autograd.grad((o * o).sum() + s.sum(), leaves)]
+
+    cu = torch.tensor([0, 1, 1, 90, T], device=device)
+    first = run(cu, segments=3)
+    with monkeypatch.context() as m:
+        _forbid_host_reads(m, cu)
+        again = run(cu, segments=3)
+    for a, b in zip(first, again):
+        assert torch.equal(a, b)
+    cu.copy_(torch.tensor([0, 64, 70, 130, T], device=device))  # in place: the version counter moves
+    got = run(cu, segments=3)
+    want = run(torch.tensor([0, 64, 70, 130, T], device=device), segments=3)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    assert not torch.equal(got[0], first[0])
