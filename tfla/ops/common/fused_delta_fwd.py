@@ -4,8 +4,8 @@
 Per 64-row chunk, with the state S (fp32, ``[K, BV]``) on chip, G the gate cumulated within the chunk (log2) and Tm
 the chunk's UT inverse from the prep pass (``ut_transform``):
 
-    Vnew = (Tm diag(beta)) (V - 2^G o (K S))        (= U - W S with W = Tm (beta 2^G K), U = Tm (beta V))
-    o = scale (2^G o (q S) + (causal (q k^T) o 2^(G_r - G_s)) Vnew)
+    Vnew = Tm (beta o (V - 2^G o (K S)))            (= U - W S with W = Tm (beta 2^G K), U = Tm (beta V))
+    o = scale 2^G o (q S) + A Vnew,  A = scale causal(q k^T) o 2^(G_r - G_s)  (from the prep)
     S <- 2^(G_n) S + (K 2^(G_n - G))^T Vnew
 
 W, U and the per-chunk states stay on chip; the pass writes o, the final state and, for the backward, Vnew and the
@@ -17,6 +17,8 @@ the piece's transition and input ``[M | N]`` (``S_end = M S_start + N``); a scan
 (``S <- M S + N``) for their start states and the final state; the second pass runs every piece from its start.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -34,20 +36,29 @@ from tfla.ops.common.utils import (
     device_sm_count,
     dot_precision,
     next_pow2,
-    prepare_chunk_indices,
-    prepare_chunk_offsets,
 )
-from tfla.ops.common.ut_transform import ut_transform_fwd
+from tfla.ops.common.varlen import chunk_tables
+from tfla.ops.common.ut_transform import ut_inverse_and_scores
 
-# launch of the fused pass. 32-wide value tiles measured fastest on an H100 at B = 4, T = 8192, H = 16,
-# K = V = 128, bf16 (2026-11-24: 0.554 ms for the pass; 64 columns 0.60, 16 columns 0.91, 8 warps or 3 stages
-# slower); the transition pass (no output) at 64 columns (docs/performance.md)
-FUSED_DEFAULTS = {"BV": 32, "num_warps": 4, "num_stages": 2, "mn_BV": 64, "mn_warps": 4}
+# launch of the fused pass (docs/performance.md). Value tiles: "BV" None picks 64 columns where the pass has
+# programs for two per SM at that width, else 32 (wide_tiles); 8 warps or 3 stages measured slower; the transition
+# pass (no output) at 64 columns
+FUSED_DEFAULTS = {"BV": None, "num_warps": 4, "num_stages": 2, "mn_BV": 64, "mn_warps": 4}
+
+
+def wide_tiles(pairs: int, V: int, sms: int) -> int:
+    """The fused pass's value-tile width for ``pairs`` (sequence or piece) x value-head programs per tile column: 64
+    when ``pairs * ceil(V / 64)`` fills two programs per SM, else 32. An SM runs two of these programs at once and
+    hides one's latency behind the other's; a 64-column program loads q, k, Tm and the scores once for twice the
+    columns. H100, bf16, K = V = 128 (2026-11-24): 64 programs (B = 4, T = 8192, H = 16) 0.73 ms at 32 columns,
+    1.23 at 64; 384 (the Qwen3-Next-style layer, 6 sequences x 32 heads) 2.17 / 2.03; 16 pieces x 16 heads 2.54 /
+    2.31 (whole forward)."""
+    return 64 if pairs * cdiv(V, 64) >= 2 * sms else 32
 SAVE_NONE, SAVE_V_NEW, SAVE_STATES = 0, 1, 2
 
 
 @triton.jit
-def _fused_delta_fwd_kernel(q, k, v, g, beta, ai, o, v_new, h, h0, ht, cu_seqlens, chunk_offsets, scale, T,
+def _fused_delta_fwd_kernel(q, k, v, g, beta, ai, a, o, v_new, h, h0, ht, cu_seqlens, chunk_offsets, scale, T,
                             H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                             BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr,
                             USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
@@ -92,10 +103,8 @@ def _fused_delta_fwd_kernel(q, k, v, g, beta, ai, o, v_new, h, h0, ht, cu_seqlen
         p_tv = (r0 * HV + i_hv) * V + o_r[:, None] * (HV * V) + o_v[None, :]
         b_v = tl.load(v + p_tv, mask=m_tv, other=0.0).to(ACC)  # [BS, BV]
         b_b = tl.load(beta + r0 * HV + i_hv + o_r * HV, mask=m_t, other=0.0).to(ACC)
-        # Tm diag(beta): beta on the 64 x 64 inverse's columns rather than on the [BS, BK] keys
         b_tm = tl.load(ai + (r0 * HV + i_hv) * BS + o_r[:, None] * (HV * BS) + o_c[None, :], mask=m_t[:, None],
-                       other=0.0).to(ACC)
-        b_tm = (b_tm * b_b[None, :]).to(dt)
+                       other=0.0)
         if USE_G:
             b_g = tl.load(g + r0 * HV + i_hv + o_r * HV, mask=m_t, other=0.0)
             b_gn = tl.load(g + (bos + tl.minimum(t0 + BS, T) - 1) * HV + i_hv)
@@ -105,21 +114,18 @@ def _fused_delta_fwd_kernel(q, k, v, g, beta, ai, o, v_new, h, h0, ht, cu_seqlen
         b_hd = b_h.to(dt)  # the state as the products' operand, shared by Vnew and the output
         if SAVE == 2:
             tl.store(h + ((boh + i_c) * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :], b_hd, mask=m_kv)
-        # Vnew = (Tm diag(beta)) (V - 2^G o (K S)): W is never formed
-        b_y = b_v - tl.dot(b_k, b_hd, input_precision=DOT_PREC) * b_eg[:, None]
+        # Vnew = Tm (beta o (V - 2^G o (K S))): W is never formed
+        b_y = (b_v - tl.dot(b_k, b_hd, input_precision=DOT_PREC) * b_eg[:, None]) * b_b[:, None]
         b_vd = tl.dot(b_tm, b_y.to(dt), input_precision=DOT_PREC).to(dt)  # [BS, BV]
         if SAVE > 0:
             tl.store(v_new + p_tv, b_vd, mask=m_tv)
-        if not TRANSITION:  # the output: the state's part with its row factor 2^G after the product, the causal part
+        if not TRANSITION:  # the output: the state's part with its row factor 2^G after the product, the prep's
+            # gated causal scores (scale included) times Vnew
             b_q = tl.load(q + p_qk, mask=m_tk, other=0.0)
-            b_o = tl.dot(b_q, b_hd, input_precision=DOT_PREC) * b_eg[:, None]
-            b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC)  # [BS, BS]
-            m_s = (o_c[:, None] >= o_c[None, :]) & m_t[:, None] & m_t[None, :]
-            if USE_G:
-                b_s = b_s * tl.exp2(tl.where(m_s, b_g[:, None] - b_g[None, :], float("-inf")))
-            else:
-                b_s = tl.where(m_s, b_s, 0.0)
-            b_o = tl.dot(b_s.to(dt), b_vd, b_o, input_precision=DOT_PREC) * scale
+            b_o = tl.dot(b_q, b_hd, input_precision=DOT_PREC) * (b_eg * scale)[:, None]
+            b_a = tl.load(a + (r0 * HV + i_hv) * BS + o_r[:, None] * (HV * BS) + o_c[None, :], mask=m_t[:, None],
+                          other=0.0)
+            b_o = tl.dot(b_a, b_vd, b_o, input_precision=DOT_PREC)
             tl.store(o + p_tv, b_o.to(o.dtype.element_ty), mask=m_tv)
         # the state after the chunk (gate weights on the keys: the backward's state pass over the saved Vnew,
         # chunk_state_fwd with key_weights, rebuilds these states bit for bit)
@@ -161,20 +167,22 @@ def _segment_scan_kernel(mn, h0, starts, ht, first, HV: tl.constexpr, K: tl.cons
         tl.store(ht + i_nh * K * V + o_k[:, None] * V + o_v[None, :], b_s, mask=m_kv)
 
 
-def fused_delta_prep(k, g, beta, cu_seqlens=None, sub_indices=None, config=None):
-    """The prep pass: ``(g_cum [B, T, HV] fp32 log2 restarting every 64 rows or None, Tm [B, T, HV, 64] in k's
-    dtype)``; g natural-log decay ``[B, T, HV]`` or None, floored at ``LOG_DECAY_FLOOR``."""
+def fused_delta_prep(q, k, g, beta, scale, cu_seqlens=None, sub_indices=None, config=None):
+    """The prep pass: ``(g_cum, ai, a)``: g_cum ``[B, T, HV]`` fp32 log2 restarting every 64 rows (or None), Tm and the
+    output's scores ``scale causal(q k^T) o 2^(G_r - G_s)`` ``[B, T, HV, 64]`` (``ut_inverse_and_scores``, one
+    kernel); g natural-log decay ``[B, T, HV]`` or None, floored at ``LOG_DECAY_FLOOR``."""
     acc = torch.float64 if k.dtype == torch.float64 else torch.float32
     g_cum = None if g is None else chunk_local_cumsum(g, SUB_CHUNK, scale=RCP_LN2, cu_seqlens=cu_seqlens,
                                                       chunk_indices=sub_indices, out_dtype=acc, floor=LOG_DECAY_FLOOR)
-    _, _, ai = ut_transform_fwd(k, None, g_cum, beta, SUB_CHUNK, cu_seqlens, sub_indices, config)
-    return g_cum, ai
+    ai, a = ut_inverse_and_scores(q, k, g_cum, beta, scale, cu_seqlens, sub_indices, config)
+    return g_cum, ai, a
 
 
 def fused_delta_pass(q, k, v, g_cum, beta, ai, scale, initial_state=None, output_final_state=False,
                      cu_seqlens=None, chunk_offsets=None, num_chunks=None, save=SAVE_NONE, transition=False,
-                     config=None):
-    """One fused pass over the sequences (or pieces) of ``cu_seqlens`` from the prep's ``g_cum`` and ``ai``.
+                     a=None, config=None):
+    """One fused pass over the sequences (or pieces) of ``cu_seqlens`` from the prep's ``g_cum``, ``ai`` and
+    ``a`` (the output's scores; not read with ``transition``).
     Returns ``(o, final, v_new, h)``: o ``[B, T, HV, V]`` in v's dtype (None with ``transition``), final
     ``[N, HV, K, V]`` (``[N, HV, K, K + V]`` = ``[M | N]`` with ``transition``) in fp32 or None, v_new like v
     (``save`` >= 1) and h ``[B, NT, HV, K, V]`` in k's dtype, the state before each 64-row chunk (``save`` 2; varlen:
@@ -194,10 +202,16 @@ def fused_delta_pass(q, k, v, g_cum, beta, ai, scale, initial_state=None, output
         return o, final, v_new, h
     check_varlen_batch(B, cu_seqlens)
     BK = max(16, next_pow2(K))
-    BV = min(max(16, next_pow2(ncol)), cfg["mn_BV" if transition else "BV"])
+    if transition:
+        width = cfg["mn_BV"]
+    else:
+        width = cfg["BV"] or wide_tiles(N * HV, V, device_sm_count(q.device.index or 0) if q.is_cuda else 132)
+    # at least 32 columns: 16-wide 16-bit dot operands read shared memory out of bounds under Triton 3.6 (as in
+    # ut_transform's U product; H100, 2026-11-24: wrong dv with V = 16, fp16)
+    BV = min(max(32, next_pow2(ncol)), max(32, width))
     grid, flat = tile_grid(cdiv(ncol, BV), N * HV, force_flat=cfg.get("flat", False))
     _fused_delta_fwd_kernel[grid](
-        q, k, v, g_cum, beta, ai, o, v_new, h, initial_state, final, cu_seqlens, chunk_offsets, scale, T,
+        q, k, v, g_cum, beta, ai, a, o, v_new, h, initial_state, final, cu_seqlens, chunk_offsets, scale, T,
         H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, USE_G=g_cum is not None, USE_INITIAL_STATE=initial_state is not None,
         STORE_FINAL_STATE=final is not None, IS_VARLEN=cu_seqlens is not None, SAVE=save, TRANSITION=transition,
         DOT_PREC=dot_precision(q.dtype), ACC=acc_dtype(q.dtype),
@@ -266,6 +280,19 @@ def choose_piece(bounds: list[int], HV: int, V: int, sms: int, BV: int = 32) -> 
     return piece * SUB_CHUNK if piece < max(chunks) else None
 
 
+@functools.lru_cache(maxsize=64)
+def _split_tables(cuts: tuple[int, ...], first: tuple[int, ...], device: torch.device):
+    """The pieces' offsets (a ``cu_seqlens``), their first 64-row chunks and each sequence's first piece, int64 on
+    the device from one host-to-device copy; cached per split, so a repeated call copies nothing (a copy waits for
+    the device's queue)."""
+    offsets = [0]
+    for b, e in zip(cuts[:-1], cuts[1:]):
+        offsets.append(offsets[-1] + cdiv(e - b, SUB_CHUNK))
+    flat = torch.tensor(list(cuts) + offsets + list(first), dtype=torch.int64).to(device)
+    n = len(cuts)
+    return flat[:n], flat[n:2 * n], flat[2 * n:]
+
+
 def fused_delta_fwd(q, k, v, g, beta, scale, initial_state=None, output_final_state=False, cu_seqlens=None,
                     bounds: list[int] | None = None, segments: int | None = 1, save=SAVE_NONE, split_save=None,
                     sub_tables: tuple | None = None, config=None):
@@ -291,17 +318,16 @@ def fused_delta_fwd(q, k, v, g, beta, scale, initial_state=None, output_final_st
     if cu_seqlens is not None:
         check_varlen_batch(B, cu_seqlens)
         bounds = [int(x) for x in cu_seqlens.tolist()] if bounds is None else bounds
-        sub, offsets = sub_tables if sub_tables is not None else (
-            prepare_chunk_indices(bounds, SUB_CHUNK, dev), prepare_chunk_offsets(bounds, SUB_CHUNK, dev))
+        sub, offsets = sub_tables if sub_tables is not None else chunk_tables(bounds, SUB_CHUNK, dev)
     else:
         bounds = [i * T for i in range(B + 1)]
         sub = offsets = None
-    g_cum, ai = fused_delta_prep(k, g, beta, cu_seqlens, sub, cfg.get("ut"))
+    g_cum, ai, a = fused_delta_prep(q, k, g, beta, scale, cu_seqlens, sub, cfg.get("ut"))
     if segments is None:
         # the scan holds a K x K transition in registers: the automatic split stays at head dims up to 128 (the
         # ones measured; K = 256 would put a 256 x 256 fp32 tile there)
         sms = device_sm_count(dev.index or 0) if q.is_cuda else 132
-        piece = choose_piece(bounds, HV, V, sms, cfg.get("BV", FUSED_DEFAULTS["BV"])) if K <= 128 else None
+        piece = choose_piece(bounds, HV, V, sms, cfg.get("BV") or 32) if K <= 128 else None
         cuts, first = segment_bounds(bounds, piece=piece) if piece else (bounds, None)
     elif segments == 1:
         cuts, first = bounds, None
@@ -315,23 +341,21 @@ def fused_delta_fwd(q, k, v, g, beta, scale, initial_state=None, output_final_st
     if first is None:
         o, final, v_new, h = fused_delta_pass(
             q, k, v, g_cum, beta, ai, scale, initial_state, output_final_state, cu_seqlens, offsets,
-            sum(cdiv(e - b, SUB_CHUNK) for b, e in zip(bounds[:-1], bounds[1:])), save, config=cfg)
+            sum(cdiv(e - b, SUB_CHUNK) for b, e in zip(bounds[:-1], bounds[1:])), save, a=a, config=cfg)
         out.update(o=o, final_state=final, v_new=v_new, h=h)
         return out
     # pieces: B sequences of T rows become one packed batch
-    flat = [x.reshape(1, B * T, *x.shape[2:]) if x is not None else None for x in (q, k, v, g_cum, beta, ai)]
-    qf, kf, vf, gf, bf, af = flat
-    seg_cu = torch.tensor(cuts, dtype=torch.int64, device=dev)
-    seg_off = prepare_chunk_offsets(cuts, SUB_CHUNK, dev)
+    flat = [x.reshape(1, B * T, *x.shape[2:]) if x is not None else None for x in (q, k, v, g_cum, beta, ai, a)]
+    qf, kf, vf, gf, bf, af, sf = flat
+    seg_cu, seg_off, first_t = _split_tables(tuple(cuts), tuple(first), dev)
     _, mn, _, _ = fused_delta_pass(qf, kf, vf, gf, bf, af, scale, None, True, seg_cu, seg_off, transition=True,
                                    config=cfg)
-    first_t = torch.tensor(first, dtype=torch.int32, device=dev)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     h0 = initial_state.to(acc).contiguous() if initial_state is not None else None
     starts, final = segment_scan(mn, h0, first_t, V, output_final_state, cfg)
     num_chunks = sum(cdiv(e - b, SUB_CHUNK) for b, e in zip(cuts[:-1], cuts[1:]))
     o, _, v_new, h = fused_delta_pass(qf, kf, vf, gf, bf, af, scale, starts, False, seg_cu, seg_off, num_chunks,
-                                      save, config=cfg)
+                                      save, a=sf, config=cfg)
     out.update(o=o.reshape(B, T, HV, V), final_state=final, v_new=None if v_new is None else v_new.reshape(v.shape),
                h=None if h is None else h.reshape(B, -1, HV, K, V))
     return out

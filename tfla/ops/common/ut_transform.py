@@ -52,15 +52,18 @@ def _unit_lower_inverse(b_A, BC: tl.constexpr, ACC: tl.constexpr):
 
 @triton.jit
 def _gdn_ut_inverse_kernel(
+    q,
     k,
     v,
     g,
     beta,
     ai,
+    sc,
     w,
     u,
     cu_seqlens,
     chunk_indices,
+    scale,
     T,
     H: tl.constexpr,
     HV: tl.constexpr,
@@ -74,9 +77,12 @@ def _gdn_ut_inverse_kernel(
     DOT_PREC: tl.constexpr,
     MERGE_PREC: tl.constexpr,
     ACC: tl.constexpr,
+    WITH_SCORES: tl.constexpr = False,
     FLAT: tl.constexpr = False,
 ):
-    """Tm = (I + A)^-1 of one 64-row sub-chunk, A = beta (K K^T) 2^(G_r - G_i) strictly lower."""
+    """Tm = (I + A)^-1 of one 64-row sub-chunk, A = beta (K K^T) 2^(G_r - G_i) strictly lower. WITH_SCORES: also
+    the fused forward's output scores ``scale causal(q k^T) o 2^(G_r - G_s)`` of the sub-chunk (``sc``, layout as
+    ``ai``), in 16-row blocks (one warp holds a [16, 64] fp32 block, not the whole [64, 64])."""
     BS: tl.constexpr = 64
     BC: tl.constexpr = 16
     i_s, i_bh = program_rows(T, BS, HV, IS_VARLEN, FLAT)  # (64-row sub-chunk, batch x head): 2-D or flat grid
@@ -212,6 +218,32 @@ def _gdn_ut_inverse_kernel(
     tl.store(p_ai + t_3[:, None] * (HV * BS) + BC, b_T31.to(dt_ai), mask=m_3[:, None])
     tl.store(p_ai + t_3[:, None] * (HV * BS) + 2 * BC, b_T32.to(dt_ai), mask=m_3[:, None])
     tl.store(p_ai + t_3[:, None] * (HV * BS) + 3 * BC, b_T33.to(dt_ai), mask=m_3[:, None])
+    if WITH_SCORES:
+        o_s = tl.arange(0, BS)
+        t_s = t0 + o_s
+        m_s = t_s < T
+        if USE_G:
+            b_gs = tl.load(g + bos * HV + i_hv + t_s * HV, mask=m_s, other=0.0)
+        p_q = q + (bos * H + i_h) * K
+        for i_r in tl.static_range(BS // BC):
+            t_r = t0 + i_r * BC + o_c
+            m_r = t_r < T
+            b_s = tl.zeros([BC, BS], dtype=ACC)
+            for i_k in range(tl.cdiv(K, BK)):
+                o_k = i_k * BK + tl.arange(0, BK)
+                m_k = o_k < K
+                b_q = tl.load(p_q + t_r[:, None] * (H * K) + o_k[None, :], mask=m_r[:, None] & m_k[None, :], other=0.0)
+                b_kt = tl.load(p_k + t_s[:, None] * (H * K) + o_k[None, :], mask=m_s[:, None] & m_k[None, :],
+                               other=0.0)
+                b_s = tl.dot(b_q, tl.trans(b_kt), b_s, input_precision=DOT_PREC)
+            m_rs = ((i_r * BC + o_c)[:, None] >= o_s[None, :]) & m_r[:, None] & m_s[None, :]
+            if USE_G:
+                b_gr = tl.load(g + bos * HV + i_hv + t_r * HV, mask=m_r, other=0.0)
+                b_s = b_s * scale * tl.exp2(tl.where(m_rs, b_gr[:, None] - b_gs[None, :], float("-inf")))
+            else:
+                b_s = tl.where(m_rs, b_s * scale, 0.0)
+            tl.store(sc + (bos * HV + i_hv) * BS + t_r[:, None] * (HV * BS) + o_s[None, :],
+                     b_s.to(sc.dtype.element_ty), mask=m_r[:, None])
 
 
 @triton.jit
@@ -321,6 +353,23 @@ def ut_transform_fwd(
     return _ut_launch(k, v, g_cum, beta, chunk_size, cu_seqlens, sub_indices, config, ai=ai)
 
 
+def ut_inverse_and_scores(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    g_cum: torch.Tensor | None,
+    beta: torch.Tensor,
+    scale: float,
+    cu_seqlens: torch.Tensor | None = None,
+    sub_indices: torch.Tensor | None = None,
+    config: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fused forward's prep in one kernel: Tm of every 64-row sub-chunk (k's dtype) and the output's intra-chunk
+    scores ``scale causal(q k^T) o 2^(G_r - G_s)`` (q's dtype), both ``[B, T, HV, 64]`` (row r of a sub-chunk in
+    row r), with ``g_cum`` the cumulative gates restarting every 64 rows (log2) or None. Config keys as
+    ``ut_transform_fwd`` (``inv_warps``)."""
+    return _ut_launch(k, None, g_cum, beta, SUB_CHUNK, cu_seqlens, sub_indices, config, q=q, scale=scale)
+
+
 def w_from_tm(
     k: torch.Tensor,
     g_cum: torch.Tensor | None,
@@ -358,7 +407,7 @@ def w_from_tm(
 UT_DEFAULTS = {"inv_warps": 1, "wy_warps": 4, "wy_stages": 2, "BK": 32, "BV": 32}
 
 
-def _ut_launch(k, v, g_cum, beta, chunk_size, cu_seqlens, sub_indices, config, ai=None):
+def _ut_launch(k, v, g_cum, beta, chunk_size, cu_seqlens, sub_indices, config, ai=None, q=None, scale=1.0):
     B, T, H, K = k.shape
     HV = beta.shape[2]
     V = v.shape[3] if v is not None else 16
@@ -369,8 +418,9 @@ def _ut_launch(k, v, g_cum, beta, chunk_size, cu_seqlens, sub_indices, config, a
     compute_ai = ai is None
     if compute_ai:
         ai = torch.empty(B, T, HV, SUB_CHUNK, dtype=k.dtype, device=k.device)
+    sc = torch.empty(B, T, HV, SUB_CHUNK, dtype=q.dtype, device=q.device) if q is not None else None
     if NS == 0 or B * HV == 0:
-        return w, u, ai
+        return (w, u, ai) if q is None else (ai, sc)
     check_varlen_batch(B, cu_seqlens)
     BK = min(max(16, next_pow2(K)), cfg["BK"])
     # U's value tiles at least 32 wide: with 16 columns (V <= 16) in 16-bit the U product of _gdn_wy_fwd_kernel read
@@ -381,7 +431,7 @@ def _ut_launch(k, v, g_cum, beta, chunk_size, cu_seqlens, sub_indices, config, a
                   IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(k.dtype), ACC=acc_dtype(k.dtype), FLAT=flat)
     if compute_ai:
         _gdn_ut_inverse_kernel[grid](
-            k, v, g_cum, beta, ai, w, u, cu_seqlens, sub_indices, T,
+            q, k, v, g_cum, beta, ai, sc, w, u, cu_seqlens, sub_indices, scale, T, WITH_SCORES=q is not None,
             BK=min(max(16, next_pow2(K)), 64),
             # Tm is rounded to k's dtype afterwards: TF32 merges suffice for 16-bit inputs, fp32 stays exact
             MERGE_PREC=dot_precision(k.dtype), num_warps=cfg["inv_warps"], **common,
@@ -391,4 +441,4 @@ def _ut_launch(k, v, g_cum, beta, chunk_size, cu_seqlens, sub_indices, config, a
             k, v, g_cum, beta, ai, w, u, cu_seqlens, sub_indices, T, BK=BK,
             num_warps=cfg["wy_warps"], num_stages=cfg["wy_stages"], **common,
         )
-    return w, u, ai
+    return (w, u, ai) if q is None else (ai, sc)
