@@ -83,6 +83,32 @@ def test_fwd_l2norm_in_kernel_and_custom_scale(device):
     assert_rel_close("final_state", s.cpu(), rs, FP32_TOL)
 
 
+@pytest.mark.parametrize("segments", [1, 3])
+@pytest.mark.parametrize("grad", [False, True])
+def test_fwd_l2norm_varlen_segments(device, poison_empty, segments, grad):
+    """``use_qk_l2norm_in_kernel`` without gradients (the prep and the pass scale their products by the rows' L2
+    factors; no normalised copy) and with them (the l2norm kernels first), varlen with a split, GVA, unnormalised
+    q and k of varied norms, against the float64 recurrence per sequence."""
+    T = 260
+    cu = torch.tensor([0, 1, 1, 150, T], device=device)
+    x = gdn_inputs(1, T, 2, 32, 16, HV=4, dtype=torch.float32, device=device, initial_state=True, num_seqs=4, seed=9)
+    gen = torch.Generator().manual_seed(9)
+    for n in ("q", "k"):
+        x[n] = (x[n].cpu() * torch.exp(torch.randn(1, T, 2, 1, generator=gen))).to(device)
+    leaves = {n: x[n].clone().requires_grad_(grad) for n in ("q", "k", "v", "g", "beta")}
+    o, s = tfla.chunk_gated_delta_rule(*leaves.values(), initial_state=x["initial_state"], output_final_state=True,
+                                       cu_seqlens=cu, segments=segments, use_qk_l2norm_in_kernel=True)
+    r = as_reference({n: (t.cpu() if t is not None else None) for n, t in x.items()})
+    for i in range(4):
+        b0, b1 = int(cu[i]), int(cu[i + 1])
+        ro, rs = recurrent_gated_delta_rule_ref(
+            r["q"][:, b0:b1], r["k"][:, b0:b1], r["v"][:, b0:b1], r["g"][:, b0:b1], r["beta"][:, b0:b1],
+            initial_state=r["initial_state"][i:i + 1], output_final_state=True, use_qk_l2norm_in_kernel=True)
+        if b1 > b0:
+            assert_rel_close(f"o[{i}]", o[:, b0:b1].detach().cpu(), ro, FP32_TOL)
+        assert_rel_close(f"final_state[{i}]", s[i:i + 1].detach().cpu(), rs, FP32_TOL)
+
+
 @pytest.mark.parametrize("L", [64, 128, 256])
 def test_fwd_varlen_matches_per_sequence_runs(device, poison_empty, L):
     T = 400

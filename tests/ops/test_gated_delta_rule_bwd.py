@@ -228,6 +228,31 @@ def test_bwd_fp32_gpu_shapes(B, T, H, HV, K, V, L):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("K,V", [(16, 32), (32, 16), (16, 16)])
+@pytest.mark.parametrize("L", [64, 128])
+def test_bwd_16bit_head_dim_16_gpu(dtype, K, V, L):
+    """16-bit inputs with head dims of 16: every tile entering a dot is at least 32 wide (``dot_tile``). With 16-wide
+    tiles dk (K = 16) and dv, dbeta (V = 16) came out wrong on an H100 under Triton 3.6 (rel-L2 ~1, 2026-11-24).
+    Gradients against the float64 reference within a 16-bit tolerance (measured fine: ~5e-4 fp16, ~4e-3 bf16)."""
+    x = gdn_inputs(1, 300, 1, K, V, HV=2, dtype=dtype, device="cuda", initial_state=True, seed=K + V + L)
+    names = ("q", "k", "v", "g", "beta", "initial_state")
+    gen = torch.Generator(device="cuda").manual_seed(L)
+    do = torch.randn(1, 300, 2, V, device="cuda", generator=gen).to(dtype)
+
+    def grads(fn, up=False):
+        leaves = [(x[n].double() if up else x[n]).clone().requires_grad_() for n in names]
+        o, s = fn(*leaves[:5], initial_state=leaves[5], output_final_state=True)
+        return torch.autograd.grad((o * do.to(o.dtype)).sum() + s.sum(), leaves)
+
+    ref = grads(lambda *a, **kw: chunk_gated_delta_rule_ref(*a, chunk_size=64, **kw), up=True)
+    got = grads(lambda *a, **kw: tfla.chunk_gated_delta_rule(*a, chunk_size=L, **kw))
+    tol = 3e-3 if dtype == torch.float16 else 2e-2
+    for name, a, r in zip(NAMES, got, ref):
+        assert_rel_close(name, a.double().cpu(), r.cpu(), tol)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("L", [64, 256])
 def test_bwd_deterministic(L):
     """Two backward passes on the same inputs give bitwise-identical gradients (no atomics)."""

@@ -26,7 +26,7 @@ import triton.language as tl
 
 from tfla.ops.common.chunk_state import _sequence_slots, _tile_of
 from tfla.ops.common.grid import check_varlen_batch, program_tile, tile_grid
-from tfla.ops.common.utils import SUB_CHUNK, acc_dtype, cdiv, dot_precision, next_pow2
+from tfla.ops.common.utils import SUB_CHUNK, acc_dtype, cdiv, dot_precision, dot_tile, next_pow2
 
 
 @triton.jit
@@ -193,8 +193,8 @@ def chunk_dqkw_bwd(
     # and value tiles, 4 warps, 3 stages: 0.696 ms (2 stages 0.720, 8 warps 0.999, BV 32 / 128 0.876 / 0.769, BK 32
     # 0.961); local sm_90 compile at 2 stages: 246 registers, no spills, 64 KiB shared memory
     cfg = {"BK": 64, "BV": 64, "num_warps": 4, "num_stages": 3, **(config or {})}
-    BK = min(max(16, next_pow2(K)), cfg["BK"])
-    BV = min(max(16, next_pow2(V)), cfg["BV"])
+    BK = dot_tile(K, cfg["BK"], q.dtype)
+    BV = dot_tile(V, cfg["BV"], q.dtype)
     NK = cdiv(K, BK)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     dq = torch.empty(B, T, HV, K, dtype=dq_dtype or q.dtype, device=q.device)

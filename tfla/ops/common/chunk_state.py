@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from tfla.ops.common.grid import needs_int64, program_pair, tile_grid
-from tfla.ops.common.utils import SUB_CHUNK, acc_dtype, cdiv, dot_precision, next_pow2
+from tfla.ops.common.utils import SUB_CHUNK, acc_dtype, cdiv, dot_precision, dot_tile, next_pow2
 
 
 @triton.jit
@@ -332,8 +332,8 @@ def chunk_state_fwd(
     # 3 stages (H100); a config that sets num_stages wins
     if gv_cum is not None and "num_stages" not in (config or {}):
         cfg.update(unroll=False, num_stages=1 if K > 64 else 2)
-    BK = max(16, next_pow2(K))
-    BV = min(max(16, next_pow2(V)), cfg["BV"])
+    BK = dot_tile(K, 1 << 20, k.dtype)
+    BV = dot_tile(V, cfg["BV"], k.dtype)
     grid, flat = tile_grid(cdiv(V, BV), N * HV, force_flat=cfg.get("flat", False))
     _chunk_state_fwd_kernel[grid](
         k, v, w, v_new, g_cum, h, initial_state, final_state, gk_cum, gb, cu_seqlens, chunk_offsets,

@@ -10,7 +10,7 @@ import triton.language as tl
 from tfla.ops.common.chunk_state import (_idx64, _row_split, _sequence_slots, _state_acc, _vec_decays,
                                          intra_supported)
 from tfla.ops.common.grid import program_pair, tile_grid
-from tfla.ops.common.utils import SUB_CHUNK, acc_dtype, cdiv, dot_precision, next_pow2
+from tfla.ops.common.utils import SUB_CHUNK, acc_dtype, cdiv, dot_precision, dot_tile, next_pow2
 
 @triton.jit
 def _rowscaled_qdot(b_q, b_x, b_sr, dt: tl.constexpr, ACC: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -323,8 +323,8 @@ def chunk_state_bwd(
     wide = w is not None and K <= 128 and k.element_size() == 2  # 16-bit only: fp32 tiles double the smem
     cfg = {"BV": 64 if wide else 32, "num_warps": 8 if wide else 4,
            "num_stages": 2 if (K <= 128 or k.element_size() == 2) and gv_cum is None else 1, **(config or {})}
-    BK = max(16, next_pow2(K))
-    BV = min(max(16, next_pow2(V)), cfg["BV"])
+    BK = dot_tile(K, 1 << 20, k.dtype)
+    BV = dot_tile(V, cfg["BV"], k.dtype)
     # 16-bit inputs read S in this kernel only on pipelined launches (a config override to one stage keeps dS
     # apart: that launch faults under Triton 3.6 on the H100, 2026-11-23; fine under 3.9)
     sds_on = sds and (k.element_size() > 2 or cfg["num_stages"] >= 2)

@@ -35,6 +35,7 @@ from tfla.ops.common.utils import (
     cdiv,
     device_sm_count,
     dot_precision,
+    dot_tile,
     next_pow2,
 )
 from tfla.ops.common.varlen import chunk_tables
@@ -201,14 +202,15 @@ def fused_delta_pass(q, k, v, g_cum, beta, ai, scale, initial_state=None, output
     if N * HV == 0:
         return o, final, v_new, h
     check_varlen_batch(B, cu_seqlens)
-    BK = max(16, next_pow2(K))
+    BK = dot_tile(K, 1 << 20, q.dtype)
+    # fp32 / fp64 at head dims past 128: one stage (two need 320 KB of shared memory at K = V = 256, fp32; sm_90
+    # compile with Triton 3.6), unless the config sets it
+    stages = cfg["num_stages"] if "num_stages" in (config or {}) or q.element_size() < 4 or BK <= 128 else 1
     if transition:
         width = cfg["mn_BV"]
     else:
         width = cfg["BV"] or wide_tiles(N * HV, V, device_sm_count(q.device.index or 0) if q.is_cuda else 132)
-    # at least 32 columns: 16-wide 16-bit dot operands read shared memory out of bounds under Triton 3.6 (as in
-    # ut_transform's U product; H100, 2026-11-24: wrong dv with V = 16, fp16)
-    BV = min(max(32, next_pow2(ncol)), max(32, width))
+    BV = dot_tile(ncol, width, q.dtype)
     grid, flat = tile_grid(cdiv(ncol, BV), N * HV, force_flat=cfg.get("flat", False))
     _fused_delta_fwd_kernel[grid](
         q, k, v, g_cum, beta, ai, a, o, v_new, h, initial_state, final, cu_seqlens, chunk_offsets, scale, T,
@@ -216,7 +218,7 @@ def fused_delta_pass(q, k, v, g_cum, beta, ai, scale, initial_state=None, output
         STORE_FINAL_STATE=final is not None, IS_VARLEN=cu_seqlens is not None, SAVE=save, TRANSITION=transition,
         DOT_PREC=dot_precision(q.dtype), ACC=acc_dtype(q.dtype),
         IDX64=cfg.get("idx64", False) or _idx64(T, H, HV, K, V),
-        FLAT=flat, num_warps=cfg["mn_warps" if transition else "num_warps"], num_stages=cfg["num_stages"],
+        FLAT=flat, num_warps=cfg["mn_warps" if transition else "num_warps"], num_stages=stages,
     )
     return o, final, v_new, h
 

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from tfla.ops.common.grid import check_varlen_batch, program_rows, tile_grid
-from tfla.ops.common.utils import SUB_CHUNK, acc_dtype, cdiv, dot_precision, next_pow2
+from tfla.ops.common.utils import SUB_CHUNK, acc_dtype, cdiv, dot_precision, dot_tile, next_pow2
 
 
 @triton.jit
@@ -395,7 +395,7 @@ def w_from_tm(
     grid, flat = tile_grid(NS, B * HV, force_flat=cfg.get("flat", False))
     _gdn_wy_fwd_kernel[grid](
         k, None, g_cum, beta, ai, w, None, cu_seqlens, sub_indices, T, H=H, HV=HV, K=K, V=16, BT=chunk_size, FLAT=flat,
-        BK=min(max(16, next_pow2(K)), cfg["BK"]), BV=16, USE_G=g_cum is not None, IS_VARLEN=cu_seqlens is not None,
+        BK=dot_tile(K, cfg["BK"], k.dtype), BV=16, USE_G=g_cum is not None, IS_VARLEN=cu_seqlens is not None,
         DOT_PREC=dot_precision(k.dtype), ACC=acc_dtype(k.dtype), WITH_U=False,
         num_warps=cfg["wy_warps"], num_stages=cfg["wy_stages"],
     )
@@ -422,7 +422,7 @@ def _ut_launch(k, v, g_cum, beta, chunk_size, cu_seqlens, sub_indices, config, a
     if NS == 0 or B * HV == 0:
         return (w, u, ai) if q is None else (ai, sc)
     check_varlen_batch(B, cu_seqlens)
-    BK = min(max(16, next_pow2(K)), cfg["BK"])
+    BK = dot_tile(K, cfg["BK"], k.dtype)
     # U's value tiles at least 32 wide: with 16 columns (V <= 16) in 16-bit the U product of _gdn_wy_fwd_kernel read
     # shared memory out of bounds (Triton 3.6, H100, compute-sanitizer, 2026-11-24: an illegal memory access)
     BV = max(32, min(next_pow2(V), cfg["BV"]))
@@ -432,7 +432,7 @@ def _ut_launch(k, v, g_cum, beta, chunk_size, cu_seqlens, sub_indices, config, a
     if compute_ai:
         _gdn_ut_inverse_kernel[grid](
             q, k, v, g_cum, beta, ai, sc, w, u, cu_seqlens, sub_indices, scale, T, WITH_SCORES=q is not None,
-            BK=min(max(16, next_pow2(K)), 64),
+            BK=dot_tile(K, 64, k.dtype),
             # Tm is rounded to k's dtype afterwards: TF32 merges suffice for 16-bit inputs, fp32 stays exact
             MERGE_PREC=dot_precision(k.dtype), num_warps=cfg["inv_warps"], **common,
         )

@@ -37,6 +37,15 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def dot_tile(n: int, cap: int, dtype: torch.dtype) -> int:
+    """Width of a head-dim tile that enters ``tl.dot``: the power of two covering ``n`` columns, at most ``cap``, at
+    least 16, and at least 32 for 16-bit operands: 16-wide 16-bit tiles read shared memory out of bounds under
+    Triton 3.6 on Hopper (H100, 2026-11-24: an illegal address in the UT transform at V = 16; GDN's dv and dbeta
+    wrong at V = 16 and dk at K = 16, rel-L2 ~1, fp16 and bf16; masks cover the extra columns)."""
+    low = 32 if dtype in (torch.float16, torch.bfloat16) else 16
+    return max(low, min(max(16, next_pow2(n)), cap))
+
+
 def interpret_mode() -> bool:
     """True when Triton runs kernels through its CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from tfla.ops.common.grid import check_varlen_batch, program_rows, tile_grid
-from tfla.ops.common.utils import SUB_CHUNK, acc_dtype, cdiv, dot_precision, next_pow2
+from tfla.ops.common.utils import SUB_CHUNK, acc_dtype, cdiv, dot_precision, dot_tile, next_pow2
 
 @triton.jit
 def _state_terms(du, v_new, h, dh, b_en, p_tv0, p_h, p_dh, o_t, m_t, o_k, m_k, V: tl.constexpr, HV: tl.constexpr,
@@ -429,8 +429,8 @@ def wy_bwd(
     _wy_bwd_kernel[grid](
         k, v, beta, g_cum, ai, v_new, du, h_sub if h_sub is not None else dh_arg, dh_arg, dk, dv, dbeta, dgam, gk_cum,
         gb, cu_seqlens, sub_indices, T,
-        H=H, HV=HV, K=K, V=V, BT=chunk_size, BK=min(max(16, next_pow2(K)), cfg["BK"]),
-        BV=min(max(16, next_pow2(V)), cfg["BV"]), USE_G=g_cum is not None, SPLIT_G=gk_cum is not None,
+        H=H, HV=HV, K=K, V=V, BT=chunk_size, BK=dot_tile(K, cfg["BK"], k.dtype),
+        BV=dot_tile(V, cfg["BV"], k.dtype), USE_G=g_cum is not None, SPLIT_G=gk_cum is not None,
         HAS_GB=gb is not None, DELTA=delta,
         IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(k.dtype), ACC=acc_dtype(k.dtype),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
