@@ -24,6 +24,7 @@ def test_bench_gdn_small(tmp_path, capsys):
     rows = [r for r in data["rows"] if r["impl"].startswith("tfla")]
     assert len(rows) == 4 and all(r["status"] == "ok" and r["ms"] > 0 for r in rows)
     assert all(r["err_o"] < 1e-5 for r in rows)
+    assert all(r["first_s"] > 0 for r in rows) and "first call s" in out  # the first call's wall time
     assert data["env"]["torch"] == torch.__version__
     with open(csv_path, newline="") as f:
         assert [r["impl"] for r in csv.DictReader(f)] == [r["impl"] for r in rows]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import time
 from dataclasses import dataclass
 
 import torch
@@ -270,7 +271,11 @@ def run(args) -> tuple[list[dict], dict]:
                        "gate": "qwen3-next in op" if wl.layer else args.gate, "workload": args.workload or "custom",
                        "label": wl.label()}
                 try:
+                    t0 = time.perf_counter()  # the first call at this workload: compiles what it has not yet
                     o, s, grads = _run_impl(impl, x, do)
+                    if device == "cuda":
+                        torch.cuda.synchronize()
+                    row["first_s"] = time.perf_counter() - t0
                     row["err_o"], row["err_state"] = rel_l2(o, ref_o), rel_l2(s, ref_s)
                     if grads is not None:
                         for name, gr, rg in zip(GRAD_NAMES, grads, ref_g):
@@ -325,13 +330,13 @@ def print_table(rows: list[dict], meta: dict) -> None:
               title_justify="left")
     grad_cols = [] if mode == "fwd" else [f"err {n}" for n in GRAD_NAMES]
     bw_cols = ["GB/s (min bytes)"] if mode == "fwd" else []
-    for col in ("impl", "workload", "ms", "TFLOP/s", *bw_cols, "peak MiB", "state MiB",
+    for col in ("impl", "workload", "ms", "first call s", "TFLOP/s", *bw_cols, "peak MiB", "state MiB",
                 "err o", "err state", *grad_cols, "vs FLA", "status"):
         t.add_column(col, justify="left" if col in ("impl", "workload", "status") else "right")
     for r in rows:
         wl = r.get("label") or (f"B={r['B']} T={r['T']} H={r['H']}" + (f" HV={r['HV']}" if r["HV"] != r["H"] else "")
                                 + f" K={r['K']} V={r['V']} {r['dtype']}")
-        t.add_row(r["impl"], wl, fmt(r.get("ms")), fmt(r.get("tflops"), ".1f"),
+        t.add_row(r["impl"], wl, fmt(r.get("ms")), fmt(r.get("first_s"), ".1f"), fmt(r.get("tflops"), ".1f"),
                   *([fmt(r.get("gbps_min"), ".0f")] if bw_cols else []),
                   fmt(r.get("peak_mib"), ".0f"), fmt(r.get("state_mib"), ".1f"), fmt(r.get("err_o"), ".2e"),
                   fmt(r.get("err_state"), ".2e"), *[fmt(r.get(f"err_{n}"), ".2e") for n in GRAD_NAMES if grad_cols],
