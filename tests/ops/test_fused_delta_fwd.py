@@ -236,3 +236,55 @@ def test_varlen_tables_cached_per_cu_seqlens(device, monkeypatch):
     for a, b in zip(got, want):
         assert torch.equal(a, b)
     assert not torch.equal(got[0], first[0])
+
+
+def test_varlen_refuses_cuda_graph_capture(device, monkeypatch):
+    """A varlen call under CUDA-graph capture raises (the tables would be those of the offsets at capture time)."""
+    import tfla
+    import tfla.ops.common.varlen as varlen
+
+    monkeypatch.setattr(varlen, "_capturing", lambda: True)
+    x = gdn_inputs(1, 70, 1, 16, 16, dtype=torch.float32, device=device, num_seqs=2, seed=1)
+    cu = torch.tensor([0, 30, 70], device=device)
+    with pytest.raises(ValueError, match="CUDA-graph capture"):
+        tfla.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], cu_seqlens=cu)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("segments", [1, 3])
+@pytest.mark.parametrize("grad", [False, True])
+def test_cuda_graph_replay_equals_eager(segments, grad):
+    """The dense forward (unsplit or cut into pieces) and forward + backward captured in a CUDA graph after a warm-up
+    call, replayed with new input contents: equal to eager calls on those inputs."""
+    import tfla
+
+    names = ("q", "k", "v", "g", "beta", "initial_state")
+    static = gdn_inputs(2, 300, 2, 64, 64, HV=4, dtype=torch.bfloat16, device="cuda", initial_state=True, seed=1)
+    static = {n: static[n].clone().requires_grad_(grad) for n in names}
+    do = torch.randn(2, 300, 4, 64, device="cuda").bfloat16()
+
+    def step():
+        o, s = tfla.chunk_gated_delta_rule(*(static[n] for n in names[:5]), initial_state=static["initial_state"],
+                                           output_final_state=True, segments=segments)
+        if not grad:
+            return [o, s]
+        return [o, s, *torch.autograd.grad((o * do).sum() + s.sum(), [static[n] for n in names])]
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.set_grad_enabled(grad):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), torch.set_grad_enabled(grad):
+        out = step()
+    fresh = gdn_inputs(2, 300, 2, 64, 64, HV=4, dtype=torch.bfloat16, device="cuda", initial_state=True, seed=2)
+    with torch.no_grad():
+        for n in names:
+            static[n].copy_(fresh[n])
+    graph.replay()
+    with torch.set_grad_enabled(grad):
+        want = step()
+    for a, b in zip(out, want):
+        assert torch.equal(a, b)

@@ -7,7 +7,9 @@ the host once per ``cu_seqlens`` tensor (``cached_bounds``: keyed by the tensor'
 version counter, as FLA's ``tensor_cache`` keys on identity). A host read or copy waits for the device's queue: before
 this cache the Qwen3-Next-style layer spent ~0.5 ms per forward there (H100, 2026-11-24: 2.17 ms wall for 1.67 ms of
 kernels). Writing new offsets into the same tensor by a PyTorch op bumps its version and rebuilds; writing them from
-outside PyTorch (a custom kernel, a CUDA-graph replay) is not seen: pass ``cu_seqlens_cpu`` or a new tensor then.
+outside PyTorch (a custom kernel) is not seen: pass ``cu_seqlens_cpu`` or a new tensor then. A CUDA-graph capture of a
+varlen call raises ``ValueError``: the graph would keep the tables of the offsets at capture time, and a replay with
+other offsets would be silently wrong.
 """
 from __future__ import annotations
 
@@ -22,6 +24,10 @@ from tfla.ops.common.utils import SUB_CHUNK, cdiv, seqlens_to_list
 
 _BOUNDS_CACHE_SIZE = 16
 _bounds_cache: "collections.OrderedDict" = collections.OrderedDict()
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def cached_bounds(cu_seqlens: torch.Tensor) -> list[int]:
@@ -102,6 +108,15 @@ class VarlenIndex:
 
     @classmethod
     def build(cls, cu_seqlens: torch.Tensor, chunk_size: int, bounds: list[int] | None = None) -> "VarlenIndex":
+        """The tables of ``cu_seqlens`` at chunks of ``chunk_size`` and of 64 rows (cached).
+
+        Raises:
+            ValueError: called while a CUDA graph is being captured (varlen calls are not capturable yet).
+        """
+        if _capturing():
+            raise ValueError("`cu_seqlens` under CUDA-graph capture is not supported: the index tables come from the "
+                             "offsets at capture time, so a replay with other offsets would be wrong; run varlen "
+                             "calls outside the graph (dense calls can be captured)")
         bounds = cached_bounds(cu_seqlens) if bounds is None else bounds
         ci, co, si, so = _tables(tuple(bounds), (int(chunk_size), SUB_CHUNK), cu_seqlens.device)
         return cls(cu_seqlens=cu_seqlens, bounds=bounds, chunk_indices=ci, chunk_offsets=co, sub_indices=si,
