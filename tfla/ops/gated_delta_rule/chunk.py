@@ -23,6 +23,7 @@ from tfla.ops.common.chunk_state import chunk_state_fwd, intra_supported
 from tfla.ops.common.chunk_state_bwd import chunk_state_bwd
 from tfla.ops.common.cumsum import chunk_local_cumsum
 from tfla.ops.common.fused_delta_fwd import SAVE_NONE, SAVE_STATES, SAVE_V_NEW, fused_delta_fwd
+from tfla.ops.common.group_sum import group_sum
 from tfla.ops.common.l2norm import l2norm
 from tfla.ops.common.utils import LOG_DECAY_FLOOR, RCP_LN2, SUB_CHUNK
 from tfla.ops.common.ut_transform import ut_transform_fwd, w_from_tm
@@ -210,8 +211,7 @@ def chunk_gated_delta_rule_bwd(
     dg = chunk_local_cumsum(dgq, L, reverse=True, chunk_indices=varlen.chunk_indices if varlen else None,
                             out_dtype=acc, sub=dgk, add=dgam, **ck)
     if grouped:  # a key head's gradient sums over its value heads
-        dq = dq.view(B, T, H, HV // H, K).sum(3).to(q.dtype)
-        dk = dk.view(B, T, H, HV // H, K).sum(3).to(k.dtype)
+        dq, dk = group_sum(dq, H, q.dtype), group_sum(dk, H, k.dtype)
     return dq, dk, dv, dg, dbeta, dh0
 
 
