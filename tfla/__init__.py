@@ -11,6 +11,7 @@ __version__ = "0.1.0"
 
 _OPS = {
     "chunk_gated_delta_rule": "tfla.ops.gated_delta_rule",
+    "fused_recurrent_gated_delta_rule": "tfla.ops.gated_delta_rule",
     "chunk_simple_gla": "tfla.ops.simple_gla",
     "chunk_retention": "tfla.ops.simple_gla",
     "chunk_linear_attn": "tfla.ops.simple_gla",
