@@ -247,7 +247,11 @@ def test_ab_and_tune_scripts_run_through_config(capsys):
     tune["main"](["gdn", "--mode", "fwd", "--shape", "1,70,1,16,16", "--stage", "output", "--grid",
                   '{"num_warps": [4, 8]}'])
     after = _module_state()
-    assert all(after[name] == state for name, state in before.items() if name in after)
+    # every attribute a module had before is the same object after (new ones are allowed: a submodule imported on
+    # the way, or names Triton's CPU interpreter puts into a kernel's module the first time it runs one)
+    changed = [f"{name}.{k}" for name, state in before.items() if name in after
+               for k, v in state.items() if k not in after[name] or after[name][k] is not v]
+    assert not changed, changed
     out = capsys.readouterr().out
     assert "w8 vs base: o equal" in out and "base" in out and "ms  rounds" in out
     assert out.count('{"output": {"num_warps"') == 4 and "WRONG" not in out
