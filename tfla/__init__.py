@@ -19,6 +19,10 @@ _OPS = {
     "chunk_gla": "tfla.ops.gla",
     "chunk_mlstm": "tfla.ops.mlstm.chunk",
     "mlstm_step": "tfla.ops.mlstm.step",
+    "elman": "tfla.ops.rnn",
+    "lstm": "tfla.ops.rnn",
+    "gru": "tfla.ops.rnn",
+    "slstm": "tfla.ops.rnn",
 }
 
 __all__ = sorted(_OPS)

@@ -1,0 +1,311 @@
+"""Multi-head Elman, LSTM, GRU and sLSTM (FlashRNN's cells) on the alternating path: per time step one batched
+matmul ``R h_{t-1}`` for all gates and heads (PyTorch, fp32 accumulation), then one fused Triton pointwise kernel.
+
+Notation: B batch, T time, G gates, NH heads, D head dim, S states of the cell, N sequences (B, or
+``len(cu_seqlens) - 1`` for varlen), Tm the longest sequence.
+
+Backward: time in reverse, one fused pointwise kernel per step (pre-activation gradients, carried c / n
+gradients), the recurrent gradient ``R^T`` (pre-activation gradients) as one batched matmul per step, and after
+the loop dR as one batched matmul over all (t, batch) rows and db as one sum. Definitions: ``README.md`` here.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from tfla.ops.common.utils import SUPPORTED_DTYPES, cdiv, check_device, next_pow2
+from tfla.ops.common.varlen import cached_bounds
+from tfla.ops.rnn import pointwise
+from tfla.ops.rnn.reference import CELL_GATES, CELL_STATES
+from tfla.utils.validation import check_cotangent, check_tensor, check_varlen_bounds
+
+_CELL_IDS = {"elman": pointwise.ELMAN, "lstm": pointwise.LSTM, "gru": pointwise.GRU, "slstm": pointwise.SLSTM}
+_MAX_BLOCK = 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class RNNOptions:
+    cell: str
+    lengths: tuple[int, ...]  # steps of each of the N sequences (all T without varlen)
+    output_final_state: bool
+
+
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _tl_acc(dtype: torch.dtype):
+    import triton.language as tl
+
+    return tl.float64 if dtype == torch.float64 else tl.float32
+
+
+def _block(E: int) -> int:
+    return min(_MAX_BLOCK, next_pow2(E))
+
+
+def rnn_fwd(cell: str, x, R, b, state0):
+    """Forward on a padded batch. x ``[N, Tm, G, NH, D]``; state0 ``[S, NH, N, D]`` (ACC dtype).
+
+    Returns ``(o [N, Tm, NH, D] in x's dtype, states [Tm + 1, S, NH, N, D], rh [Tm, NH, N, G * D], Wt, b_acc)``
+    with ``Wt [NH, D, G * D]`` (R as the right operand of ``h @ Wt``) and every state step kept for the backward.
+    """
+    N, Tm, G, NH, D = x.shape
+    acc = _acc(x.dtype)
+    Wt = R.to(acc).permute(1, 3, 0, 2).reshape(NH, D, G * D)  # Wt[n, d, g*D + e] = R[g, n, e, d]
+    b_acc = b.to(acc).contiguous()
+    states = torch.empty(Tm + 1, *state0.shape, device=x.device, dtype=acc)
+    states[0] = state0
+    rh = torch.empty(Tm, NH, N, G * D, device=x.device, dtype=acc)
+    o = torch.empty(N, Tm, NH, D, device=x.device, dtype=x.dtype)
+    E = NH * N * D
+    BE = _block(E)
+    grid = (cdiv(E, BE),)
+    for t in range(Tm):
+        torch.matmul(states[t, 0], Wt, out=rh[t])
+        xt, ot = x[:, t], o[:, t]
+        pointwise._rnn_pointwise_fwd_kernel[grid](
+            xt, rh[t], b_acc, states[t], states[t + 1], ot, N, NH, D,
+            xt.stride(0), xt.stride(1), xt.stride(2), xt.stride(3), ot.stride(0), ot.stride(1), ot.stride(2),
+            CELL=_CELL_IDS[cell], G=G, BE=BE, ACC=_tl_acc(x.dtype))
+    return o, states, rh, Wt, b_acc
+
+
+def rnn_bwd(cell: str, x, Wt, b_acc, states, rh, do, dstate_final, lengths):
+    """Backward of ``rnn_fwd``. do ``[N, Tm, NH, D]``; dstate_final ``[S, NH, N, D]`` (ACC dtype; the m slot is
+    ignored), added before the step ``lengths[n] - 1`` of each sequence n. Returns ``(dx [N, Tm, G, NH, D],
+    dR [G, NH, D, D], db [G, NH, D], dstate0 [S, NH, N, D])``, all in the ACC dtype."""
+    N, Tm, G, NH, D = x.shape
+    S = states.shape[1]
+    acc = states.dtype
+    dh_rec = torch.zeros(NH, N, D, device=x.device, dtype=acc)
+    ds = torch.zeros(S, NH, N, D, device=x.device, dtype=acc)
+    n_carried = 3 if cell == "slstm" else S  # h (and c, n); the sLSTM's m is a constant
+    inject: dict[int, list[int]] = {}
+    for n, L in enumerate(lengths):
+        inject.setdefault(L - 1, []).append(n)
+
+    def add_final(rows):
+        idx = torch.tensor(rows, device=x.device)
+        dh_rec[:, idx] += dstate_final[0][:, idx]
+        if n_carried > 1:
+            ds[1:n_carried, :, idx] += dstate_final[1:n_carried][:, :, idx]
+
+    dx = torch.empty(N, Tm, G, NH, D, device=x.device, dtype=acc)
+    drh = torch.empty(Tm, NH, N, G * D, device=x.device, dtype=acc)
+    WtT = Wt.transpose(1, 2)
+    E = NH * N * D
+    BE = _block(E)
+    grid = (cdiv(E, BE),)
+    for t in range(Tm - 1, -1, -1):
+        if t in inject:
+            add_final(inject[t])
+        xt, dot, dxt = x[:, t], do[:, t], dx[:, t]
+        pointwise._rnn_pointwise_bwd_kernel[grid](
+            xt, rh[t], b_acc, states[t], states[t + 1], dot, dh_rec, ds, dxt, drh[t], N, NH, D,
+            xt.stride(0), xt.stride(1), xt.stride(2), xt.stride(3), dot.stride(0), dot.stride(1), dot.stride(2),
+            dxt.stride(0), dxt.stride(1), dxt.stride(2), dxt.stride(3),
+            CELL=_CELL_IDS[cell], G=G, BE=BE, ACC=_tl_acc(x.dtype))
+        dh_rec = torch.baddbmm(ds[0], drh[t], WtT)  # direct part (GRU's z dh) + R^T (pre-activation gradients)
+    if -1 in inject:  # empty sequences: the final state is the initial state
+        add_final(inject[-1])
+    dstate0 = torch.zeros_like(ds)
+    dstate0[0] = dh_rec
+    dstate0[1:n_carried] = ds[1:n_carried]
+    # dR[g, n, e, d] = sum over (t, batch) of drh[t, n, batch, g*D + e] h_{t-1}[n, batch, d]: one batched matmul
+    h_prev = states[:Tm, 0].permute(1, 0, 2, 3).reshape(NH, Tm * N, D)
+    drh_rows = drh.permute(1, 0, 2, 3).reshape(NH, Tm * N, G * D)
+    dR = torch.bmm(drh_rows.transpose(1, 2), h_prev).view(NH, G, D, D).permute(1, 0, 2, 3)
+    db = drh.sum((0, 2)).view(NH, G, D).transpose(0, 1)
+    return dx, dR, db, dstate0
+
+
+class RNNFunction(torch.autograd.Function):
+    """``(opts, x, R, b, *state0) -> (o, *final_state)``; state tensors ``[N, NH, D]`` (N = len(opts.lengths))."""
+
+    @staticmethod
+    def forward(ctx, opts: RNNOptions, x, R, b, *state0):
+        N, Tm, G, NH, D = x.shape
+        S = len(CELL_STATES[opts.cell])
+        acc = _acc(x.dtype)
+        if state0:
+            s0 = torch.stack([s.to(acc).transpose(0, 1) for s in state0])  # [S, NH, N, D]
+        else:
+            s0 = torch.zeros(S, NH, N, D, device=x.device, dtype=acc)
+        o, states, rh, Wt, b_acc = rnn_fwd(opts.cell, x, R, b, s0)
+        ctx.save_for_backward(x, Wt, b_acc, states, rh)
+        ctx.opts = opts
+        ctx.meta = (R.dtype, b.dtype, tuple(s.dtype for s in state0))
+        if not opts.output_final_state:
+            return (o,)
+        idx = torch.tensor(opts.lengths, device=x.device)
+        final = states[idx, :, :, torch.arange(N, device=x.device)]  # [N, S, NH, D]
+        return (o, *(final[:, k].contiguous() for k in range(S)))
+
+    @staticmethod
+    def backward(ctx, do, *dfinal):
+        x, Wt, b_acc, states, rh = ctx.saved_tensors
+        opts = ctx.opts
+        N, Tm, G, NH, D = x.shape
+        S = states.shape[1]
+        if do is None:
+            do = torch.zeros(N, Tm, NH, D, device=x.device, dtype=x.dtype)
+        check_cotangent("h", do, (N, Tm, NH, D), None)
+        dsf = torch.zeros(S, NH, N, D, device=x.device, dtype=states.dtype)
+        for k, g in enumerate(dfinal):
+            if g is not None:
+                check_cotangent(f"final_state[{k}]", g, (N, NH, D), None)
+                dsf[k] = g.to(states.dtype).transpose(0, 1)
+        dx, dR, db, ds0 = rnn_bwd(opts.cell, x, Wt, b_acc, states, rh, do, dsf, opts.lengths)
+        R_dtype, b_dtype, s_dtypes = ctx.meta
+        dstate = tuple(ds0[k].transpose(0, 1).to(dt) for k, dt in enumerate(s_dtypes))
+        return (None, dx.to(x.dtype), dR.to(R_dtype), db.to(b_dtype), *dstate)
+
+
+def _check(cell, x, R, b, initial_state, output_final_state, cu_seqlens):
+    gates, states = CELL_GATES[cell], CELL_STATES[cell]
+    G = len(gates)
+    check_tensor("x", x, 5)
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"`x` dtype must be one of float32/float16/bfloat16 (or float64), got {x.dtype}")
+    B, T, Gx, NH, D = x.shape
+    if Gx != G:
+        raise ValueError(f"`x` must be [B, T, G, NH, D] with G={G} gates {gates} for the {cell} cell, "
+                         f"got G={Gx} (shape {tuple(x.shape)})")
+    if NH < 1 or D < 1:
+        raise ValueError(f"`x` must have at least one head and head dim >= 1, got NH={NH}, D={D}")
+    check_tensor("R", R, 4)
+    if tuple(R.shape) != (G, NH, D, D):
+        raise ValueError(f"`R` must be [G, NH, D, D] = {(G, NH, D, D)} ([out, in] per gate and head) for x of "
+                         f"shape {tuple(x.shape)}, got {tuple(R.shape)}")
+    check_tensor("b", b, 3)
+    if tuple(b.shape) != (G, NH, D):
+        raise ValueError(f"`b` must be [G, NH, D] = {(G, NH, D)}, got {tuple(b.shape)}")
+    for name, t in (("R", R), ("b", b)):
+        if t.dtype not in (x.dtype, torch.float32) or (x.dtype == torch.float64 and t.dtype != torch.float64):
+            raise TypeError(f"`{name}` dtype must be float32 or x's dtype ({x.dtype}), got {t.dtype}")
+    check_device("x", x)
+    for name, t in (("R", R), ("b", b)):
+        if t.device != x.device:
+            raise ValueError(f"`{name}` is on {t.device} but `x` is on {x.device}")
+    if not isinstance(output_final_state, bool):
+        raise TypeError(f"`output_final_state` must be a bool, got {type(output_final_state).__name__}")
+    N = B
+    lengths = (T,) * B
+    if cu_seqlens is not None:
+        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 \
+                or cu_seqlens.dtype not in (torch.int32, torch.int64):
+            raise TypeError("`cu_seqlens` must be a 1-D int32/int64 tensor of N + 1 sequence offsets")
+        if cu_seqlens.device != x.device:
+            raise ValueError(f"`cu_seqlens` is on {cu_seqlens.device} but `x` is on {x.device}")
+        if B != 1:
+            raise ValueError(f"with `cu_seqlens` the batch size must be 1 (sequences packed along T), got B={B}")
+        if cu_seqlens.numel() < 2:
+            raise ValueError("`cu_seqlens` must hold at least two offsets [0, ..., T]")
+        bounds = cached_bounds(cu_seqlens)
+        check_varlen_bounds(bounds, T)
+        lengths = tuple(b1 - b0 for b0, b1 in zip(bounds[:-1], bounds[1:]))
+        N = len(lengths)
+    if initial_state is not None:
+        if not isinstance(initial_state, (tuple, list)) or len(initial_state) != len(states):
+            got = len(initial_state) if isinstance(initial_state, (tuple, list)) else type(initial_state).__name__
+            raise ValueError(f"`initial_state` must be a tuple of {len(states)} tensors {states} for the {cell} "
+                             f"cell, each [N, NH, D], got {got}")
+        for name, s in zip(states, initial_state):
+            if not isinstance(s, torch.Tensor):
+                raise TypeError(f"`initial_state` entry {name!r} must be a torch.Tensor, got {type(s).__name__}")
+            if tuple(s.shape) != (N, NH, D):
+                raise ValueError(f"`initial_state` entry {name!r} must be [N, NH, D] = {(N, NH, D)}, "
+                                 f"got {tuple(s.shape)}")
+            if not s.is_floating_point():
+                raise TypeError(f"`initial_state` entry {name!r} must be floating point, got {s.dtype}")
+            if s.device != x.device:
+                raise ValueError(f"`initial_state` entry {name!r} is on {s.device} but `x` is on {x.device}")
+    return lengths, bounds if cu_seqlens is not None else None
+
+
+def rnn(cell: str, x, R, b, initial_state=None, output_final_state=False, *, cu_seqlens=None):
+    """Shared entry of the four cells (see ``elman``, ``lstm``, ``gru``, ``slstm``)."""
+    if cell not in CELL_GATES:
+        raise ValueError(f"`cell` must be one of {tuple(CELL_GATES)}, got {cell!r}")
+    lengths, bounds = _check(cell, x, R, b, initial_state, output_final_state, cu_seqlens)
+    opts = RNNOptions(cell, lengths, output_final_state)
+    state0 = tuple(initial_state) if initial_state is not None else ()
+    if bounds is None:
+        out = RNNFunction.apply(opts, x, R, b, *state0)
+        return out[0], (tuple(out[1:]) if output_final_state else None)
+    # varlen: the packed sequences as a padded batch [N, Tm] gathered by index (pad rows read a zero row; they
+    # run after each sequence's last step, so they change neither its outputs nor its final state)
+    Tm, T = max(lengths), x.shape[1]
+    t_idx = torch.arange(Tm, device=x.device)
+    start = torch.tensor(bounds[:-1], device=x.device)
+    valid = t_idx[None, :] < torch.tensor(lengths, device=x.device)[:, None]  # [N, Tm]
+    gather = torch.where(valid, start[:, None] + t_idx[None, :], T)  # row T: the zero row
+    x_ext = torch.cat([x[0], x.new_zeros(1, *x.shape[2:])])
+    out = RNNFunction.apply(opts, x_ext[gather], R, b, *state0)
+    h = out[0][valid].unsqueeze(0)  # [1, T, NH, D]: rows in packed order
+    return h, (tuple(out[1:]) if output_final_state else None)
+
+
+_DOC = """{title}
+
+    {recurrence}
+
+    Pre-activations ``g^j_t = x^j_t + R^j h_{{t-1}} + b^j`` per gate j and head (x already holds the input
+    projection). Alternating path: per step one batched matmul for all gates and heads plus one fused Triton
+    pointwise kernel; states and gate math in fp32 (float64 for float64 inputs). Source: {source}.
+
+    Args:
+        x: ``[B, T, G, NH, D]`` with G = {G} gates in the order {gates}; float32, float16, bfloat16 (float64 for
+            verification). With ``cu_seqlens``: B = 1 and the sequences packed along T.
+        R: ``[G, NH, D, D]`` recurrent weights, ``[out, in]`` per gate and head like an ``nn.Linear`` weight;
+            float32 or x's dtype.
+        b: ``[G, NH, D]`` bias; float32 or x's dtype.
+        initial_state: None (zeros) or a tuple {states} of ``[N, NH, D]`` tensors (N = B, or the number of
+            sequences with ``cu_seqlens``), any floating dtype.
+        output_final_state: also return the state after each sequence's last step.
+        cu_seqlens: keyword-only, 1-D int32/int64 ``[N + 1]`` offsets of packed sequences (varlen); run as a padded
+            batch of the longest length.
+
+    Returns:
+        ``(h, final_state)``: h ``[B, T, NH, D]`` in x's dtype (the hidden state after every step);
+        final_state a tuple {states} of ``[N, NH, D]`` fp32 tensors (float64 for float64 x), or None.
+        Differentiable in x, R, b and the initial state{grad_note}.
+
+    Raises:
+        ValueError: wrong ranks or shapes (gate count G, head dim D or heads NH of R / b differing from x, state
+            tuple length or shapes), bad ``cu_seqlens`` offsets or B != 1 with them, tensors on different devices.
+        TypeError: non-tensor or non-floating inputs, unsupported dtypes.
+    """
+
+
+def _make(cell: str, title: str, recurrence: str, source: str, grad_note: str = ""):
+    def op(x, R, b, initial_state=None, output_final_state=False, *, cu_seqlens=None):
+        return rnn(cell, x, R, b, initial_state, output_final_state, cu_seqlens=cu_seqlens)
+
+    op.__name__ = op.__qualname__ = cell
+    op.__doc__ = _DOC.format(title=title, recurrence=recurrence, source=source, G=len(CELL_GATES[cell]),
+                             gates=CELL_GATES[cell], states=CELL_STATES[cell], grad_note=grad_note)
+    return op
+
+
+_FLASHRNN = "FlashRNN (Pöppel et al. 2024, Section 2, Eqs. 1-4)"
+elman = _make("elman", "Multi-head Elman RNN.", "h_t = tanh(g^h_t)", _FLASHRNN)
+lstm = _make(
+    "lstm", "Multi-head LSTM; equals ``torch.nn.LSTM`` with x = input W_ih^T + b_ih, R = W_hh, b = b_hh (NH = 1).",
+    "c_t = sigmoid(g^f) c_{t-1} + sigmoid(g^i) tanh(g^z);  h_t = sigmoid(g^o) tanh(c_t)",
+    _FLASHRNN + "; torch.nn.LSTM documentation (gate order i, f, g, o)")
+gru = _make(
+    "gru", "Multi-head GRU; equals ``torch.nn.GRU`` with x = input W_ih^T + b_ih, R = W_hh, b = b_hh (NH = 1).",
+    "r = sigmoid(x_r + R_r h + b_r), z = sigmoid(x_z + R_z h + b_z), n = tanh(x_n + r (R_n h + b_n)),  "
+    "h_t = (1 - z) n + z h_{t-1}",
+    _FLASHRNN + "; torch.nn.GRU documentation (gate order r, z, n)")
+slstm = _make(
+    "slstm", "Multi-head sLSTM (xLSTM's scalar-memory LSTM with exponential input gate and max state m).",
+    "lf = logsigmoid(g^f) + m_{t-1}; m_t = g^i where n_{t-1} = 0 else max(g^i, lf); i' = exp(g^i - m_t), "
+    "f' = exp(lf - m_t);  c_t = f' c_{t-1} + i' tanh(g^z), n_t = f' n_{t-1} + i', h_t = sigmoid(g^o) c_t / n_t "
+    "(no clamps)",
+    _FLASHRNN + "; xLSTM (Beck et al. 2024)",
+    grad_note=" (m is treated as a constant in the backward, as xLSTM and FlashRNN do: no gradient flows through "
+              "m, and the initial m's gradient is zero)")
