@@ -166,7 +166,9 @@ def test_equals_torch_nn(kind, device):
     bb = b_hh.view(G, 1, D)
     state = (h0[0, :, None], c0[0, :, None]) if kind == "lstm" else (h0[0, :, None],)
     h, fin = getattr(tfla, kind)(x.to(device), R.to(device), bb.to(device), tuple(t.to(device) for t in state), True)
-    g = torch.autograd.grad([h, *fin], leaves, [cts[0].float().view_as(h)] + [c[0, :, None].float() for c in cts[1:]])
+    cts_tfla = [cts[0].float().view(B, T, 1, D)] + [c[0, :, None].float() for c in cts[1:]]
+    g = torch.autograd.grad([h, *fin], leaves, [c.to(h.device) for c in cts_tfla])
+    h, fin = h.cpu(), tuple(f.cpu() for f in fin)
 
     assert_rel_close("h", h, out[:, :, None], FP32_TOL)
     for name, f, fr in zip(("h", "c"), fin, fin_ref):
@@ -183,8 +185,8 @@ def test_exports_and_docs():
         assert cell in dir(tfla)
 
 
-def _bad(cell="lstm"):
-    x, R, b, s = _inputs(cell, 2, 3, 2, 4, torch.float32, "cpu", seed=0)
+def _bad(device, cell="lstm"):
+    x, R, b, s = _inputs(cell, 2, 3, 2, 4, torch.float32, device, seed=0)
     return x, R, b, s
 
 
@@ -199,28 +201,29 @@ def _bad(cell="lstm"):
     (lambda x, R, b, s: (x, R, b, s[0]), ValueError, "`initial_state` must be a tuple"),
     (lambda x, R, b, s: (x.int(), R, b, s), TypeError, "`x` must be a floating-point"),
     (lambda x, R, b, s: (x.half(), R.double(), b, s), TypeError, "`R` dtype"),
-    (lambda x, R, b, s: (x, R.numpy(), b, s), TypeError, "`R` must be a torch.Tensor"),
+    (lambda x, R, b, s: (x, R.cpu().numpy(), b, s), TypeError, "`R` must be a torch.Tensor"),
     (lambda x, R, b, s: (x, R, b, (s[0], s[1].long())), TypeError, "entry 'c' must be floating"),
 ])
-def test_bad_inputs(mutate, exc, match):
+def test_bad_inputs(mutate, exc, match, device):
     with pytest.raises(exc, match=match):
-        tfla.lstm(*mutate(*_bad()))
+        tfla.lstm(*mutate(*_bad(device)))
 
 
-def test_bad_gate_counts_and_varlen():
-    x, R, b, _ = _bad("gru")
+def test_bad_gate_counts_and_varlen(device):
+    x, R, b, _ = _bad(device, "gru")
+    cu = lambda *v: torch.tensor(v, device=device)  # noqa: E731
     with pytest.raises(ValueError, match="G=1 gates"):
         tfla.elman(x, R, b)
     with pytest.raises(ValueError, match="G=4 gates"):
         tfla.slstm(x, R, b)
     with pytest.raises(ValueError, match="batch size must be 1"):
-        tfla.gru(x, R, b, cu_seqlens=torch.tensor([0, 3]))
+        tfla.gru(x, R, b, cu_seqlens=cu(0, 3))
     with pytest.raises(ValueError, match="start at 0 and end at T=3"):
-        tfla.gru(x[:1], R, b, cu_seqlens=torch.tensor([0, 2]))
+        tfla.gru(x[:1], R, b, cu_seqlens=cu(0, 2))
     with pytest.raises(TypeError, match="cu_seqlens"):
-        tfla.gru(x[:1], R, b, cu_seqlens=torch.tensor([0.0, 3.0]))
+        tfla.gru(x[:1], R, b, cu_seqlens=cu(0.0, 3.0))
     with pytest.raises(ValueError, match=r"\[N, NH, D\] = \(2, 2, 4\)"):
-        tfla.gru(x[:1], R, b, (torch.zeros(1, 2, 4),), cu_seqlens=torch.tensor([0, 1, 3]))
+        tfla.gru(x[:1], R, b, (torch.zeros(1, 2, 4, device=device),), cu_seqlens=cu(0, 1, 3))
     with pytest.raises(TypeError, match="output_final_state"):
         tfla.gru(x, R, b, None, 1)
 
