@@ -33,12 +33,13 @@ from tfla.ops.common.utils import (
     SUB_CHUNK,
     acc_dtype,
     cdiv,
+    chunk_offset_rows,
     device_sm_count,
     dot_precision,
     dot_tile,
     next_pow2,
 )
-from tfla.ops.common.varlen import chunk_tables
+from tfla.ops.common.varlen import cached_bounds, chunk_tables
 from tfla.ops.common.ut_transform import ut_inverse_and_scores
 
 # launch of the fused pass (docs/performance.md). Value tiles: "BV" None picks 64 columns where the pass has
@@ -51,10 +52,12 @@ def wide_tiles(pairs: int, V: int, sms: int) -> int:
     """The fused pass's value-tile width for ``pairs`` (sequence or piece) x value-head programs per tile column: 64
     when ``pairs * ceil(V / 64)`` fills two programs per SM, else 32. An SM runs two of these programs at once and
     hides one's latency behind the other's; a 64-column program loads q, k, Tm and the scores once for twice the
-    columns. H100, bf16, K = V = 128 (2026-11-24): 64 programs (B = 4, T = 8192, H = 16) 0.73 ms at 32 columns,
-    1.23 at 64; 384 (the Qwen3-Next-style layer, 6 sequences x 32 heads) 2.17 / 2.03; 16 pieces x 16 heads 2.54 /
-    2.31 (whole forward)."""
+    columns. H100, torch 2.11, Triton 3.6, bf16, K = V = 128, whole forward without grad, tfla alone, median
+    do_bench (2026-11-24): 64 programs (B = 4, T = 8192, H = 16) 0.73 ms at 32 columns, 1.23 at 64; 384 (the
+    Qwen3-Next-style layer, 6 sequences x 32 heads) 2.17 / 2.03; 16 pieces x 16 heads 2.54 / 2.31."""
     return 64 if pairs * cdiv(V, 64) >= 2 * sms else 32
+
+
 SAVE_NONE, SAVE_V_NEW, SAVE_STATES = 0, 1, 2
 
 
@@ -287,10 +290,7 @@ def _split_tables(cuts: tuple[int, ...], first: tuple[int, ...], device: torch.d
     """The pieces' offsets (a ``cu_seqlens``), their first 64-row chunks and each sequence's first piece, int64 on
     the device from one host-to-device copy; cached per split, so a repeated call copies nothing (a copy waits for
     the device's queue)."""
-    offsets = [0]
-    for b, e in zip(cuts[:-1], cuts[1:]):
-        offsets.append(offsets[-1] + cdiv(e - b, SUB_CHUNK))
-    flat = torch.tensor(list(cuts) + offsets + list(first), dtype=torch.int64).to(device)
+    flat = torch.tensor(list(cuts) + chunk_offset_rows(cuts, SUB_CHUNK) + list(first), dtype=torch.int64).to(device)
     n = len(cuts)
     return flat[:n], flat[n:2 * n], flat[2 * n:]
 
@@ -319,7 +319,7 @@ def fused_delta_fwd(q, k, v, g, beta, scale, initial_state=None, output_final_st
     dev = q.device
     if cu_seqlens is not None:
         check_varlen_batch(B, cu_seqlens)
-        bounds = [int(x) for x in cu_seqlens.tolist()] if bounds is None else bounds
+        bounds = cached_bounds(cu_seqlens) if bounds is None else bounds
         sub, offsets = sub_tables if sub_tables is not None else chunk_tables(bounds, SUB_CHUNK, dev)
     else:
         bounds = [i * T for i in range(B + 1)]

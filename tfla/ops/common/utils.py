@@ -86,24 +86,31 @@ def seqlens_to_list(cu_seqlens: torch.Tensor) -> list[int]:
     return [int(x) for x in cu_seqlens.tolist()]
 
 
-def prepare_chunk_indices(bounds: list[int], chunk_size: int, device) -> torch.Tensor:
-    """``[NC, 2]`` int32 table of (sequence id, chunk index within that sequence) for all chunks of
-    ``chunk_size`` tokens across the sequences delimited by ``bounds`` (cu_seqlens as a list)."""
-    rows = []
+def chunk_index_rows(bounds, chunk_size: int) -> list[tuple[int, int]]:
+    """(sequence id, chunk index within that sequence) of every chunk of ``chunk_size`` tokens across the sequences
+    delimited by ``bounds`` (cu_seqlens as a list)."""
+    return [(n, i) for n in range(len(bounds) - 1) for i in range(cdiv(bounds[n + 1] - bounds[n], chunk_size))]
+
+
+def chunk_offset_rows(bounds, chunk_size: int) -> list[int]:
+    """Index of each sequence's first chunk of ``chunk_size`` tokens, and the total at the end (``N + 1`` ints)."""
+    offs = [0]
     for n in range(len(bounds) - 1):
-        for i in range(cdiv(bounds[n + 1] - bounds[n], chunk_size)):
-            rows.append((n, i))
+        offs.append(offs[-1] + cdiv(bounds[n + 1] - bounds[n], chunk_size))
+    return offs
+
+
+def prepare_chunk_indices(bounds: list[int], chunk_size: int, device) -> torch.Tensor:
+    """``[NC, 2]`` int32 table of ``chunk_index_rows`` on ``device``."""
+    rows = chunk_index_rows(bounds, chunk_size)
     if not rows:
         return torch.zeros((0, 2), dtype=torch.int32, device=device)
     return torch.tensor(rows, dtype=torch.int32, device=device)
 
 
 def prepare_chunk_offsets(bounds: list[int], chunk_size: int, device) -> torch.Tensor:
-    """``[N + 1]`` int32: index of each sequence's first chunk of ``chunk_size`` tokens."""
-    offs = [0]
-    for n in range(len(bounds) - 1):
-        offs.append(offs[-1] + cdiv(bounds[n + 1] - bounds[n], chunk_size))
-    return torch.tensor(offs, dtype=torch.int32, device=device)
+    """``[N + 1]`` int32 ``chunk_offset_rows`` on ``device``."""
+    return torch.tensor(chunk_offset_rows(bounds, chunk_size), dtype=torch.int32, device=device)
 
 
 @functools.lru_cache(maxsize=None)

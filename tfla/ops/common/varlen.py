@@ -20,7 +20,7 @@ import weakref
 
 import torch
 
-from tfla.ops.common.utils import SUB_CHUNK, cdiv, seqlens_to_list
+from tfla.ops.common.utils import SUB_CHUNK, chunk_index_rows, chunk_offset_rows, seqlens_to_list
 
 _BOUNDS_CACHE_SIZE = 16
 _bounds_cache: "collections.OrderedDict" = collections.OrderedDict()
@@ -47,26 +47,15 @@ def cached_bounds(cu_seqlens: torch.Tensor) -> list[int]:
     return bounds
 
 
-def _index_rows(bounds: tuple[int, ...], size: int) -> list[tuple[int, int]]:
-    return [(n, i) for n in range(len(bounds) - 1) for i in range(cdiv(bounds[n + 1] - bounds[n], size))]
-
-
-def _offset_rows(bounds: tuple[int, ...], size: int) -> list[int]:
-    offs = [0]
-    for n in range(len(bounds) - 1):
-        offs.append(offs[-1] + cdiv(bounds[n + 1] - bounds[n], size))
-    return offs
-
-
 @functools.lru_cache(maxsize=64)
 def _tables(bounds: tuple[int, ...], sizes: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
     """For each size in ``sizes``: the ``[NC, 2]`` int32 (sequence, chunk) table and the ``[N + 1]`` int32 first chunk
     of each sequence, all from one host-to-device copy (views of one int32 buffer)."""
     parts = []
     for size in sizes:
-        rows = _index_rows(bounds, size)
+        rows = chunk_index_rows(bounds, size)
         parts.append([x for r in rows for x in r])
-        parts.append(_offset_rows(bounds, size))
+        parts.append(chunk_offset_rows(bounds, size))
     flat = torch.tensor([x for p in parts for x in p], dtype=torch.int32).to(device)
     out, at = [], 0
     for i, p in enumerate(parts):
