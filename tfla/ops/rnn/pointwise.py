@@ -15,6 +15,20 @@ ELMAN, LSTM, GRU, SLSTM = 0, 1, 2, 3
 
 
 @triton.jit
+def _store_four_gates(dx_ptr, drh_ptr, o_dx, o_rh, sdxg, D, da_0, da_1, da_2, da_3, m_e):
+    """The four pre-activation gradients of an LSTM / sLSTM step into dx (gate stride ``sdxg``) and into the
+    recurrent product's gradient (gates D apart)."""
+    tl.store(dx_ptr + o_dx, da_0, mask=m_e)
+    tl.store(dx_ptr + o_dx + sdxg, da_1, mask=m_e)
+    tl.store(dx_ptr + o_dx + 2 * sdxg, da_2, mask=m_e)
+    tl.store(dx_ptr + o_dx + 3 * sdxg, da_3, mask=m_e)
+    tl.store(drh_ptr + o_rh, da_0, mask=m_e)
+    tl.store(drh_ptr + o_rh + D, da_1, mask=m_e)
+    tl.store(drh_ptr + o_rh + 2 * D, da_2, mask=m_e)
+    tl.store(drh_ptr + o_rh + 3 * D, da_3, mask=m_e)
+
+
+@triton.jit
 def _sigmoid(x):
     return 1.0 / (1.0 + tl.exp(-x))
 
@@ -151,14 +165,7 @@ def _rnn_pointwise_bwd_kernel(
         da_z = dc * ig * (1.0 - zg * zg)
         da_o = dh * tc * og * (1.0 - og)
         tl.store(ds_ptr + E + o_e, dc * fg, mask=m_e)
-        tl.store(dx_ptr + o_dx, da_i, mask=m_e)
-        tl.store(dx_ptr + o_dx + sdxg, da_f, mask=m_e)
-        tl.store(dx_ptr + o_dx + 2 * sdxg, da_z, mask=m_e)
-        tl.store(dx_ptr + o_dx + 3 * sdxg, da_o, mask=m_e)
-        tl.store(drh_ptr + o_rh, da_i, mask=m_e)
-        tl.store(drh_ptr + o_rh + D, da_f, mask=m_e)
-        tl.store(drh_ptr + o_rh + 2 * D, da_z, mask=m_e)
-        tl.store(drh_ptr + o_rh + 3 * D, da_o, mask=m_e)
+        _store_four_gates(dx_ptr, drh_ptr, o_dx, o_rh, sdxg, D, da_i, da_f, da_z, da_o, m_e)
     elif CELL == GRU:
         xr, rr, br = _gate(x_ptr, rh_ptr, b_ptr, o_x, o_rh, o_b, sxg, 0, D, NHD, m_e, ACC)
         xz, rz, bz = _gate(x_ptr, rh_ptr, b_ptr, o_x, o_rh, o_b, sxg, 1, D, NHD, m_e, ACC)
@@ -203,12 +210,5 @@ def _rnn_pointwise_bwd_kernel(
         da_o = dh * (c / n_cur) * og * (1.0 - og)
         tl.store(ds_ptr + E + o_e, dc * fg, mask=m_e)
         tl.store(ds_ptr + 2 * E + o_e, dn * fg, mask=m_e)
-        tl.store(dx_ptr + o_dx, da_i, mask=m_e)
-        tl.store(dx_ptr + o_dx + sdxg, da_f, mask=m_e)
-        tl.store(dx_ptr + o_dx + 2 * sdxg, da_z, mask=m_e)
-        tl.store(dx_ptr + o_dx + 3 * sdxg, da_o, mask=m_e)
-        tl.store(drh_ptr + o_rh, da_i, mask=m_e)
-        tl.store(drh_ptr + o_rh + D, da_f, mask=m_e)
-        tl.store(drh_ptr + o_rh + 2 * D, da_z, mask=m_e)
-        tl.store(drh_ptr + o_rh + 3 * D, da_o, mask=m_e)
+        _store_four_gates(dx_ptr, drh_ptr, o_dx, o_rh, sdxg, D, da_i, da_f, da_z, da_o, m_e)
     tl.store(ds_ptr + o_e, dh_direct, mask=m_e)
