@@ -105,6 +105,7 @@ def main(argv=None):
     p.add_argument("--V", type=int, default=128)
     p.add_argument("--L", type=int, default=64)
     p.add_argument("--input-gate", choices=["sigmoid", "exp"], default="sigmoid", help="mLSTM input gate (--op mlstm)")
+    p.add_argument("--HV", type=int, default=2, help="value heads (--op gdn; 2 key heads: 4 is grouped)")
     p.add_argument("--T", type=int, default=300, help="sequence length (a multiple of 16 specializes T as the JIT does)")
     p.add_argument("--allocs", action="store_true", help="list the shared-memory buffers of each kernel")
     p.add_argument("--check", action="store_true", help="exit 1 if a kernel needs more than 232448 B")
@@ -121,9 +122,10 @@ def main(argv=None):
         p.error("--config and --save-v-new apply to --op gdn")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     T, H, K, V, L = args.T, 2, args.K, args.V, args.L
+    HV = args.HV if args.op == "gdn" else H
     q, k = torch.randn(1, T, H, K, dtype=dtype), torch.randn(1, T, H, K, dtype=dtype)
-    v, do = torch.randn(1, T, H, V, dtype=dtype), torch.randn(1, T, H, V, dtype=dtype)
-    h0, dht = torch.randn(1, H, K, V), torch.randn(1, H, K, V)
+    v, do = torch.randn(1, T, HV, V, dtype=dtype), torch.randn(1, T, HV, V, dtype=dtype)
+    h0, dht = torch.randn(1, HV, K, V), torch.randn(1, HV, K, V)
     JITFunction.run = _record
     if args.op == "gla":
         from tfla.ops.gla.chunk import chunk_gla_bwd, chunk_gla_fwd
@@ -152,7 +154,7 @@ def main(argv=None):
         if keep is None:  # the op's default argument (None there: the op's own default, which keeps Vnew)
             default = inspect.signature(chunk_gated_delta_rule).parameters["save_v_new"].default
             keep = default if isinstance(default, bool) else True
-        g, beta = -torch.rand(1, T, H), torch.rand(1, T, H, dtype=dtype)
+        g, beta = -torch.rand(1, T, HV), torch.rand(1, T, HV, dtype=dtype)
         _, _, inter = chunk_gated_delta_rule_fwd(q, k, v, g, beta, 0.1, h0, True, L, config=args.config)
         chunk_gated_delta_rule_bwd(q, k, v, inter["g_cum"], beta, inter["ai"], 0.1, h0, do, dht, L, config=args.config,
                                    v_new=inter["v_new"] if keep else None)

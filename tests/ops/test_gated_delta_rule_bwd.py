@@ -23,7 +23,7 @@ FP16_TOL = 1e-2
 
 
 def _grads(device, B, T, H, HV, K, V, L, dtype=torch.float32, gate="default", h0=True, final=True, seed=0,
-           l2norm=False, cu_seqlens=None, num_seqs=None, save_states=False, save_v_new=True):
+           l2norm=False, cu_seqlens=None, num_seqs=None, save_states=False, save_v_new=True, segments=None):
     """tfla's and the float64 recurrence's gradients on the same (rounded) inputs and cotangents."""
     x = gdn_inputs(B, T, H, K, V, HV=HV, dtype=dtype, device=device, gate=gate, initial_state=h0, seed=seed,
                    num_seqs=num_seqs, gate_dtype=torch.float64 if dtype == torch.float64 else torch.float32)
@@ -36,7 +36,7 @@ def _grads(device, B, T, H, HV, K, V, L, dtype=torch.float32, gate="default", h0
     h0_leaf = leaves[5] if h0 else None
     o, s = tfla.chunk_gated_delta_rule(*leaves[:5], initial_state=h0_leaf, output_final_state=final,
                                        use_qk_l2norm_in_kernel=l2norm, cu_seqlens=cu_seqlens, chunk_size=L,
-                                       save_states=save_states, save_v_new=save_v_new)
+                                       save_states=save_states, save_v_new=save_v_new, segments=segments)
     gen = torch.Generator().manual_seed(seed + 1)
     do = torch.randn(o.shape, generator=gen).to(device=device, dtype=o.dtype)
     loss = (o * do).sum()
@@ -112,6 +112,28 @@ def test_bwd_save_states_matches_recurrence(device, poison_empty, varlen):
     cu = random_cu_seqlens(T, 3, seed=5, device=device) if varlen else None
     got, ref = _grads(device, 1, T, 2, 4, 32, 16, 64, gate="strong", cu_seqlens=cu, num_seqs=3 if varlen else None,
                       seed=7, save_states=True)
+    _check(got, ref, FP32_TOL)
+
+
+@pytest.mark.parametrize("segments,varlen,h0,final,gate", [(2, False, True, True, "weak"), (4, False, False, True, "zero"),
+                                                           (3, True, True, True, "weak"),
+                                                           (3, True, False, False, "mixed")])
+def test_bwd_in_pieces_matches_recurrence(device, poison_empty, monkeypatch, segments, varlen, h0, final, gate):
+    """A forward cut into pieces (L = 64) runs the backward's state-gradient chain in the same pieces (two passes
+    and a reverse scan); every gradient still matches the recurrence: dense with T not a multiple of 64 and B = 2,
+    varlen with empty, one-token and multi-piece sequences, with and without the initial state and the final
+    state's cotangent, grouped value heads; weak and zero gates (with strong ones a piece's transition M is ~0 and
+    the scan's terms would not be checked)."""
+    import tfla.ops.gated_delta_rule.chunk as chunk
+
+    calls = []
+    real = chunk._state_grad_in_pieces
+    monkeypatch.setattr(chunk, "_state_grad_in_pieces", lambda *a: calls.append(1) or real(*a))
+    T = 300
+    cu = torch.tensor([0, 0, 1, 130, T], device=device) if varlen else None
+    got, ref = _grads(device, 1 if varlen else 2, T, 2, 4, 32, 16, 64, gate=gate, h0=h0, final=final,
+                      cu_seqlens=cu, num_seqs=4 if varlen else None, seed=segments, segments=segments)
+    assert calls == [1]
     _check(got, ref, FP32_TOL)
 
 

@@ -19,6 +19,7 @@ the piece's transition and input ``[M | N]`` (``S_end = M S_start + N``); a scan
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -46,6 +47,19 @@ from tfla.ops.common.ut_transform import ut_inverse_and_scores
 # programs for two per SM at that width, else 32 (wide_tiles); 8 warps or 3 stages measured slower; the transition
 # pass (no output) at 64 columns
 FUSED_DEFAULTS = {"BV": None, "num_warps": 4, "num_stages": 2, "mn_BV": 64, "mn_warps": 4}
+
+
+class Split(NamedTuple):
+    """A forward's cut of its sequences into pieces (``fused_delta_fwd``), for a backward over the same pieces:
+    ``cu_seqlens`` / ``sub_offsets`` of the pieces (a packed batch of ``B * T`` rows), ``first`` (each sequence's
+    first piece, ``[N + 1]``), ``num_chunks`` (64-row chunks in all) and ``mn [P, HV, K, K + V]`` (each piece's
+    ``[M | N]``, fp32)."""
+
+    cu_seqlens: torch.Tensor
+    sub_offsets: torch.Tensor
+    first: torch.Tensor
+    num_chunks: int
+    mn: torch.Tensor
 
 
 def wide_tiles(pairs: int, V: int, sms: int) -> int:
@@ -144,12 +158,15 @@ def _fused_delta_fwd_kernel(q, k, v, g, beta, ai, a, o, v_new, h, h0, ht, cu_seq
 
 
 @triton.jit
-def _segment_scan_kernel(mn, h0, starts, ht, first, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                         BK: tl.constexpr, BV: tl.constexpr, USE_INITIAL_STATE: tl.constexpr,
-                         STORE_FINAL_STATE: tl.constexpr, DOT_PREC: tl.constexpr, ACC: tl.constexpr,
-                         FLAT: tl.constexpr):
-    """Per (sequence, value head, value tile): ``S <- M_p S + N_p`` over the sequence's pieces p (``mn [P, HV, K,
-    K + V]``, ``first``: each sequence's first piece), writing each piece's start state and the final state."""
+def _segment_scan_kernel(mn, nn, h0, starts, ht, first, s_np, s_nr, HV: tl.constexpr, K: tl.constexpr,
+                         V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_INITIAL_STATE: tl.constexpr,
+                         STORE_FINAL_STATE: tl.constexpr, REVERSE: tl.constexpr, DOT_PREC: tl.constexpr,
+                         ACC: tl.constexpr, FLAT: tl.constexpr):
+    """Per (sequence, value head, value tile), over the sequence's pieces p (``first``: each sequence's first piece;
+    ``mn [P, HV, K, K + V]``: M_p in its first K columns; ``nn``: N_p, ``[K, V]`` per (piece, head) at strides
+    ``s_np`` / ``s_nr`` per piece-head / row): forward ``S <- M_p S + N_p`` in order, writing each piece's start
+    state and the final state; REVERSE (the state gradient): ``dS <- M_p^T dS + N_p`` from the last piece back,
+    writing each piece's end adjoint and (as the final state) the sequence's initial-state gradient."""
     i_v, i_nh = program_pair((V + BV - 1) // BV, FLAT)
     i_n, i_hv = i_nh // HV, i_nh % HV
     o_k = tl.arange(0, BK)
@@ -161,11 +178,17 @@ def _segment_scan_kernel(mn, h0, starts, ht, first, HV: tl.constexpr, K: tl.cons
         b_s += tl.load(h0 + i_nh * K * V + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.0).to(ACC)
     p0 = tl.load(first + i_n).to(tl.int64)
     p1 = tl.load(first + i_n + 1).to(tl.int64)
-    for p in range(p0, p1):
+    for i_p in range(p0, p1):
+        p = i_p
+        if REVERSE:
+            p = p1 - 1 - (i_p - p0)
         tl.store(starts + (p * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :], b_s, mask=m_kv)
         base = mn + (p * HV + i_hv) * K * (K + V)
-        b_m = tl.load(base + o_k[:, None] * (K + V) + o_k[None, :], mask=m_k[:, None] & m_k[None, :], other=0.0)
-        b_n = tl.load(base + o_k[:, None] * (K + V) + K + o_v[None, :], mask=m_kv, other=0.0)
+        if REVERSE:  # M^T: element (i, j) = M[j, i]
+            b_m = tl.load(base + o_k[None, :] * (K + V) + o_k[:, None], mask=m_k[:, None] & m_k[None, :], other=0.0)
+        else:
+            b_m = tl.load(base + o_k[:, None] * (K + V) + o_k[None, :], mask=m_k[:, None] & m_k[None, :], other=0.0)
+        b_n = tl.load(nn + (p * HV + i_hv) * s_np + o_k[:, None] * s_nr + o_v[None, :], mask=m_kv, other=0.0)
         b_s = tl.dot(b_m, b_s, input_precision=DOT_PREC) + b_n
     if STORE_FINAL_STATE:
         tl.store(ht + i_nh * K * V + o_k[:, None] * V + o_v[None, :], b_s, mask=m_kv)
@@ -226,12 +249,18 @@ def fused_delta_pass(q, k, v, g_cum, beta, ai, scale, initial_state=None, output
     return o, final, v_new, h
 
 
-def segment_scan(mn, initial_state, first, V, output_final_state=True, config=None):
+def segment_scan(mn, initial_state, first, V, output_final_state=True, config=None, dn=None):
     """Start states ``[P, HV, K, V]`` of the pieces and final states ``[N, HV, K, V]`` (fp32, or None) from the
     pieces' ``[M | N]`` (``mn [P, HV, K, K + V]``) and ``first`` (int tensor ``[N + 1]``: each sequence's first
-    piece)."""
+    piece).
+
+    With ``dn [P, HV, K, V]`` (each piece's state gradient at its start from a zero gradient at its end) the reverse
+    scan of the state gradient (``docs/gdn-math.md`` section 6, backward): ``initial_state`` is then the final
+    state's cotangent ``[N, HV, K, V]`` (or None), and the result is each piece's gradient at its end
+    ``[P, HV, K, V]`` and each sequence's initial-state gradient ``[N, HV, K, V]`` (fp32)."""
     P, HV, K = mn.shape[0], mn.shape[1], mn.shape[2]
     N = first.numel() - 1
+    reverse = dn is not None
     starts = torch.empty(P, HV, K, V, dtype=mn.dtype, device=mn.device)
     final = torch.empty(N, HV, K, V, dtype=mn.dtype, device=mn.device) if output_final_state else None
     if N * HV == 0:
@@ -239,9 +268,10 @@ def segment_scan(mn, initial_state, first, V, output_final_state=True, config=No
     BK = max(16, next_pow2(K))
     BV = min(max(16, next_pow2(V)), (config or {}).get("scan_BV", 32))
     grid, flat = tile_grid(cdiv(V, BV), N * HV)
+    nn, s_np, s_nr = (dn, K * V, V) if reverse else (mn[..., K:], K * (K + V), K + V)
     _segment_scan_kernel[grid](
-        mn, initial_state, starts, final, first, HV=HV, K=K, V=V, BK=BK, BV=BV,
-        USE_INITIAL_STATE=initial_state is not None, STORE_FINAL_STATE=final is not None,
+        mn, nn, initial_state, starts, final, first, s_np, s_nr, HV=HV, K=K, V=V, BK=BK, BV=BV,
+        USE_INITIAL_STATE=initial_state is not None, STORE_FINAL_STATE=final is not None, REVERSE=reverse,
         DOT_PREC=dot_precision(mn.dtype), ACC=acc_dtype(mn.dtype), FLAT=flat,
         num_warps=8 if BK >= 128 else 4,
     )
@@ -312,7 +342,7 @@ def fused_delta_fwd(q, k, v, g, beta, scale, initial_state=None, output_final_st
     Returns a dict: ``o [B, T, HV, V]`` (v's dtype), ``final_state`` (fp32 or None), ``g_cum``, ``ai`` (the prep's
     log2 gates restarting every 64 rows and Tm, for the backward), ``v_new`` (``save`` >= 1), ``h`` (``save`` 2:
     states before every 64-row chunk, ``[B, ceil(T/64), HV, K, V]``; varlen ``[1, chunks, HV, K, V]``), ``save``
-    (the one used)."""
+    (the one used), ``split`` (a ``Split`` when a sequence was cut, else absent)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     cfg = config or {}
@@ -359,5 +389,5 @@ def fused_delta_fwd(q, k, v, g, beta, scale, initial_state=None, output_final_st
     o, _, v_new, h = fused_delta_pass(qf, kf, vf, gf, bf, af, scale, starts, False, seg_cu, seg_off, num_chunks,
                                       save, a=sf, config=cfg)
     out.update(o=o.reshape(B, T, HV, V), final_state=final, v_new=None if v_new is None else v_new.reshape(v.shape),
-               h=None if h is None else h.reshape(B, -1, HV, K, V))
+               h=None if h is None else h.reshape(B, -1, HV, K, V), split=Split(seg_cu, seg_off, first_t, num_chunks, mn))
     return out

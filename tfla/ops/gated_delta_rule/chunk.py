@@ -9,7 +9,8 @@ writes o, the final state and what the backward keeps (Vnew by default, the 64-r
 long sequences are cut into segments joined by an exact scan (``segments``).
 
 Backward (``chunk_gated_delta_rule_bwd``): the states at every 64 rows recomputed (or kept), then the TFLA-tiled
-gradients at L, the state-gradient recurrence and the UT/WY backward.
+gradients at L, the state-gradient recurrence (in the forward's pieces when it cut a sequence and kept its states)
+and the UT/WY backward.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from tfla.ops.common.chunk_output import chunk_tiled, dual_supported, output_con
 from tfla.ops.common.chunk_state import chunk_state_fwd, intra_supported
 from tfla.ops.common.chunk_state_bwd import chunk_state_bwd
 from tfla.ops.common.cumsum import chunk_local_cumsum
-from tfla.ops.common.fused_delta_fwd import SAVE_NONE, SAVE_STATES, SAVE_V_NEW, fused_delta_fwd
+from tfla.ops.common.fused_delta_fwd import SAVE_NONE, SAVE_STATES, SAVE_V_NEW, Split, fused_delta_fwd, segment_scan
 from tfla.ops.common.group_sum import group_sum
 from tfla.ops.common.l2norm import l2norm
 from tfla.ops.common.utils import LOG_DECAY_FLOOR, RCP_LN2, SUB_CHUNK
@@ -118,11 +119,13 @@ def chunk_gated_delta_rule_bwd(
     config: dict | None = None,
     saved: tuple | None = None,
     v_new: torch.Tensor | None = None,
+    split: Split | None = None,
 ):
     """Plain backward (no autograd) from the forward's saved ``g_cum`` (log2, restarting every L) and
     ``ai`` (Tm); ``saved = (w, v_new, h)`` from a forward at L = 64 (its states are then the 64-row ones)
     skips their recomputation; ``v_new`` alone (the forward's Vnew, any L) turns the recomputation into W only and
-    the linear-attention state pass over Vnew. Returns ``(dq, dk, dv, dg, dbeta, dh0)``: dq, dk ``[B, T, H, K]`` in q's dtype, dv in v's
+    the linear-attention state pass over Vnew; ``split`` (with ``saved``: the forward's ``Split`` of its sequences
+    into pieces) runs the state-gradient recurrence in those pieces in parallel (``_state_grad_in_pieces``). Returns ``(dq, dk, dv, dg, dbeta, dh0)``: dq, dk ``[B, T, H, K]`` in q's dtype, dv in v's
     dtype, dg and dbeta ``[B, T, HV]`` fp32, dh0 fp32 or None.
 
     Stages: recompute W, U (from Tm) and the state at every 64-row sub-chunk with Vnew; the output's
@@ -186,10 +189,15 @@ def chunk_gated_delta_rule_bwd(
             dq, dgq = chunk_tiled(do, v_new, k, g_cum, scale, L, **dq_args)
             dko, dgk = chunk_tiled(v_new, do, q, g_cum, scale, L, reverse=True, rowdot_with=k, out_dtype=part,
                                    **tiled)
-    dh_sub, du, dh0 = chunk_state_bwd(
-        q, k, w, do, dvo, g_cum, scale, L, dht=dht, need_dh0=initial_state is not None, cu_seqlens=cu,
-        sub_offsets=varlen.sub_offsets if varlen is not None else None,
-        num_sub_chunks=varlen.sub_indices.shape[0] if varlen is not None else None, config=config.get("state_bwd"))
+    if split is not None and saved is not None:
+        dh_sub, du, dh0 = _state_grad_in_pieces(q, k, w, do, g_cum, scale, dht, initial_state is not None, split,
+                                                config.get("state_bwd"))
+    else:
+        dh_sub, du, dh0 = chunk_state_bwd(
+            q, k, w, do, dvo, g_cum, scale, L, dht=dht, need_dh0=initial_state is not None, cu_seqlens=cu,
+            sub_offsets=varlen.sub_offsets if varlen is not None else None,
+            num_sub_chunks=varlen.sub_indices.shape[0] if varlen is not None else None,
+            config=config.get("state_bwd"))
     del dvo
     pre = {}
     if dqkw:  # dq, dk and the WY backward's state terms from one read of S and dS (after the recurrence);
@@ -213,6 +221,26 @@ def chunk_gated_delta_rule_bwd(
     if grouped:  # a key head's gradient sums over its value heads
         dq, dk = group_sum(dq, H, q.dtype), group_sum(dk, H, k.dtype)
     return dq, dk, dv, dg, dbeta, dh0
+
+
+def _state_grad_in_pieces(q, k, w, do, g_cum, scale, dht, need_dh0, split: Split, config):
+    """The state-gradient recurrence (L = 64) over the forward's pieces in parallel, exactly (``docs/gdn-math.md``
+    section 6, backward): the adjoint is affine in the state gradient, ``dS_start = M^T dS_end + dN`` per piece.
+    Pass 1 runs every piece from a zero gradient at its end for ``dN`` (its outputs are overwritten by pass 2); the
+    reverse scan walks each sequence's pieces from the final state's cotangent for every piece's end gradient and
+    the initial state's gradient; pass 2 runs every piece from its exact end gradient and writes dS at every 64
+    rows and dU. Two passes of the recurrence in ``pieces`` times as many programs. Returns ``chunk_state_bwd``'s
+    ``(dh, du, dh0)`` in the unsplit layout."""
+    B, T = q.shape[:2]
+    HV, K, V = do.shape[2], q.shape[3], do.shape[3]
+    flat = [x.reshape(1, B * T, *x.shape[2:]) if x is not None else None for x in (q, k, w, do, g_cum)]
+    kw = dict(cu_seqlens=split.cu_seqlens, sub_offsets=split.sub_offsets, num_sub_chunks=split.num_chunks,
+              config=config)
+    _, _, dn = chunk_state_bwd(*flat[:4], None, flat[4], scale, SUB_CHUNK, need_dh0=True, **kw)
+    ends, dh0 = segment_scan(split.mn, dht, split.first, V, need_dh0, config, dn=dn)
+    del dn
+    dh, du, _ = chunk_state_bwd(*flat[:4], None, flat[4], scale, SUB_CHUNK, dht=ends, **kw)
+    return dh.view(B, -1, HV, K, V), du.view(B, T, HV, V), dh0
 
 
 def check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size) -> None:
@@ -248,6 +276,8 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
         extra = tuple(inter[n] for n in ("v_new", "h")[:inter["save"]])
         ctx.save_for_backward(q, k, v, g, beta, initial_state, inter["g_cum"], inter["ai"], *extra)
         ctx.varlen, ctx.opts = varlen, opts
+        # with the forward's states kept (L = 64), the backward's state-gradient chain runs in the same pieces
+        ctx.split = inter.get("split") if inter["save"] == SAVE_STATES else None
         return o, final_state
 
     @staticmethod
@@ -265,7 +295,7 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
         dq, dk, dv, dg, dbeta, dh0 = chunk_gated_delta_rule_bwd(
             q, k, v, g_cum, beta, ai, opts.scale, initial_state, do.contiguous(), dht, opts.chunk_size, ctx.varlen,
             config=opts.config, saved=tuple(saved) if len(saved) == 2 else None,
-            v_new=saved[0] if len(saved) == 1 else None)
+            v_new=saved[0] if len(saved) == 1 else None, split=ctx.split)
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), dbeta.to(beta.dtype),
                 dh0.to(initial_state.dtype) if dh0 is not None else None, None, None)
 
@@ -344,11 +374,11 @@ def chunk_gated_delta_rule(
             are built from it without reading ``cu_seqlens`` back from the device.
         chunk_indices: accepted for FLA compatibility and unused (tfla builds its own tables for its L).
         cp_context: context parallelism is not supported yet: anything but None raises ValueError.
-        segments: pieces each sequence is cut into for the forward (keyword-only): 1 runs every sequence in one
-            chain; an int > 1 cuts each into at most that many pieces (multiples of 64 rows) joined by an exact
-            scan (``docs/gdn-math.md`` section 6); None (default) chooses the piece length from the lengths, the
-            heads and the GPU's SM count (``choose_piece``; no split at K > 128). Results equal up to rounding
-            for any value.
+        segments: pieces each sequence is cut into for the forward and, at ``chunk_size`` 64, the backward's
+            state-gradient chain (keyword-only): 1 runs every sequence in one chain; an int > 1 cuts each into at
+            most that many pieces (multiples of 64 rows) joined by an exact scan (``docs/gdn-math.md`` section 6);
+            None (default) chooses the piece length from the lengths, the heads and the GPU's SM count
+            (``choose_piece``; no split at K > 128). Results equal up to rounding for any value.
         use_gate_in_kernel, A_log, dt_bias (keyword-only): g holds pre-activations and the log decay is
             ``-exp(A_log) softplus(g + dt_bias)`` (A_log, dt_bias ``[HV]``; dt_bias optional), FLA's GDN gate,
             here a differentiable PyTorch op before the kernels (fp32), so A_log and dt_bias get gradients.
