@@ -99,7 +99,8 @@ def shared_allocs(ttgir: str):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--op", choices=["gla", "simple_gla", "mlstm", "gdn"], default="gla")
+    p.add_argument("--op", choices=["gla", "simple_gla", "mlstm", "gdn", "rnn"], default="gla",
+                   help="rnn: the four FlashRNN cells' pointwise kernels, forward and backward")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
     p.add_argument("--K", type=int, default=128)
     p.add_argument("--V", type=int, default=128)
@@ -158,6 +159,14 @@ def main(argv=None):
         _, _, inter = chunk_gated_delta_rule_fwd(q, k, v, g, beta, 0.1, h0, True, L, config=args.config)
         chunk_gated_delta_rule_bwd(q, k, v, inter["g_cum"], beta, inter["ai"], 0.1, h0, do, dht, L, config=args.config,
                                    v_new=inter["v_new"] if keep else None)
+    elif args.op == "rnn":
+        from tfla.ops.rnn import cells
+
+        N, Tm, NH, D = 2, 3, 2, 32
+        for cell, G, S in (("elman", 1, 1), ("lstm", 4, 2), ("gru", 3, 1), ("slstm", 4, 4)):
+            x, R, b = torch.randn(N, Tm, G, NH, D, dtype=dtype), torch.randn(G, NH, D, D), torch.randn(NH, G, D)
+            o, states, rh, Wt, b_acc = cells.rnn_fwd(cell, x, R, b, torch.zeros(S, NH, N, D))
+            cells.rnn_bwd(cell, x, Wt, b_acc, states, rh, torch.randn_like(o), torch.zeros(S, NH, N, D), [Tm] * N)
     else:
         from tfla.ops.simple_gla.chunk import chunk_simple_gla_bwd, chunk_simple_gla_fwd
 
@@ -165,7 +174,7 @@ def main(argv=None):
         chunk_simple_gla_bwd(q, k, v, gc, 0.1, h0, do, dht, L)
     over = False
     flags = ("VEC_G", "VEC_ROWDOT", "ROWDOT", "REVERSE", "HAS_STATE", "STORE_SUB", "N_STATE", "NORM", "ROWADD",
-             "VEC_SPAN")
+             "VEC_SPAN", "CELL")
     print(f"{args.op} {args.dtype} T={T} K={K} V={V} L={L}, sm_90, Triton {triton.__version__}")
     for fn, a, kw in launches:
         name = fn.fn.__name__

@@ -20,7 +20,8 @@ from tfla.ops.rnn import pointwise
 from tfla.ops.rnn.reference import CELL_GATES, CELL_STATES
 from tfla.utils.validation import check_cotangent, check_tensor, check_varlen_bounds
 
-_CELL_IDS = {"elman": pointwise.ELMAN, "lstm": pointwise.LSTM, "gru": pointwise.GRU, "slstm": pointwise.SLSTM}
+_CELL_IDS = {"elman": pointwise.ELMAN.value, "lstm": pointwise.LSTM.value, "gru": pointwise.GRU.value,
+             "slstm": pointwise.SLSTM.value}
 _MAX_BLOCK = 1024
 
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-ELMAN, LSTM, GRU, SLSTM = 0, 1, 2, 3
+# the cells, as constexpr globals (a @triton.jit function may read only those; host code uses ``.value``)
+ELMAN, LSTM, GRU, SLSTM = (tl.constexpr(i) for i in range(4))
 
 
 @triton.jit
