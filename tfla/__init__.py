@@ -29,8 +29,10 @@ __all__ = sorted(_OPS)
 
 
 def __getattr__(name: str):
-    if name in _OPS:
-        return getattr(importlib.import_module(_OPS[name]), name)
+    if name in _OPS:  # imported on first use, then a module attribute (no lookup per call)
+        op = getattr(importlib.import_module(_OPS[name]), name)
+        globals()[name] = op
+        return op
     raise AttributeError(f"module 'tfla' has no attribute {name!r}")
 
 

@@ -390,8 +390,8 @@ def fused_recurrent_gated_delta_rule(
         ``inplace_final_state`` without ``initial_state``. NotImplementedError in backward: the op is forward-only,
         as FLA's.
 
-    No host reads of device tensors and a grid fixed by the shapes, for CUDA-graph capture (not yet checked on a
-    GPU).
+    No host reads of device tensors and a grid fixed by the shapes, for CUDA-graph capture (a replay equals eager
+    calls on an H100: ``test_cuda_graph_decode_with_pool``).
     """
     if gk is not None or gv is not None:
         raise ValueError("`gk` / `gv` (key- / value-wise decays) are not supported by tfla; pass None")
@@ -417,8 +417,11 @@ def fused_recurrent_gated_delta_rule(
     g = g.contiguous() if g is not None else None
     opts = FusedRecurrentOptions(float(scale), bool(output_final_state), inplace_final_state, bool(state_v_first),
                                  config)
-    o, final_state = FusedRecurrentGatedDeltaRuleFunction.apply(
-        q, k, v, g, beta, initial_state, cu_seqlens, ssm_state_indices, num_accepted_tokens, opts)
+    args = (q, k, v, g, beta, initial_state, cu_seqlens, ssm_state_indices, num_accepted_tokens, opts)
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in args[:6]):
+        o, final_state = FusedRecurrentGatedDeltaRuleFunction.apply(*args)  # its backward raises
+    else:  # decode: no autograd node (host time per step)
+        o, final_state = FusedRecurrentGatedDeltaRuleFunction.forward(None, *args)
     if inplace_final_state:
         return o, user_state
     return o, final_state
