@@ -1,6 +1,7 @@
 """Sum over each key head's group of value heads (grouped value heads, GVA), with the cast to the output dtype, in one
-pass: ``x [B, T, HV, D]`` (fp32 gradients per value head) -> ``[B, T, H, D]``. The gradients of q and k with HV > H
-are formed per value head and summed here once in fp32 (as a strided PyTorch ``sum`` plus a dtype copy: two passes)."""
+pass: ``x [B, T, HV, D]`` (gradients per value head, in the input dtype or fp32) -> ``[B, T, H, D]``. The gradients of
+q and k with HV > H are formed per value head and summed here once in fp32 (instead of a strided PyTorch ``sum`` plus
+a dtype copy: two passes)."""
 from __future__ import annotations
 
 import torch

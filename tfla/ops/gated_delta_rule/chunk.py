@@ -174,15 +174,19 @@ def chunk_gated_delta_rule_bwd(
     # inside the state-gradient recurrence (no launch, no fp32 round trip)
     dvo = None if intra_supported(L) else chunk_tiled(k, q, do, g_cum, scale, L, reverse=True, **tiled)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    grouped = HV != H  # grouped value heads: dq, dk summed over a key head's value heads afterwards, in fp32
-    # dk's tiled part (added to the state / WY part in wy_bwd) in the input dtype, as FLA's dk of chunk_bwd_dqkwg:
-    # half the bytes of its write and read (fp32 with grouped heads, whose sum comes later)
-    part = acc if grouped else k.dtype
+    grouped = HV != H  # grouped value heads: dq, dk summed over a key head's value heads afterwards (fp32 sum)
+    # dq, dk and dk's tiled part (added to the state / WY part in wy_bwd) per value head in the input dtype, as FLA's
+    # chunk_bwd_dqkwg: half the bytes of their writes and reads. With grouped heads too at L = 64 (H100, the
+    # Qwen3-Next-style layer, fwd+bwd 8.00 -> 7.28 ms, peak -512 MiB; bf16 dq / dk with Qwen3-Next gates 1.01-1.03x
+    # FlashQLA's error, below FLA's; 0.92-0.93x FlashQLA's with fp32 per-head parts; docs/performance.md); fp32
+    # there at L > 64 (not measured in 16 bits)
+    per_head = acc if grouped and L != SUB_CHUNK else q.dtype
+    part = per_head
     dqkw = L == SUB_CHUNK
     dgk = None
     if not dqkw:  # L > 64: dq and dk of the tiled product in TFLA tiles at L (before the recurrence)
         dq_args = dict(h=h_sub, state_every=SUB_CHUNK, state_transposed=True, rowdot_with=q,
-                       out_dtype=acc if grouped else q.dtype, **tiled)
+                       out_dtype=per_head, **tiled)
         if dual_supported(L, v.shape[-1], K, q.dtype, config.get("output")):
             dq, dgq, dko, dgk = chunk_tiled(do, v_new, k, g_cum, scale, L, dual_dtype=part, **dq_args)
         else:
@@ -205,14 +209,14 @@ def chunk_gated_delta_rule_bwd(
         dq, dko, dw, dgq, pst, sdst = chunk_dqkw_bwd(
             q, k, v_new, do, du, h_sub, dh_sub, g_cum, scale, cu_seqlens=cu,
             tile_indices=varlen.sub_indices if varlen is not None else None,
-            sub_offsets=varlen.sub_offsets if varlen is not None else None, dq_dtype=acc if grouped else q.dtype,
+            sub_offsets=varlen.sub_offsets if varlen is not None else None, dq_dtype=per_head,
             dk_dtype=part, dw=None if saved is not None else w, config=config.get("dqkw"))
         pre = dict(dw=dw, pst=pst, sdst=sdst)  # dgq is then q . dq - k . dk already (dgk None)
         h_sub = dh_sub = None  # wy_bwd reads neither (freed here unless saved)
     del w
     # dk = the tiled product's part (dko) + the state and WY parts, added in wy_bwd's kernel and rounded once
     dk, dv, dbeta, dgam = wy_bwd(k, v, beta, g_cum, ai, v_new, du, h_sub, dh_sub, L, cu_seqlens=cu, sub_indices=sub,
-                                 config=config.get("wy_bwd"), dk_add=dko, dk_dtype=acc if grouped else k.dtype, **pre)
+                                 config=config.get("wy_bwd"), dk_add=dko, dk_dtype=per_head, **pre)
     del h_sub, dh_sub, du, dko, pre
     ck = dict(cu_seqlens=cu)
     # + the delta part's gradient of g (its reverse cumsum over the sub-chunk done in wy_bwd), in the same pass
