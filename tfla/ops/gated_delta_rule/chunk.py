@@ -403,20 +403,25 @@ def chunk_gated_delta_rule(
     Backward: gradients for q, k, v, g, beta and initial_state (README of this op: what the forward
     saves, what the backward recomputes, and the memory that costs).
 
+    torch.compile: traced as ``torch.library`` custom ops (``library.py``: forward and backward, no graph break; every
+    sequence in one chain there, ``save_states`` and ``config`` ignored).
+
     Precision: the recurrence and gates are fp32; materialized states and W/U use the input dtype
     (as in FLA); fp32 inputs use tf32x3 dots on the GPU (IEEE on the CPU interpreter).
     """
     q, k, v, g, beta, initial_state, state_v_first = _fla_options(
         q, k, v, g, beta, initial_state, use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, cp_context,
         use_gate_in_kernel, A_log, dt_bias, transpose_state_layout)
-    bounds = host_bounds(cu_seqlens, cu_seqlens_cpu)
+    # under torch.compile the op enters the graph as custom ops (library.py): no host reads here
+    compiling = torch.compiler.is_compiling()
+    bounds = None if compiling else host_bounds(cu_seqlens, cu_seqlens_cpu)
     check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size)
     if save_states and chunk_size != SUB_CHUNK:
         raise ValueError(f"save_states needs chunk_size=64 (the forward's states are the 64-row ones there), "
                          f"got chunk_size={chunk_size}")
     B, T, H, K = q.shape
     varlen = None
-    if cu_seqlens is not None:
+    if cu_seqlens is not None and not compiling:
         varlen = VarlenIndex.build(cu_seqlens, chunk_size, bounds=bounds)
         check_varlen_bounds(varlen.bounds, T)
     if scale is None:
@@ -437,7 +442,14 @@ def chunk_gated_delta_rule(
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     if initial_state is not None:
         initial_state = initial_state.contiguous()
-    o, final_state = ChunkGatedDeltaRuleFunction.apply(q, k, v, g, beta, initial_state, varlen, opts)
+    if compiling:
+        from tfla.ops.gated_delta_rule.library import chunk_gdn_fwd
+
+        o, final_state, *_ = chunk_gdn_fwd(q, k, v, g, beta, initial_state, cu_seqlens, opts.scale, opts.chunk_size,
+                                           opts.output_final_state, opts.needs_grad)
+        final_state = final_state if output_final_state else None
+    else:
+        o, final_state = ChunkGatedDeltaRuleFunction.apply(q, k, v, g, beta, initial_state, varlen, opts)
     return o, state_in_fla_layout(final_state, state_v_first)
 
 

@@ -1,0 +1,90 @@
+"""``torch.compile(fullgraph=True)`` traces tfla's chunked Gated DeltaNet forward and backward without graph breaks
+(custom ops, ``tfla/ops/gated_delta_rule/library.py``) and gives eager's results; ``backend="eager"`` runs on the CPU
+interpreter (CI), inductor on the GPU."""
+import pytest
+import torch
+import torch._dynamo.testing
+
+import tfla
+from tfla.bench.inputs import gdn_inputs
+from tfla.utils.testing import assert_rel_close, tolerance
+
+NAMES = ("q", "k", "v", "g", "beta", "initial_state")
+
+
+def _run(fn, x, cu=None, **kw):
+    leaves = [x[n].clone().requires_grad_() for n in NAMES]
+    o, s = fn(*leaves, cu, **kw)
+    gen = torch.Generator().manual_seed(1)
+    do = torch.randn(o.shape, generator=gen).to(o)
+    dht = torch.randn(s.shape, generator=gen).to(s)
+    grads = torch.autograd.grad((o * do).sum() + (s * dht).sum(), leaves)
+    return (o, s) + grads
+
+
+def _gdn(q, k, v, g, beta, h0, cu, **kw):
+    return tfla.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu,
+                                       **kw)
+
+
+@pytest.mark.parametrize("varlen,kw", [
+    (False, {}),
+    (True, {}),
+    (False, dict(use_qk_l2norm_in_kernel=True, chunk_size=128)),
+    (True, dict(use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True)),
+])
+def test_gdn_fullgraph_equals_eager(device, varlen, kw):
+    T = 150
+    cu = torch.tensor([0, 1, 64, 64, T], device=device) if varlen else None
+    x = gdn_inputs(1, T, 1, 16, 16, HV=2, dtype=torch.float32, device=device, initial_state=True,
+                   num_seqs=4 if varlen else None, seed=3)
+    if not varlen:
+        x["initial_state"] = x["initial_state"][:1]
+    counter = torch._dynamo.testing.CompileCounter()
+    compiled = torch.compile(_gdn, fullgraph=True, backend=counter if device == "cpu" else "inductor")
+    want = _run(_gdn, x, cu, **kw)
+    got = _run(compiled, x, cu, **kw)
+    if device == "cpu":
+        assert counter.frame_count == 1
+    for name, a, b in zip(("o", "final_state") + NAMES, got, want):
+        assert_rel_close(name, a.detach().cpu(), b.detach().cpu().double(), tolerance(torch.float32))
+
+
+def test_gdn_compiled_with_dynamic_length_does_not_recompile(device):
+    """A length marked dynamic compiles once for several lengths (T not a multiple of 64 included)."""
+    counter = torch._dynamo.testing.CompileCounter()
+    compiled = torch.compile(_gdn, fullgraph=True, backend=counter)
+    for T in (70, 129, 200):
+        x = gdn_inputs(1, T, 1, 16, 16, dtype=torch.float32, device=device, initial_state=True, seed=T)
+        for n in ("q", "k", "v", "g", "beta"):
+            torch._dynamo.mark_dynamic(x[n], 1)
+        got = _run(compiled, x)
+        want = _run(_gdn, x)
+        for name, a, b in zip(("o", "final_state") + NAMES, got, want):
+            assert_rel_close(name, a.detach().cpu(), b.detach().cpu().double(), tolerance(torch.float32))
+    assert counter.frame_count == 1
+
+
+def test_gdn_compiled_forward_without_grad(device):
+    """Under no_grad the compiled forward keeps nothing for a backward and matches eager."""
+    x = gdn_inputs(1, 100, 1, 16, 16, dtype=torch.float32, device=device, initial_state=True, seed=5)
+    compiled = torch.compile(_gdn, fullgraph=True, backend="eager")
+    with torch.no_grad():
+        got = compiled(*(x[n] for n in NAMES), None)
+        want = _gdn(*(x[n] for n in NAMES), None)
+    for name, a, b in zip(("o", "final_state"), got, want):
+        assert_rel_close(name, a.cpu(), b.cpu().double(), tolerance(torch.float32))
+
+
+def test_gdn_compiled_bad_input_raises_as_eager(device):
+    """Bad shapes raise eager's ValueError through a compiled call; with ``fullgraph=True`` Dynamo reports it as its
+    own error carrying the same message."""
+    x = gdn_inputs(1, 64, 1, 16, 16, dtype=torch.float32, device=device)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"][:, :10], None, None)
+    with pytest.raises(ValueError, match="`beta` must have shape") as eager:
+        _gdn(*args)
+    with pytest.raises(ValueError, match="`beta` must have shape"):
+        torch.compile(_gdn, backend="eager")(*args)
+    with pytest.raises(Exception) as full:
+        torch.compile(_gdn, fullgraph=True, backend="eager")(*args)
+    assert "`beta` must have shape" in str(full.value) and str(eager.value).split(" = ")[0] in str(full.value)

@@ -1,0 +1,106 @@
+"""``torch.library`` custom ops of the chunked Gated DeltaNet, the path ``tfla.chunk_gated_delta_rule`` takes while
+``torch.compile`` traces it (``torch.compiler.is_compiling()``): Dynamo cannot trace the host code in front of the
+kernels (cached index tables, reads of ``cu_seqlens``, Triton launches), so the forward and the backward each enter
+the graph as one opaque op with a fake implementation (output shapes and dtypes from the input shapes) and the
+autograd formula registered between them. Eager calls keep ``ChunkGatedDeltaRuleFunction``.
+
+Under compilation the forward keeps FLA's saved set plus Vnew (``save_v_new=True``, the eager default) and runs
+every sequence in one chain (no ``segments`` split, no ``save_states``); ``config`` is ignored there (launch tuning
+only; results do not depend on it).
+"""
+from __future__ import annotations
+
+import torch
+
+from tfla.ops.common.fused_delta_fwd import SAVE_NONE, SAVE_V_NEW
+from tfla.ops.common.utils import SUB_CHUNK
+from tfla.ops.common.varlen import VarlenIndex
+from tfla.utils.validation import check_varlen_bounds
+
+
+def _varlen(cu_seqlens: torch.Tensor | None, chunk_size: int, T: int) -> VarlenIndex | None:
+    if cu_seqlens is None:
+        return None
+    varlen = VarlenIndex.build(cu_seqlens, chunk_size)
+    check_varlen_bounds(varlen.bounds, T)
+    return varlen
+
+
+def _empty(like: torch.Tensor) -> torch.Tensor:
+    return like.new_empty(0, dtype=torch.float32)
+
+
+@torch.library.custom_op("tfla::chunk_gated_delta_rule_fwd", mutates_args=())
+def chunk_gdn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                  initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None, scale: float, chunk_size: int,
+                  output_final_state: bool, needs_grad: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(o, final_state, g_cum, ai, v_new)``: ``chunk_gated_delta_rule_fwd``'s outputs and what the backward
+    keeps; an empty fp32 tensor stands for an absent one (no final state; nothing kept without ``needs_grad``)."""
+    from tfla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_fwd
+
+    varlen = _varlen(cu_seqlens, chunk_size, q.shape[1])
+    o, final, inter = chunk_gated_delta_rule_fwd(
+        q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size, varlen,
+        save=SAVE_V_NEW if needs_grad else SAVE_NONE, segments=1, for_backward=needs_grad)
+    keep = [inter["g_cum"], inter["ai"], inter["v_new"]] if needs_grad else [None] * 3
+    return tuple(x if x is not None else _empty(q) for x in [o, final] + keep)
+
+
+@chunk_gdn_fwd.register_fake
+def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, chunk_size, output_final_state, needs_grad):
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    o = v.new_empty(B, T, HV, V, dtype=q.dtype)
+    final = q.new_empty(N, HV, K, V, dtype=acc) if output_final_state else _empty(q)
+    if not needs_grad:
+        return o, final, _empty(q), _empty(q), _empty(q)
+    return (o, final, q.new_empty(B, T, HV, dtype=acc), q.new_empty(B, T, HV, SUB_CHUNK, dtype=q.dtype),
+            v.new_empty(v.shape))
+
+
+@torch.library.custom_op("tfla::chunk_gated_delta_rule_bwd", mutates_args=())
+def chunk_gdn_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g_cum: torch.Tensor, beta: torch.Tensor,
+                  ai: torch.Tensor, v_new: torch.Tensor, initial_state: torch.Tensor | None, do: torch.Tensor,
+                  dht: torch.Tensor | None, cu_seqlens: torch.Tensor | None, scale: float, chunk_size: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv, dg, dbeta, dh0)`` of ``chunk_gated_delta_rule_bwd`` from the forward op's kept tensors (dh0
+    an empty fp32 tensor without an initial state)."""
+    from tfla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_bwd
+
+    varlen = _varlen(cu_seqlens, chunk_size, q.shape[1])
+    dq, dk, dv, dg, dbeta, dh0 = chunk_gated_delta_rule_bwd(
+        q, k, v, g_cum, beta, ai, scale, initial_state, do.contiguous(), None if dht is None else dht.contiguous(),
+        chunk_size, varlen, v_new=v_new)
+    return dq, dk, dv, dg, dbeta, dh0 if dh0 is not None else _empty(q)
+
+
+@chunk_gdn_bwd.register_fake
+def _(q, k, v, g_cum, beta, ai, v_new, initial_state, do, dht, cu_seqlens, scale, chunk_size):
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    dh0 = initial_state.new_empty(initial_state.shape, dtype=acc) if initial_state is not None else _empty(q)
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), g_cum.new_empty(g_cum.shape, dtype=acc),
+            beta.new_empty(beta.shape, dtype=acc), dh0)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, g, beta, initial_state, cu_seqlens, scale, chunk_size, output_final_state, needs_grad = inputs
+    _, _, g_cum, ai, v_new = output
+    ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, g_cum, ai, v_new)
+    ctx.scale, ctx.chunk_size, ctx.output_final_state = scale, chunk_size, output_final_state
+
+
+def _backward(ctx, do, dht, *_):
+    q, k, v, g, beta, initial_state, cu_seqlens, g_cum, ai, v_new = ctx.saved_tensors
+    if do is None:
+        do = torch.zeros_like(v, dtype=q.dtype)
+    dq, dk, dv, dg, dbeta, dh0 = chunk_gdn_bwd(
+        q, k, v, g_cum, beta, ai, v_new, initial_state, do, dht if ctx.output_final_state else None, cu_seqlens,
+        ctx.scale, ctx.chunk_size)
+    return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), dbeta.to(beta.dtype),
+            dh0.to(initial_state.dtype) if initial_state is not None else None, None, None, None, None, None)
+
+
+chunk_gdn_fwd.register_autograd(_backward, setup_context=_setup_context)
