@@ -88,3 +88,37 @@ def test_gdn_compiled_bad_input_raises_as_eager(device):
     with pytest.raises(Exception) as full:
         torch.compile(_gdn, fullgraph=True, backend="eager")(*args)
     assert "`beta` must have shape" in str(full.value) and str(eager.value).split(" = ")[0] in str(full.value)
+
+
+@pytest.mark.parametrize("v_first", [False, True])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_decode_fullgraph_equals_eager(device, v_first, inplace):
+    """The decode op with a state pool (speculative slots, padding, varlen) compiles without graph breaks; outputs,
+    the final state and the pool written in place equal eager's."""
+    HV, K, V = 2, 16, 16
+    cu = torch.tensor([0, 3, 4, 6], device=device)
+    x = gdn_inputs(1, 6, 1, K, V, HV=HV, dtype=torch.float32, device=device, seed=11)
+    gen = torch.Generator().manual_seed(2)
+    pool = torch.randn(8, HV, V, K, generator=gen).to(device) if v_first else \
+        torch.randn(8, HV, K, V, generator=gen).to(device)
+    idx = torch.tensor([[1, 2, 3], [4, -1, 5], [-1, 6, 7]], device=device)
+    acc = torch.tensor([2, 1, 3], dtype=torch.int32, device=device)
+
+    def decode(q, k, v, g, beta, p):
+        return tfla.fused_recurrent_gated_delta_rule(q, k, v, g, beta=beta, initial_state=p, cu_seqlens=cu,
+                                                     ssm_state_indices=idx, num_accepted_tokens=acc,
+                                                     output_final_state=not inplace, inplace_final_state=inplace,
+                                                     state_v_first=v_first)
+
+    counter = torch._dynamo.testing.CompileCounter()
+    compiled = torch.compile(decode, fullgraph=True, backend=counter if device == "cpu" else "inductor")
+    args = [x[n] for n in ("q", "k", "v", "g", "beta")]
+    p_eager, p_comp = pool.clone(), pool.clone()
+    o_e, s_e = decode(*args, p_eager)
+    o_c, s_c = compiled(*args, p_comp)
+    if device == "cpu":
+        assert counter.frame_count == 1
+    assert_rel_close("o", o_c.cpu(), o_e.cpu().double(), tolerance(torch.float32))
+    assert_rel_close("final_state / pool", s_c.cpu(), s_e.cpu().double(), tolerance(torch.float32))
+    if inplace:
+        assert torch.equal(p_comp, p_eager) and not torch.equal(p_comp, pool)

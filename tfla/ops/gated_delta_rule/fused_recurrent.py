@@ -250,10 +250,11 @@ def _check_index(name: str, x, q: torch.Tensor, N: int, ndims: tuple[int, ...]) 
 
 
 def check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, ssm_state_indices, num_accepted_tokens,
-                 inplace_final_state) -> None:
+                 inplace_final_state, host_values: bool = True) -> None:
     """Validate a ``fused_recurrent_gated_delta_rule`` call (``initial_state`` in ``[*, HV, K, V]`` index order);
     raises ValueError/TypeError naming the argument. Values of index tensors and ``cu_seqlens`` are checked only
-    when they are on the host (CPU): a device tensor is never read back."""
+    when they are on the host (CPU) and ``host_values`` (off while torch.compile traces): a device tensor is never
+    read back."""
     B, T, H, HV, K, V = check_qkv(q, k, v, grouped=True)
     named = [("q", q), ("k", k), ("v", v), ("beta", beta)]
     for name, x in (("g", g), ("beta", beta)):
@@ -268,7 +269,7 @@ def check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, ssm_state_i
     # chunk_size is not an argument of this op: the shared check is given a valid one
     check_common(q, named, scale, None, cu_seqlens, SUB_CHUNK, (HV, K, V))
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
-    if cu_seqlens is not None and cu_seqlens.device.type == "cpu":
+    if cu_seqlens is not None and cu_seqlens.device.type == "cpu" and host_values:
         check_varlen_bounds(seqlens_to_list(cu_seqlens), T)
     if not isinstance(inplace_final_state, bool):
         raise TypeError(f"`inplace_final_state` must be a bool, got {type(inplace_final_state).__name__}")
@@ -291,7 +292,7 @@ def check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, ssm_state_i
         _check_index("ssm_state_indices", ssm_state_indices, q, N, (1, 2))
         if initial_state is None:
             raise ValueError("`ssm_state_indices` index a state pool: pass it as `initial_state` [slots, HV, K, V]")
-        if ssm_state_indices.device.type == "cpu" and ssm_state_indices.numel() \
+        if host_values and ssm_state_indices.device.type == "cpu" and ssm_state_indices.numel() \
                 and int(ssm_state_indices.max()) >= initial_state.shape[0]:
             raise ValueError(f"`ssm_state_indices` must be < the {initial_state.shape[0]} slots of `initial_state` "
                              f"(< 0: padding), got max {int(ssm_state_indices.max())}")
@@ -300,7 +301,7 @@ def check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, ssm_state_i
             raise ValueError("`num_accepted_tokens` needs `ssm_state_indices` (the slots it selects from)")
         _check_index("num_accepted_tokens", num_accepted_tokens, q, N, (1,))
         S = ssm_state_indices.shape[1] if ssm_state_indices.dim() == 2 else 1
-        if num_accepted_tokens.device.type == "cpu" and num_accepted_tokens.numel() \
+        if host_values and num_accepted_tokens.device.type == "cpu" and num_accepted_tokens.numel() \
                 and (int(num_accepted_tokens.min()) < 1 or int(num_accepted_tokens.max()) > S):
             raise ValueError(f"`num_accepted_tokens` must lie in [1, {S}] (1 + num_speculative, the columns of "
                              f"`ssm_state_indices`), got {num_accepted_tokens.tolist()}")
@@ -403,8 +404,9 @@ def fused_recurrent_gated_delta_rule(
     q, k, v, g, beta, initial_state, state_v_first = _fla_options(
         q, k, v, g, beta, initial_state, use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, None,
         use_gate_in_kernel, A_log, dt_bias, transpose_state_layout)
+    compiling = torch.compiler.is_compiling()  # then one custom op (library.py), no host reads
     check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, ssm_state_indices, num_accepted_tokens,
-                 inplace_final_state)
+                 inplace_final_state, host_values=not compiling)
     if config is not None and (not isinstance(config, dict) or not set(config) <= set(CONFIG_KEYS) or not all(
             isinstance(c, int) and c > 0 and c & (c - 1) == 0 for c in config.values())):
         raise ValueError(f"`config` must be a dict with keys among {CONFIG_KEYS} and powers of two as values, "
@@ -417,6 +419,17 @@ def fused_recurrent_gated_delta_rule(
     g = g.contiguous() if g is not None else None
     opts = FusedRecurrentOptions(float(scale), bool(output_final_state), inplace_final_state, bool(state_v_first),
                                  config)
+    if compiling:
+        from tfla.ops.gated_delta_rule.library import fused_recurrent_fwd, fused_recurrent_inplace
+
+        if inplace_final_state:
+            o = fused_recurrent_inplace(q, k, v, g, beta, user_state, cu_seqlens, ssm_state_indices,
+                                        num_accepted_tokens, opts.scale, opts.state_v_first)
+            return o, user_state
+        o, final_state = fused_recurrent_fwd(q, k, v, g, beta, initial_state, cu_seqlens, ssm_state_indices,
+                                             num_accepted_tokens, opts.scale, opts.output_final_state,
+                                             opts.state_v_first)
+        return o, final_state if opts.output_final_state else None
     args = (q, k, v, g, beta, initial_state, cu_seqlens, ssm_state_indices, num_accepted_tokens, opts)
     if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in args[:6]):
         o, final_state = FusedRecurrentGatedDeltaRuleFunction.apply(*args)  # its backward raises

@@ -1,5 +1,6 @@
-"""``torch.library`` custom ops of the chunked Gated DeltaNet, the path ``tfla.chunk_gated_delta_rule`` takes while
-``torch.compile`` traces it (``torch.compiler.is_compiling()``): Dynamo cannot trace the host code in front of the
+"""``torch.library`` custom ops of the chunked Gated DeltaNet and of its decode op, the path
+``tfla.chunk_gated_delta_rule`` and ``tfla.fused_recurrent_gated_delta_rule`` take while ``torch.compile`` traces them
+(``torch.compiler.is_compiling()``): Dynamo cannot trace the host code in front of the
 kernels (cached index tables, reads of ``cu_seqlens``, Triton launches), so the forward and the backward each enter
 the graph as one opaque op with a fake implementation (output shapes and dtypes from the input shapes) and the
 autograd formula registered between them. Eager calls keep ``ChunkGatedDeltaRuleFunction``.
@@ -104,3 +105,55 @@ def _backward(ctx, do, dht, *_):
 
 
 chunk_gdn_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# decode (``tfla.fused_recurrent_gated_delta_rule``, forward only): one op that returns the final state, one that
+# writes the states into the pool in place (a mutation declared to the compiler). ``config`` is ignored here.
+
+@torch.library.custom_op("tfla::fused_recurrent_gated_delta_rule", mutates_args=())
+def fused_recurrent_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None, beta: torch.Tensor,
+                        initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
+                        ssm_state_indices: torch.Tensor | None, num_accepted_tokens: torch.Tensor | None,
+                        scale: float, output_final_state: bool, state_v_first: bool
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(o, final_state)`` (an empty fp32 tensor without ``output_final_state``); ``initial_state`` in tfla's
+    ``[*, HV, K, V]`` index order (a V-first state as its transposed view)."""
+    from tfla.ops.gated_delta_rule.fused_recurrent import fused_recurrent_gated_delta_rule_fwd
+
+    o, final = fused_recurrent_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_final_state,
+                                                    cu_seqlens, ssm_state_indices, num_accepted_tokens, False,
+                                                    state_v_first)
+    return o, final if final is not None else _empty(q)
+
+
+@fused_recurrent_fwd.register_fake
+def _(q, k, v, g, beta, initial_state, cu_seqlens, ssm_state_indices, num_accepted_tokens, scale,
+      output_final_state, state_v_first):
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    final = q.new_empty((N, HV, V, K) if state_v_first else (N, HV, K, V), dtype=acc) if output_final_state \
+        else _empty(q)
+    return v.new_empty(B, T, HV, V, dtype=q.dtype), final
+
+
+@torch.library.custom_op("tfla::fused_recurrent_gated_delta_rule_inplace", mutates_args=("pool",))
+def fused_recurrent_inplace(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None,
+                            beta: torch.Tensor, pool: torch.Tensor, cu_seqlens: torch.Tensor | None,
+                            ssm_state_indices: torch.Tensor | None, num_accepted_tokens: torch.Tensor | None,
+                            scale: float, state_v_first: bool) -> torch.Tensor:
+    """o; the states go into ``pool`` (the user's tensor, ``[slots, HV, V, K]`` with ``state_v_first``) in place."""
+    from tfla.ops.gated_delta_rule.fused_recurrent import fused_recurrent_gated_delta_rule_fwd
+    from tfla.utils.validation import state_in_kv_layout
+
+    o, _ = fused_recurrent_gated_delta_rule_fwd(q, k, v, g, beta, scale, state_in_kv_layout(pool, state_v_first),
+                                                False, cu_seqlens, ssm_state_indices, num_accepted_tokens, True,
+                                                state_v_first)
+    return o
+
+
+@fused_recurrent_inplace.register_fake
+def _(q, k, v, g, beta, pool, cu_seqlens, ssm_state_indices, num_accepted_tokens, scale, state_v_first):
+    B, T = q.shape[:2]
+    return v.new_empty(B, T, v.shape[2], v.shape[3], dtype=q.dtype)
