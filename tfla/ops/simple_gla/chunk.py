@@ -123,7 +123,7 @@ def chunk_simple_gla(
     for the gate's cumsum kernel only; not checked while a CUDA graph is being captured), unsupported sizes or devices.
     """
     initial_state = state_in_kv_layout(initial_state, state_v_first)
-    bounds = host_bounds(cu_seqlens, cu_seqlens_cpu)
+    bounds = None if torch.compiler.is_compiling() else host_bounds(cu_seqlens, cu_seqlens_cpu)
     _check(q, k, v, g, g_gamma, scale, initial_state, cu_seqlens, chunk_size)
     o, final_state = _chunk_simple_gla(q, k, v, g, g_gamma, scale, initial_state, output_final_state, cu_seqlens,
                                        chunk_size, check_positive=True, bounds=bounds)
@@ -133,11 +133,14 @@ def chunk_simple_gla(
 def _chunk_simple_gla(q, k, v, g, g_gamma, scale, initial_state, output_final_state, cu_seqlens, chunk_size,
                       check_positive, bounds=None):
     """``chunk_simple_gla`` after its argument checks; ``check_positive=False`` for decays known to be
-    <= 0 (chunk_retention's own), which then cost no host read; ``bounds``: the offsets as a host list."""
-    positive = positive_flag_for(q if (g is not None or g_gamma is not None) and check_positive else None)
+    <= 0 (chunk_retention's own), which then cost no host read; ``bounds``: the offsets as a host list. Under
+    ``torch.compile`` the custom ops of ``library.py`` (no positive-decay check there)."""
+    compiling = torch.compiler.is_compiling()
+    positive = positive_flag_for(q if (g is not None or g_gamma is not None) and check_positive and not compiling
+                                 else None)
     B, T, H, K = q.shape
     varlen = None
-    if cu_seqlens is not None:
+    if cu_seqlens is not None and not compiling:
         varlen = VarlenIndex.build(cu_seqlens, chunk_size, bounds=bounds)
         check_varlen_bounds(varlen.bounds, T)
     if g_gamma is not None:
@@ -147,6 +150,12 @@ def _chunk_simple_gla(q, k, v, g, g_gamma, scale, initial_state, output_final_st
     q, k, v = (x.contiguous() for x in (q, k, v))
     g = g.contiguous() if g is not None else None
     opts = LinearAttnOptions(float(scale), int(chunk_size), bool(output_final_state))
+    if compiling:
+        from tfla.ops.simple_gla.library import simple_gla_fwd
+
+        o, final, _ = simple_gla_fwd(q, k, v, g, initial_state.contiguous() if initial_state is not None else None,
+                                     cu_seqlens, opts.scale, opts.chunk_size, opts.output_final_state)
+        return o, final if opts.output_final_state else None
     out = ChunkSimpleGLAFunction.apply(q, k, v, g, initial_state.contiguous() if initial_state is not None else None,
                                        varlen, opts, positive)
     # after the kernels are queued: the host waits once, at the end
