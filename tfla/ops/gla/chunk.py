@@ -258,12 +258,13 @@ def chunk_gla(
     CUDA graph is being captured), unsupported sizes, chunk sizes or devices.
     """
     initial_state = state_in_kv_layout(initial_state, state_v_first)
-    bounds = host_bounds(cu_seqlens, cu_seqlens_cpu)
+    compiling = torch.compiler.is_compiling()  # then custom ops (library.py): no host reads here
+    bounds = None if compiling else host_bounds(cu_seqlens, cu_seqlens_cpu)
     _check(q, k, v, g, scale, initial_state, cu_seqlens, chunk_size)
-    positive = positive_flag_for(g)
+    positive = None if compiling else positive_flag_for(g)
     K = q.shape[-1]
     varlen = None
-    if cu_seqlens is not None:
+    if cu_seqlens is not None and not compiling:
         varlen = VarlenIndex.build(cu_seqlens, chunk_size, bounds=bounds)
         check_varlen_bounds(varlen.bounds, q.shape[1])
     if scale is None:
@@ -277,6 +278,13 @@ def chunk_gla(
         raise ValueError(f"`config['tile_rows']` must be 16, 32 or 64, got {config['tile_rows']!r}")
     opts = GLAOptions(float(scale), int(chunk_size), bool(output_final_state), bool(config.get("vec_f32", True)),
                       int(config.get("vec_span", 32)), config.get("tile_rows"))
+    if compiling:
+        from tfla.ops.gla.library import gla_fwd
+
+        o, final_state, _ = gla_fwd(q, k, v, g, initial_state.contiguous() if initial_state is not None else None,
+                                    cu_seqlens, opts.scale, opts.chunk_size, opts.output_final_state, opts.vec_f32,
+                                    opts.vec_span, opts.tile_rows or 0)
+        return o, state_in_fla_layout(final_state if output_final_state else None, state_v_first)
     o, final_state = ChunkGLAFunction.apply(q, k, v, g, initial_state.contiguous() if initial_state is not None
                                             else None, varlen, opts, positive)
     raise_if_positive(positive)
