@@ -37,4 +37,4 @@ def __getattr__(name: str):
 
 
 def __dir__():
-    return sorted(list(globals()) + list(_OPS))
+    return sorted(set(globals()) | set(_OPS))

@@ -195,3 +195,82 @@ def test_gla_fullgraph_equals_eager(device, varlen):
         assert counter.frame_count == 1
     for i, (a, b) in enumerate(zip(got, want)):
         assert_rel_close(f"gla[{i}]", a.detach().cpu(), b.detach().cpu().double(), tolerance(torch.float32))
+
+
+@pytest.mark.parametrize("input_gate,varlen,detach", [("exp", False, False), ("exp", True, False),
+                                                      ("sigmoid", False, False), ("exp", False, True)])
+def test_mlstm_fullgraph_equals_eager(device, input_gate, varlen, detach):
+    """``chunk_mlstm`` (both input gates, initial and final states, varlen, the detached normalizer) compiles without
+    graph breaks; outputs, final states and every gradient equal eager's."""
+    T, H, K, V = 130, 2, 16, 32
+    cu = torch.tensor([0, 1, 70, T], device=device) if varlen else None
+    N = 3 if varlen else 1
+    gen = torch.Generator().manual_seed(9)
+    q, k = (torch.randn(1, T, H, K, generator=gen).to(device) for _ in range(2))
+    v = torch.randn(1, T, H, V, generator=gen).to(device)
+    i, f = torch.randn(1, T, H, generator=gen).to(device), (torch.randn(1, T, H, generator=gen) + 2).to(device)
+    state = [torch.randn(N, H, K, V, generator=gen).to(device), torch.rand(N, H, K, generator=gen).to(device)]
+    if input_gate == "exp":
+        state.append(torch.randn(N, H, generator=gen).to(device))
+
+    def fn(q, k, v, i, f, *st):
+        return tfla.chunk_mlstm(q, k, v, i, f, input_gate=input_gate, initial_state=tuple(st),
+                                output_final_state=True, cu_seqlens=cu, detach_normalizer=detach)
+
+    def run(fn_):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, i, f, *state)]
+        h, fin = fn_(*leaves)
+        loss = (h * h).sum() + sum(x.sum() for x in fin)
+        return (h, *fin) + torch.autograd.grad(loss, leaves)
+
+    counter = torch._dynamo.testing.CompileCounter()
+    compiled = torch.compile(fn, fullgraph=True, backend=counter if device == "cpu" else "inductor")
+    want, got = run(fn), run(compiled)
+    if device == "cpu":
+        assert counter.frame_count == 1
+    for j, (a, b) in enumerate(zip(got, want)):
+        assert_rel_close(f"mlstm[{j}]", a.detach().cpu(), b.detach().cpu().double(), tolerance(torch.float32))
+
+
+def _opcheck_cases(device):
+    """(op, args) for every custom op, small fp32 inputs (varlen where the op takes it)."""
+    from tfla.ops.gated_delta_rule import library as gdn
+    from tfla.ops.gla.library import gla_fwd
+    from tfla.ops.mlstm.library import mlstm_fwd
+    from tfla.ops.simple_gla.library import simple_gla_fwd
+    from tfla.ops.common.l2norm import _l2norm_fwd_op
+
+    x = gdn_inputs(1, 70, 1, 16, 16, HV=2, dtype=torch.float32, device=device, initial_state=True, num_seqs=2,
+                   seed=1)
+    cu = torch.tensor([0, 20, 70], device=device)
+    q, k, v, g, beta, h0 = (x[n] for n in NAMES)
+    gen = torch.Generator().manual_seed(0)
+    v1 = torch.randn(1, 70, 1, 16, generator=gen).to(device)
+    h1 = torch.randn(2, 1, 16, 16, generator=gen).to(device)
+    g1 = -torch.rand(1, 70, 1, generator=gen).to(device)
+    gk = -torch.rand(1, 70, 1, 16, generator=gen).to(device)
+    i, f = torch.randn(1, 70, 1, generator=gen).to(device), torch.randn(1, 70, 1, generator=gen).to(device)
+    n0, m0 = torch.rand(2, 1, 16, generator=gen).to(device), torch.randn(2, 1, generator=gen).to(device)
+    idx = torch.tensor([1, -1], device=device)
+    pool = torch.randn(3, 2, 16, 16, generator=gen).to(device)
+    return {
+        "gdn": (gdn.chunk_gdn_fwd, (q, k, v, g, beta, h0, cu, 0.25, 64, True, True)),
+        "gdn_decode": (gdn.fused_recurrent_fwd, (q[:, :2], k[:, :2], v[:, :2], g[:, :2], beta[:, :2], pool, None, idx,
+                                                None, 0.25, True, False)),
+        "gdn_decode_inplace": (gdn.fused_recurrent_inplace, (q[:, :2], k[:, :2], v[:, :2], g[:, :2], beta[:, :2],
+                                                            pool.clone(), None, idx, None, 0.25, False)),
+        "l2norm": (_l2norm_fwd_op, (q, 1e-6)),
+        "simple_gla": (simple_gla_fwd, (q, k, v1, g1, h1, cu, 0.25, 64, True)),
+        "gla": (gla_fwd, (q, k, v1, gk, h1, cu, 0.25, 64, True, True, 32, 0)),
+        "mlstm": (mlstm_fwd, (q, k, v1, i, f, h1, n0, m0, cu, "exp", True, 1e-6, 0.25, 64, True, True, False)),
+    }
+
+
+@pytest.mark.parametrize("name", ["gdn", "gdn_decode", "gdn_decode_inplace", "l2norm", "simple_gla", "gla", "mlstm"])
+def test_custom_ops_pass_opcheck(device, name):
+    """``torch.library.opcheck``: schema, fake implementation against the real outputs (shapes, dtypes), autograd
+    registration, AOT dispatch with dynamic shapes."""
+    op, args = _opcheck_cases(device)[name]
+    args = tuple(a.clone().requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point()
+                 and "decode" not in name else a for a in args)
+    torch.library.opcheck(op, args)

@@ -518,8 +518,9 @@ def chunk_mlstm(
         raise ValueError(f"save_states needs chunk_size={BWD_CHUNK_SIZE} (the backward's states are the 64-row "
                          f"ones), got chunk_size={chunk_size}")
     _B, T, _H, K = q.shape
+    compiling = torch.compiler.is_compiling()  # then custom ops (library.py): no host reads here
     varlen = None
-    if cu_seqlens is not None:
+    if cu_seqlens is not None and not compiling:
         varlen = VarlenIndex.build(cu_seqlens, chunk_size)
         check_varlen_bounds(varlen.bounds, T)
     if scale is None:
@@ -533,7 +534,14 @@ def chunk_mlstm(
         C0, n0 = initial_state[0].contiguous(), initial_state[1].contiguous()
         m0 = initial_state[2].contiguous() if input_gate == "exp" else None
     q, k, v, i, f = (x.contiguous() for x in (q, k, v, i, f))
-    h, C, n, m = ChunkMLSTMFunction.apply(q, k, v, i, f, C0, n0, m0, varlen, opts)
+    if compiling:
+        from tfla.ops.mlstm.library import mlstm_fwd
+
+        h, C, n, m, _ = mlstm_fwd(q, k, v, i, f, C0, n0, m0, cu_seqlens, opts.input_gate, opts.normalize, opts.eps,
+                                  opts.scale, opts.chunk_size, opts.output_final_state, opts.aug,
+                                  opts.detach_normalizer)
+    else:
+        h, C, n, m = ChunkMLSTMFunction.apply(q, k, v, i, f, C0, n0, m0, varlen, opts)
     if not output_final_state:
         return h, None
     return h, ((C, n, m) if input_gate == "exp" else (C, n))
