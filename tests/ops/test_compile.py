@@ -22,6 +22,18 @@ def _run(fn, x, cu=None, **kw):
     return (o, s) + grads
 
 
+def _check_compiled(device, fn, run, label):
+    """``run(fn)`` and ``run(torch.compile(fn, fullgraph=True))`` give the same tensors; on the CPU one frame
+    (no graph break) through a counting backend, inductor on the GPU."""
+    counter = torch._dynamo.testing.CompileCounter()
+    compiled = torch.compile(fn, fullgraph=True, backend=counter if device == "cpu" else "inductor")
+    want, got = run(fn), run(compiled)
+    if device == "cpu":
+        assert counter.frame_count == 1
+    for j, (a, b) in enumerate(zip(got, want)):
+        assert_rel_close(f"{label}[{j}]", a.detach().cpu(), b.detach().cpu().double(), tolerance(torch.float32))
+
+
 def _gdn(q, k, v, g, beta, h0, cu, **kw):
     return tfla.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu,
                                        **kw)
@@ -161,13 +173,7 @@ def test_linear_attention_fullgraph_equals_eager(device, name, varlen):
         grads = torch.autograd.grad(loss, [t for i, t in enumerate(leaves) if i != 3 or uses_g])
         return (o, s) + grads
 
-    counter = torch._dynamo.testing.CompileCounter()
-    compiled = torch.compile(fn, fullgraph=True, backend=counter if device == "cpu" else "inductor")
-    want, got = run(fn), run(compiled)
-    if device == "cpu":
-        assert counter.frame_count == 1
-    for i, (a, b) in enumerate(zip(got, want)):
-        assert_rel_close(f"{name}[{i}]", a.detach().cpu(), b.detach().cpu().double(), tolerance(torch.float32))
+    _check_compiled(device, fn, run, name)
 
 
 @pytest.mark.parametrize("varlen", [False, True])
@@ -188,13 +194,7 @@ def test_gla_fullgraph_equals_eager(device, varlen):
         o, s = f(*leaves)
         return (o, s) + torch.autograd.grad((o * o).sum() + s.sum(), leaves)
 
-    counter = torch._dynamo.testing.CompileCounter()
-    compiled = torch.compile(fn, fullgraph=True, backend=counter if device == "cpu" else "inductor")
-    want, got = run(fn), run(compiled)
-    if device == "cpu":
-        assert counter.frame_count == 1
-    for i, (a, b) in enumerate(zip(got, want)):
-        assert_rel_close(f"gla[{i}]", a.detach().cpu(), b.detach().cpu().double(), tolerance(torch.float32))
+    _check_compiled(device, fn, run, "gla")
 
 
 @pytest.mark.parametrize("input_gate,varlen,detach", [("exp", False, False), ("exp", True, False),
@@ -223,13 +223,7 @@ def test_mlstm_fullgraph_equals_eager(device, input_gate, varlen, detach):
         loss = (h * h).sum() + sum(x.sum() for x in fin)
         return (h, *fin) + torch.autograd.grad(loss, leaves)
 
-    counter = torch._dynamo.testing.CompileCounter()
-    compiled = torch.compile(fn, fullgraph=True, backend=counter if device == "cpu" else "inductor")
-    want, got = run(fn), run(compiled)
-    if device == "cpu":
-        assert counter.frame_count == 1
-    for j, (a, b) in enumerate(zip(got, want)):
-        assert_rel_close(f"mlstm[{j}]", a.detach().cpu(), b.detach().cpu().double(), tolerance(torch.float32))
+    _check_compiled(device, fn, run, "mlstm")
 
 
 def _opcheck_cases(device):
@@ -239,6 +233,7 @@ def _opcheck_cases(device):
     from tfla.ops.mlstm.library import mlstm_fwd
     from tfla.ops.simple_gla.library import simple_gla_fwd
     from tfla.ops.common.l2norm import _l2norm_fwd_op
+    from tfla.ops.rnn.library import rnn_fwd_op
 
     x = gdn_inputs(1, 70, 1, 16, 16, HV=2, dtype=torch.float32, device=device, initial_state=True, num_seqs=2,
                    seed=1)
@@ -263,14 +258,51 @@ def _opcheck_cases(device):
         "simple_gla": (simple_gla_fwd, (q, k, v1, g1, h1, cu, 0.25, 64, True)),
         "gla": (gla_fwd, (q, k, v1, gk, h1, cu, 0.25, 64, True, True, 32, 0)),
         "mlstm": (mlstm_fwd, (q, k, v1, i, f, h1, n0, m0, cu, "exp", True, 1e-6, 0.25, 64, True, True, False)),
+        "rnn": (rnn_fwd_op, (torch.randn(1, 9, 4, 2, 8, generator=gen).to(device),
+                             torch.randn(4, 2, 8, 8, generator=gen).to(device) * 0.3,
+                             torch.randn(4, 2, 8, generator=gen).to(device),
+                             [torch.randn(2, 2, 8, generator=gen).to(device) for _ in range(2)],
+                             torch.tensor([0, 3, 9], device=device), "lstm", True)),
     }
 
 
-@pytest.mark.parametrize("name", ["gdn", "gdn_decode", "gdn_decode_inplace", "l2norm", "simple_gla", "gla", "mlstm"])
+@pytest.mark.parametrize("name", ["gdn", "gdn_decode", "gdn_decode_inplace", "l2norm", "simple_gla", "gla", "mlstm",
+                                  "rnn"])
 def test_custom_ops_pass_opcheck(device, name):
     """``torch.library.opcheck``: schema, fake implementation against the real outputs (shapes, dtypes), autograd
     registration, AOT dispatch with dynamic shapes."""
     op, args = _opcheck_cases(device)[name]
-    args = tuple(a.clone().requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point()
-                 and "decode" not in name else a for a in args)
+    def leaf(a):
+        if isinstance(a, list):
+            return [leaf(t) for t in a]
+        return a.clone().requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+
+    args = tuple(a if "decode" in name else leaf(a) for a in args)
     torch.library.opcheck(op, args)
+
+
+@pytest.mark.parametrize("cell,G,S", [("elman", 1, 1), ("lstm", 4, 2), ("gru", 3, 1), ("slstm", 4, 4)])
+@pytest.mark.parametrize("varlen", [False, True])
+def test_rnn_fullgraph_equals_eager(device, cell, G, S, varlen):
+    """The FlashRNN cells compile without graph breaks (forward op; the backward op runs the forward again);
+    outputs, final states and every gradient equal eager's, dense and varlen (an empty and a one-step sequence)."""
+    B, T, NH, D = (1, 9, 2, 8) if varlen else (2, 6, 2, 8)
+    cu = torch.tensor([0, 0, 1, 9], device=device) if varlen else None
+    N = 3 if varlen else B
+    gen = torch.Generator().manual_seed(G)
+    x = torch.randn(B, T, G, NH, D, generator=gen).to(device)
+    R = (torch.randn(G, NH, D, D, generator=gen) * 0.3).to(device)
+    b = torch.randn(G, NH, D, generator=gen).to(device)
+    st = [torch.randn(N, NH, D, generator=gen).to(device) * 0.5 for _ in range(S)]
+    op = getattr(tfla, cell)
+
+    def fn(x, R, b, *st):
+        return op(x, R, b, initial_state=tuple(st), output_final_state=True, cu_seqlens=cu)
+
+    def run(f):
+        leaves = [t.clone().requires_grad_() for t in (x, R, b, *st)]
+        h, fin = f(*leaves)
+        loss = (h * h).sum() + sum(s.sum() for s in fin[:3])  # sLSTM's m is a constant of the backward
+        return (h, *fin) + torch.autograd.grad(loss, leaves)
+
+    _check_compiled(device, fn, run, cell)

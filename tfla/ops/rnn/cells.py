@@ -164,7 +164,7 @@ class RNNFunction(torch.autograd.Function):
         return (None, dx.to(x.dtype), dR.to(R_dtype), db.to(b_dtype), *dstate)
 
 
-def _check(cell, x, R, b, initial_state, output_final_state, cu_seqlens):
+def _check(cell, x, R, b, initial_state, output_final_state, cu_seqlens, host_values=True):
     gates, states = CELL_GATES[cell], CELL_STATES[cell]
     G = len(gates)
     check_tensor("x", x, 5)
@@ -204,10 +204,13 @@ def _check(cell, x, R, b, initial_state, output_final_state, cu_seqlens):
             raise ValueError(f"with `cu_seqlens` the batch size must be 1 (sequences packed along T), got B={B}")
         if cu_seqlens.numel() < 2:
             raise ValueError("`cu_seqlens` must hold at least two offsets [0, ..., T]")
-        bounds = cached_bounds(cu_seqlens)
-        check_varlen_bounds(bounds, T)
-        lengths = tuple(b1 - b0 for b0, b1 in zip(bounds[:-1], bounds[1:]))
-        N = len(lengths)
+        N = cu_seqlens.numel() - 1
+        if host_values:  # (not while torch.compile traces: the custom op reads them when it runs)
+            bounds = cached_bounds(cu_seqlens)
+            check_varlen_bounds(bounds, T)
+            lengths = tuple(b1 - b0 for b0, b1 in zip(bounds[:-1], bounds[1:]))
+        else:
+            bounds = lengths = None
     if initial_state is not None:
         if not isinstance(initial_state, (tuple, list)) or len(initial_state) != len(states):
             got = len(initial_state) if isinstance(initial_state, (tuple, list)) else type(initial_state).__name__
@@ -226,23 +229,36 @@ def _check(cell, x, R, b, initial_state, output_final_state, cu_seqlens):
     return lengths, bounds if cu_seqlens is not None else None
 
 
+def pad_index(bounds, lengths, T: int, device):
+    """Varlen as a padded batch: ``(gather [N, Tm], valid [N, Tm])``, the packed row of each (sequence, step) and
+    whether it is a real step; pad steps read row T (a zero row appended to x)."""
+    Tm = max(lengths)
+    t_idx = torch.arange(Tm, device=device)
+    start = torch.tensor(bounds[:-1], device=device)
+    valid = t_idx[None, :] < torch.tensor(lengths, device=device)[:, None]
+    return torch.where(valid, start[:, None] + t_idx[None, :], T), valid
+
+
 def rnn(cell: str, x, R, b, initial_state=None, output_final_state=False, *, cu_seqlens=None):
-    """Shared entry of the four cells (see ``elman``, ``lstm``, ``gru``, ``slstm``)."""
+    """Shared entry of the four cells (see ``elman``, ``lstm``, ``gru``, ``slstm``); under ``torch.compile`` the
+    custom ops of ``library.py``."""
     if cell not in CELL_GATES:
         raise ValueError(f"`cell` must be one of {tuple(CELL_GATES)}, got {cell!r}")
-    lengths, bounds = _check(cell, x, R, b, initial_state, output_final_state, cu_seqlens)
-    opts = RNNOptions(cell, lengths, output_final_state)
+    compiling = torch.compiler.is_compiling()
+    lengths, bounds = _check(cell, x, R, b, initial_state, output_final_state, cu_seqlens, host_values=not compiling)
     state0 = tuple(initial_state) if initial_state is not None else ()
+    if compiling:
+        from tfla.ops.rnn.library import rnn_fwd_op
+
+        out = rnn_fwd_op(x, R, b, list(state0), cu_seqlens, cell, output_final_state)
+        return out[0], (tuple(out[1:]) if output_final_state else None)
+    opts = RNNOptions(cell, lengths, output_final_state)
     if bounds is None:
         out = RNNFunction.apply(opts, x, R, b, *state0)
         return out[0], (tuple(out[1:]) if output_final_state else None)
     # varlen: the packed sequences as a padded batch [N, Tm] gathered by index (pad rows read a zero row; they
     # run after each sequence's last step, so they change neither its outputs nor its final state)
-    Tm, T = max(lengths), x.shape[1]
-    t_idx = torch.arange(Tm, device=x.device)
-    start = torch.tensor(bounds[:-1], device=x.device)
-    valid = t_idx[None, :] < torch.tensor(lengths, device=x.device)[:, None]  # [N, Tm]
-    gather = torch.where(valid, start[:, None] + t_idx[None, :], T)  # row T: the zero row
+    gather, valid = pad_index(bounds, lengths, x.shape[1], x.device)
     x_ext = torch.cat([x[0], x.new_zeros(1, *x.shape[2:])])
     out = RNNFunction.apply(opts, x_ext[gather], R, b, *state0)
     h = out[0][valid].unsqueeze(0)  # [1, T, NH, D]: rows in packed order

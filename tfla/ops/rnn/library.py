@@ -1,0 +1,110 @@
+"""``torch.library`` custom ops of the FlashRNN cells (``tfla.elman``, ``lstm``, ``gru``, ``slstm``), the path they
+take while ``torch.compile`` traces them (as ``tfla/ops/gated_delta_rule/library.py``). Varlen pads to the longest
+sequence, a length only known when the op runs, so the kept steps (states, ``R h``) have no shape the fake
+implementation could give: the backward op runs the forward again for them (exact; the compiled backward costs one
+more forward than eager's).
+"""
+from __future__ import annotations
+
+import torch
+
+from tfla.ops.common.varlen import cached_bounds
+from tfla.ops.rnn.cells import _acc, pad_index, rnn_bwd, rnn_fwd
+from tfla.ops.rnn.reference import CELL_STATES
+from tfla.utils.validation import check_varlen_bounds
+
+
+def _forward(cell, x, R, b, state0, cu_seqlens):
+    """The padded run: ``(h packed like x's rows, states, rh, Wt, b_acc, xp, lengths, gather, valid)``."""
+    B, T = x.shape[:2]
+    gather = valid = None
+    lengths = (T,) * B
+    xp = x
+    if cu_seqlens is not None:
+        bounds = cached_bounds(cu_seqlens)
+        check_varlen_bounds(bounds, T)
+        lengths = tuple(b1 - b0 for b0, b1 in zip(bounds[:-1], bounds[1:]))
+        gather, valid = pad_index(bounds, lengths, T, x.device)
+        xp = torch.cat([x[0], x.new_zeros(1, *x.shape[2:])])[gather]
+    N, _, _, NH, D = xp.shape
+    acc = _acc(x.dtype)
+    S = len(CELL_STATES[cell])
+    s0 = torch.stack([s.to(acc).transpose(0, 1) for s in state0]) if state0 else \
+        torch.zeros(S, NH, N, D, device=x.device, dtype=acc)
+    o, states, rh, Wt, b_acc = rnn_fwd(cell, xp, R, b, s0)
+    h = o if valid is None else o[valid].unsqueeze(0)
+    return h, states, rh, Wt, b_acc, xp, lengths, gather, valid
+
+
+@torch.library.custom_op("tfla::rnn_fwd", mutates_args=())
+def rnn_fwd_op(x: torch.Tensor, R: torch.Tensor, b: torch.Tensor, state0: list[torch.Tensor],
+               cu_seqlens: torch.Tensor | None, cell: str, output_final_state: bool) -> list[torch.Tensor]:
+    """``[h, *final_state]`` (the final state's tensors ``[N, NH, D]`` in the accumulation dtype, when asked)."""
+    h, states, *_, lengths, _, _ = _forward(cell, x, R, b, state0, cu_seqlens)
+    if not output_final_state:
+        return [h]
+    N = len(lengths)
+    idx = torch.tensor(lengths, device=x.device)
+    final = states[idx, :, :, torch.arange(N, device=x.device)]  # [N, S, NH, D]
+    return [h] + [final[:, k].contiguous() for k in range(states.shape[1])]
+
+
+@rnn_fwd_op.register_fake
+def _(x, R, b, state0, cu_seqlens, cell, output_final_state):
+    B, T, _, NH, D = x.shape
+    h = x.new_empty(B, T, NH, D)
+    if not output_final_state:
+        return [h]
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    return [h] + [x.new_empty(N, NH, D, dtype=_acc(x.dtype)) for _ in CELL_STATES[cell]]
+
+
+@torch.library.custom_op("tfla::rnn_bwd", mutates_args=())
+def rnn_bwd_op(x: torch.Tensor, R: torch.Tensor, b: torch.Tensor, state0: list[torch.Tensor],
+               cu_seqlens: torch.Tensor | None, dh: torch.Tensor, dfinal: list[torch.Tensor], cell: str
+               ) -> list[torch.Tensor]:
+    """``[dx, dR, db, *d initial_state]`` in the inputs' dtypes; ``dfinal``: the final state's cotangents ``[N, NH,
+    D]`` each (zeros where none), or empty."""
+    _, states, rh, Wt, b_acc, xp, lengths, gather, valid = _forward(cell, x, R, b, state0, cu_seqlens)
+    N, Tm, _, NH, D = xp.shape
+    acc = states.dtype
+    dhp = dh if valid is None else dh.new_zeros(N, Tm, NH, D).index_put_((valid,), dh[0])
+    dsf = torch.zeros(states.shape[1], NH, N, D, device=x.device, dtype=acc)
+    for k, g in enumerate(dfinal):
+        dsf[k] = g.to(acc).transpose(0, 1)
+    dxp, dR, db, ds0 = rnn_bwd(cell, xp, Wt, b_acc, states, rh, dhp.contiguous(), dsf, lengths)
+    if gather is None:
+        dx = dxp
+    else:  # back to packed rows (pad steps read the zero row T, whose gradient is dropped)
+        dx_ext = dxp.new_zeros(x.shape[1] + 1, *x.shape[2:])
+        dx_ext.index_add_(0, gather.reshape(-1), dxp.reshape(-1, *x.shape[2:]))
+        dx = dx_ext[:-1].unsqueeze(0)
+    return [dx.to(x.dtype), dR.to(R.dtype), db.to(b.dtype)] + \
+        [ds0[k].transpose(0, 1).to(s.dtype, copy=True) for k, s in enumerate(state0)]  # (no two outputs alias)
+
+
+@rnn_bwd_op.register_fake
+def _(x, R, b, state0, cu_seqlens, dh, dfinal, cell):
+    return [torch.empty_like(x), torch.empty_like(R), torch.empty_like(b)] + [torch.empty_like(s) for s in state0]
+
+
+def _setup_context(ctx, inputs, output):
+    x, R, b, state0, cu_seqlens, cell, output_final_state = inputs
+    ctx.save_for_backward(x, R, b, cu_seqlens, *state0)
+    ctx.cell, ctx.output_final_state = cell, output_final_state
+
+
+def _backward(ctx, grads):
+    x, R, b, cu_seqlens, *state0 = ctx.saved_tensors
+    dh = grads[0] if grads[0] is not None else torch.zeros(*x.shape[:2], *x.shape[3:], device=x.device,
+                                                           dtype=x.dtype)
+    dfinal = []
+    if ctx.output_final_state:
+        N = x.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+        dfinal = [g if g is not None else x.new_zeros(N, x.shape[3], x.shape[4], dtype=_acc(x.dtype))
+                  for g in grads[1:]]
+    out = rnn_bwd_op(x, R, b, list(state0), cu_seqlens, dh, dfinal, ctx.cell)
+    return out[0], out[1], out[2], list(out[3:]), None, None, None
+
+
+rnn_fwd_op.register_autograd(_backward, setup_context=_setup_context)
