@@ -16,6 +16,7 @@ _OPS = {
     "chunk_retention": "tfla.ops.simple_gla",
     "chunk_linear_attn": "tfla.ops.simple_gla",
     "chunk_lightning_attn": "tfla.ops.simple_gla",
+    "fused_recurrent_simple_gla": "tfla.ops.simple_gla",
     "chunk_gla": "tfla.ops.gla",
     "chunk_mlstm": "tfla.ops.mlstm.chunk",
     "mlstm_step": "tfla.ops.mlstm.step",

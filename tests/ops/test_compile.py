@@ -234,6 +234,7 @@ def _opcheck_cases(device):
     from tfla.ops.simple_gla.library import simple_gla_fwd
     from tfla.ops.common.l2norm import _l2norm_fwd_op
     from tfla.ops.rnn.library import rnn_fwd_op
+    from tfla.ops.simple_gla.library import fused_recurrent_fwd as fused_recurrent_simple_gla_op
 
     x = gdn_inputs(1, 70, 1, 16, 16, HV=2, dtype=torch.float32, device=device, initial_state=True, num_seqs=2,
                    seed=1)
@@ -258,6 +259,8 @@ def _opcheck_cases(device):
         "simple_gla": (simple_gla_fwd, (q, k, v1, g1, h1, cu, 0.25, 64, True)),
         "gla": (gla_fwd, (q, k, v1, gk, h1, cu, 0.25, 64, True, True, 32, 0)),
         "mlstm": (mlstm_fwd, (q, k, v1, i, f, h1, n0, m0, cu, "exp", True, 1e-6, 0.25, 64, True, True, False)),
+        "simple_gla_decode": (fused_recurrent_simple_gla_op, (q[:, :3], k[:, :3], v1[:, :3], g1[:, :3], None, 0.25, h1,
+                                                              True, True, torch.tensor([0, 1, 3], device=device))),
         "rnn": (rnn_fwd_op, (torch.randn(1, 9, 4, 2, 8, generator=gen).to(device),
                              torch.randn(4, 2, 8, 8, generator=gen).to(device) * 0.3,
                              torch.randn(4, 2, 8, generator=gen).to(device),
@@ -267,7 +270,7 @@ def _opcheck_cases(device):
 
 
 @pytest.mark.parametrize("name", ["gdn", "gdn_decode", "gdn_decode_inplace", "l2norm", "simple_gla", "gla", "mlstm",
-                                  "rnn"])
+                                  "simple_gla_decode", "rnn"])
 def test_custom_ops_pass_opcheck(device, name):
     """``torch.library.opcheck``: schema, fake implementation against the real outputs (shapes, dtypes), autograd
     registration, AOT dispatch with dynamic shapes."""
@@ -306,3 +309,21 @@ def test_rnn_fullgraph_equals_eager(device, cell, G, S, varlen):
         return (h, *fin) + torch.autograd.grad(loss, leaves)
 
     _check_compiled(device, fn, run, cell)
+
+
+@pytest.mark.parametrize("decay", ["g", "g_gamma"])
+def test_simple_gla_decode_fullgraph_equals_eager(device, decay):
+    """``fused_recurrent_simple_gla`` (varlen, reverse, V-first state) compiles as one custom op, equal to eager."""
+    cu = torch.tensor([0, 1, 4], device=device)
+    gen = torch.Generator().manual_seed(12)
+    q, k, v = (torch.randn(1, 4, 2, 16, generator=gen).to(device) for _ in range(3))
+    g = -torch.rand(1, 4, 2, generator=gen).to(device) if decay == "g" else None
+    gamma = -torch.rand(2, generator=gen).to(device) if decay == "g_gamma" else None
+    h0 = torch.randn(2, 2, 16, 16, generator=gen).to(device)
+
+    def fn(q, k, v, h0):
+        return tfla.fused_recurrent_simple_gla(q, k, v, g, g_gamma=gamma, initial_state=h0, output_final_state=True,
+                                               reverse=True, state_v_first=True, cu_seqlens=cu)
+
+    with torch.no_grad():
+        _check_compiled(device, fn, lambda f: f(q, k, v, h0), f"simple_gla_decode_{decay}")

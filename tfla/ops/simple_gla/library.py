@@ -85,3 +85,26 @@ def _backward(ctx, do, dht, _dg_cum):
 
 
 simple_gla_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+@torch.library.custom_op("tfla::fused_recurrent_simple_gla", mutates_args=())
+def fused_recurrent_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None,
+                        g_gamma: torch.Tensor | None, scale: float, initial_state: torch.Tensor | None,
+                        output_final_state: bool, reverse: bool, cu_seqlens: torch.Tensor | None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(o, final_state)`` of the decode op (``fused_recurrent.py``; an empty fp32 tensor without the final
+    state), initial and final state in tfla's ``[N, H, K, V]``."""
+    from tfla.ops.simple_gla.fused_recurrent import _fwd
+
+    o, ht = _fwd(q, k, v, g, g_gamma, scale, initial_state, output_final_state, reverse, cu_seqlens)
+    return o, ht if ht is not None else _empty(q)
+
+
+@fused_recurrent_fwd.register_fake
+def _(q, k, v, g, g_gamma, scale, initial_state, output_final_state, reverse, cu_seqlens):
+    B, T, H, K = q.shape
+    V = v.shape[3]
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    ht = q.new_empty(N, H, K, V, dtype=acc) if output_final_state else _empty(q)
+    return v.new_empty(B, T, H, V, dtype=q.dtype), ht
