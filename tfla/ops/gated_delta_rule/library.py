@@ -13,22 +13,9 @@ from __future__ import annotations
 
 import torch
 
+from tfla.ops.common.custom_ops import absent, varlen_index
 from tfla.ops.common.fused_delta_fwd import SAVE_NONE, SAVE_V_NEW
 from tfla.ops.common.utils import SUB_CHUNK
-from tfla.ops.common.varlen import VarlenIndex
-from tfla.utils.validation import check_varlen_bounds
-
-
-def _varlen(cu_seqlens: torch.Tensor | None, chunk_size: int, T: int) -> VarlenIndex | None:
-    if cu_seqlens is None:
-        return None
-    varlen = VarlenIndex.build(cu_seqlens, chunk_size)
-    check_varlen_bounds(varlen.bounds, T)
-    return varlen
-
-
-def _empty(like: torch.Tensor) -> torch.Tensor:
-    return like.new_empty(0, dtype=torch.float32)
 
 
 @torch.library.custom_op("tfla::chunk_gated_delta_rule_fwd", mutates_args=())
@@ -40,12 +27,12 @@ def chunk_gdn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     keeps; an empty fp32 tensor stands for an absent one (no final state; nothing kept without ``needs_grad``)."""
     from tfla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_fwd
 
-    varlen = _varlen(cu_seqlens, chunk_size, q.shape[1])
+    varlen = varlen_index(cu_seqlens, chunk_size, q.shape[1])
     o, final, inter = chunk_gated_delta_rule_fwd(
         q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size, varlen,
         save=SAVE_V_NEW if needs_grad else SAVE_NONE, segments=1, for_backward=needs_grad)
     keep = [inter["g_cum"], inter["ai"], inter["v_new"]] if needs_grad else [None] * 3
-    return tuple(x if x is not None else _empty(q) for x in [o, final] + keep)
+    return tuple(x if x is not None else absent(q) for x in [o, final] + keep)
 
 
 @chunk_gdn_fwd.register_fake
@@ -55,9 +42,9 @@ def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, chunk_size, output_fin
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     o = v.new_empty(B, T, HV, V, dtype=q.dtype)
-    final = q.new_empty(N, HV, K, V, dtype=acc) if output_final_state else _empty(q)
+    final = q.new_empty(N, HV, K, V, dtype=acc) if output_final_state else absent(q)
     if not needs_grad:
-        return o, final, _empty(q), _empty(q), _empty(q)
+        return o, final, absent(q), absent(q), absent(q)
     return (o, final, q.new_empty(B, T, HV, dtype=acc), q.new_empty(B, T, HV, SUB_CHUNK, dtype=q.dtype),
             v.new_empty(v.shape))
 
@@ -71,17 +58,17 @@ def chunk_gdn_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g_cum: torc
     an empty fp32 tensor without an initial state)."""
     from tfla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_bwd
 
-    varlen = _varlen(cu_seqlens, chunk_size, q.shape[1])
+    varlen = varlen_index(cu_seqlens, chunk_size, q.shape[1])
     dq, dk, dv, dg, dbeta, dh0 = chunk_gated_delta_rule_bwd(
         q, k, v, g_cum, beta, ai, scale, initial_state, do.contiguous(), None if dht is None else dht.contiguous(),
         chunk_size, varlen, v_new=v_new)
-    return dq, dk, dv, dg, dbeta, dh0 if dh0 is not None else _empty(q)
+    return dq, dk, dv, dg, dbeta, dh0 if dh0 is not None else absent(q)
 
 
 @chunk_gdn_bwd.register_fake
 def _(q, k, v, g_cum, beta, ai, v_new, initial_state, do, dht, cu_seqlens, scale, chunk_size):
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    dh0 = initial_state.new_empty(initial_state.shape, dtype=acc) if initial_state is not None else _empty(q)
+    dh0 = initial_state.new_empty(initial_state.shape, dtype=acc) if initial_state is not None else absent(q)
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), g_cum.new_empty(g_cum.shape, dtype=acc),
             beta.new_empty(beta.shape, dtype=acc), dh0)
 
@@ -123,7 +110,7 @@ def fused_recurrent_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
     o, final = fused_recurrent_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_final_state,
                                                     cu_seqlens, ssm_state_indices, num_accepted_tokens, False,
                                                     state_v_first)
-    return o, final if final is not None else _empty(q)
+    return o, final if final is not None else absent(q)
 
 
 @fused_recurrent_fwd.register_fake
@@ -134,7 +121,7 @@ def _(q, k, v, g, beta, initial_state, cu_seqlens, ssm_state_indices, num_accept
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     final = q.new_empty((N, HV, V, K) if state_v_first else (N, HV, K, V), dtype=acc) if output_final_state \
-        else _empty(q)
+        else absent(q)
     return v.new_empty(B, T, HV, V, dtype=q.dtype), final
 
 

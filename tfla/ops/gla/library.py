@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from tfla.ops.common.custom_ops import absent, varlen_index
 from tfla.ops.gla.chunk import GLAOptions, chunk_gla_bwd, chunk_gla_fwd
-from tfla.ops.simple_gla.library import _empty, _varlen
 
 
 def _opts(scale, chunk_size, output_final_state, vec_f32, vec_span, tile_rows):
@@ -22,8 +22,8 @@ def gla_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
     ``tile_rows`` 0: the default."""
     opts = _opts(scale, chunk_size, output_final_state, vec_f32, vec_span, tile_rows)
     o, final, gv_cum = chunk_gla_fwd(q, k, v, g, scale, initial_state, output_final_state, chunk_size,
-                                     _varlen(cu_seqlens, chunk_size, q.shape[1]), None, opts)
-    return o, final if final is not None else _empty(q), gv_cum
+                                     varlen_index(cu_seqlens, chunk_size, q.shape[1]), None, opts)
+    return o, final if final is not None else absent(q), gv_cum
 
 
 @gla_fwd.register_fake
@@ -32,7 +32,7 @@ def _(q, k, v, g, initial_state, cu_seqlens, scale, chunk_size, output_final_sta
     V = v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    final = q.new_empty(N, H, K, V, dtype=acc) if output_final_state else _empty(q)
+    final = q.new_empty(N, H, K, V, dtype=acc) if output_final_state else absent(q)
     return v.new_empty(B, T, H, V, dtype=q.dtype), final, q.new_empty(B, T, H, K, dtype=acc)
 
 
@@ -45,14 +45,14 @@ def gla_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gv_cum: torch.Ten
     opts = _opts(scale, chunk_size, False, vec_f32, vec_span, tile_rows)
     dq, dk, dv, dg, dh0 = chunk_gla_bwd(q, k, v, gv_cum, scale, initial_state, do.contiguous(),
                                         None if dht is None else dht.contiguous(), chunk_size,
-                                        _varlen(cu_seqlens, chunk_size, q.shape[1]), opts)
-    return dq, dk, dv, dg, dh0 if dh0 is not None else _empty(q)
+                                        varlen_index(cu_seqlens, chunk_size, q.shape[1]), opts)
+    return dq, dk, dv, dg, dh0 if dh0 is not None else absent(q)
 
 
 @gla_bwd.register_fake
 def _(q, k, v, gv_cum, initial_state, do, dht, cu_seqlens, scale, chunk_size, vec_f32, vec_span, tile_rows):
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    dh0 = initial_state.new_empty(initial_state.shape, dtype=acc) if initial_state is not None else _empty(q)
+    dh0 = initial_state.new_empty(initial_state.shape, dtype=acc) if initial_state is not None else absent(q)
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape, dtype=k.dtype),
             gv_cum.new_empty(gv_cum.shape, dtype=acc), dh0)
 

@@ -8,8 +8,8 @@ import dataclasses
 
 import torch
 
+from tfla.ops.common.custom_ops import absent, varlen_index
 from tfla.ops.mlstm.chunk import BWD_CHUNK_SIZE, MLSTMOptions, chunk_mlstm_bwd, chunk_mlstm_fwd
-from tfla.ops.simple_gla.library import _empty, _varlen
 
 
 def _opts(input_gate, normalize, eps, scale, chunk_size, output_final_state, aug, detach_normalizer):
@@ -34,10 +34,10 @@ def mlstm_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, i: torch.Tensor
     """``(h, C, n, m, den)`` of ``chunk_mlstm_fwd``: the final state's parts and the normalizer's dot, empty fp32
     tensors where absent (no final state, no m for the sigmoid gate, no den without ``aug``)."""
     opts = _opts(input_gate, normalize, eps, scale, chunk_size, output_final_state, aug, detach_normalizer)
-    h, final, den = chunk_mlstm_fwd(q, k, v, i, f, C0, n0, m0, opts, _varlen(cu_seqlens, chunk_size, q.shape[1]))
+    h, final, den = chunk_mlstm_fwd(q, k, v, i, f, C0, n0, m0, opts, varlen_index(cu_seqlens, chunk_size, q.shape[1]))
     final = tuple(final) + (None,) * (3 - len(final)) if final is not None else (None,) * 3
     acc = _acc(q)
-    return (h,) + tuple(x.to(acc) if x is not None else _empty(q) for x in final + (den,))
+    return (h,) + tuple(x.to(acc) if x is not None else absent(q) for x in final + (den,))
 
 
 @mlstm_fwd.register_fake
@@ -48,10 +48,10 @@ def _(q, k, v, i, f, C0, n0, m0, cu_seqlens, input_gate, normalize, eps, scale, 
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     acc = _acc(q)
     h = v.new_empty(B, T, H, V)
-    C = q.new_empty(N, H, K, V, dtype=acc) if output_final_state else _empty(q)
-    n = q.new_empty(N, H, K, dtype=acc) if output_final_state else _empty(q)
-    m = q.new_empty(N, H, dtype=acc) if output_final_state and input_gate == "exp" else _empty(q)
-    den = q.new_empty(B, T, H, dtype=acc) if aug else _empty(q)
+    C = q.new_empty(N, H, K, V, dtype=acc) if output_final_state else absent(q)
+    n = q.new_empty(N, H, K, dtype=acc) if output_final_state else absent(q)
+    m = q.new_empty(N, H, dtype=acc) if output_final_state and input_gate == "exp" else absent(q)
+    den = q.new_empty(B, T, H, dtype=acc) if aug else absent(q)
     return h, C, n, m, den
 
 
@@ -69,17 +69,17 @@ def mlstm_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, i: torch.Tensor
     if output_final_state and input_gate == "exp":
         final = (C, n, m)
     grads = chunk_mlstm_bwd(q, k, v, i, f, C0, n0, m0, h, _opt(den), final, dh.contiguous(), dC, dn, dm, opts,
-                            _varlen(cu_seqlens, BWD_CHUNK_SIZE, q.shape[1]))
+                            varlen_index(cu_seqlens, BWD_CHUNK_SIZE, q.shape[1]))
     acc = _acc(q)
     out = [g.to(t.dtype) for g, t in zip(grads[:3], (q, k, v))]
-    return out + [g.to(acc) if g is not None else _empty(q) for g in grads[3:]]
+    return out + [g.to(acc) if g is not None else absent(q) for g in grads[3:]]
 
 
 @mlstm_bwd.register_fake
 def _(q, k, v, i, f, C0, n0, m0, h, den, C, n, m, dh, dC, dn, dm, cu_seqlens, input_gate, normalize, eps, scale,
       output_final_state, aug, detach_normalizer):
     acc = _acc(q)
-    st = [x.new_empty(x.shape, dtype=acc) if x is not None else _empty(q) for x in (C0, n0, m0)]
+    st = [x.new_empty(x.shape, dtype=acc) if x is not None else absent(q) for x in (C0, n0, m0)]
     return [q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), i.new_empty(i.shape, dtype=acc),
             f.new_empty(f.shape, dtype=acc)] + st
 

@@ -8,21 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from tfla.ops.common.custom_ops import absent, varlen_index
 from tfla.ops.common.linear_attn import chunk_simple_gla_bwd, chunk_simple_gla_fwd
-from tfla.ops.common.varlen import VarlenIndex
-from tfla.utils.validation import check_varlen_bounds
-
-
-def _varlen(cu_seqlens, chunk_size, T):
-    if cu_seqlens is None:
-        return None
-    varlen = VarlenIndex.build(cu_seqlens, chunk_size)
-    check_varlen_bounds(varlen.bounds, T)
-    return varlen
-
-
-def _empty(like: torch.Tensor) -> torch.Tensor:
-    return like.new_empty(0, dtype=torch.float32)
 
 
 @torch.library.custom_op("tfla::chunk_simple_gla_fwd", mutates_args=())
@@ -31,8 +18,8 @@ def simple_gla_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
                    chunk_size: int, output_final_state: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(o, final_state, g_cum)`` of ``chunk_simple_gla_fwd`` (an empty fp32 tensor for an absent one)."""
     o, final, g_cum = chunk_simple_gla_fwd(q, k, v, g, scale, initial_state, output_final_state, chunk_size,
-                                           _varlen(cu_seqlens, chunk_size, q.shape[1]))
-    return o, final if final is not None else _empty(q), g_cum if g_cum is not None else _empty(q)
+                                           varlen_index(cu_seqlens, chunk_size, q.shape[1]))
+    return o, final if final is not None else absent(q), g_cum if g_cum is not None else absent(q)
 
 
 @simple_gla_fwd.register_fake
@@ -41,9 +28,9 @@ def _(q, k, v, g, initial_state, cu_seqlens, scale, chunk_size, output_final_sta
     V = v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    final = q.new_empty(N, H, K, V, dtype=acc) if output_final_state else _empty(q)
+    final = q.new_empty(N, H, K, V, dtype=acc) if output_final_state else absent(q)
     return v.new_empty(B, T, H, V, dtype=q.dtype), final, q.new_empty(B, T, H, dtype=acc) if g is not None \
-        else _empty(q)
+        else absent(q)
 
 
 @torch.library.custom_op("tfla::chunk_simple_gla_bwd", mutates_args=())
@@ -54,15 +41,15 @@ def simple_gla_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g_cum: tor
     """``(dq, dk, dv, dg, dh0)`` of ``chunk_simple_gla_bwd`` (an empty fp32 tensor for dg / dh0 when absent)."""
     dq, dk, dv, dg, dh0 = chunk_simple_gla_bwd(q, k, v, g_cum, scale, initial_state, do.contiguous(),
                                                None if dht is None else dht.contiguous(), chunk_size,
-                                               _varlen(cu_seqlens, chunk_size, q.shape[1]), need_dg=need_dg)
-    return dq, dk, dv, dg if dg is not None else _empty(q), dh0 if dh0 is not None else _empty(q)
+                                               varlen_index(cu_seqlens, chunk_size, q.shape[1]), need_dg=need_dg)
+    return dq, dk, dv, dg if dg is not None else absent(q), dh0 if dh0 is not None else absent(q)
 
 
 @simple_gla_bwd.register_fake
 def _(q, k, v, g_cum, initial_state, do, dht, cu_seqlens, scale, chunk_size, need_dg):
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    dg = g_cum.new_empty(g_cum.shape, dtype=acc) if g_cum is not None and need_dg else _empty(q)
-    dh0 = initial_state.new_empty(initial_state.shape, dtype=acc) if initial_state is not None else _empty(q)
+    dg = g_cum.new_empty(g_cum.shape, dtype=acc) if g_cum is not None and need_dg else absent(q)
+    dh0 = initial_state.new_empty(initial_state.shape, dtype=acc) if initial_state is not None else absent(q)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dg, dh0
 
 
@@ -97,7 +84,7 @@ def fused_recurrent_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
     from tfla.ops.simple_gla.fused_recurrent import _fwd
 
     o, ht = _fwd(q, k, v, g, g_gamma, scale, initial_state, output_final_state, reverse, cu_seqlens)
-    return o, ht if ht is not None else _empty(q)
+    return o, ht if ht is not None else absent(q)
 
 
 @fused_recurrent_fwd.register_fake
@@ -106,5 +93,5 @@ def _(q, k, v, g, g_gamma, scale, initial_state, output_final_state, reverse, cu
     V = v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    ht = q.new_empty(N, H, K, V, dtype=acc) if output_final_state else _empty(q)
+    ht = q.new_empty(N, H, K, V, dtype=acc) if output_final_state else absent(q)
     return v.new_empty(B, T, H, V, dtype=q.dtype), ht

@@ -1,0 +1,24 @@
+"""Helpers of the ``torch.library`` custom ops (``library.py`` beside each op), the path the ops take while
+``torch.compile`` traces them: the varlen tables built when the op runs (nothing is read from the device while
+tracing), and the empty tensor that stands for an absent output (a custom op returns tensors, never None)."""
+from __future__ import annotations
+
+import torch
+
+from tfla.ops.common.varlen import VarlenIndex
+from tfla.utils.validation import check_varlen_bounds
+
+
+def varlen_index(cu_seqlens: torch.Tensor | None, chunk_size: int, T: int) -> VarlenIndex | None:
+    """The cached index tables of ``cu_seqlens`` at ``chunk_size`` (None without varlen), its offsets checked against
+    the T packed tokens (ValueError as in eager calls)."""
+    if cu_seqlens is None:
+        return None
+    varlen = VarlenIndex.build(cu_seqlens, chunk_size)
+    check_varlen_bounds(varlen.bounds, T)
+    return varlen
+
+
+def absent(like: torch.Tensor) -> torch.Tensor:
+    """An empty fp32 tensor on ``like``'s device: an output the call does not produce."""
+    return like.new_empty(0, dtype=torch.float32)
