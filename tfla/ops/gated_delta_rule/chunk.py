@@ -181,17 +181,16 @@ def chunk_gated_delta_rule_bwd(
     # FlashQLA's error, below FLA's; 0.92-0.93x FlashQLA's with fp32 per-head parts; docs/performance.md); fp32
     # there at L > 64 (not measured in 16 bits)
     per_head = acc if grouped and L != SUB_CHUNK else q.dtype
-    part = per_head
     dqkw = L == SUB_CHUNK
     dgk = None
     if not dqkw:  # L > 64: dq and dk of the tiled product in TFLA tiles at L (before the recurrence)
         dq_args = dict(h=h_sub, state_every=SUB_CHUNK, state_transposed=True, rowdot_with=q,
                        out_dtype=per_head, **tiled)
         if dual_supported(L, v.shape[-1], K, q.dtype, config.get("output")):
-            dq, dgq, dko, dgk = chunk_tiled(do, v_new, k, g_cum, scale, L, dual_dtype=part, **dq_args)
+            dq, dgq, dko, dgk = chunk_tiled(do, v_new, k, g_cum, scale, L, dual_dtype=per_head, **dq_args)
         else:
             dq, dgq = chunk_tiled(do, v_new, k, g_cum, scale, L, **dq_args)
-            dko, dgk = chunk_tiled(v_new, do, q, g_cum, scale, L, reverse=True, rowdot_with=k, out_dtype=part,
+            dko, dgk = chunk_tiled(v_new, do, q, g_cum, scale, L, reverse=True, rowdot_with=k, out_dtype=per_head,
                                    **tiled)
     if split is not None and saved is not None:
         dh_sub, du, dh0 = _state_grad_in_pieces(q, k, w, do, g_cum, scale, dht, initial_state is not None, split,
@@ -210,7 +209,7 @@ def chunk_gated_delta_rule_bwd(
             q, k, v_new, do, du, h_sub, dh_sub, g_cum, scale, cu_seqlens=cu,
             tile_indices=varlen.sub_indices if varlen is not None else None,
             sub_offsets=varlen.sub_offsets if varlen is not None else None, dq_dtype=per_head,
-            dk_dtype=part, dw=None if saved is not None else w, config=config.get("dqkw"))
+            dk_dtype=per_head, dw=None if saved is not None else w, config=config.get("dqkw"))
         pre = dict(dw=dw, pst=pst, sdst=sdst)  # dgq is then q . dq - k . dk already (dgk None)
         h_sub = dh_sub = None  # wy_bwd reads neither (freed here unless saved)
     del w
