@@ -57,6 +57,18 @@ def _gate(x_ptr, rh_ptr, b_ptr, o_x, o_rh, o_b, sxg, j, D, NHD, m, ACC: tl.const
 
 
 @triton.jit
+def _step_elements(B, NH, D, sxb, sxn, sxd, G: tl.constexpr, BE: tl.constexpr):
+    """This program's BE elements of one step's ``[NH, B, D]``: the flat index and its mask, d, batch row, head,
+    and the offsets into x (through its strides), into ``rh`` (``[NH, B, G * D]``, gate 0) and into b (gate 0)."""
+    o_e = tl.program_id(0).to(tl.int64) * BE + tl.arange(0, BE)
+    m_e = o_e < NH * B * D
+    d = o_e % D
+    bi = (o_e // D) % B
+    n = o_e // (B * D)
+    return o_e, m_e, d, bi, n, bi * sxb + n * sxn + d * sxd, (o_e // D) * (G * D) + d, n * D + d
+
+
+@triton.jit
 def _rnn_pointwise_fwd_kernel(
     x_ptr, rh_ptr, b_ptr, s_in_ptr, s_out_ptr, o_ptr,
     B, NH, D,
@@ -64,16 +76,8 @@ def _rnn_pointwise_fwd_kernel(
     CELL: tl.constexpr, G: tl.constexpr, BE: tl.constexpr, ACC: tl.constexpr,
 ):
     """states_t = cell(x_t, R h_{t-1}, b, states_{t-1}); also writes h_t into the output in its dtype."""
-    i_e = tl.program_id(0).to(tl.int64)
+    o_e, m_e, d, bi, n, o_x, o_rh, o_b = _step_elements(B, NH, D, sxb, sxn, sxd, G, BE)
     E = NH * B * D
-    o_e = i_e * BE + tl.arange(0, BE)  # [BE] flat index into [NH, B, D]
-    m_e = o_e < E
-    d = o_e % D
-    bi = (o_e // D) % B
-    n = o_e // (B * D)
-    o_x = bi * sxb + n * sxn + d * sxd
-    o_rh = (o_e // D) * (G * D) + d
-    o_b = n * D + d
     NHD = NH * D
     if CELL == ELMAN:
         xh, rh, bh = _gate(x_ptr, rh_ptr, b_ptr, o_x, o_rh, o_b, sxg, 0, D, NHD, m_e, ACC)
@@ -129,16 +133,8 @@ def _rnn_pointwise_bwd_kernel(
     carried state gradients ``ds[1:]`` (c, n; m is a constant). Out: dx_t (the pre-activation gradients), drh_t
     (the gradients of R h_{t-1}: dx_t but r * dn for the GRU's n gate), ``ds[0]`` = the direct part of dh_{t-1}
     (GRU: z dh_t, else 0), ``ds[1:]`` overwritten with the gradients of c_{t-1}, n_{t-1}."""
-    i_e = tl.program_id(0).to(tl.int64)
+    o_e, m_e, d, bi, n, o_x, o_rh, o_b = _step_elements(B, NH, D, sxb, sxn, sxd, G, BE)
     E = NH * B * D
-    o_e = i_e * BE + tl.arange(0, BE)
-    m_e = o_e < E
-    d = o_e % D
-    bi = (o_e // D) % B
-    n = o_e // (B * D)
-    o_x = bi * sxb + n * sxn + d * sxd
-    o_rh = (o_e // D) * (G * D) + d
-    o_b = n * D + d
     o_dx = bi * sdxb + n * sdxn + d * sdxd
     NHD = NH * D
     dh = tl.load(do_ptr + bi * sdb + n * sdn + d * sdd, mask=m_e, other=0.0).to(ACC)
