@@ -5,11 +5,11 @@ python scripts/tune.py OP --stage STAGE --grid JSON [--mode fwd|fwdbwd] [--L 64]
 python scripts/tune.py OP --configs JSON [...]
 
 e.g.  python scripts/tune.py gdn --mode fwdbwd --stage state_bwd --grid '{"BV": [32, 64], "num_warps": [4, 8]}'
-      python scripts/tune.py gdn --configs '[{"ut": {"BK": 64}}, {"output": {"num_warps": 8}, "state": {"BV": 32}}]'
+      python scripts/tune.py gdn --configs '[{"ut": {"BK": 64}}, {"dqkw": {"num_warps": 8}, "state": {"BV": 32}}]'
 
 ``--grid``: every combination of the listed values becomes ``{STAGE: {...}}`` (without ``--stage``: the
 combination is the config itself); ``--configs``: a JSON list of whole config dicts. The GDN's stage keys are those
-of ``chunk_gated_delta_rule_fwd`` / ``_bwd`` (``ut``, ``state``, ``output``, ``state_bwd``, ``dqkw``, ``wy_bwd``, ...;
+of ``chunk_gated_delta_rule_fwd`` / ``_bwd`` (``ut``, ``fused``, ``state``, ``state_bwd``, ``dqkw``, ``wy_bwd``, ...;
 each a dict of the stage's launch keys such as ``BK``, ``BV``, ``num_warps``, ``num_stages``). ``{}`` (the default)
 always runs first and is the reference: each config's outputs (o and, with ``--mode fwdbwd``, every gradient) are
 compared with it (largest relative L2; 0 = bitwise equal) and a config off by more than ``--tol`` is listed as WRONG.

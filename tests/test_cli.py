@@ -14,12 +14,13 @@ from tfla.cli import main
 def test_bench_gdn_small(tmp_path, capsys):
     csv_path, json_path = tmp_path / "r.csv", tmp_path / "r.json"
     args = ["bench", "gdn", "--T", "70,130", "--B", "1", "--H", "1", "--HV", "2", "--K", "16", "--V", "16",
-            "--chunk-sizes", "64,128", "--dtype", "fp32", "--no-progress", "--csv", str(csv_path), "--json", str(json_path)]
+            "--variants", "default,recompute", "--dtype", "fp32", "--no-progress", "--csv", str(csv_path), "--json",
+            str(json_path)]
     if torch.cuda.is_available():
         args += ["--warmup", "1", "--rep", "5"]
     assert main(args) == 0
     out = capsys.readouterr().out
-    assert "tfla L=64" in out and "tfla L=128" in out and "Gated DeltaNet fwd" in out
+    assert "tfla recompute" in out and "Gated DeltaNet fwd" in out
     data = json.loads(json_path.read_text())
     rows = [r for r in data["rows"] if r["impl"].startswith("tfla")]
     assert len(rows) == 4 and all(r["status"] == "ok" and r["ms"] > 0 for r in rows)
@@ -38,7 +39,8 @@ def test_bench_csv_appends_rows(tmp_path):
 
     csv_path = tmp_path / "results.csv"
     args = ["bench", "gdn", "--T", "70", "--B", "1", "--H", "1", "--HV", "2", "--K", "16", "--V", "16",
-            "--chunk-sizes", "64,128", "--dtype", "fp32", "--impls", "tfla", "--no-progress", "--csv", str(csv_path)]
+            "--variants", "default,recompute", "--dtype", "fp32", "--impls", "tfla", "--no-progress", "--csv",
+            str(csv_path)]
     if torch.cuda.is_available():
         args += ["--warmup", "1", "--rep", "5"]
     assert main(args) == 0
@@ -51,7 +53,7 @@ def test_bench_csv_appends_rows(tmp_path):
     assert text.count("date,commit,") == 1
     with open(csv_path, newline="") as f:
         rows = list(csv.DictReader(f))
-    assert [r["impl"] for r in rows] == ["tfla L=64", "tfla L=128"] * 2
+    assert [r["impl"] for r in rows] == ["tfla", "tfla recompute"] * 2
     for r in rows:
         assert datetime.datetime.fromisoformat(r["date"]).utcoffset() == datetime.timedelta(0)
         assert re.fullmatch(r"[0-9a-f]{4,40}|", r["commit"])  # git rev-parse --short HEAD, or "" without git
@@ -67,36 +69,32 @@ def test_bench_csv_refuses_other_columns(tmp_path, capsys):
     csv_path = tmp_path / "old.csv"
     csv_path.write_text("impl,ms\ntfla,1.0\n")
     with pytest.raises(SystemExit, match="other columns"):
-        main(["bench", "gdn", "--T", "64", "--H", "1", "--K", "16", "--V", "16", "--chunk-sizes", "64",
+        main(["bench", "gdn", "--T", "64", "--H", "1", "--K", "16", "--V", "16",
               "--dtype", "fp32", "--no-progress", "--impls", "tfla", "--csv", str(csv_path)])
     assert csv_path.read_text() == "impl,ms\ntfla,1.0\n"
 
 
-@pytest.mark.parametrize("mode,sizes", [("fwdbwd", "64,64s,128v,64r"), ("bwd", "64")])
-def test_bench_gdn_backward_modes(tmp_path, capsys, mode, sizes):
+@pytest.mark.parametrize("mode,variants", [("fwdbwd", "default,save_states,recompute"), ("bwd", "default")])
+def test_bench_gdn_backward_modes(tmp_path, capsys, mode, variants):
     json_path = tmp_path / "r.json"
     args = ["bench", "gdn", "--mode", mode, "--T", "100", "--B", "1", "--H", "1", "--HV", "2", "--K", "16",
-            "--V", "16", "--chunk-sizes", sizes, "--dtype", "fp32", "--no-progress", "--json", str(json_path)]
+            "--V", "16", "--variants", variants, "--dtype", "fp32", "--no-progress", "--json", str(json_path)]
     if torch.cuda.is_available():
         args += ["--warmup", "1", "--rep", "5"]
     assert main(args) == 0
     assert f"Gated DeltaNet {mode}" in capsys.readouterr().out
     rows = [r for r in json.loads(json_path.read_text())["rows"] if r["impl"].startswith("tfla")]
-    labels = {"64": "tfla L=64", "64s": "tfla L=64 save_states", "128v": "tfla L=128 save_v_new",
-              "64r": "tfla L=64 recompute"}
-    assert [r["impl"] for r in rows] == [labels[s] for s in sizes.split(",")]
+    labels = {"default": "tfla", "save_states": "tfla save_states", "recompute": "tfla recompute"}
+    assert [r["impl"] for r in rows] == [labels[s] for s in variants.split(",")]
     for row in rows:
         assert row["status"] == "ok" and row["ms"] > 0
         assert all(row[f"err_{n}"] < 1e-5 for n in ("dq", "dk", "dv", "dbeta")) and row["err_dg"] < 5e-5
 
 
-def test_bench_gdn_rejects_bad_chunk_sizes(capsys):
+def test_bench_gdn_rejects_bad_variants(capsys):
     with pytest.raises(SystemExit):
-        main(["bench", "gdn", "--chunk-sizes", "64,big", "--no-progress"])
-    assert "--chunk-sizes" in capsys.readouterr().err
-    with pytest.raises(SystemExit):  # one suffix letter at most
-        main(["bench", "gdn", "--chunk-sizes", "64sv", "--no-progress"])
-    assert "--chunk-sizes" in capsys.readouterr().err
+        main(["bench", "gdn", "--variants", "default,big", "--no-progress"])
+    assert "--variants" in capsys.readouterr().err
 
 
 def test_bench_refuses_wrong_kernel(monkeypatch, capsys):
@@ -105,14 +103,14 @@ def test_bench_refuses_wrong_kernel(monkeypatch, capsys):
 
     real = reg.tfla_impl
 
-    def broken(L):
-        impl = real(L)
+    def broken(variant):
+        impl = real(variant)
         fn = impl.fn
         impl.fn = lambda x, **kw: (lambda o, s: (o * 1.01, s))(*fn(x, **kw))
         return impl
 
     monkeypatch.setattr(reg, "tfla_impl", broken)
-    rc = main(["bench", "gdn", "--T", "64", "--H", "1", "--K", "16", "--V", "16", "--chunk-sizes", "64",
+    rc = main(["bench", "gdn", "--T", "64", "--H", "1", "--K", "16", "--V", "16",
                "--dtype", "fp32", "--no-progress", "--impls", "tfla"])
     assert rc == 1
     assert "WRONG" in capsys.readouterr().out
@@ -121,7 +119,7 @@ def test_bench_refuses_wrong_kernel(monkeypatch, capsys):
 @pytest.mark.parametrize("argv", [["-m", "tfla", "bench", "gdn", "--help"]])
 def test_module_entry_point(argv):
     r = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0 and "--chunk-sizes" in r.stdout
+    assert r.returncode == 0 and "--variants" in r.stdout
 
 
 def test_bench_gdn_named_workloads(tmp_path, capsys):
@@ -131,7 +129,7 @@ def test_bench_gdn_named_workloads(tmp_path, capsys):
     main(["bench", "gdn", "--workload", "qwen3-next", "--dtype", "fp32", "--impls", "tfla", "--no-progress",
           "--json", str(json_path)])
     rows = json.loads(json_path.read_text())["rows"]
-    assert [r["impl"] for r in rows] == ["tfla L=64"]
+    assert [r["impl"] for r in rows] == ["tfla"]
     r = rows[0]
     assert r["status"] == "ok" and r["workload"] == "qwen3-next" and "varlen N=6 l2norm+gate" in r["label"]
     assert r["HV"] == 2 * r["H"] and r["err_o"] < 1e-5

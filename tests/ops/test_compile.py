@@ -42,7 +42,7 @@ def _gdn(q, k, v, g, beta, h0, cu, **kw):
 @pytest.mark.parametrize("varlen,kw", [
     (False, {}),
     (True, {}),
-    (False, dict(use_qk_l2norm_in_kernel=True, chunk_size=128)),
+    (False, dict(use_qk_l2norm_in_kernel=True)),
     (True, dict(use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True)),
 ])
 def test_gdn_fullgraph_equals_eager(device, varlen, kw):
@@ -250,7 +250,7 @@ def _opcheck_cases(device):
     idx = torch.tensor([1, -1], device=device)
     pool = torch.randn(3, 2, 16, 16, generator=gen).to(device)
     return {
-        "gdn": (gdn.chunk_gdn_fwd, (q, k, v, g, beta, h0, cu, 0.25, 64, True, True)),
+        "gdn": (gdn.chunk_gdn_fwd, (q, k, v, g, beta, h0, cu, 0.25, True, True)),
         "gdn_decode": (gdn.fused_recurrent_fwd, (q[:, :2], k[:, :2], v[:, :2], g[:, :2], beta[:, :2], pool, None, idx,
                                                 None, 0.25, True, False)),
         "gdn_decode_inplace": (gdn.fused_recurrent_inplace, (q[:, :2], k[:, :2], v[:, :2], g[:, :2], beta[:, :2],

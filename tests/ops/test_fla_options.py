@@ -48,10 +48,10 @@ def x(device):
 def test_beta_sigmoid_in_kernel(x, neg):
     names = ("q", "k", "v", "g", "beta_raw", "initial_state")
     got = _run(lambda beta_raw, **a: tfla.chunk_gated_delta_rule(
-        beta=beta_raw, use_beta_sigmoid_in_kernel=True, allow_neg_eigval=neg, output_final_state=True, chunk_size=64,
+        beta=beta_raw, use_beta_sigmoid_in_kernel=True, allow_neg_eigval=neg, output_final_state=True,
         **a), _leaves(x, names))
     want = _run(lambda beta_raw, **a: tfla.chunk_gated_delta_rule(
-        beta=torch.sigmoid(beta_raw) * (2.0 if neg else 1.0), output_final_state=True, chunk_size=64, **a),
+        beta=torch.sigmoid(beta_raw) * (2.0 if neg else 1.0), output_final_state=True, **a),
         _leaves(x, names))
     _same(got, want)
 
@@ -60,12 +60,12 @@ def test_beta_sigmoid_in_kernel(x, neg):
 def test_gate_in_kernel(x, bias):
     names = ("q", "k", "v", "g_raw", "beta", "initial_state", "A_log") + (("dt_bias",) if bias else ())
     got = _run(lambda g_raw, A_log, dt_bias=None, **a: tfla.chunk_gated_delta_rule(
-        g=g_raw, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, output_final_state=True, chunk_size=128, **a),
+        g=g_raw, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, output_final_state=True, **a),
         _leaves(x, names))
 
     def by_hand(g_raw, A_log, dt_bias=None, **a):  # FLA's GDN gate: -exp(A_log) softplus(g + dt_bias)
         g = -A_log.exp() * F.softplus(g_raw + (dt_bias if dt_bias is not None else 0.0))
-        return tfla.chunk_gated_delta_rule(g=g, output_final_state=True, chunk_size=128, **a)
+        return tfla.chunk_gated_delta_rule(g=g, output_final_state=True, **a)
 
     want = _run(by_hand, _leaves(x, names))
     _same(got, want)

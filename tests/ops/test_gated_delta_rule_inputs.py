@@ -13,7 +13,7 @@ def x(device):
 
 def call(x, **over):
     a = {**x, **over}
-    kw = {k: a[k] for k in ("initial_state", "cu_seqlens", "chunk_size", "scale") if k in a}
+    kw = {k: a[k] for k in ("initial_state", "cu_seqlens", "scale") if k in a}
     return tfla.chunk_gated_delta_rule(a["q"], a["k"], a["v"], a["g"], a["beta"], **kw)
 
 
@@ -36,8 +36,6 @@ def test_valid_call_runs(x):
     (lambda x: {n: x[n].to(torch.float8_e4m3fn) for n in ("q", "k", "v")}, TypeError, "`q` dtype"),
     (lambda x: {n: x[n].double() for n in ("q", "k", "v")}, TypeError, "`g` must be float64 when q is float64"),
     (lambda x: {"q": x["q"].long()}, TypeError, "`q` must be a floating-point"),
-    (lambda x: {"chunk_size": 96}, ValueError, "`chunk_size` must be one of"),
-    (lambda x: {"chunk_size": 32}, ValueError, "`chunk_size` must be one of"),
     (lambda x: {"initial_state": x["initial_state"][:, :2]}, ValueError, "`initial_state` must have shape"),
     (lambda x: {"initial_state": x["initial_state"].long()}, TypeError, "`initial_state` must be floating"),
     (lambda x: {"scale": "0.5"}, TypeError, "`scale`"),

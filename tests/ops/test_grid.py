@@ -15,7 +15,7 @@ from tfla.ops.common.varlen import VarlenIndex
 from tfla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_bwd, chunk_gated_delta_rule_fwd
 
 FORCED = {"flat": True, "idx64": True}
-STAGES = ("ut", "state", "output", "state_lin", "state_bwd", "dqkw", "wy_bwd")
+STAGES = ("ut", "state", "state_lin", "state_bwd", "dqkw", "wy_bwd")
 
 
 def test_tile_grid_goes_flat_only_past_the_limits():
@@ -39,27 +39,61 @@ def _equal(a, b, name):
 @pytest.mark.parametrize("varlen", [False, True])
 @pytest.mark.parametrize("save_v_new", [False, True])
 def test_gdn_stages_flat_and_int64_equal_default(device, varlen, save_v_new):
-    """GDN forward and backward at L = 64 (ut, state, tiled output, dqkw, wy_bwd) and L = 128 (the dual tiled
-    launch and the recompute), with every stage forced to the flat grid and 64-bit offsets."""
+    """GDN forward and backward (ut, the recompute's state passes, the state-gradient recurrence, dqkw, wy_bwd)
+    with every stage forced to the flat grid and 64-bit offsets."""
     T, H, HV, K, V = 150, 1, 2, 32, 16
     cu = random_cu_seqlens(T, 3, seed=3, device=device) if varlen else None
     x = gdn_inputs(1 if varlen else 2, T, H, K, V, HV=HV, dtype=torch.float32, device=device, initial_state=True,
                    num_seqs=3 if varlen else None, seed=5)
+    vl = VarlenIndex.build(cu, 64) if varlen else None
+    outs = []
+    for cfg in (None, {s: FORCED for s in STAGES}):
+        o, s, inter = chunk_gated_delta_rule_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], 0.3,
+                                                 x["initial_state"], True, vl, config=cfg)
+        gen = torch.Generator().manual_seed(1)
+        do = torch.randn(o.shape, generator=gen).to(device)
+        dht = torch.randn(s.shape, generator=gen).to(device)
+        grads = chunk_gated_delta_rule_bwd(x["q"], x["k"], x["v"], inter["g_cum"], x["beta"], inter["ai"], 0.3,
+                                           x["initial_state"], do, dht, vl, config=cfg,
+                                           v_new=inter["v_new"] if save_v_new else None)
+        outs.append((o, s) + tuple(grads))
+    for name, a, b in zip(("o", "final", "dq", "dk", "dv", "dg", "dbeta", "dh0"), *outs):
+        _equal(a, b, name)
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_tiled_product_flat_equal_default(device, varlen):
+    """The TFLA tiled product (``chunk_tiled``) in its forward form with states, its reverse form and its dual form
+    (dq and dk from one launch, L = 64), at L = 64 and 128, on the flat grid with 64-bit offsets."""
+    from tfla.ops.common.chunk_output import chunk_tiled, dual_supported, output_config
+
+    T, H, K, V = 150, 2, 32, 16
+    gen = torch.Generator().manual_seed(9)
+    B = 1 if varlen else 2
+    cu = random_cu_seqlens(T, 3, seed=5, device=device) if varlen else None
+    q, k = (torch.randn(B, T, H, K, generator=gen).to(device) for _ in range(2))
+    v, do = (torch.randn(B, T, H, V, generator=gen).to(device) for _ in range(2))
+    g = -torch.rand(B, T, H, generator=gen).to(device)
     for L in (64, 128):
         vl = VarlenIndex.build(cu, L) if varlen else None
-        outs = []
-        for cfg in (None, {s: FORCED for s in STAGES}):
-            o, s, inter = chunk_gated_delta_rule_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], 0.3,
-                                                     x["initial_state"], True, L, vl, config=cfg)
-            gen = torch.Generator().manual_seed(1)
-            do = torch.randn(o.shape, generator=gen).to(device)
-            dht = torch.randn(s.shape, generator=gen).to(device)
-            grads = chunk_gated_delta_rule_bwd(x["q"], x["k"], x["v"], inter["g_cum"], x["beta"], inter["ai"], 0.3,
-                                               x["initial_state"], do, dht, L, vl, config=cfg,
-                                               v_new=inter["v_new"] if save_v_new else None)
-            outs.append((o, s) + tuple(grads))
-        for name, a, b in zip(("o", "final", "dq", "dk", "dv", "dg", "dbeta", "dh0"), *outs):
-            _equal(a, b, f"L={L} {name}")
+        g_cum = chunk_local_cumsum(g, L, scale=1.4426950408889634, cu_seqlens=cu,
+                                   chunk_indices=vl.chunk_indices if vl else None)
+        h, _, _ = chunk_state_fwd(k, v, g_cum, L, cu_seqlens=cu, chunk_offsets=vl.sub_offsets if vl else None,
+                                  num_chunks=vl.sub_indices.shape[0] if vl else None, store_every_sub_chunk=True)
+        for cfg in (None, FORCED):
+            tiled = dict(cu_seqlens=cu, config=cfg)
+            if vl is not None:
+                tiled.update(tile_indices=vl.tiles(output_config(L, K, V, cfg)["BQ"]), chunk_offsets=vl.sub_offsets)
+            dq_args = dict(h=h, state_every=64, state_transposed=True, rowdot_with=q, **tiled)
+            res = [chunk_tiled(k, q, do, g_cum, 0.3, L, reverse=True, **tiled)]
+            if dual_supported(L, V, K, q.dtype):
+                res += list(chunk_tiled(do, v, k, g_cum, 0.3, L, dual_dtype=k.dtype, **dq_args))
+            else:
+                res += list(chunk_tiled(do, v, k, g_cum, 0.3, L, **dq_args))
+            if cfg is None:
+                ref = res
+        for i, (a, b) in enumerate(zip(ref, res)):
+            _equal(a, b, f"L={L} tiled output {i}")
 
 
 @pytest.mark.parametrize("varlen", [False, True])

@@ -1,4 +1,4 @@
-"""``tfla bench gdn``: Gated DeltaNet forward benchmark of tfla (each chunk size) against FLA and
+"""``tfla bench gdn``: Gated DeltaNet benchmark of tfla (in each saved-set variant) against FLA and
 FlashQLA, after a correctness check of every implementation against a float32 reference.
 
 For each workload: inputs from ``gdn_inputs`` (the tests' factory); a float32 pure-PyTorch
@@ -113,17 +113,14 @@ def _ints(s: str) -> list[int]:
     return [int(x) for x in str(s).split(",") if x.strip()]
 
 
-def _chunk_sizes(spec: str) -> list:
-    """``"64,64s,128v,256r"`` -> ``[64, "64s", "128v", "256r"]`` (a trailing s: save_states, v: save_v_new=True,
-    r: save_v_new=False); anything else is a clear error."""
-    out = []
-    for part in spec.split(","):
-        part = part.strip()
-        if not part.rstrip("svr").isdigit() or len(part.rstrip("svr")) < len(part) - 1:
-            raise argparse.ArgumentTypeError(
-                f"expected integers, optionally ending in s (save_states), v (save_v_new) or r (recompute), "
-                f"got {part!r}")
-        out.append(part if part[-1] in "svr" else int(part))
+def _variants(spec: str) -> list[str]:
+    """``"default,recompute"`` -> ``["default", "recompute"]``; a name not in ``VARIANTS`` is a clear error."""
+    from tfla.bench.registry import VARIANTS
+
+    out = [part.strip() for part in spec.split(",") if part.strip()]
+    bad = [v for v in out if v not in VARIANTS]
+    if bad or not out:
+        raise argparse.ArgumentTypeError(f"expected names from {', '.join(VARIANTS)}, got {spec!r}")
     return out
 
 
@@ -145,10 +142,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--K", type=int, default=128 if gpu else 32)
     p.add_argument("--V", type=int, default=128 if gpu else 32)
     p.add_argument("--dtype", choices=list(DTYPES), default="bf16" if gpu else "fp32")
-    p.add_argument("--chunk-sizes", type=_chunk_sizes, default=None,
-                   help="tfla chunk sizes L, the backward's outer chunk (64s: L = 64 with save_states=True; 64v / 64r: "
-                        "save_v_new True / False); default 64 with --mode fwd (the fused forward is the same at every "
-                        "L), else 64,128,256,512")
+    p.add_argument("--variants", type=_variants, default=None,
+                   help="what tfla's forward keeps for the backward, comma-separated: default (Vnew), save_states "
+                        "(Vnew and the 64-row states), recompute (FLA's saved set); default: default with --mode fwd "
+                        "(the forward is the same in all three), else all three")
     p.add_argument("--impls", type=str, default="tfla,fla,flashqla",
                    help="comma-separated subset of tfla,fla,flashqla (peers only when installed)")
     p.add_argument("--gate", choices=GATES, default="default")
@@ -234,11 +231,11 @@ def run(args) -> tuple[list[dict], dict]:
     check_csv(args.csv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     wls = workloads_from_args(args)
-    if args.chunk_sizes is None:
-        args.chunk_sizes = _chunk_sizes("64" if args.mode == "fwd" else "64,128,256,512")
-    chunk_sizes = args.chunk_sizes if "tfla" in args.impls else []
+    if args.variants is None:
+        args.variants = _variants("default" if args.mode == "fwd" else "default,save_states,recompute")
+    variants = args.variants if "tfla" in args.impls else []
     peers = [p for p in ("fla", "flashqla") if p in args.impls.split(",")]
-    impls, missing = gdn_impls(chunk_sizes, peers)
+    impls, missing = gdn_impls(variants, peers)
     meta = env_info()
     meta["missing_peers"] = ",".join(missing) or "-"
     rows = []

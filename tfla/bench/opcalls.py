@@ -9,8 +9,9 @@ forward plus ``torch.autograd.grad`` of every input with a fixed random cotangen
 (no override) calls the public op as a user does; ``{}`` is the op's default config. An op whose public function
 takes no ``config=`` accepts only ``{}``, except the Gated DeltaNet: given a config (``{}`` included, so that
 variants compare like with like) it runs through its host functions ``chunk_gated_delta_rule_fwd`` / ``_bwd``,
-which take ``config`` (stage keys such as ``ut``, ``state``, ``output``, ``state_bwd``, ``dqkw``, ``wy_bwd``),
-with Vnew kept from the forward as the op keeps it by default.
+which take ``config`` (stage keys such as ``ut``, ``fused``, ``state``, ``state_bwd``, ``dqkw``, ``wy_bwd``),
+with Vnew kept from the forward as the op keeps it by default. The Gated DeltaNet runs 64-row chunks only
+(``chunk_size`` 64).
 """
 from __future__ import annotations
 
@@ -76,7 +77,7 @@ def _public_call(op: str, chunk_size: int, op_kwargs: dict) -> Callable:
 
     name = OPS[op][0]
     fn = getattr(tfla, name)
-    kw = {"chunk_size": chunk_size, **op_kwargs}
+    kw = {**op_kwargs} if op == "gdn" else {"chunk_size": chunk_size, **op_kwargs}
     if op.startswith("mlstm"):
         kw["input_gate"] = "sigmoid" if op == "mlstm-sig" else "exp"
     elif op == "linear-attn":
@@ -92,7 +93,7 @@ def _public_call(op: str, chunk_size: int, op_kwargs: dict) -> Callable:
     return call
 
 
-def _gdn_host_run(x: dict, mode: str, chunk_size: int, config: dict, op_kwargs: dict, do):
+def _gdn_host_run(x: dict, mode: str, config: dict, op_kwargs: dict, do):
     """The Gated DeltaNet through ``chunk_gated_delta_rule_fwd`` / ``_bwd`` with ``config`` (no autograd)."""
     from tfla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_bwd, chunk_gated_delta_rule_fwd
 
@@ -103,11 +104,11 @@ def _gdn_host_run(x: dict, mode: str, chunk_size: int, config: dict, op_kwargs: 
     scale = q.shape[-1] ** -0.5
 
     def run():
-        o, _, inter = chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, None, False, chunk_size, config=config)
+        o, _, inter = chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, None, False, config=config)
         if mode == "fwd":
             return (o,)
         grads = chunk_gated_delta_rule_bwd(q, k, v, inter["g_cum"], beta, inter["ai"], scale, None, do, None,
-                                           chunk_size, config=config, v_new=inter["v_new"])
+                                           config=config, v_new=inter["v_new"])
         return (o, *grads[:5])
 
     return run
@@ -123,6 +124,8 @@ def op_run(op: str, mode: str = "fwd", chunk_size: int = 64, config: dict | None
         raise ValueError(f"unknown op {op!r}; choose from {', '.join(OPS)}")
     if mode not in ("fwd", "fwdbwd"):
         raise ValueError(f"mode must be fwd or fwdbwd, got {mode!r}")
+    if op == "gdn" and chunk_size != 64:
+        raise ValueError(f"the Gated DeltaNet runs 64-row chunks only, got chunk_size={chunk_size}")
     op_kwargs = dict(op_kwargs or {})
     if inputs is None:
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -142,7 +145,7 @@ def op_run(op: str, mode: str = "fwd", chunk_size: int = 64, config: dict | None
     if config is not None and takes_config(call.fn):
         extra["config"] = config
     elif config is not None and op == "gdn":
-        return OpRun(label, _gdn_host_run(x, mode, chunk_size, config, op_kwargs, do), out_names, x)
+        return OpRun(label, _gdn_host_run(x, mode, config, op_kwargs, do), out_names, x)
     elif config:
         raise ValueError(f"tfla.{OPS[op][0]} takes no config= argument: only the variant {{}} runs for {op}")
     if mode == "fwd":

@@ -1,4 +1,4 @@
-"""Registry of Gated DeltaNet implementations the benchmark can run: tfla at each chunk size, FLA's
+"""Registry of Gated DeltaNet implementations the benchmark can run: tfla in each of its saved-set variants, FLA's
 own Triton kernel (``FLA_FLASH_QLA=0``) and FlashQLA, the last two only when installed.
 
 Every entry takes the input dict of ``tfla.bench.inputs.gdn_inputs`` and returns ``(o, final_state)``.
@@ -37,27 +37,26 @@ def _version(dist: str) -> str:
         return "?"
 
 
-SAVE_SUFFIXES = {"s": ("save_states", dict(save_states=True)), "v": ("save_v_new", dict(save_v_new=True)),
-                 "r": ("recompute", dict(save_v_new=False))}
+# what tfla's forward keeps for its backward: the op's default (Vnew), Vnew and the 64-row states, or FLA's saved set
+# (Vnew recomputed)
+VARIANTS = {"default": {}, "save_states": dict(save_states=True), "recompute": dict(save_v_new=False)}
 
 
-def tfla_impl(chunk_size: int | str) -> Impl:
-    """tfla at outer chunk ``chunk_size``; a trailing letter picks what the forward saves for the backward:
-    ``"64s"`` ``save_states=True`` (W, Vnew and the 64-row states; L = 64 only), ``"128v"`` ``save_v_new=True``,
-    ``"128r"`` ``save_v_new=False`` (Vnew recomputed: FLA's saved set); none: the op's default."""
+def tfla_impl(variant: str = "default") -> Impl:
+    """tfla's ``chunk_gated_delta_rule`` in one of ``VARIANTS`` (the name is the impl's label after "tfla")."""
     from tfla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-    suffix = str(chunk_size)[-1] if str(chunk_size)[-1] in SAVE_SUFFIXES else ""
-    L = int(str(chunk_size).rstrip("".join(SAVE_SUFFIXES)))
-    label, save = SAVE_SUFFIXES[suffix] if suffix else ("", {})
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown tfla variant {variant!r}; choose from {', '.join(VARIANTS)}")
+    save = VARIANTS[variant]
 
     def fn(x, output_final_state=True, **kw):
         return chunk_gated_delta_rule(
             x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x.get("initial_state"),
-            output_final_state=output_final_state, cu_seqlens=x.get("cu_seqlens"), chunk_size=L, **save,
+            output_final_state=output_final_state, cu_seqlens=x.get("cu_seqlens"), **save,
             **x.get("kw", {}), **kw)
 
-    return Impl(f"tfla L={L}{' ' + label if label else ''}", fn, L, None, _version("tfla"))
+    return Impl("tfla" if variant == "default" else f"tfla {variant}", fn, 64, None, _version("tfla"))
 
 
 IMPORT_ERRORS: dict[str, str] = {}  # peer -> why it did not import here (printed with the skipped peers)
@@ -118,9 +117,9 @@ def flashqla_impl() -> Impl | None:
                 "layer workloads: the gate -exp(A_log) softplus(a + dt_bias) in PyTorch inside the timed call")
 
 
-def gdn_impls(chunk_sizes=(64, 128, 256, 512), peers=("fla", "flashqla")) -> tuple[list[Impl], list[str]]:
+def gdn_impls(variants=("default",), peers=("fla", "flashqla")) -> tuple[list[Impl], list[str]]:
     """Implementations to run, and a note for each requested peer that is not available."""
-    impls = [tfla_impl(L) for L in chunk_sizes]
+    impls = [tfla_impl(v) for v in variants]
     missing = []
     for peer in peers:
         impl = {"fla": fla_impl, "flashqla": flashqla_impl}[peer]()

@@ -1,16 +1,21 @@
 """Two-level tiled Gated DeltaNet (TFLA-GDN): host orchestration, input checks, public op.
 
-Notation: B batch, T time, H key heads, HV value heads, K/V head dims, N sequences,
-L = chunk_size (outer chunk; states live every L tokens), 64-row sub-chunks (UT/WY level).
+Notation: B batch, T time, H key heads, HV value heads, K/V head dims, N sequences; every stage works on 64-row
+chunks (``SUB_CHUNK``; states live every 64 tokens).
 
 Forward (``tfla/ops/common/fused_delta_fwd.py``): a prep pass per 64-row chunk (G = cumsum(g) in log2 units,
 Tm = (I + A)^-1), then one fused pass per (sequence or segment, value head, value tile) with the state on chip that
 writes o, the final state and what the backward keeps (Vnew by default, the 64-row states with ``save_states``);
 long sequences are cut into segments joined by an exact scan (``segments``).
 
-Backward (``chunk_gated_delta_rule_bwd``): the states at every 64 rows recomputed (or kept), then the TFLA-tiled
-gradients at L, the state-gradient recurrence (in the forward's pieces when it cut a sequence and kept its states)
-and the UT/WY backward.
+Backward (``chunk_gated_delta_rule_bwd``): the states at every 64 rows recomputed (or kept), the state-gradient
+recurrence (in the forward's pieces when it cut a sequence and kept its states), dq / dk and the WY backward's state
+terms from one read of the states and their gradients (``chunk_dqkw``), then the UT/WY backward.
+
+Outer chunks larger than 64 rows (TFLA's two-level tiling, ``chunk_size`` 128 to 512) were dropped for this op on
+2026-11-24: slower (fwd+bwd 3.544 vs 3.147 ms at L = 128, H100, before the fused forward), more memory (1478 vs 1358
+MiB) and, with the fused forward, less precise in bf16 (1.1-1.3x the better peer's error at L = 512 with Qwen3-Next
+gates): README of this op, docs/performance.md.
 """
 from __future__ import annotations
 
@@ -19,14 +24,13 @@ import dataclasses
 import torch
 
 from tfla.ops.common.chunk_dqkw import chunk_dqkw_bwd
-from tfla.ops.common.chunk_output import chunk_tiled, dual_supported, output_config
-from tfla.ops.common.chunk_state import chunk_state_fwd, intra_supported
+from tfla.ops.common.chunk_state import chunk_state_fwd
 from tfla.ops.common.chunk_state_bwd import chunk_state_bwd
 from tfla.ops.common.cumsum import chunk_local_cumsum
 from tfla.ops.common.fused_delta_fwd import SAVE_NONE, SAVE_STATES, SAVE_V_NEW, Split, fused_delta_fwd, segment_scan
 from tfla.ops.common.group_sum import group_sum
 from tfla.ops.common.l2norm import l2norm
-from tfla.ops.common.utils import LOG_DECAY_FLOOR, RCP_LN2, SUB_CHUNK
+from tfla.ops.common.utils import SUB_CHUNK
 from tfla.ops.common.ut_transform import ut_transform_fwd, w_from_tm
 from tfla.ops.common.wy_bwd import wy_bwd
 from tfla.ops.common.varlen import VarlenIndex
@@ -42,16 +46,11 @@ from tfla.utils.validation import (
     state_in_kv_layout,
 )
 
-# fastest forward measured on an H200 (docs/performance.md); larger L trades speed for state memory
-DEFAULT_CHUNK_SIZE = 64
-
-
 @dataclasses.dataclass(frozen=True)
 class GDNOptions:
     """Non-tensor arguments of one call (kept frozen so ``backward`` returns one slot per input)."""
 
     scale: float
-    chunk_size: int
     output_final_state: bool
     use_qk_l2norm_in_kernel: bool
     save_states: bool = False
@@ -62,7 +61,7 @@ class GDNOptions:
 
 
 # stages of the forward and backward whose launches ``config`` can override (each stage function documents its keys)
-CONFIG_STAGES = ("ut", "fused", "state", "output", "state_lin", "state_bwd", "dqkw", "wy_bwd")
+CONFIG_STAGES = ("ut", "fused", "state", "state_lin", "state_bwd", "dqkw", "wy_bwd")
 
 
 def chunk_gated_delta_rule_fwd(
@@ -74,17 +73,15 @@ def chunk_gated_delta_rule_fwd(
     scale: float,
     initial_state: torch.Tensor | None,
     output_final_state: bool,
-    chunk_size: int,
     varlen: VarlenIndex | None = None,
     config: dict | None = None,
     save: int = SAVE_NONE,
     segments: int | None = 1,
     split_save: int | None = None,
-    for_backward: bool = True,
 ):
     """Plain forward (no autograd): the fused pass (``fused_delta_fwd``). Returns ``(o, final_state, saved)`` where
-    saved holds ``g_cum [B, T, HV]`` fp32 (log2, restarting every ``chunk_size`` rows, the backward's L), ``ai``
-    (Tm) and, by ``save``, ``v_new`` and ``h`` (the state before every 64-row chunk).
+    saved holds ``g_cum [B, T, HV]`` fp32 (log2, restarting every 64 rows), ``ai`` (Tm) and, by ``save``, ``v_new``
+    and ``h`` (the state before every 64-row chunk).
 
     ``config`` (tuning, see docs/performance.md): ``{"ut": {...}, "fused": {...}}``; every key optional.
     """
@@ -95,11 +92,6 @@ def chunk_gated_delta_rule_fwd(
                           split_save=split_save,
                           sub_tables=(varlen.sub_indices, varlen.sub_offsets) if varlen is not None else None,
                           config={**config.get("fused", {}), **({"ut": config["ut"]} if "ut" in config else {})})
-    if chunk_size != SUB_CHUNK and for_backward:  # the backward's gates restart every L
-        out["g_cum"] = chunk_local_cumsum(
-            g, chunk_size, scale=RCP_LN2, cu_seqlens=cu,
-            chunk_indices=varlen.chunk_indices if varlen is not None else None,
-            out_dtype=torch.float64 if q.dtype == torch.float64 else torch.float32, floor=LOG_DECAY_FLOOR)
     return out["o"], out["final_state"], out
 
 
@@ -114,39 +106,34 @@ def chunk_gated_delta_rule_bwd(
     initial_state: torch.Tensor | None,
     do: torch.Tensor,
     dht: torch.Tensor | None,
-    chunk_size: int,
     varlen: VarlenIndex | None = None,
     config: dict | None = None,
     saved: tuple | None = None,
     v_new: torch.Tensor | None = None,
     split: Split | None = None,
 ):
-    """Plain backward (no autograd) from the forward's saved ``g_cum`` (log2, restarting every L) and
-    ``ai`` (Tm); ``saved = (w, v_new, h)`` from a forward at L = 64 (its states are then the 64-row ones)
-    skips their recomputation; ``v_new`` alone (the forward's Vnew, any L) turns the recomputation into W only and
-    the linear-attention state pass over Vnew; ``split`` (with ``saved``: the forward's ``Split`` of its sequences
-    into pieces) runs the state-gradient recurrence in those pieces in parallel (``_state_grad_in_pieces``). Returns ``(dq, dk, dv, dg, dbeta, dh0)``: dq, dk ``[B, T, H, K]`` in q's dtype, dv in v's
-    dtype, dg and dbeta ``[B, T, HV]`` fp32, dh0 fp32 or None.
+    """Plain backward (no autograd) from the forward's saved ``g_cum`` (log2, restarting every 64 rows) and ``ai``
+    (Tm); ``saved = (v_new, h)`` (the forward's Vnew and 64-row states) skips their recomputation; ``v_new`` alone
+    turns the recomputation into W only and the linear-attention state pass over Vnew; ``split`` (with ``saved``: the
+    forward's ``Split`` of its sequences into pieces) runs the state-gradient recurrence in those pieces in parallel
+    (``_state_grad_in_pieces``). Returns ``(dq, dk, dv, dg, dbeta, dh0)``: dq, dk ``[B, T, H, K]`` in q's dtype, dv
+    in v's dtype, dg and dbeta ``[B, T, HV]`` fp32, dh0 fp32 or None.
 
-    Stages: recompute W, U (from Tm) and the state at every 64-row sub-chunk with Vnew; the output's
-    gradients of Vnew, q and k with the TFLA-tiled product at L (one launch per gradient, ULA's
-    permuted arguments); the state-gradient recurrence (reverse); the delta/UT-WY backward per
-    sub-chunk; dg = reverse cumsum of the output's gate gradient at L plus the delta part's at 64.
-    At L = 64 dq, dk and the WY backward's state terms (dW = -dU S^T, dk's 2^(G_n - G) Vnew dS^T, <S, dS>) come from
-    one launch after the recurrence, S and dS read once (instead of the dual tiled launch before it plus those terms
-    in wy_bwd, which read S and dS in both of its key passes: H100 3.528 -> 3.369 ms fwd+bwd, 293a86c)
-    (``chunk_dqkw``), and dvo is formed inside the recurrence. ``config`` keys: ``ut``, ``state``, ``output``,
-    ``state_bwd``, ``dqkw``, ``wy_bwd`` (launch configs of those stages).
+    Stages: recompute W (from Tm), U and the state at every 64-row chunk with Vnew (or take them); the
+    state-gradient recurrence (reverse; the output's gradient of Vnew formed inside it); dq, dk and the WY
+    backward's state terms (dW = -dU S^T, dk's 2^(G_n - G) Vnew dS^T, <S, dS>) from one read of S and dS
+    (``chunk_dqkw``; H100 3.528 -> 3.369 ms fwd+bwd against a dual tiled launch before the recurrence plus those
+    terms in wy_bwd, 293a86c); the delta/UT-WY backward per chunk; dg = reverse cumsum of the output's and the delta
+    part's gate gradients. ``config`` keys: ``ut``, ``state``, ``state_lin``, ``state_bwd``, ``dqkw``, ``wy_bwd``
+    (launch configs of those stages).
     """
     config = config or {}
     B, T, H, K = q.shape
     HV = v.shape[2]
-    L = chunk_size
+    L = SUB_CHUNK
     cu = varlen.cu_seqlens if varlen is not None else None
     sub = varlen.sub_indices if varlen is not None else None
     if saved is not None:
-        if L != SUB_CHUNK:
-            raise ValueError(f"saved states need the 64-row states of a forward at chunk_size 64, not {L}")
         v_new, h_sub = saved
         w = w_from_tm(k, g_cum, beta, ai, L, cu_seqlens=cu, sub_indices=sub, config=config.get("ut"))
     elif v_new is not None:  # the forward's Vnew: W alone, and the states without the delta rule's W S product
@@ -165,63 +152,37 @@ def chunk_gated_delta_rule_bwd(
             num_chunks=varlen.sub_indices.shape[0] if varlen is not None else None,
             config=config.get("state"), store_every_sub_chunk=True, key_weights=True)
         del u
-    tiled = dict(cu_seqlens=cu, config=config.get("output"))
-    ocfg = output_config(L, K, v.shape[-1], config.get("output"))
-    if varlen is not None:
-        tiled.update(tile_indices=varlen.tiles(ocfg["BQ"]), chunk_offsets=varlen.sub_offsets)
-    # the output's gradients: one tiled launch each (ULA: same product, permuted arguments). At L = 64 (one
-    # diagonal tile per chunk) dq and dk come from one launch (the same gated score tile) and dvo is formed
-    # inside the state-gradient recurrence (no launch, no fp32 round trip)
-    dvo = None if intra_supported(L) else chunk_tiled(k, q, do, g_cum, scale, L, reverse=True, **tiled)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    grouped = HV != H  # grouped value heads: dq, dk summed over a key head's value heads afterwards (fp32 sum)
-    # dq, dk and dk's tiled part (added to the state / WY part in wy_bwd) per value head in the input dtype, as FLA's
-    # chunk_bwd_dqkwg: half the bytes of their writes and reads. With grouped heads too at L = 64 (H100, the
-    # Qwen3-Next-style layer, fwd+bwd 8.00 -> 7.28 ms, peak -512 MiB; bf16 dq / dk with Qwen3-Next gates 1.01-1.03x
-    # FlashQLA's error, below FLA's; 0.92-0.93x FlashQLA's with fp32 per-head parts; docs/performance.md); fp32
-    # there at L > 64 (not measured in 16 bits)
-    per_head = acc if grouped and L != SUB_CHUNK else q.dtype
-    dqkw = L == SUB_CHUNK
-    dgk = None
-    if not dqkw:  # L > 64: dq and dk of the tiled product in TFLA tiles at L (before the recurrence)
-        dq_args = dict(h=h_sub, state_every=SUB_CHUNK, state_transposed=True, rowdot_with=q,
-                       out_dtype=per_head, **tiled)
-        if dual_supported(L, v.shape[-1], K, q.dtype, config.get("output")):
-            dq, dgq, dko, dgk = chunk_tiled(do, v_new, k, g_cum, scale, L, dual_dtype=per_head, **dq_args)
-        else:
-            dq, dgq = chunk_tiled(do, v_new, k, g_cum, scale, L, **dq_args)
-            dko, dgk = chunk_tiled(v_new, do, q, g_cum, scale, L, reverse=True, rowdot_with=k, out_dtype=per_head,
-                                   **tiled)
     if split is not None and saved is not None:
         dh_sub, du, dh0 = _state_grad_in_pieces(q, k, w, do, g_cum, scale, dht, initial_state is not None, split,
                                                 config.get("state_bwd"))
     else:
         dh_sub, du, dh0 = chunk_state_bwd(
-            q, k, w, do, dvo, g_cum, scale, L, dht=dht, need_dh0=initial_state is not None, cu_seqlens=cu,
+            q, k, w, do, None, g_cum, scale, L, dht=dht, need_dh0=initial_state is not None, cu_seqlens=cu,
             sub_offsets=varlen.sub_offsets if varlen is not None else None,
             num_sub_chunks=varlen.sub_indices.shape[0] if varlen is not None else None,
             config=config.get("state_bwd"))
-    del dvo
-    pre = {}
-    if dqkw:  # dq, dk and the WY backward's state terms from one read of S and dS (after the recurrence);
-        # dW goes into W's buffer (dead after the recurrence) unless W is the forward's saved tensor
-        dq, dko, dw, dgq, pst, sdst = chunk_dqkw_bwd(
-            q, k, v_new, do, du, h_sub, dh_sub, g_cum, scale, cu_seqlens=cu,
-            tile_indices=varlen.sub_indices if varlen is not None else None,
-            sub_offsets=varlen.sub_offsets if varlen is not None else None, dq_dtype=per_head,
-            dk_dtype=per_head, dw=None if saved is not None else w, config=config.get("dqkw"))
-        pre = dict(dw=dw, pst=pst, sdst=sdst)  # dgq is then q . dq - k . dk already (dgk None)
-        h_sub = dh_sub = None  # wy_bwd reads neither (freed here unless saved)
-    del w
-    # dk = the tiled product's part (dko) + the state and WY parts, added in wy_bwd's kernel and rounded once
-    dk, dv, dbeta, dgam = wy_bwd(k, v, beta, g_cum, ai, v_new, du, h_sub, dh_sub, L, cu_seqlens=cu, sub_indices=sub,
-                                 config=config.get("wy_bwd"), dk_add=dko, dk_dtype=per_head, **pre)
-    del h_sub, dh_sub, du, dko, pre
-    ck = dict(cu_seqlens=cu)
-    # + the delta part's gradient of g (its reverse cumsum over the sub-chunk done in wy_bwd), in the same pass
+    # dq, dk and the WY backward's state terms from one read of S and dS (after the recurrence); dW goes into W's
+    # buffer (recomputed here, dead after the recurrence). dq, dk and dk's tiled part (added to
+    # the state / WY part in wy_bwd) per value head in the input dtype, as FLA's chunk_bwd_dqkwg: half the bytes of
+    # their writes and reads (with grouped value heads too: H100, the Qwen3-Next-style layer, fwd+bwd 8.00 -> 7.28
+    # ms, peak -512 MiB; bf16 dq / dk with Qwen3-Next gates 1.01-1.03x FlashQLA's error, below FLA's; 0.92-0.93x
+    # FlashQLA's with fp32 per-head parts; docs/performance.md)
+    dq, dko, dw, dgq, pst, sdst = chunk_dqkw_bwd(
+        q, k, v_new, do, du, h_sub, dh_sub, g_cum, scale, cu_seqlens=cu,
+        tile_indices=varlen.sub_indices if varlen is not None else None,
+        sub_offsets=varlen.sub_offsets if varlen is not None else None, dq_dtype=q.dtype,
+        dk_dtype=q.dtype, dw=w, config=config.get("dqkw"))
+    del w, h_sub, dh_sub  # wy_bwd reads neither state tensor (freed here unless kept by the forward)
+    # dk = the tiled product's part (dko) + the state and WY parts, added in wy_bwd's kernel and rounded once; dgq
+    # is q . dq - k . dk of the output's part already
+    dk, dv, dbeta, dgam = wy_bwd(k, v, beta, g_cum, ai, v_new, du, None, None, L, cu_seqlens=cu, sub_indices=sub,
+                                 config=config.get("wy_bwd"), dk_add=dko, dk_dtype=q.dtype, dw=dw, pst=pst, sdst=sdst)
+    del du, dko, dw, pst, sdst
+    # + the delta part's gradient of g (its reverse cumsum over the chunk done in wy_bwd), in the same pass
     dg = chunk_local_cumsum(dgq, L, reverse=True, chunk_indices=varlen.chunk_indices if varlen else None,
-                            out_dtype=acc, sub=dgk, add=dgam, **ck)
-    if grouped:  # a key head's gradient sums over its value heads
+                            out_dtype=acc, add=dgam, cu_seqlens=cu)
+    if HV != H:  # grouped value heads: a key head's gradient sums over its value heads (fp32 sum)
         dq, dk = group_sum(dq, H, q.dtype), group_sum(dk, H, k.dtype)
     return dq, dk, dv, dg, dbeta, dh0
 
@@ -246,7 +207,7 @@ def _state_grad_in_pieces(q, k, w, do, g_cum, scale, dht, need_dh0, split: Split
     return dh.view(B, -1, HV, K, V), du.view(B, T, HV, V), dh0
 
 
-def check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size) -> None:
+def check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens) -> None:
     """Validate a ``chunk_gated_delta_rule`` call; raises ValueError/TypeError naming the argument."""
     B, T, H, HV, K, V = check_qkv(q, k, v, grouped=True)
     for name, x in (("g", g), ("beta", beta)):
@@ -255,7 +216,7 @@ def check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size)
             raise ValueError(f"`{name}` must have shape [B, T, HV] = {(B, T, HV)}, got {tuple(x.shape)}")
         check_gate_dtype(name, x, q)
     check_common(q, (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)), scale, initial_state, cu_seqlens,
-                 chunk_size, (HV, K, V))
+                 SUB_CHUNK, (HV, K, V))
 
 
 class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
@@ -266,20 +227,18 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
         save = SAVE_NONE if not grad else SAVE_STATES if opts.save_states else \
             SAVE_V_NEW if opts.save_v_new else SAVE_NONE
         # a kept Vnew matches the backward's state pass only without a split: with one, keep the forward's own
-        # states too (L = 64) or recompute both (L > 64)
-        split_save = (SAVE_STATES if opts.chunk_size == SUB_CHUNK else SAVE_NONE) if save == SAVE_V_NEW else None
+        # states too
+        split_save = SAVE_STATES if save == SAVE_V_NEW else None
         o, final_state, inter = chunk_gated_delta_rule_fwd(
-            q, k, v, g, beta, opts.scale, initial_state, opts.output_final_state, opts.chunk_size, varlen,
-            config=opts.config, save=save, split_save=split_save, for_backward=grad,
-            # L > 64 with a kept Vnew: no split unless asked (the kept Vnew then matches the backward's pass at L)
-            segments=1 if opts.segments is None and opts.chunk_size != SUB_CHUNK and save else opts.segments)
+            q, k, v, g, beta, opts.scale, initial_state, opts.output_final_state, varlen,
+            config=opts.config, save=save, split_save=split_save, segments=opts.segments)
         # saved: inputs, the cumulative gates (fp32, B*T*HV) and Tm (B*T*HV*64, input dtype); W, U,
-        # Vnew and the per-sub-chunk states are recomputed in backward (README: memory) unless save_v_new keeps
-        # Vnew or save_states (L = 64) keeps Vnew and the states before every 64-row chunk
+        # Vnew and the 64-row states are recomputed in backward (README: memory) unless save_v_new keeps
+        # Vnew or save_states keeps Vnew and the states before every 64-row chunk
         extra = tuple(inter[n] for n in ("v_new", "h")[:inter["save"]])
         ctx.save_for_backward(q, k, v, g, beta, initial_state, inter["g_cum"], inter["ai"], *extra)
         ctx.varlen, ctx.opts = varlen, opts
-        # with the forward's states kept (L = 64), the backward's state-gradient chain runs in the same pieces
+        # with the forward's states kept, the backward's state-gradient chain runs in the same pieces
         ctx.split = inter.get("split") if inter["save"] == SAVE_STATES else None
         return o, final_state
 
@@ -296,7 +255,7 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
             check_cotangent("final_state", dht, (N, v.shape[2], q.shape[3], v.shape[3]), None)
             dht = dht.contiguous()
         dq, dk, dv, dg, dbeta, dh0 = chunk_gated_delta_rule_bwd(
-            q, k, v, g_cum, beta, ai, opts.scale, initial_state, do.contiguous(), dht, opts.chunk_size, ctx.varlen,
+            q, k, v, g_cum, beta, ai, opts.scale, initial_state, do.contiguous(), dht, ctx.varlen,
             config=opts.config, saved=tuple(saved) if len(saved) == 2 else None,
             v_new=saved[0] if len(saved) == 1 else None, split=ctx.split)
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), dbeta.to(beta.dtype),
@@ -321,7 +280,6 @@ def chunk_gated_delta_rule(
     chunk_indices: torch.LongTensor | None = None,
     cp_context=None,
     *,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
     save_states: bool = False,
     save_v_new: bool = True,
     config: dict | None = None,
@@ -331,12 +289,12 @@ def chunk_gated_delta_rule(
     transpose_state_layout: bool | None = None,
     segments: int | None = None,
 ):
-    r"""Gated delta rule (Gated DeltaNet), chunkwise with two-level TFLA tiling.
+    r"""Gated delta rule (Gated DeltaNet), chunkwise.
 
     Recurrence per value head (``docs/gdn-math.md``; Yang et al., ICLR 2025, Eq. 10):
     ``S_t = e^{g_t} S_{t-1} + k_t beta_t (v_t - e^{g_t} S_{t-1}^T k_t)^T``, ``o_t = scale S_t^T q_t``.
-    Computed exactly (no approximation) in outer chunks of ``chunk_size`` tokens with states stored
-    only every ``chunk_size`` tokens and the UT/WY transform on 64-row sub-chunks. A drop-in for
+    Computed exactly (no approximation) in 64-row chunks with the UT/WY transform per chunk; the forward is one
+    fused pass with the state on chip, long sequences cut into pieces joined by an exact scan. A drop-in for
     FLA's ``chunk_gated_delta_rule`` (same names, order and layout).
 
     Args:
@@ -352,15 +310,12 @@ def chunk_gated_delta_rule(
         output_final_state: also return the final state.
         use_qk_l2norm_in_kernel: L2-normalise q and k (``x / sqrt(sum x^2 + 1e-6)``) first.
         cu_seqlens: ``[N + 1]`` int offsets of N packed sequences (then B must be 1).
-        chunk_size: the backward's outer chunk L in {64, 128, 256, 512} (keyword-only): its TFLA tiles and the
-            states of its recurrence every L rows (64 is the single-level, FLA-style algorithm). The forward is the
-            fused pass over 64-row chunks at any L.
         save_states: keep Vnew and the states (every 64 rows) from the forward for the backward instead of
-            recomputing the states there (keyword-only; ``chunk_size`` 64 only): ``B*ceil(T/64)*HV*K*V`` more
+            recomputing the states there (keyword-only): ``B*ceil(T/64)*HV*K*V`` more
             elements in the input dtype than the default (256 MiB at B=4, T=8192, H=16, K=V=128, bf16); README of
             this op.
         save_v_new: keep Vnew (``B*T*HV*V`` elements in the input dtype, the size of v) from the forward
-            (keyword-only, any ``chunk_size``): the backward then recomputes W alone and the states by the plain
+            (keyword-only): the backward then recomputes W alone and the states by the plain
             linear-attention pass over Vnew instead of the delta rule's chain (default True: H100, B=4 T=8192 H=16
             K=V=128 bf16 L=64, fwd+bwd 3.383 -> 3.176 ms in one process, peak unchanged, 128 MiB more kept from
             forward to backward; 95b3700). False: FLA's saved set (inputs, cumulative gates, Tm). README of this op.
@@ -375,10 +330,9 @@ def chunk_gated_delta_rule(
             boundary; the kernels keep ``[K, V]``). ``transpose_state_layout``: its deprecated name.
         cu_seqlens_cpu: a host copy of ``cu_seqlens`` (same values; not compared, as in FLA): the index tables
             are built from it without reading ``cu_seqlens`` back from the device.
-        chunk_indices: accepted for FLA compatibility and unused (tfla builds its own tables for its L).
+        chunk_indices: accepted for FLA compatibility and unused (tfla builds its own tables).
         cp_context: context parallelism is not supported yet: anything but None raises ValueError.
-        segments: pieces each sequence is cut into for the forward and, at ``chunk_size`` 64, the backward's
-            state-gradient chain (keyword-only): 1 runs every sequence in one chain; an int > 1 cuts each into at
+        segments: pieces each sequence is cut into for the forward and the backward's state-gradient chain (keyword-only): 1 runs every sequence in one chain; an int > 1 cuts each into at
             most that many pieces (multiples of 64 rows) joined by an exact scan (``docs/gdn-math.md`` section 6);
             None (default) chooses the piece length from the lengths, the heads and the GPU's SM count
             (``choose_piece``; no split at K > 128). Results equal up to rounding for any value.
@@ -392,7 +346,7 @@ def chunk_gated_delta_rule(
 
     Raises:
         TypeError / ValueError naming the argument for wrong types, ranks, shapes, dtypes, head
-        dims above 256, unsupported ``chunk_size``, malformed ``cu_seqlens``, ``cu_seqlens_cpu`` or
+        dims above 256, malformed ``cu_seqlens``, ``cu_seqlens_cpu`` or
         ``initial_state``, tensors on a device the kernels cannot run on, ``cp_context`` given, A_log /
         dt_bias without ``use_gate_in_kernel`` (or of the wrong size), ``allow_neg_eigval`` without
         ``use_beta_sigmoid_in_kernel``.
@@ -414,14 +368,11 @@ def chunk_gated_delta_rule(
     # under torch.compile the op enters the graph as custom ops (library.py): no host reads here
     compiling = torch.compiler.is_compiling()
     bounds = None if compiling else host_bounds(cu_seqlens, cu_seqlens_cpu)
-    check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size)
-    if save_states and chunk_size != SUB_CHUNK:
-        raise ValueError(f"save_states needs chunk_size=64 (the forward's states are the 64-row ones there), "
-                         f"got chunk_size={chunk_size}")
+    check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens)
     B, T, H, K = q.shape
     varlen = None
     if cu_seqlens is not None and not compiling:
-        varlen = VarlenIndex.build(cu_seqlens, chunk_size, bounds=bounds)
+        varlen = VarlenIndex.build(cu_seqlens, SUB_CHUNK, bounds=bounds)
         check_varlen_bounds(varlen.bounds, T)
     if scale is None:
         scale = K ** -0.5
@@ -432,7 +383,7 @@ def chunk_gated_delta_rule(
     if config is not None and (not isinstance(config, dict) or not set(config) <= set(CONFIG_STAGES)
                                or not all(isinstance(c, dict) for c in config.values())):
         raise ValueError(f"`config` must map stages of {CONFIG_STAGES} to dicts of launch overrides, got {config!r}")
-    opts = GDNOptions(float(scale), int(chunk_size), bool(output_final_state), bool(use_qk_l2norm_in_kernel),
+    opts = GDNOptions(float(scale), bool(output_final_state), bool(use_qk_l2norm_in_kernel),
                       bool(save_states), save_v_new, segments,
                       torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
                                                       for t in (q, k, v, g, beta, initial_state)), config)
@@ -444,7 +395,7 @@ def chunk_gated_delta_rule(
     if compiling:
         from tfla.ops.gated_delta_rule.library import chunk_gdn_fwd
 
-        o, final_state, *_ = chunk_gdn_fwd(q, k, v, g, beta, initial_state, cu_seqlens, opts.scale, opts.chunk_size,
+        o, final_state, *_ = chunk_gdn_fwd(q, k, v, g, beta, initial_state, cu_seqlens, opts.scale,
                                            opts.output_final_state, opts.needs_grad)
         final_state = final_state if output_final_state else None
     else:

@@ -20,23 +20,23 @@ from tfla.ops.common.utils import SUB_CHUNK
 
 @torch.library.custom_op("tfla::chunk_gated_delta_rule_fwd", mutates_args=())
 def chunk_gdn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                  initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None, scale: float, chunk_size: int,
+                  initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None, scale: float,
                   output_final_state: bool, needs_grad: bool
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(o, final_state, g_cum, ai, v_new)``: ``chunk_gated_delta_rule_fwd``'s outputs and what the backward
     keeps; an empty fp32 tensor stands for an absent one (no final state; nothing kept without ``needs_grad``)."""
     from tfla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_fwd
 
-    varlen = varlen_index(cu_seqlens, chunk_size, q.shape[1])
+    varlen = varlen_index(cu_seqlens, SUB_CHUNK, q.shape[1])
     o, final, inter = chunk_gated_delta_rule_fwd(
-        q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size, varlen,
-        save=SAVE_V_NEW if needs_grad else SAVE_NONE, segments=1, for_backward=needs_grad)
+        q, k, v, g, beta, scale, initial_state, output_final_state, varlen,
+        save=SAVE_V_NEW if needs_grad else SAVE_NONE, segments=1)
     keep = [inter["g_cum"], inter["ai"], inter["v_new"]] if needs_grad else [None] * 3
     return tuple(x if x is not None else absent(q) for x in [o, final] + keep)
 
 
 @chunk_gdn_fwd.register_fake
-def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, chunk_size, output_final_state, needs_grad):
+def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, needs_grad):
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
@@ -52,21 +52,21 @@ def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, chunk_size, output_fin
 @torch.library.custom_op("tfla::chunk_gated_delta_rule_bwd", mutates_args=())
 def chunk_gdn_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g_cum: torch.Tensor, beta: torch.Tensor,
                   ai: torch.Tensor, v_new: torch.Tensor, initial_state: torch.Tensor | None, do: torch.Tensor,
-                  dht: torch.Tensor | None, cu_seqlens: torch.Tensor | None, scale: float, chunk_size: int
+                  dht: torch.Tensor | None, cu_seqlens: torch.Tensor | None, scale: float
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv, dg, dbeta, dh0)`` of ``chunk_gated_delta_rule_bwd`` from the forward op's kept tensors (dh0
     an empty fp32 tensor without an initial state)."""
     from tfla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_bwd
 
-    varlen = varlen_index(cu_seqlens, chunk_size, q.shape[1])
+    varlen = varlen_index(cu_seqlens, SUB_CHUNK, q.shape[1])
     dq, dk, dv, dg, dbeta, dh0 = chunk_gated_delta_rule_bwd(
         q, k, v, g_cum, beta, ai, scale, initial_state, do.contiguous(), None if dht is None else dht.contiguous(),
-        chunk_size, varlen, v_new=v_new)
+        varlen, v_new=v_new)
     return dq, dk, dv, dg, dbeta, dh0 if dh0 is not None else absent(q)
 
 
 @chunk_gdn_bwd.register_fake
-def _(q, k, v, g_cum, beta, ai, v_new, initial_state, do, dht, cu_seqlens, scale, chunk_size):
+def _(q, k, v, g_cum, beta, ai, v_new, initial_state, do, dht, cu_seqlens, scale):
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     dh0 = initial_state.new_empty(initial_state.shape, dtype=acc) if initial_state is not None else absent(q)
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), g_cum.new_empty(g_cum.shape, dtype=acc),
@@ -74,10 +74,10 @@ def _(q, k, v, g_cum, beta, ai, v_new, initial_state, do, dht, cu_seqlens, scale
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, g, beta, initial_state, cu_seqlens, scale, chunk_size, output_final_state, needs_grad = inputs
+    q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, needs_grad = inputs
     _, _, g_cum, ai, v_new = output
     ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, g_cum, ai, v_new)
-    ctx.scale, ctx.chunk_size, ctx.output_final_state = scale, chunk_size, output_final_state
+    ctx.scale, ctx.output_final_state = scale, output_final_state
 
 
 def _backward(ctx, do, dht, *_):
@@ -86,9 +86,9 @@ def _backward(ctx, do, dht, *_):
         do = torch.zeros_like(v, dtype=q.dtype)
     dq, dk, dv, dg, dbeta, dh0 = chunk_gdn_bwd(
         q, k, v, g_cum, beta, ai, v_new, initial_state, do, dht if ctx.output_final_state else None, cu_seqlens,
-        ctx.scale, ctx.chunk_size)
+        ctx.scale)
     return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), dbeta.to(beta.dtype),
-            dh0.to(initial_state.dtype) if initial_state is not None else None, None, None, None, None, None)
+            dh0.to(initial_state.dtype) if initial_state is not None else None, None, None, None, None)
 
 
 chunk_gdn_fwd.register_autograd(_backward, setup_context=_setup_context)
