@@ -176,6 +176,34 @@ def test_linear_attention_fullgraph_equals_eager(device, name, varlen):
     _check_compiled(device, fn, run, name)
 
 
+@pytest.mark.parametrize("varlen,init", [(False, "tuple"), (True, "tuple"), (False, "z"), (True, "kv")])
+def test_linear_attn_normalized_fullgraph_equals_eager(device, varlen, init):
+    """``chunk_linear_attn(normalize=True)`` (its own pair of custom ops: the key sum and the division in the kernels)
+    compiles without graph breaks; o, final S, z_state and the gradients of q, k, v and each initial-state part given
+    ((S_0, z_0), (None, z_0), a plain S_0) equal eager's."""
+    T, H, K = 130, 2, 16
+    cu = torch.tensor([0, 1, 70, T], device=device) if varlen else None
+    N = 3 if varlen else 1
+    gen = torch.Generator().manual_seed(10)
+    q, k = ((torch.nn.functional.elu(torch.randn(1, T, H, K, generator=gen)) + 1).to(device) for _ in range(2))
+    v = torch.randn(1, T, H, K, generator=gen).to(device)
+    h0 = torch.randn(N, H, K, K, generator=gen).to(device)
+    z0 = torch.rand(N, 1, H, K, generator=gen).to(device)
+    parts = {"tuple": [h0, z0], "z": [z0], "kv": [h0]}[init]
+
+    def fn(q, k, v, *st):
+        state = {"tuple": lambda: tuple(st), "z": lambda: (None, st[0]), "kv": lambda: st[0]}[init]()
+        return tfla.chunk_linear_attn(q, k, v, initial_state=state, output_final_state=True, cu_seqlens=cu)
+
+    def run(f):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, *parts)]
+        o, (s, z) = f(*leaves)
+        loss = (o * o).sum() + s.sum() + (z * z).sum()
+        return (o, s, z) + torch.autograd.grad(loss, leaves)
+
+    _check_compiled(device, fn, run, "linear_attn_normalized")
+
+
 @pytest.mark.parametrize("varlen", [False, True])
 def test_gla_fullgraph_equals_eager(device, varlen):
     """``chunk_gla`` (vector decay) compiles without graph breaks; outputs and gradients equal eager's."""
@@ -231,7 +259,7 @@ def _opcheck_cases(device):
     from tfla.ops.gated_delta_rule import library as gdn
     from tfla.ops.gla.library import gla_fwd
     from tfla.ops.mlstm.library import mlstm_fwd
-    from tfla.ops.simple_gla.library import simple_gla_fwd
+    from tfla.ops.simple_gla.library import linear_attn_fwd, simple_gla_fwd
     from tfla.ops.common.l2norm import _l2norm_fwd_op
     from tfla.ops.rnn.library import rnn_fwd_op
     from tfla.ops.simple_gla.library import fused_recurrent_fwd as fused_recurrent_simple_gla_op
@@ -257,6 +285,7 @@ def _opcheck_cases(device):
                                                             pool.clone(), None, idx, None, 0.25, False)),
         "l2norm": (_l2norm_fwd_op, (q, 1e-6)),
         "simple_gla": (simple_gla_fwd, (q, k, v1, g1, h1, cu, 0.25, 64, True)),
+        "linear_attn_normalized": (linear_attn_fwd, (q.abs(), k.abs(), v1, h1, n0[:, None], cu, 0.25, 64, True)),
         "gla": (gla_fwd, (q, k, v1, gk, h1, cu, 0.25, 64, True, True, 32, 0)),
         "mlstm": (mlstm_fwd, (q, k, v1, i, f, h1, n0, m0, cu, "exp", True, 1e-6, 0.25, 64, True, True, False)),
         "simple_gla_decode": (fused_recurrent_simple_gla_op, (q[:, :3], k[:, :3], v1[:, :3], g1[:, :3], None, 0.25, h1,
@@ -269,8 +298,8 @@ def _opcheck_cases(device):
     }
 
 
-@pytest.mark.parametrize("name", ["gdn", "gdn_decode", "gdn_decode_inplace", "l2norm", "simple_gla", "gla", "mlstm",
-                                  "simple_gla_decode", "rnn"])
+@pytest.mark.parametrize("name", ["gdn", "gdn_decode", "gdn_decode_inplace", "l2norm", "simple_gla",
+                                  "linear_attn_normalized", "gla", "mlstm", "simple_gla_decode", "rnn"])
 def test_custom_ops_pass_opcheck(device, name):
     """``torch.library.opcheck``: schema, fake implementation against the real outputs (shapes, dtypes), autograd
     registration, AOT dispatch with dynamic shapes."""

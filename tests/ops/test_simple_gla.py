@@ -172,9 +172,12 @@ def test_linear_attn_matches_no_decay(device):
     assert_rel_close("o", o.cpu(), ro, FP32_TOL)
 
 
-def _la_inputs(B, T, H, K, V, dtype, device, seed, num_seqs=None):
+def _la_inputs(B, T, H, K, V, dtype, device, seed, num_seqs=None, keys="positive", z_dtype=None, bounds=None):
     """Positive feature maps (elu + 1), the inputs normalized linear attention is used with: the
-    denominators scale q_t . z_t stay positive, so the relative errors measure the kernels, not a pole."""
+    denominators scale q_t . z_t stay positive, so the relative errors measure the kernels, not a pole.
+    ``keys="mixed"``: keys of both signs whose running sum flips sign every 23 tokens of each sequence (``bounds``:
+    the varlen offsets; k_t = a_t u + small noise, z_t ~ +-u), so the denominators change sign while staying away
+    from zero (z_0 small)."""
     gen = torch.Generator().manual_seed(seed)
     N = num_seqs or B
     x = {"q": F.elu(torch.randn(B, T, H, K, generator=gen)) + 1,
@@ -182,27 +185,43 @@ def _la_inputs(B, T, H, K, V, dtype, device, seed, num_seqs=None):
          "v": torch.randn(B, T, H, V, generator=gen),
          "h0": torch.randn(N, H, K, V, generator=gen) * 0.5,
          "z0": (F.elu(torch.randn(N, 1, H, K, generator=gen)) + 1) * 4 * K ** -0.5}
-    return {n: t.to(device=device, dtype=dtype) for n, t in x.items()}
+    if keys == "mixed":
+        u = (F.elu(torch.randn(1, 1, H, K, generator=gen)) + 1) * K ** -0.5
+        bounds = bounds or [0, T]
+        pos = torch.cat([torch.arange(b1 - b0) for b0, b1 in zip(bounds[:-1], bounds[1:])])  # within its sequence
+        sign = 1.0 - 2.0 * ((pos // 23) % 2).float()
+        a = torch.where(pos == 0, sign, sign - F.pad(sign, (1, 0))[:-1])  # the steps: 1, 0, .., -2, 0, .., 2
+        x["k"] = a[None, :, None, None] * u + 0.02 * K ** -0.5 * torch.randn(B, T, H, K, generator=gen)
+        x["z0"] = x["z0"] * 0.02
+    x = {n: t.to(device=device, dtype=dtype) for n, t in x.items()}
+    if z_dtype is not None:
+        x["z0"] = x["z0"].to(z_dtype)
+    return x
 
 
 def _check_la(device, B, T, H, K, V, L, seed=0, cu=None, num_seqs=None, init="tuple", final=True,
-              dtype=torch.float32, tol=FP32_TOL, default_args=False):
+              dtype=torch.float32, tol=FP32_TOL, default_args=False, keys="positive", z_dtype=None):
     """chunk_linear_attn(normalize=True) vs the float64 recurrence: o, final S, z_state and the gradients
     of q, k, v and each initial state given, with random cotangents for every output.
-    init: "tuple" (S_0, z_0) | "kv" (a plain S_0 tensor: z_0 = 0) | "z" ((None, z_0)) | None."""
-    x = _la_inputs(B, T, H, K, V, dtype, device, seed, num_seqs)
-    names = ["q", "k", "v"] + {"tuple": ["h0", "z0"], "kv": ["h0"], "z": ["z0"], None: []}[init]
+    init: "tuple" (S_0, z_0) | "kv" (a plain S_0 tensor: z_0 = 0) | "z" ((None, z_0)) | "s" ((S_0, None)) |
+    "none" ((None, None)) | None. z_dtype: z_0's dtype (default q's); o and z_state come in the promoted dtype.
+    Returns the reference's denominators ``scale q_t . z_t`` ``[B, T, H]`` (float64)."""
+    x = _la_inputs(B, T, H, K, V, dtype, device, seed, num_seqs, keys=keys, z_dtype=z_dtype,
+                   bounds=cu.tolist() if cu is not None else None)
+    names = ["q", "k", "v"] + {"tuple": ["h0", "z0"], "kv": ["h0"], "z": ["z0"], "s": ["h0"], "none": [],
+                               None: []}[init]
     leaves = {n: x[n].clone().requires_grad_() for n in names}
 
     def state(d):
         return {"tuple": lambda: (d["h0"], d["z0"]), "kv": lambda: d["h0"], "z": lambda: (None, d["z0"]),
-                None: lambda: None}[init]()
+                "s": lambda: (d["h0"], None), "none": lambda: (None, None), None: lambda: None}[init]()
 
     kw = {} if default_args else {"initial_state": state(leaves), "output_final_state": final, "normalize": True,
                                   "cu_seqlens": cu, "chunk_size": L}
     o, (s, z) = tfla.chunk_linear_attn(leaves["q"], leaves["k"], leaves["v"], **kw)
     N = num_seqs or B
-    assert o.dtype == dtype and z.dtype == dtype and z.shape == (N, 1, H, K)
+    out_dtype = torch.promote_types(dtype, z_dtype) if z_dtype is not None and "z0" in names else dtype
+    assert o.dtype == out_dtype and z.dtype == out_dtype and z.shape == (N, 1, H, K)
     assert (s is None) == (not final or default_args)
     gen = torch.Generator().manual_seed(seed + 1)
     do = torch.randn(o.shape, generator=gen).to(device=device, dtype=o.dtype)
@@ -226,19 +245,28 @@ def _check_la(device, B, T, H, K, V, L, seed=0, cu=None, num_seqs=None, init="tu
     if s is not None:
         assert_rel_close("final_state", s.detach().cpu(), rs, tol)
     for name, a, b in zip(names, got, ref):
+        assert a.dtype == leaves[name].dtype, name
         assert_rel_close(f"d{name}", a.cpu(), b, tol)
+    # the reference's denominators, from its key sums per sequence
+    rq, rk = (ref_leaves[n].detach() for n in ("q", "k"))
+    z0 = ref_leaves["z0"].detach() if "z0" in names else None
+    bounds = cu.tolist() if cu is not None else [0, T]
+    zc = torch.cat([rk[:, b0:b1].cumsum(1) + (z0[n:n + 1] if cu is not None else z0) if z0 is not None
+                    else rk[:, b0:b1].cumsum(1) for n, (b0, b1) in enumerate(zip(bounds[:-1], bounds[1:]))], 1)
+    return (rq * zc).sum(-1) * K ** -0.5
 
 
 @pytest.mark.parametrize("B,T,H,K,V,L", [(2, 1, 1, 32, 32, 64), (1, 63, 2, 32, 16, 64), (1, 130, 1, 16, 32, 128),
-                                         (1, 100, 1, 20, 24, 64)])
+                                         (1, 100, 1, 20, 24, 64), (1, 300, 1, 16, 16, 256), (1, 520, 1, 16, 16, 512)])
 def test_linear_attn_normalized_fp32(device, poison_empty, B, T, H, K, V, L):
+    """Every chunk size, T = 1, T not a multiple of 64 or of L, head dims that are not powers of two."""
     _check_la(device, B, T, H, K, V, L, seed=T + L)
 
 
-@pytest.mark.parametrize("init,final", [("kv", True), ("z", False), (None, True)])
+@pytest.mark.parametrize("init,final", [("kv", True), ("z", False), ("s", True), ("none", False), (None, True)])
 def test_linear_attn_normalized_states(device, init, final):
-    """A plain tensor initial_state means z_0 = 0 (as in FLA); (None, z_0) carries only the key sum;
-    z_state comes back even without output_final_state (FLA returns (None, z_state))."""
+    """A plain tensor initial_state means z_0 = 0 (as in FLA); (None, z_0) carries only the key sum, (S_0, None)
+    only S, (None, None) neither; z_state comes back even without output_final_state (FLA returns (None, z_state))."""
     _check_la(device, 1, 70, 2, 16, 16, 64, seed=11, init=init, final=final)
 
 
@@ -246,18 +274,42 @@ def test_linear_attn_normalize_is_the_default(device):
     _check_la(device, 1, 90, 1, 16, 16, 64, seed=7, init=None, default_args=True)
 
 
-@pytest.mark.parametrize("cu_list", [None, [0, 30, 30, 77, 150]])
-def test_linear_attn_normalized_varlen(device, cu_list):
-    """z restarts from z_0[n] per sequence; an empty sequence keeps its z_0 (as in FLA)."""
+@pytest.mark.parametrize("cu_list,L", [(None, 64), ([0, 30, 30, 77, 150], 64), ([0, 1, 1, 65, 66, 150], 64),
+                                       ([0, 0, 1, 149, 150], 128)])
+def test_linear_attn_normalized_varlen(device, poison_empty, cu_list, L):
+    """S and z restart from S_0[n], z_0[n] per sequence; an empty sequence keeps its z_0 (as in FLA); one-token
+    sequences; sequences across chunk boundaries."""
     cu = (torch.tensor(cu_list, device=device) if cu_list is not None
           else random_cu_seqlens(150, 4, seed=12, device=device))
-    _check_la(device, 1, 150, 2, 16, 16, 64, seed=12, cu=cu, num_seqs=4)
+    N = cu.numel() - 1
+    _check_la(device, 1, 150, 2, 16, 16, L, seed=12, cu=cu, num_seqs=N)
+    _check_la(device, 1, 150, 2, 16, 16, L, seed=13, cu=cu, num_seqs=N, init="z", final=False)
+
+
+@pytest.mark.parametrize("L,cu_list", [(64, None), (128, None), (64, [0, 40, 41, 150])])
+def test_linear_attn_normalized_sign_change(device, L, cu_list):
+    """Keys of both signs: the denominators scale q_t . z_t change sign within a sequence (FLA keeps the sign
+    and adds its epsilon; no absolute value or lower bound as in the mLSTM)."""
+    cu = torch.tensor(cu_list, device=device) if cu_list is not None else None
+    den = _check_la(device, 1, 150, 2, 16, 16, L, seed=17, keys="mixed", cu=cu,
+                    num_seqs=len(cu_list) - 1 if cu_list else None)
+    assert (den > 0).any() and (den < 0).any()
+    assert den.abs().min() > 0.1 * den.abs().median()  # away from the pole: the errors measure the kernels
+
+
+def test_linear_attn_normalized_fp16_promoted_by_fp32_z0(device):
+    """fp16 q, k, v with an fp32 z_0: o and z_state in fp32 (FLA's promotion), dz_0 fp32, dq, dk, dv fp16; and
+    all fp16."""
+    _check_la(device, 1, 100, 2, 32, 32, 64, seed=19, dtype=torch.float16, z_dtype=torch.float32,
+              tol=tolerance(torch.float16))
+    _check_la(device, 1, 100, 2, 32, 32, 64, seed=20, dtype=torch.float16, tol=tolerance(torch.float16))
 
 
 def test_linear_attn_normalized_float64_exact(device):
     if device == "cuda":
         pytest.skip("float64 verification runs through the interpreter")
     _check_la(device, 1, 100, 1, 16, 16, 64, seed=13, dtype=torch.float64, tol=1e-12)
+    _check_la(device, 1, 100, 1, 16, 16, 128, seed=14, dtype=torch.float64, tol=1e-12, keys="mixed")
 
 
 def test_linear_attn_normalized_chains(device):

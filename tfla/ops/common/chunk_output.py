@@ -323,13 +323,16 @@ def _chunk_tiled_kernel(
         b_o = b_ov + b_o * b_fv
 
     b_o *= scale
-    if NORM > 0:  # the mLSTM's normalized output: out / (max(|scale a.n|, lower bound) + eps)
+    if NORM > 0:  # the normalized output: out divided per row by a function of den = scale a.n
         b_den *= scale
-        if NORM == 2:  # per-row lower bound (e^{-m})
-            b_lo = tl.load(lo + (bos + o_tq) * HV + i_hv, mask=m_tq, other=1.0)
-        else:
-            b_lo = tl.full([BQ], 1.0, dtype=ACC)
-        b_o = b_o / (tl.maximum(tl.abs(b_den), b_lo) + eps)[:, None]
+        if NORM == 3:  # FLA's normalized linear attention: out / (den + eps), the sign kept
+            b_o = b_o / (b_den + eps)[:, None]
+        else:  # the mLSTM's: out / (max(|den|, lower bound) + eps)
+            if NORM == 2:  # per-row lower bound (e^{-m})
+                b_lo = tl.load(lo + (bos + o_tq) * HV + i_hv, mask=m_tq, other=1.0)
+            else:
+                b_lo = tl.full([BQ], 1.0, dtype=ACC)
+            b_o = b_o / (tl.maximum(tl.abs(b_den), b_lo) + eps)[:, None]
         tl.store(den + (bos + o_tq) * HV + i_hv, b_den, mask=m_tq & ((o_tq * 0 + i_c_) == 0))
     if VEC_ROWDOT:  # per channel x * out without the diagonal terms (they cancel in q * dq - k * dk), then add them
         m_qc = m_tq[:, None] & m_c[None, :]
@@ -437,10 +440,11 @@ def chunk_tiled(
     the gate of the row before it (the state's stabilizer; 0 when None), so the state term is
     ``2^(GQ_r - gb) a_r S_c``.
     ``normalizer`` (forward only, with ``h``): ``dict(hn=[B, NT, HV, DA] fp32 normalizer states,
-    lo=[B, T, HV] fp32 lower bound or None (then 1), eps=float)``: the row sums of the same gated
-    product with c = 1, ``den_r = scale (2^(..) a_r . n_c + sum_s w_rs a_r . b_s)``, are formed in the
-    same pass and the output is ``out_r / (max(|den_r|, lo_r) + eps)`` (the mLSTM, TFLA paper
-    Section 2); ``den [B, T, HV]`` fp32 is returned as well.
+    lo=[B, T, HV] fp32 lower bound or None (then 1), eps=float, signed=bool (default False))``: the row sums of
+    the same gated product with c = 1, ``den_r = scale (2^(..) a_r . n_c + sum_s w_rs a_r . b_s)``, are formed in
+    the same pass and the output is ``out_r / (max(|den_r|, lo_r) + eps)`` (the mLSTM, TFLA paper Section 2) or,
+    with ``signed`` (no ``lo``), ``out_r / (den_r + eps)`` (FLA 0.6.0's normalized linear attention, sign kept);
+    ``den [B, T, HV]`` fp32 is returned as well.
     Vector gate (GLA): ``gv_cum [B, T, HV, D]`` fp32 cumulative log2 gate per channel within outer chunks
     (``g_cum`` None), on the contraction dim (D = DA; o, dv) or, with ``gv_on_out``, on the output
     columns (D = DC; dq, dk); ``rowdot_with`` then returns the per-channel ``x * out`` as
@@ -491,6 +495,8 @@ def chunk_tiled(
     norm = normalizer or {}
     if normalizer is not None and (h is None or reverse or rowdot_with is not None):
         raise ValueError("normalizer needs the forward form with states (h) and no rowdot")
+    if norm.get("signed") and norm.get("lo") is not None:
+        raise ValueError("the signed normalizer (out / (den + eps)) takes no lower bound `lo`")
     rowadd = 0 if row_add is None else (2 if reverse else 1)
     if rowadd and (vec or normalizer is not None or tuple(row_add.shape) != (B, T, HV)
                    or (rowadd == 1 and h is not None and row_add_n is None)):
@@ -525,7 +531,8 @@ def chunk_tiled(
             BT=chunk_size, BQ=cfg["BQ"], BKV=cfg["BKV"], BA=BA, BC=cfg["BV"],
             USE_G=g_cum is not None, SPLIT_G=gk_cum is not None, HAS_GB=gb is not None, REVERSE=reverse, HAS_STATE=h is not None, ROWDOT=rowdot_with is not None and not vec,
             IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(a.dtype), ACC=acc_dtype(a.dtype),
-            NORM=0 if normalizer is None else (2 if norm.get("lo") is not None else 1), BAS=bas,
+            NORM=0 if normalizer is None else (3 if norm.get("signed") else (2 if norm.get("lo") is not None else 1)),
+            BAS=bas,
             gv=gv_cum, VEC_G=vec, VEC_ROWDOT=bool(vec) and rowdot_with is not None, add=row_add, ROWADD=rowadd,
             VEC_SPAN=cfg.get("VEC_SPAN", 0), out2=out2, xdot2=xdot2, DUAL=dual, VEC_F32=vec_f32, FLAT=flat,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],

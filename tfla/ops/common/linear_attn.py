@@ -1,5 +1,5 @@
 """Host orchestration of linear attention on the shared stages (no / constant / scalar decay, split gates, the
-normalizer state): the forward and backward that ``chunk_simple_gla`` and the mLSTM run.
+normalizer state): the forward and backward that ``chunk_simple_gla``, ``chunk_linear_attn`` and the mLSTM run.
 
 Notation: B batch, T time, H heads, K/V head dims, N sequences, L = chunk_size (outer chunk).
 """
@@ -23,7 +23,8 @@ def chunk_simple_gla_fwd(q, k, v, g, scale, initial_state, output_final_state, c
     Split gates (the mLSTM): pass ``g_cum`` (query-side GQ, log2, restarting every L) with ``gk_cum``
     and ``gb`` instead of ``g`` (see ``chunk_output.chunk_tiled``). ``n_state``: the state kernel also
     carries the normalizer state n (v = 1; start ``initial_n``) and the call returns
-    ``(o, final_state, g_cum, den, final_n)``; ``normalizer`` (``dict(lo=, eps=)``, needs ``n_state``)
+    ``(o, final_state, g_cum, den, final_n)``; ``normalizer`` (``dict(lo=, eps=)`` for the mLSTM's
+    ``max(|den|, lo) + eps``, ``dict(lo=None, eps=, signed=True)`` for FLA's ``den + eps``; needs ``n_state``)
     divides the output by it in the tiled kernel and ``den`` is its dot (else None). ``positive_flag``:
     a ``PositiveFlag`` that the cumsum kernel raises when any ``g > 0``. ``return_states``: also return the states
     ``h [B, NT, HV, K, V]`` and ``hn`` (or None) last (at L = 64 they are the backward's ``states``)."""

@@ -36,12 +36,11 @@ import math
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
 from tfla.ops.common.cumsum import chunk_local_cumsum
 from tfla.ops.common.linear_attn import chunk_simple_gla_bwd, chunk_simple_gla_fwd
-from tfla.ops.common.utils import LOG_DECAY_FLOOR, cdiv, device_sm_count, next_pow2
+from tfla.ops.common.normalizer import normalizer_bwd_prep
+from tfla.ops.common.utils import LOG_DECAY_FLOOR, cdiv, device_sm_count
 from tfla.ops.common.varlen import VarlenIndex
 from tfla.ops.mlstm.step import INPUT_GATES, check_mlstm_options, check_mlstm_state  # noqa: F401
 from tfla.utils.validation import (
@@ -253,51 +252,6 @@ def chunk_mlstm_fwd(q, k, v, i, f, C0, n0, m0, opts: MLSTMOptions, varlen=None):
     return h, final, den
 
 
-@triton.jit
-def _normalizer_bwd_prep_kernel(dh, h, den, lo, sd, dden, rl, R, eps, V: tl.constexpr, BR: tl.constexpr,
-                                BV: tl.constexpr, HAS_LO: tl.constexpr, EXACT: tl.constexpr, ACC: tl.constexpr):
-    """Per row r of ``h = o / d`` with ``d = max(|den|, lo) + eps``: ``rl = -log2 d`` (the numerator's cotangent
-    is ``dh / d = dh 2^rl``, applied as a row factor by the kernels that read dh), ``sd = (dh . h) / d`` and, for
-    the exact gradient, ``dden = -sd sign(den)`` where ``|den| > lo`` (else 0). One pass over dh and h."""
-    i_r = tl.program_id(0).to(tl.int64)
-    o_r = i_r * BR + tl.arange(0, BR)
-    m_r = o_r < R
-    o_v = tl.arange(0, BV)
-    m = m_r[:, None] & (o_v < V)[None, :]
-    b_dh = tl.load(dh + o_r[:, None] * V + o_v[None, :], mask=m, other=0.0).to(ACC)
-    b_h = tl.load(h + o_r[:, None] * V + o_v[None, :], mask=m, other=0.0).to(ACC)
-    b_den = tl.load(den + o_r, mask=m_r, other=1.0)
-    if HAS_LO:
-        b_lo = tl.load(lo + o_r, mask=m_r, other=1.0)
-    else:
-        b_lo = tl.full([BR], 1.0, dtype=ACC)
-    b_d = tl.maximum(tl.abs(b_den), b_lo) + eps
-    tl.store(rl + o_r, -tl.log2(b_d), mask=m_r)
-    b_sd = tl.sum(b_dh * b_h, 1) / b_d
-    tl.store(sd + o_r, b_sd, mask=m_r)
-    if EXACT:
-        b_sg = tl.where(b_den > 0, 1.0, tl.where(b_den < 0, -1.0, 0.0))
-        tl.store(dden + o_r, tl.where(tl.abs(b_den) > b_lo, -b_sd * b_sg, 0.0), mask=m_r)
-
-
-def _normalizer_bwd_prep(dh, h, den, lo, eps, exact):
-    """``(rl [B, T, H], sd [B, T, H], dden [B, T, H] or None)``, fp32 (float64 for float64 dh): the numerator's
-    cotangent is ``dh 2^rl`` per row; see the kernel."""
-    B, T, H, V = dh.shape
-    acc = torch.float64 if dh.dtype == torch.float64 else torch.float32
-    rl = torch.empty(B, T, H, dtype=acc, device=dh.device)
-    sd = torch.empty(B, T, H, dtype=acc, device=dh.device)
-    dden = torch.empty_like(sd) if exact else None
-    R = B * T * H
-    BV = max(16, next_pow2(V))
-    BR = max(1, 4096 // BV)
-    if R > 0:
-        _normalizer_bwd_prep_kernel[(cdiv(R, BR),)](
-            dh, h, den, lo, sd, dden, rl, R, eps, V=V, BR=BR, BV=BV, HAS_LO=lo is not None, EXACT=exact,
-            ACC=tl.float64 if acc == torch.float64 else tl.float32)
-    return rl, sd, dden
-
-
 # the state-gradient recurrence for 16-bit inputs: its q-term as one bf16 product (dO 2^G rounded once, no hi + lo
 # split), which lets wider value tiles run without spilling. H100, B = 8, T = 8192, H = 16, K = 128, V = 256,
 # sigmoid fwd+bwd: 8.322 -> 8.195 ms without the split (bf16 errors against float64 unchanged to 2 digits); that
@@ -334,8 +288,8 @@ def chunk_mlstm_bwd(q, k, v, i, f, C0, n0, m0, h, den, final, dh, dC, dn, dm, op
     if opts.normalize:
         # dO = dh / d is not written: the kernels read dh with the row factor 2^rl = 1 / d (chunk_simple_gla_bwd
         # (do_row_log2=..) applies it in the gates where it can, else scales a copy; H100: peak 3196 -> 2696 MiB)
-        rl, sd, dden = _normalizer_bwd_prep(dh, h, den, gt.lo if isinstance(gt.lo, torch.Tensor) else None,
-                                            opts.eps, not opts.detach_normalizer)
+        rl, sd, dden = normalizer_bwd_prep(dh, h, den, gt.lo if isinstance(gt.lo, torch.Tensor) else None,
+                                           opts.eps, exact=not opts.detach_normalizer)
         do = dh
     else:
         do = dh.to(q.dtype)

@@ -7,6 +7,11 @@ sub-chunks on chip) -> TFLA-tiled output. Backward: states at every 64-row sub-c
 the output's gradients of v, q, k from the same tiled product with permuted arguments (ULA);
 the reverse state-gradient recurrence (which also completes dv); the state terms of dk and dg.
 These are the Gated DeltaNet kernels with the delta-rule flags off: no second copy of any stage.
+
+Normalized linear attention (``chunk_linear_attn``, FLA's default): the key sum z is the engine's normalizer state
+(the mLSTM's n, with no gates), carried beside S by the state kernel; the tiled output kernel forms the denominator
+``scale q . z`` in the same pass and divides by ``den + 1e-10`` (``NORM = 3``); the backward scales dO by ``1 / d`` and
+folds the denominator's cotangent into the same kernels as the mLSTM's (``chunk_linear_attn_fwd`` / ``_bwd``).
 """
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ import torch
 
 from tfla.ops.common.cumsum import positive_flag_for, raise_if_positive
 from tfla.ops.common.linear_attn import chunk_simple_gla_bwd, chunk_simple_gla_fwd
+from tfla.ops.common.normalizer import normalizer_bwd_prep
 from tfla.ops.common.varlen import VarlenIndex
 from tfla.utils.validation import (
     check_common,
@@ -185,37 +191,78 @@ def chunk_retention(
                              check_positive=False)
 
 
-def _normalize_linear_attn(o, q, k, scale, z_init, cu_seqlens):
-    """FLA's ``normalize_with_z_state`` (fla 0.6.0, ``fla/ops/linear_attn/utils.py``), forward direction:
-    ``o_t / (scale q_t . z_t + 1e-10)`` with the running key sum ``z_t = z_init + sum_{s <= t} k_s`` restarted
-    per sequence. Returns ``(o, z_state [N, 1, H, K])`` in FLA's dtypes (q's dtype promoted with z_init's).
+# FLA 0.6.0's epsilon of the normalized linear attention, added to the signed denominator scale q . z
+LINEAR_ATTN_EPS = 1e-10
 
-    Plain PyTorch ops, so autograd differentiates it (FLA hand-writes the same backward). Computed in fp32
-    (fp64 for fp64 inputs), where FLA rounds the key sum to k's dtype. The varlen key sum is one global
-    cumsum in fp64 minus each sequence's start: no per-sequence loop, and no cancellation error for a short
-    sequence packed after long ones. A sequence with no tokens keeps its z_init (zeros without), as in FLA.
-    """
+
+def _zero_state_for(z_init, q, v):
+    """The state kernels start the key sum z beside S: zeros for S when only z_0 is given."""
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return z_init.new_zeros(z_init.shape[0], q.shape[2], q.shape[3], v.shape[3], dtype=acc)
+
+
+def chunk_linear_attn_fwd(q, k, v, scale, initial_state, z_init, output_final_state, chunk_size, varlen=None):
+    """Plain forward of the normalized ``chunk_linear_attn``: ``(o, final_state or None, z_state, den)``.
+
+    The key sum ``z`` is the engine's normalizer state (the state of v = 1, carried beside S in the state kernel,
+    restarting per sequence from ``z_init [N, 1, H, K]`` or zeros), and the tiled output kernel forms
+    ``den_r = scale q_r . z_r`` (its row sums with c = 1) in the same pass as the numerator and divides by
+    ``den + 1e-10`` before its one store (``normalizer=dict(signed=True)``): no PyTorch pass over ``[B, T, H, K]``.
+    o ``[B, T, H, V]`` and z_state ``[N, 1, H, K]`` in q's dtype promoted with z_init's, final_state
+    ``[N, H, K, V]`` fp32, den ``[B, T, H]`` fp32 (float64 for float64 inputs)."""
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     out_dtype = q.dtype if z_init is None else torch.promote_types(q.dtype, z_init.dtype)
-    B, T, H, K = k.shape
-    z0 = z_init.to(acc) if z_init is not None else None
-    if cu_seqlens is None:
-        k_cum = k.to(acc).cumsum(1)  # [B, T, H, K]
-        if z0 is not None:
-            k_cum = k_cum + z0
-        z_state = k_cum[:, -1:] if T > 0 else (z0 if z0 is not None else k_cum.new_zeros(B, 1, H, K))
-    else:
-        cu = cu_seqlens.long()
-        lens = cu[1:] - cu[:-1]
-        c = torch.nn.functional.pad(k[0].to(torch.float64).cumsum(0), (0, 0, 0, 0, 1, 0))  # [T + 1, H, K], c[0] = 0
-        start = c[cu[:-1]]  # [N, H, K]
-        k_cum = (c[1:] - start.repeat_interleave(lens, 0, output_size=T)).to(acc)[None]
-        z_state = (c[cu[1:]] - start).to(acc)[:, None]  # [N, 1, H, K]
-        if z0 is not None:
-            k_cum = k_cum + z0[:, 0].repeat_interleave(lens, 0, output_size=T)[None]
-            z_state = z_state + z0
-    denom = (q.to(acc) * scale * k_cum).sum(-1, keepdim=True) + 1e-10  # FLA's epsilon, added, sign kept
-    return (o.to(acc) / denom).to(out_dtype), z_state.to(out_dtype)
+    s0 = initial_state if initial_state is not None or z_init is None else _zero_state_for(z_init, q, v)
+    # the final S is formed with the final z (one flag in the state kernel) and dropped when not asked for
+    o, final, _, den, z = chunk_simple_gla_fwd(
+        q, k, v, None, scale, s0, True, chunk_size, varlen, out_dtype=out_dtype, n_state=True,
+        initial_n=z_init[:, 0].to(acc) if z_init is not None else None,
+        normalizer=dict(lo=None, eps=LINEAR_ATTN_EPS, signed=True))
+    return o, (final if output_final_state else None), z[:, None].to(out_dtype), den
+
+
+def chunk_linear_attn_bwd(q, k, v, scale, initial_state, z_init, o, den, do, dht, dz, chunk_size, varlen=None):
+    """Plain backward of the normalized ``chunk_linear_attn``: ``(dq, dk, dv, d initial_state or None, dz_init or
+    None)`` from the forward's output ``o`` and ``den``; dq, dk, dv in q's dtype, the state gradients fp32.
+
+    With ``d = den + 1e-10`` the numerator's cotangent is ``do / d`` and the dot's ``dden = -(do . o) / d`` (one
+    pass, ``normalizer_bwd_prep(signed=True)``); the engine's backward folds dden in as the value column of ones
+    (``chunk_simple_gla_bwd(dden=..)``: the dq / dk scores gain dden per row, the states carry z and dz)."""
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    do_n, dden = normalizer_bwd_prep(do, o, den, None, LINEAR_ATTN_EPS, signed=True, do_dtype=q.dtype)
+    s0 = initial_state if initial_state is not None or z_init is None else _zero_state_for(z_init, q, v)
+    dq, dk, dv, _, dh0, dn0 = chunk_simple_gla_bwd(
+        q, k, v, None, scale, s0, do_n, dht, chunk_size, varlen, dden=dden,
+        initial_n=z_init[:, 0].to(acc).contiguous() if z_init is not None else None,
+        dnt=dz[:, 0].to(acc).contiguous() if dz is not None else None)
+    return (dq, dk, dv, dh0 if initial_state is not None else None,
+            dn0[:, None] if z_init is not None else None)
+
+
+class ChunkLinearAttnFunction(torch.autograd.Function):
+    """``chunk_linear_attn(normalize=True)``: inputs q, k, v, S_0 or None, z_0 or None; outputs o, final S or
+    None, z_state."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, initial_state, z_init, varlen, opts: LinearAttnOptions):
+        o, final, z, den = chunk_linear_attn_fwd(q, k, v, opts.scale, initial_state, z_init, opts.output_final_state,
+                                                 opts.chunk_size, varlen)
+        ctx.save_for_backward(q, k, v, initial_state, z_init, o, den)
+        ctx.varlen, ctx.opts = varlen, opts
+        return o, final, z
+
+    @staticmethod
+    def backward(ctx, do, dht, dz):
+        q, k, v, initial_state, z_init, o, den = ctx.saved_tensors
+        if do is None:
+            do = torch.zeros_like(o)
+        check_cotangent("o", do, o.shape, o.dtype)
+        dq, dk, dv, dh0, dz0 = chunk_linear_attn_bwd(
+            q, k, v, ctx.opts.scale, initial_state, z_init, o, den, do.contiguous(),
+            dht.contiguous() if dht is not None else None, dz, ctx.opts.chunk_size, ctx.varlen)
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype),
+                dh0.to(initial_state.dtype) if dh0 is not None else None,
+                dz0.to(z_init.dtype) if dz0 is not None else None, None, None)
 
 
 def chunk_linear_attn(
@@ -233,26 +280,36 @@ def chunk_linear_attn(
     r"""Linear attention without decay, a drop-in for FLA's ``chunk_linear_attn`` (fla 0.6.0,
     ``fla/ops/linear_attn/chunk.py``): ``S_t = S_{t-1} + k_t v_t^T``, ``o_t = scale S_t^T q_t``; with
     ``normalize`` (the default, as in FLA) ``z_t = z_{t-1} + k_t`` and
-    ``o_t = scale S_t^T q_t / (scale q_t . z_t + 1e-10)`` (epsilon added, denominator's sign kept, as in FLA).
+    ``o_t = scale S_t^T q_t / (scale q_t . z_t + 1e-10)`` (epsilon added, denominator's sign kept, as in FLA;
+    Katharopoulos et al., "Transformers are RNNs", 2020, Section 3.3: the running sums S and Z).
+
+    The normalized op runs in the engine's kernels (``chunk_linear_attn_fwd`` / ``_bwd``): z is the normalizer
+    state carried beside S by the state kernel, the denominator is formed and divided by in the tiled output
+    kernel, and the backward folds the denominator's cotangent into the same kernels as the mLSTM's normalizer.
 
     Args:
-        q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; fp32, fp16 or bf16 (all the same).
+        q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; fp32, fp16 or bf16 (all the same; float64 for verification).
         scale: default ``K ** -0.5``. output_final_state: return the final ``S``.
-        initial_state: ``S_0 [N, H, K, V]``, or with ``normalize`` also a tuple ``(S_0 or None, z_0 or None)``
-            with ``z_0 [N, 1, H, K]`` (fp32 or q's dtype) the key sum carried from earlier tokens; a plain
-            tensor with ``normalize`` means ``z_0 = 0`` (FLA does the same).
-        normalize: divide by ``scale q_t . z_t`` (default True).
-        cu_seqlens: ``[N + 1]`` offsets of packed sequences (B = 1); z restarts (from z_0[n]) per sequence.
+        initial_state: ``S_0 [N, H, K, V]`` (any float dtype, read as fp32), or with ``normalize`` also a tuple
+            ``(S_0 or None, z_0 or None)`` with ``z_0 [N, 1, H, K]`` (fp32 or q's dtype) the key sum carried from
+            earlier tokens; a plain tensor with ``normalize`` means ``z_0 = 0`` (FLA does the same). N = B, or the
+            number of sequences with ``cu_seqlens``.
+        normalize: divide by ``scale q_t . z_t + 1e-10`` (default True).
+        cu_seqlens: ``[N + 1]`` offsets of packed sequences (B = 1); S and z restart (from S_0[n], z_0[n]) per
+            sequence.
         chunk_size: outer chunk L in {64, 128, 256, 512} (keyword-only).
 
-    Returns, as FLA: with ``normalize``, ``(o, (final_state or None, z_state [N, 1, H, K]))`` -- the key sum
-    is returned even when ``output_final_state`` is False, and a sequence with no tokens keeps its z_0; o and
-    z_state in q's dtype promoted with z_0's (FLA's type promotion). Without ``normalize``, ``(o, final_state
-    or None)`` exactly as ``chunk_simple_gla``. Differentiable in q, k, v, S_0 and z_0.
+    Returns, as FLA: with ``normalize``, ``(o [B, T, H, V], (final_state [N, H, K, V] fp32 or None,
+    z_state [N, 1, H, K]))`` -- the key sum is returned even when ``output_final_state`` is False, and a sequence
+    with no tokens keeps its z_0 (zeros without); o and z_state in q's dtype promoted with z_0's (FLA's type
+    promotion: bf16 q with an fp32 z_0 gives fp32), z summed in fp32 (FLA rounds it to k's dtype). Without
+    ``normalize``, ``(o, final_state or None)`` exactly as ``chunk_simple_gla``. Differentiable in q, k, v, S_0
+    and z_0. A denominator near zero (keys or queries of mixed signs) makes o and its gradients large, as in FLA.
 
     Raises ValueError/TypeError as ``chunk_simple_gla``, and ValueError for a tuple ``initial_state`` without
     ``normalize`` (FLA would pass the tuple on as a state tensor and fail inside), a tuple not of length 2,
-    or a ``z_0`` not of shape ``[N, 1, H, K]``.
+    or a ``z_0`` not of shape ``[N, 1, H, K]`` or on another device; TypeError for a ``z_0`` dtype other than
+    fp32 or q's.
     """
     kv_init, z_init = initial_state, None
     if isinstance(initial_state, tuple):
@@ -279,11 +336,23 @@ def chunk_linear_attn(
             raise ValueError(f"`initial_state[1]` (z_state) is on {z_init.device} but `q` is on {q.device}")
     if scale is None:
         scale = K ** -0.5
-    o, final_state = chunk_simple_gla(q, k, v, scale=scale, initial_state=kv_init,
-                                      output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                                      chunk_size=chunk_size)
-    o, z_state = _normalize_linear_attn(o, q, k, float(scale), z_init, cu_seqlens)
-    return o, (final_state, z_state)
+    compiling = torch.compiler.is_compiling()  # then custom ops (library.py): no host reads here
+    varlen = None
+    if cu_seqlens is not None and not compiling:
+        varlen = VarlenIndex.build(cu_seqlens, chunk_size)
+        check_varlen_bounds(varlen.bounds, q.shape[1])
+    q, k, v = (x.contiguous() for x in (q, k, v))
+    kv_init = kv_init.contiguous() if kv_init is not None else None
+    z_init = z_init.contiguous() if z_init is not None else None
+    opts = LinearAttnOptions(float(scale), int(chunk_size), bool(output_final_state))
+    if compiling:
+        from tfla.ops.simple_gla.library import linear_attn_fwd
+
+        o, final_state, z_state, _ = linear_attn_fwd(q, k, v, kv_init, z_init, cu_seqlens, opts.scale,
+                                                     opts.chunk_size, opts.output_final_state)
+    else:
+        o, final_state, z_state = ChunkLinearAttnFunction.apply(q, k, v, kv_init, z_init, varlen, opts)
+    return o, (final_state if output_final_state else None, z_state)
 
 
 def chunk_lightning_attn(
