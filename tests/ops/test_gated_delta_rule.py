@@ -27,7 +27,7 @@ def _run_and_ref(device, B, T, H, HV, K, V, dtype=torch.float32, gate="default",
     o, s = tfla.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], scale=scale,
                                        initial_state=x["initial_state"], output_final_state=True,
                                        use_qk_l2norm_in_kernel=l2norm)
-    r = as_reference({n: (t.cpu() if t is not None else None) for n, t in x.items()})
+    r = as_reference(x)
     ro, rs = recurrent_gated_delta_rule_ref(r["q"], r["k"], r["v"], r["g"], r["beta"], scale=scale,
                                             initial_state=r["initial_state"], output_final_state=True,
                                             use_qk_l2norm_in_kernel=l2norm)
@@ -67,7 +67,7 @@ def test_fwd_no_initial_state_and_no_final_state(device):
     x = gdn_inputs(1, 130, 1, 32, 32, dtype=torch.float32, device=device, seed=2)
     o, s = tfla.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"])
     assert s is None
-    r = as_reference({n: (t.cpu() if t is not None else None) for n, t in x.items()})
+    r = as_reference(x)
     ro, _ = recurrent_gated_delta_rule_ref(r["q"], r["k"], r["v"], r["g"], r["beta"])
     assert_rel_close("o", o.cpu(), ro, FP32_TOL)
 
@@ -93,7 +93,7 @@ def test_fwd_l2norm_varlen_segments(device, poison_empty, segments, grad):
     leaves = {n: x[n].clone().requires_grad_(grad) for n in ("q", "k", "v", "g", "beta")}
     o, s = tfla.chunk_gated_delta_rule(*leaves.values(), initial_state=x["initial_state"], output_final_state=True,
                                        cu_seqlens=cu, segments=segments, use_qk_l2norm_in_kernel=True)
-    r = as_reference({n: (t.cpu() if t is not None else None) for n, t in x.items()})
+    r = as_reference(x)
     for i in range(4):
         b0, b1 = int(cu[i]), int(cu[i + 1])
         ro, rs = recurrent_gated_delta_rule_ref(
@@ -114,7 +114,7 @@ def test_fwd_varlen_matches_per_sequence_runs(device, poison_empty, seed):
                    num_seqs=N, seed=seed)
     o, s = tfla.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["initial_state"],
                                        output_final_state=True, cu_seqlens=cu)
-    r = as_reference({n: (t.cpu() if t is not None else None) for n, t in x.items()})
+    r = as_reference(x)
     for n in range(N):
         b0, b1 = int(cu[n]), int(cu[n + 1])
         ro, rs = recurrent_gated_delta_rule_ref(
@@ -130,7 +130,7 @@ def test_stages_match_chunk_reference(device):
     x = gdn_inputs(2, 333, 1, 32, 16, HV=2, dtype=torch.float32, device=device, initial_state=True, seed=8)
     o, s, inter = chunk_gated_delta_rule_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], 32 ** -0.5,
                                              x["initial_state"], True, save=2)
-    r = as_reference({n: (t.cpu() if t is not None else None) for n, t in x.items()})
+    r = as_reference(x)
     _, _, r64 = chunk_gated_delta_rule_ref(r["q"], r["k"], r["v"], r["g"], r["beta"],
                                            initial_state=r["initial_state"], chunk_size=64, return_intermediates=True)
     assert_rel_close("g_cum", inter["g_cum"].cpu() * LN2, r64["g_cum"], 1e-6)

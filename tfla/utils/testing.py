@@ -5,10 +5,11 @@ import torch
 
 
 def rel_l2(out: torch.Tensor | None, ref: torch.Tensor | None) -> float:
-    """``||out - ref|| / ||ref||`` computed in float64; inf if ``out`` is missing or not finite."""
+    """``||out - ref|| / ||ref||`` computed in float64 (on ``out``'s device); inf if ``out`` is missing or not
+    finite."""
     if out is None or ref is None:
         return float("nan") if out is None and ref is None else float("inf")
-    out, ref = out.double(), ref.double()
+    out, ref = out.double(), ref.double().to(out.device)
     if out.shape != ref.shape:
         raise ValueError(f"shape mismatch: {tuple(out.shape)} vs {tuple(ref.shape)}")
     if not torch.isfinite(out).all():
