@@ -79,13 +79,15 @@ def rnn_bwd_op(x: torch.Tensor, R: torch.Tensor, b: torch.Tensor, state0: list[t
         dx_ext = dxp.new_zeros(x.shape[1] + 1, *x.shape[2:])
         dx_ext.index_add_(0, gather.reshape(-1), dxp.reshape(-1, *x.shape[2:]))
         dx = dx_ext[:-1].unsqueeze(0)
-    return [dx.to(x.dtype), dR.to(R.dtype), db.to(b.dtype)] + \
-        [ds0[k].transpose(0, 1).to(s.dtype, copy=True) for k, s in enumerate(state0)]  # (no two outputs alias)
+    # contiguous: the fake implementation promises the inputs' (contiguous) strides, and inductor checks them (dR
+    # comes out of a transposed product)
+    return [dx.to(x.dtype).contiguous(), dR.to(R.dtype).contiguous(), db.to(b.dtype).contiguous()] + \
+        [ds0[k].transpose(0, 1).to(s.dtype, copy=True).contiguous() for k, s in enumerate(state0)]  # (no two alias)
 
 
 @rnn_bwd_op.register_fake
 def _(x, R, b, state0, cu_seqlens, dh, dfinal, cell):
-    return [torch.empty_like(x), torch.empty_like(R), torch.empty_like(b)] + [torch.empty_like(s) for s in state0]
+    return [x.new_empty(x.shape), R.new_empty(R.shape), b.new_empty(b.shape)] + [s.new_empty(s.shape) for s in state0]
 
 
 def _setup_context(ctx, inputs, output):
