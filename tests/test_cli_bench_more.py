@@ -244,7 +244,7 @@ def test_ab_and_tune_scripts_run_through_config(capsys):
     before = _module_state()
     ab["main"](["--ops", "gdn", "--mode", "fwd", "--shape", "1,70,1,16,16", "--rounds", "1", "--compare",
                 "--variants", 'base={};w8={"state": {"num_warps": 8}}'])
-    tune["main"](["gdn", "--mode", "fwd", "--shape", "1,70,1,16,16", "--stage", "output", "--grid",
+    tune["main"](["gdn", "--mode", "fwd", "--shape", "1,70,1,16,16", "--stage", "fused", "--grid",
                   '{"num_warps": [4, 8]}'])
     after = _module_state()
     # every attribute a module had before is the same object after (new ones are allowed: a submodule imported on
@@ -254,4 +254,4 @@ def test_ab_and_tune_scripts_run_through_config(capsys):
     assert not changed, changed
     out = capsys.readouterr().out
     assert "w8 vs base: o equal" in out and "base" in out and "ms  rounds" in out
-    assert out.count('{"output": {"num_warps"') == 4 and "WRONG" not in out
+    assert out.count('{"fused": {"num_warps"') == 4 and "WRONG" not in out
