@@ -1,5 +1,5 @@
 """``tfla`` command line: ``tfla bench gdn [options]`` (also ``python -m tfla bench gdn``), and
-``tfla bench linear-attn``, ``tfla bench mlstm``.
+``tfla bench linear-attn``, ``tfla bench mlstm``, ``tfla bench rnn``.
 
 On a machine without a CUDA GPU the kernels run through Triton's CPU interpreter on a small
 default workload, so the command always runs; on a GPU the default workload is the proposal's
@@ -22,7 +22,7 @@ def use_interpreter_without_gpu() -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from tfla.bench import gdn, linear_attn, mlstm
+    from tfla.bench import gdn, linear_attn, mlstm, rnn
 
     parser = argparse.ArgumentParser(prog="tfla", description="Tiled Flash Linear Attention kernels")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -40,6 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
                                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     mlstm.add_arguments(p_mlstm)
     p_mlstm.set_defaults(run=mlstm.main)
+    p_rnn = bench_sub.add_parser("rnn", help="LSTM, GRU, sLSTM, Elman cells, vs torch.nn (cuDNN) and FlashRNN",
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    rnn.add_arguments(p_rnn)
+    p_rnn.set_defaults(run=rnn.main)
     return parser
 
 

@@ -142,3 +142,39 @@ def mlstm_inputs(
     gd = gate_dtype or dtype
     out = {"q": q.to(dtype), "k": k.to(dtype), "v": v.to(dtype), "i": i.to(gd), "f": f.to(gd)}
     return {name: x.to(device) for name, x in out.items()}
+
+
+RNN_GATES = {"elman": 1, "lstm": 4, "gru": 3, "slstm": 4}  # gates of tfla's cells (tfla.ops.rnn.reference)
+
+
+def rnn_inputs(
+    cell: str,
+    B: int,
+    T: int,
+    NH: int,
+    D: int,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str | torch.device = "cpu",
+    layer: bool = False,
+    seed: int = 0,
+) -> dict:
+    """Random inputs for the FlashRNN cells (``tfla.lstm``, ``gru``, ``slstm``, ``elman``) in ``dtype``.
+
+    Default: the op's own, x ``[B, T, G, NH, D]`` ~ N(0, 1) (the pre-activations), R ``[G, NH, D, D]`` ~ N(0, 1 / D)
+    and b ``[G, NH, D]`` ~ N(0, 1 / 4). ``layer=True``: what ``torch.nn.LSTM`` / ``nn.GRU`` take for hidden size
+    H = NH * D: u ``[B, T, H]`` ~ N(0, 1), W_ih, W_hh ``[G * H, H]`` ~ N(0, 1 / H), b_ih, b_hh ``[G * H]`` ~
+    N(0, 1 / 4), so x = u W_ih^T + b_ih ~ N(0, 5 / 4) (with NH = 1 the op's problem for R = W_hh, b = b_hh).
+    """
+    if cell not in RNN_GATES:
+        raise ValueError(f"cell must be one of {tuple(RNN_GATES)}, got {cell!r}")
+    G = RNN_GATES[cell]
+    gen = torch.Generator().manual_seed(seed)
+    if layer:
+        H = NH * D
+        out = {"u": torch.randn(B, T, H, generator=gen), "W_ih": torch.randn(G * H, H, generator=gen) / H ** 0.5,
+               "b_ih": torch.randn(G * H, generator=gen) * 0.5, "W_hh": torch.randn(G * H, H, generator=gen) / H ** 0.5,
+               "b_hh": torch.randn(G * H, generator=gen) * 0.5}
+    else:
+        out = {"x": torch.randn(B, T, G, NH, D, generator=gen), "R": torch.randn(G, NH, D, D, generator=gen) / D ** 0.5,
+               "b": torch.randn(G, NH, D, generator=gen) * 0.5}
+    return {name: x.to(dtype).to(device) for name, x in out.items()}

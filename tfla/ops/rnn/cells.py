@@ -30,6 +30,7 @@ class RNNOptions:
     cell: str
     lengths: tuple[int, ...]  # steps of each of the N sequences (all T without varlen)
     output_final_state: bool
+    state_sequence: bool = False  # also output the states after h (c; c, n, m) after every step
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
@@ -73,10 +74,12 @@ def rnn_fwd(cell: str, x, R, b, state0):
     return o, states, rh, Wt, b_acc
 
 
-def rnn_bwd(cell: str, x, Wt, b_acc, states, rh, do, dstate_final, lengths):
+def rnn_bwd(cell: str, x, Wt, b_acc, states, rh, do, dstate_final, lengths, dstate_seq=None):
     """Backward of ``rnn_fwd``. do ``[N, Tm, NH, D]``; dstate_final ``[S, NH, N, D]`` (ACC dtype; the m slot is
-    ignored), added before the step ``lengths[n] - 1`` of each sequence n. Returns ``(dx [N, Tm, G, NH, D],
-    dR [G, NH, D, D], db [G, NH, D], dstate0 [S, NH, N, D])``, all in the ACC dtype."""
+    ignored), added before the step ``lengths[n] - 1`` of each sequence n; dstate_seq None or ``[Tm, S - 1, NH, N,
+    D]`` (ACC), the cotangents of the states after h (c; c, n, m; m ignored) after every step, added before each
+    step. Returns ``(dx [N, Tm, G, NH, D], dR [G, NH, D, D], db [G, NH, D], dstate0 [S, NH, N, D])``, all in the
+    ACC dtype."""
     N, Tm, G, NH, D = x.shape
     S = states.shape[1]
     acc = states.dtype
@@ -102,6 +105,8 @@ def rnn_bwd(cell: str, x, Wt, b_acc, states, rh, do, dstate_final, lengths):
     for t in range(Tm - 1, -1, -1):
         if t in inject:
             add_final(inject[t])
+        if dstate_seq is not None and n_carried > 1:
+            ds[1:n_carried] += dstate_seq[t, :n_carried - 1]
         xt, dot, dxt = x[:, t], do[:, t], dx[:, t]
         pointwise._rnn_pointwise_bwd_kernel[grid](
             xt, rh[t], b_acc, states[t], states[t + 1], dot, dh_rec, ds, dxt, drh[t], N, NH, D,
@@ -123,7 +128,9 @@ def rnn_bwd(cell: str, x, Wt, b_acc, states, rh, do, dstate_final, lengths):
 
 
 class RNNFunction(torch.autograd.Function):
-    """``(opts, x, R, b, *state0) -> (o, *final_state)``; state tensors ``[N, NH, D]`` (N = len(opts.lengths))."""
+    """``(opts, x, R, b, *state0) -> (o, *final_state[, state_seq])``; state tensors ``[N, NH, D]`` (N =
+    len(opts.lengths)); with ``opts.state_sequence`` also ``state_seq [S - 1, N, Tm, NH, D]`` (ACC dtype), the states
+    after h after every step."""
 
     @staticmethod
     def forward(ctx, opts: RNNOptions, x, R, b, *state0):
@@ -138,11 +145,12 @@ class RNNFunction(torch.autograd.Function):
         ctx.save_for_backward(x, Wt, b_acc, states, rh)
         ctx.opts = opts
         ctx.meta = (R.dtype, b.dtype, tuple(s.dtype for s in state0))
+        seq = (states[1:, 1:].permute(1, 3, 0, 2, 4).contiguous(),) if opts.state_sequence else ()
         if not opts.output_final_state:
-            return (o,)
+            return (o, *seq)
         idx = torch.tensor(opts.lengths, device=x.device)
         final = states[idx, :, :, torch.arange(N, device=x.device)]  # [N, S, NH, D]
-        return (o, *(final[:, k].contiguous() for k in range(S)))
+        return (o, *(final[:, k].contiguous() for k in range(S)), *seq)
 
     @staticmethod
     def backward(ctx, do, *dfinal):
@@ -150,6 +158,12 @@ class RNNFunction(torch.autograd.Function):
         opts = ctx.opts
         N, Tm, G, NH, D = x.shape
         S = states.shape[1]
+        dseq = None
+        if opts.state_sequence:
+            *dfinal, g = dfinal
+            if g is not None:
+                check_cotangent("state_seq", g, (S - 1, N, Tm, NH, D), None)
+                dseq = g.to(states.dtype).permute(2, 0, 3, 1, 4)  # [Tm, S - 1, NH, N, D]
         if do is None:
             do = torch.zeros(N, Tm, NH, D, device=x.device, dtype=x.dtype)
         check_cotangent("h", do, (N, Tm, NH, D), None)
@@ -158,7 +172,7 @@ class RNNFunction(torch.autograd.Function):
             if g is not None:
                 check_cotangent(f"final_state[{k}]", g, (N, NH, D), None)
                 dsf[k] = g.to(states.dtype).transpose(0, 1)
-        dx, dR, db, ds0 = rnn_bwd(opts.cell, x, Wt, b_acc, states, rh, do, dsf, opts.lengths)
+        dx, dR, db, ds0 = rnn_bwd(opts.cell, x, Wt, b_acc, states, rh, do, dsf, opts.lengths, dseq)
         R_dtype, b_dtype, s_dtypes = ctx.meta
         dstate = tuple(ds0[k].transpose(0, 1).to(dt) for k, dt in enumerate(s_dtypes))
         return (None, dx.to(x.dtype), dR.to(R_dtype), db.to(b_dtype), *dstate)
@@ -263,6 +277,19 @@ def rnn(cell: str, x, R, b, initial_state=None, output_final_state=False, *, cu_
     out = RNNFunction.apply(opts, x_ext[gather], R, b, *state0)
     h = out[0][valid].unsqueeze(0)  # [1, T, NH, D]: rows in packed order
     return h, (tuple(out[1:]) if output_final_state else None)
+
+
+@torch.compiler.disable  # eager only (a graph break under torch.compile): the custom ops return h and the final state
+def rnn_state_sequence(cell: str, x, R, b, initial_state=None):
+    """``(h [B, T, NH, D], state_seq [S - 1, B, T, NH, D])``: ``cell`` as ``rnn`` (no varlen, no final state), also
+    returning the states after h (c; for the sLSTM c, n, m) after every step, in fp32 (float64 for float64 x) and
+    differentiable (m's cotangent is ignored: m is a constant of the backward). FlashRNN returns every state at
+    every step; ``tfla.compat.flashrnn`` uses this."""
+    if cell not in CELL_GATES:
+        raise ValueError(f"`cell` must be one of {tuple(CELL_GATES)}, got {cell!r}")
+    lengths, _ = _check(cell, x, R, b, initial_state, False, None)
+    state0 = tuple(initial_state) if initial_state is not None else ()
+    return RNNFunction.apply(RNNOptions(cell, lengths, False, state_sequence=True), x, R, b, *state0)
 
 
 _DOC = """{title}
