@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tfla.cli import main
+from tfla.utils.testing import tolerance
 
 TIMING = ["--warmup", "1", "--rep", "5"] if torch.cuda.is_available() else []
 TINY = ["--B", "2", "--T", "5", "--dtype", "fp32", "--no-progress", *TIMING]
@@ -35,11 +36,14 @@ def test_bench_rnn_small(tmp_path, capsys, mode):
         ("tfla", "lstm", 2), ("tfla", "gru", 2), ("tfla", "lstm", 1), ("torch", "lstm", 1), ("tfla", "gru", 1),
         ("torch", "gru", 1)]
     grads = {"tfla": ("dx", "dR", "db"), "torch": ("du", "dW_ih", "db_ih", "dW_hh", "db_hh")}
+    # fp32 on CUDA: tfla's tolerance there (tf32x3 dots); cuDNN's LSTM / GRU use TF32 by default (torch's
+    # allow_tf32 for cuDNN), ~1e-3 relative
+    tol = {"tfla": tolerance(torch.float32), "torch": 1e-3 if torch.cuda.is_available() else 1e-5}
     for r in rows:
         assert r["status"] == "ok" and r["ms"] > 0 and r["first_s"] > 0 and r["mode"] == mode
-        assert r["err_h"] < 1e-5 and r["slice_err_h"] < 1e-5
+        assert r["err_h"] < tol[r["impl"]] and r["slice_err_h"] < tol[r["impl"]]
         for g in grads[r["impl"]] if mode == "fwdbwd" else ():
-            assert r[f"err_{g}"] < 1e-5 and r[f"slice_err_{g}"] < 1e-5
+            assert r[f"err_{g}"] < tol[r["impl"]] and r[f"slice_err_{g}"] < tol[r["impl"]]
         assert (r.get("proj_ms") is not None) == (r["impl"] == "torch")
     with open(csv_path, newline="") as f:
         written = list(csv.DictReader(f))

@@ -59,7 +59,7 @@ def _run(fn_call, fn, Wx, R, b, s0, seed=1):
     leaves = [t.detach().clone().requires_grad_() for t in (Wx, R, b) + ((s0,) if s0 is not None else ())]
     seq, last = fn_call(fn, *leaves[:3], leaves[3] if s0 is not None else None)
     gen = torch.Generator().manual_seed(seed)
-    cts = [torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o.dtype) for o in (seq, last)]
+    cts = [torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o.device, o.dtype) for o in (seq, last)]
     grads = torch.autograd.grad((seq, last), leaves, cts, allow_unused=True)
     return seq, last, grads
 
