@@ -339,7 +339,7 @@ def test_bwd_bf16_realistic_gates_vs_peers():
     """bf16 gradients with Qwen3-Next-style gates (GVA, initial state, T not a multiple of 64) against the float64
     recurrence (the chunked PyTorch reference in float64): every gradient within 1.1x of the best of FLA and
     FlashQLA where they are installed (FLA with ``FLA_FLASH_QLA=0``, its own kernels). Prints all errors.
-    (H100, 2026-11-24, f34c8a3: dg 4.22e-3 vs FlashQLA 4.18e-3 and FLA 4.36e-3; dq 4.20e-3 and dk 5.10e-3 vs
+    (H100, 2026-11-24, 45bb54d: dg 4.53e-3 vs FlashQLA 4.18e-3 and FLA 4.36e-3, 1.08x; dq 4.20e-3 and dk 5.10e-3 vs
     FlashQLA's 4.08e-3 and 4.93e-3; the others below both peers; docs/performance.md.)"""
     peers = {}
     try:
