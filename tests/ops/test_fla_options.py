@@ -1,13 +1,15 @@
 """FLA 0.6.0's extra options: chunk_gated_delta_rule's activated gate / beta, V-first state layout, host copy of
 cu_seqlens and unused chunk_indices, and chunk_simple_gla / chunk_gla's state_v_first and cu_seqlens_cpu. Each equals
-the plain call on inputs activated / laid out by hand, outputs and gradients (bitwise: the options are the same
-PyTorch ops in front of the same kernels); bad combinations raise ValueError naming the argument."""
+the plain call on inputs activated / laid out by hand, outputs and gradients: bitwise for the layouts and offsets
+(the same kernels), to rounding for the activations (applied in the gate's cumsum kernels, ``gate_act.py``, against
+PyTorch's ops by hand; float64 to 1e-12); bad combinations raise ValueError naming the argument."""
 import pytest
 import torch
 import torch.nn.functional as F
 
 import tfla
 from tfla.bench.inputs import gdn_inputs
+from tfla.utils.testing import assert_rel_close, tolerance
 
 
 def _run(fn, leaves, v_first=False):
@@ -33,15 +35,33 @@ def _same(a, b):
             assert torch.equal(u, w), i
 
 
+def _close(a, b, dtype):
+    tol = 1e-12 if dtype == torch.float64 else tolerance(torch.float32)
+    assert len(a) == len(b)
+    for i, (u, w) in enumerate(zip(a, b)):
+        assert (u is None) == (w is None), i
+        if u is not None:
+            assert_rel_close(f"output {i}", u.detach(), w.detach(), tol)
+
+
+def _inputs(device, dtype=torch.float32, varlen=False):
+    x = gdn_inputs(1, 150, 2, 16, 24, HV=4, dtype=dtype, device=device, initial_state=True, seed=3,
+                   num_seqs=4 if varlen else None, gate_dtype=dtype)
+    if dtype == torch.float64:
+        x["initial_state"] = x["initial_state"].double()
+    gen = torch.Generator().manual_seed(4)
+    x["g_raw"] = (torch.randn(1, 150, 4, generator=gen) * 3).to(device, dtype)  # softplus over both regimes
+    x["beta_raw"] = torch.randn(1, 150, 4, generator=gen).to(device, dtype)
+    x["A_log"] = (torch.randn(4, generator=gen) * 0.5).to(device, dtype)
+    x["dt_bias"] = torch.randn(4, generator=gen).to(device, dtype)
+    if varlen:
+        x["cu_seqlens"] = torch.tensor([0, 0, 1, 70, 150], device=device)
+    return x
+
+
 @pytest.fixture
 def x(device):
-    x = gdn_inputs(1, 150, 2, 16, 24, HV=4, dtype=torch.float32, device=device, initial_state=True, seed=3)
-    gen = torch.Generator().manual_seed(4)
-    x["g_raw"] = torch.randn(1, 150, 4, generator=gen).to(device)
-    x["beta_raw"] = torch.randn(1, 150, 4, generator=gen).to(device)
-    x["A_log"] = torch.randn(4, generator=gen).to(device) * 0.5
-    x["dt_bias"] = torch.randn(4, generator=gen).to(device)
-    return x
+    return _inputs(device)
 
 
 @pytest.mark.parametrize("neg", [False, True])
@@ -53,22 +73,36 @@ def test_beta_sigmoid_in_kernel(x, neg):
     want = _run(lambda beta_raw, **a: tfla.chunk_gated_delta_rule(
         beta=torch.sigmoid(beta_raw) * (2.0 if neg else 1.0), output_final_state=True, **a),
         _leaves(x, names))
-    _same(got, want)
+    _close(got, want, torch.float32)
 
 
-@pytest.mark.parametrize("bias", [True, False])
-def test_gate_in_kernel(x, bias):
-    names = ("q", "k", "v", "g_raw", "beta", "initial_state", "A_log") + (("dt_bias",) if bias else ())
-    got = _run(lambda g_raw, A_log, dt_bias=None, **a: tfla.chunk_gated_delta_rule(
-        g=g_raw, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, output_final_state=True, **a),
-        _leaves(x, names))
+@pytest.mark.parametrize("bias,beta,dtype,varlen", [(True, False, torch.float32, False),
+                                                    (False, False, torch.float32, False),
+                                                    (True, True, torch.float32, True),
+                                                    (True, True, torch.float64, True)])
+def test_gate_in_kernel(device, bias, beta, dtype, varlen):
+    """The gate (and beta) activation in the kernels against PyTorch's ops by hand, dense and varlen (an empty and a
+    one-token sequence), outputs and every gradient (a, A_log, dt_bias, beta's pre-activation)."""
+    if dtype == torch.float64 and device == "cuda":
+        pytest.skip("float64 verification runs through the interpreter")
+    x = _inputs(device, dtype, varlen)
+    cu = x.pop("cu_seqlens", None)
+    names = ("q", "k", "v", "g_raw", "beta_raw" if beta else "beta", "initial_state", "A_log") + \
+        (("dt_bias",) if bias else ())
+    kw = dict(output_final_state=True, cu_seqlens=cu, use_beta_sigmoid_in_kernel=beta)
 
-    def by_hand(g_raw, A_log, dt_bias=None, **a):  # FLA's GDN gate: -exp(A_log) softplus(g + dt_bias)
+    def in_kernel(g_raw, A_log, dt_bias=None, beta_raw=None, beta=None, **a):
+        return tfla.chunk_gated_delta_rule(g=g_raw, beta=beta_raw if beta_raw is not None else beta,
+                                           use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, **kw, **a)
+
+    def by_hand(g_raw, A_log, dt_bias=None, beta_raw=None, beta=None, **a):  # -exp(A_log) softplus(g + dt_bias)
         g = -A_log.exp() * F.softplus(g_raw + (dt_bias if dt_bias is not None else 0.0))
-        return tfla.chunk_gated_delta_rule(g=g, output_final_state=True, **a)
+        b = torch.sigmoid(beta_raw) if beta_raw is not None else beta
+        return tfla.chunk_gated_delta_rule(g=g, beta=b, output_final_state=True, cu_seqlens=cu, **a)
 
+    got = _run(in_kernel, _leaves(x, names))
     want = _run(by_hand, _leaves(x, names))
-    _same(got, want)
+    _close(got, want, dtype)
     assert got[-1].abs().sum() > 0  # A_log / dt_bias get a gradient
 
 

@@ -27,6 +27,7 @@ import triton.language as tl
 
 from tfla.ops.common.chunk_state import _idx64, _row_split, _sequence_slots
 from tfla.ops.common.cumsum import chunk_local_cumsum
+from tfla.ops.common.gate_act import gate_prologue
 from tfla.ops.common.grid import check_varlen_batch, program_pair, tile_grid
 from tfla.ops.common.utils import (
     LOG_DECAY_FLOOR,
@@ -194,15 +195,20 @@ def _segment_scan_kernel(mn, nn, h0, starts, ht, first, s_np, s_nr, HV: tl.const
         tl.store(ht + i_nh * K * V + o_k[:, None] * V + o_v[None, :], b_s, mask=m_kv)
 
 
-def fused_delta_prep(q, k, g, beta, scale, cu_seqlens=None, sub_indices=None, config=None):
-    """The prep pass: ``(g_cum, ai, a)``: g_cum ``[B, T, HV]`` fp32 log2 restarting every 64 rows (or None), Tm and the
-    output's scores ``scale causal(q k^T) o 2^(G_r - G_s)`` ``[B, T, HV, 64]`` (``ut_inverse_and_scores``, one
-    kernel); g natural-log decay ``[B, T, HV]`` or None, floored at ``LOG_DECAY_FLOOR``."""
+def fused_delta_prep(q, k, g, beta, scale, cu_seqlens=None, sub_indices=None, config=None, act=None):
+    """The prep pass: ``(g_cum, ai, a, beta)``: g_cum ``[B, T, HV]`` fp32 log2 restarting every 64 rows (or None), Tm
+    and the output's scores ``scale causal(q k^T) o 2^(G_r - G_s)`` ``[B, T, HV, 64]`` (``ut_inverse_and_scores``, one
+    kernel), and the beta used; g natural-log decay ``[B, T, HV]`` or None, floored at ``LOG_DECAY_FLOOR``. ``act``
+    (a ``GateAct``, g given): g and / or beta hold pre-activations, activated by the gate's cumsum kernel."""
     acc = torch.float64 if k.dtype == torch.float64 else torch.float32
-    g_cum = None if g is None else chunk_local_cumsum(g, SUB_CHUNK, scale=RCP_LN2, cu_seqlens=cu_seqlens,
-                                                      chunk_indices=sub_indices, out_dtype=acc, floor=LOG_DECAY_FLOOR)
+    if act is not None and g is not None:
+        g_cum, beta = gate_prologue(g, beta, act, cu_seqlens=cu_seqlens, chunk_indices=sub_indices)
+    else:
+        g_cum = None if g is None else chunk_local_cumsum(g, SUB_CHUNK, scale=RCP_LN2, cu_seqlens=cu_seqlens,
+                                                          chunk_indices=sub_indices, out_dtype=acc,
+                                                          floor=LOG_DECAY_FLOOR)
     ai, a = ut_inverse_and_scores(q, k, g_cum, beta, scale, cu_seqlens, sub_indices, config)
-    return g_cum, ai, a
+    return g_cum, ai, a, beta
 
 
 def fused_delta_pass(q, k, v, g_cum, beta, ai, scale, initial_state=None, output_final_state=False,
@@ -327,7 +333,7 @@ def _split_tables(cuts: tuple[int, ...], first: tuple[int, ...], device: torch.d
 
 def fused_delta_fwd(q, k, v, g, beta, scale, initial_state=None, output_final_state=False, cu_seqlens=None,
                     bounds: list[int] | None = None, segments: int | None = 1, save=SAVE_NONE, split_save=None,
-                    sub_tables: tuple | None = None, config=None):
+                    sub_tables: tuple | None = None, act=None, config=None):
     """The gated delta rule's forward, fused. Arguments as ``chunk_gated_delta_rule``: q, k ``[B, T, H, K]``, v
     ``[B, T, HV, V]``, g ``[B, T, HV]`` natural-log decay or None, beta ``[B, T, HV]``, initial_state
     ``[N, HV, K, V]``; ``bounds``: the host copy of ``cu_seqlens`` (read from the device when None);
@@ -337,10 +343,11 @@ def fused_delta_fwd(q, k, v, g, beta, scale, initial_state=None, output_final_st
     dims K <= 128 only);
     ``split_save``: the ``save`` to use instead when a sequence is cut (a kept Vnew is consistent only with the
     forward's own states there: the pieces start from the scan's states, not from the recurrence a backward would
-    run over Vnew from the initial state).
+    run over Vnew from the initial state);
+    ``act``: a ``GateAct`` (``gate_act.py``): g and / or beta hold pre-activations that the prep activates.
 
     Returns a dict: ``o [B, T, HV, V]`` (v's dtype), ``final_state`` (fp32 or None), ``g_cum``, ``ai`` (the prep's
-    log2 gates restarting every 64 rows and Tm, for the backward), ``v_new`` (``save`` >= 1), ``h`` (``save`` 2:
+    log2 gates restarting every 64 rows and Tm, for the backward), ``beta`` (the one used: activated with ``act``), ``v_new`` (``save`` >= 1), ``h`` (``save`` 2:
     states before every 64-row chunk, ``[B, ceil(T/64), HV, K, V]``; varlen ``[1, chunks, HV, K, V]``), ``save``
     (the one used), ``split`` (a ``Split`` when a sequence was cut, else absent)."""
     B, T, H, K = q.shape
@@ -354,7 +361,7 @@ def fused_delta_fwd(q, k, v, g, beta, scale, initial_state=None, output_final_st
     else:
         bounds = [i * T for i in range(B + 1)]
         sub = offsets = None
-    g_cum, ai, a = fused_delta_prep(q, k, g, beta, scale, cu_seqlens, sub, cfg.get("ut"))
+    g_cum, ai, a, beta = fused_delta_prep(q, k, g, beta, scale, cu_seqlens, sub, cfg.get("ut"), act=act)
     if segments is None:
         # the scan holds a K x K transition in registers: the automatic split stays at head dims up to 128 (the
         # ones measured; K = 256 would put a 256 x 256 fp32 tile there)
@@ -369,7 +376,7 @@ def fused_delta_fwd(q, k, v, g, beta, scale, initial_state=None, output_final_st
             cuts, first = bounds, None
     if first is not None and split_save is not None:
         save = split_save
-    out = dict(g_cum=g_cum, ai=ai, save=save)
+    out = dict(g_cum=g_cum, ai=ai, beta=beta, save=save)
     if first is None:
         o, final, v_new, h = fused_delta_pass(
             q, k, v, g_cum, beta, ai, scale, initial_state, output_final_state, cu_seqlens, offsets,

@@ -28,6 +28,7 @@ from tfla.ops.common.chunk_state import chunk_state_fwd
 from tfla.ops.common.chunk_state_bwd import chunk_state_bwd
 from tfla.ops.common.cumsum import chunk_local_cumsum
 from tfla.ops.common.fused_delta_fwd import SAVE_NONE, SAVE_STATES, SAVE_V_NEW, Split, fused_delta_fwd, segment_scan
+from tfla.ops.common.gate_act import BETA_2SIGMOID, BETA_SIGMOID, NO_BETA, GateAct, gate_epilogue
 from tfla.ops.common.group_sum import group_sum
 from tfla.ops.common.l2norm import l2norm
 from tfla.ops.common.utils import SUB_CHUNK
@@ -58,6 +59,8 @@ class GDNOptions:
     segments: int | None = None
     needs_grad: bool = True  # autograd will call backward (grad mode on and an input requires grad)
     config: dict | None = dataclasses.field(default=None, compare=False, hash=False)
+    beta_act: int = NO_BETA  # beta holds pre-activations: the kernels apply sigmoid (x 2) (gate_act.py)
+    gate_act: bool = False  # g holds pre-activations: the kernels apply -exp(A_log) softplus(g + dt_bias)
 
 
 # stages of the forward and backward whose launches ``config`` can override (each stage function documents its keys)
@@ -78,10 +81,12 @@ def chunk_gated_delta_rule_fwd(
     save: int = SAVE_NONE,
     segments: int | None = 1,
     split_save: int | None = None,
+    act: GateAct | None = None,
 ):
     """Plain forward (no autograd): the fused pass (``fused_delta_fwd``). Returns ``(o, final_state, saved)`` where
-    saved holds ``g_cum [B, T, HV]`` fp32 (log2, restarting every 64 rows), ``ai`` (Tm) and, by ``save``, ``v_new``
-    and ``h`` (the state before every 64-row chunk).
+    saved holds ``g_cum [B, T, HV]`` fp32 (log2, restarting every 64 rows), ``ai`` (Tm), ``beta`` (the one used:
+    activated with ``act``) and, by ``save``, ``v_new`` and ``h`` (the state before every 64-row chunk). ``act``: g and
+    beta hold pre-activations that the gate's cumsum kernel activates (``gate_act.py``).
 
     ``config`` (tuning, see docs/performance.md): ``{"ut": {...}, "fused": {...}}``; every key optional.
     """
@@ -91,7 +96,7 @@ def chunk_gated_delta_rule_fwd(
                           bounds=varlen.bounds if varlen is not None else None, segments=segments, save=save,
                           split_save=split_save,
                           sub_tables=(varlen.sub_indices, varlen.sub_offsets) if varlen is not None else None,
-                          config={**config.get("fused", {}), **({"ut": config["ut"]} if "ut" in config else {})})
+                          act=act, config={**config.get("fused", {}), **({"ut": config["ut"]} if "ut" in config else {})})
     return out["o"], out["final_state"], out
 
 
@@ -111,13 +116,18 @@ def chunk_gated_delta_rule_bwd(
     saved: tuple | None = None,
     v_new: torch.Tensor | None = None,
     split: Split | None = None,
+    act: GateAct | None = None,
+    g: torch.Tensor | None = None,
+    beta_in: torch.Tensor | None = None,
 ):
     """Plain backward (no autograd) from the forward's saved ``g_cum`` (log2, restarting every 64 rows) and ``ai``
     (Tm); ``saved = (v_new, h)`` (the forward's Vnew and 64-row states) skips their recomputation; ``v_new`` alone
     turns the recomputation into W only and the linear-attention state pass over Vnew; ``split`` (with ``saved``: the
     forward's ``Split`` of its sequences into pieces) runs the state-gradient recurrence in those pieces in parallel
-    (``_state_grad_in_pieces``). Returns ``(dq, dk, dv, dg, dbeta, dh0)``: dq, dk ``[B, T, H, K]`` in q's dtype, dv
-    in v's dtype, dg and dbeta ``[B, T, HV]`` fp32, dh0 fp32 or None.
+    (``_state_grad_in_pieces``); ``act`` with the forward's ``g`` and ``beta_in`` (pre-activations; ``beta`` is then the
+    activated one): the gradients of the pre-activations, A_log and dt_bias (``gate_act.gate_epilogue``). Returns
+    ``(dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias)``: dq, dk ``[B, T, H, K]`` in q's dtype, dv in v's dtype, dg and
+    dbeta ``[B, T, HV]`` fp32, dh0 fp32 or None, dA_log and ddt_bias ``[HV]`` fp32 or None.
 
     Stages: recompute W (from Tm), U and the state at every 64-row chunk with Vnew (or take them); the
     state-gradient recurrence (reverse; the output's gradient of Vnew formed inside it); dq, dk and the WY
@@ -179,12 +189,18 @@ def chunk_gated_delta_rule_bwd(
     dk, dv, dbeta, dgam = wy_bwd(k, v, beta, g_cum, ai, v_new, du, None, None, L, cu_seqlens=cu, sub_indices=sub,
                                  config=config.get("wy_bwd"), dk_add=dko, dk_dtype=q.dtype, dw=dw, pst=pst, sdst=sdst)
     del du, dko, dw, pst, sdst
-    # + the delta part's gradient of g (its reverse cumsum over the chunk done in wy_bwd), in the same pass
-    dg = chunk_local_cumsum(dgq, L, reverse=True, chunk_indices=varlen.chunk_indices if varlen else None,
-                            out_dtype=acc, add=dgam, cu_seqlens=cu)
+    # + the delta part's gradient of g (its reverse cumsum over the chunk done in wy_bwd), in the same pass, and the
+    # activations' backward there too
+    dA_log = ddt = None
+    if act is not None:
+        dg, dbeta, dA_log, ddt = gate_epilogue(dgq, dgam, dbeta, g, beta_in, act, cu_seqlens=cu,
+                                               chunk_indices=varlen.chunk_indices if varlen else None)
+    else:
+        dg = chunk_local_cumsum(dgq, L, reverse=True, chunk_indices=varlen.chunk_indices if varlen else None,
+                                out_dtype=acc, add=dgam, cu_seqlens=cu)
     if HV != H:  # grouped value heads: a key head's gradient sums over its value heads (fp32 sum)
         dq, dk = group_sum(dq, H, q.dtype), group_sum(dk, H, k.dtype)
-    return dq, dk, dv, dg, dbeta, dh0
+    return dq, dk, dv, dg, dbeta, dh0, dA_log, ddt
 
 
 def _state_grad_in_pieces(q, k, w, do, g_cum, scale, dht, need_dh0, split: Split, config):
@@ -221,7 +237,7 @@ def check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens) -> None:
 
 class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, initial_state, varlen, opts: GDNOptions):
+    def forward(ctx, q, k, v, g, beta, initial_state, A_log, dt_bias, varlen, opts: GDNOptions):
         # (ctx.needs_input_grad stays True under torch.no_grad: the public op decides from the grad mode)
         grad = opts.needs_grad
         save = SAVE_NONE if not grad else SAVE_STATES if opts.save_states else \
@@ -229,14 +245,17 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
         # a kept Vnew matches the backward's state pass only without a split: with one, keep the forward's own
         # states too
         split_save = SAVE_STATES if save == SAVE_V_NEW else None
+        act = _act(opts, A_log, dt_bias)
         o, final_state, inter = chunk_gated_delta_rule_fwd(
             q, k, v, g, beta, opts.scale, initial_state, opts.output_final_state, varlen,
-            config=opts.config, save=save, split_save=split_save, segments=opts.segments)
+            config=opts.config, save=save, split_save=split_save, segments=opts.segments, act=act)
         # saved: inputs, the cumulative gates (fp32, B*T*HV) and Tm (B*T*HV*64, input dtype); W, U,
         # Vnew and the 64-row states are recomputed in backward (README: memory) unless save_v_new keeps
         # Vnew or save_states keeps Vnew and the states before every 64-row chunk
         extra = tuple(inter[n] for n in ("v_new", "h")[:inter["save"]])
-        ctx.save_for_backward(q, k, v, g, beta, initial_state, inter["g_cum"], inter["ai"], *extra)
+        # with a beta activation, the activated beta (fp32 [B, T, HV]) too
+        ctx.save_for_backward(q, k, v, g, beta, initial_state, A_log, dt_bias, inter["beta"], inter["g_cum"],
+                              inter["ai"], *extra)
         ctx.varlen, ctx.opts = varlen, opts
         # with the forward's states kept, the backward's state-gradient chain runs in the same pieces
         ctx.split = inter.get("split") if inter["save"] == SAVE_STATES else None
@@ -244,8 +263,9 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, g, beta, initial_state, g_cum, ai, *saved = ctx.saved_tensors
+        q, k, v, g, beta, initial_state, A_log, dt_bias, beta_used, g_cum, ai, *saved = ctx.saved_tensors
         opts = ctx.opts
+        act = _act(opts, A_log, dt_bias)
         if do is None:
             do = torch.zeros(*v.shape, dtype=q.dtype, device=q.device)
         check_cotangent("o", do, v.shape, q.dtype)
@@ -254,12 +274,21 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
                 q.shape[0] if ctx.varlen is None else len(ctx.varlen.bounds) - 1)
             check_cotangent("final_state", dht, (N, v.shape[2], q.shape[3], v.shape[3]), None)
             dht = dht.contiguous()
-        dq, dk, dv, dg, dbeta, dh0 = chunk_gated_delta_rule_bwd(
-            q, k, v, g_cum, beta, ai, opts.scale, initial_state, do.contiguous(), dht, ctx.varlen,
+        dq, dk, dv, dg, dbeta, dh0, dA_log, ddt = chunk_gated_delta_rule_bwd(
+            q, k, v, g_cum, beta_used, ai, opts.scale, initial_state, do.contiguous(), dht, ctx.varlen,
             config=opts.config, saved=tuple(saved) if len(saved) == 2 else None,
-            v_new=saved[0] if len(saved) == 1 else None, split=ctx.split)
+            v_new=saved[0] if len(saved) == 1 else None, split=ctx.split, act=act, g=g, beta_in=beta)
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), dbeta.to(beta.dtype),
-                dh0.to(initial_state.dtype) if dh0 is not None else None, None, None)
+                dh0.to(initial_state.dtype) if dh0 is not None else None,
+                dA_log.to(A_log.dtype) if dA_log is not None else None, ddt.to(dt_bias.dtype) if ddt is not None else None,
+                None, None)
+
+
+def _act(opts: GDNOptions, A_log, dt_bias) -> GateAct | None:
+    """The activations the kernels apply (None: g and beta are used as given)."""
+    if not opts.gate_act and opts.beta_act == NO_BETA:
+        return None
+    return GateAct(A_log if opts.gate_act else None, dt_bias if opts.gate_act else None, opts.beta_act)
 
 
 def chunk_gated_delta_rule(
@@ -324,7 +353,8 @@ def chunk_gated_delta_rule(
             ``num_warps``, ``num_stages``, ...: the keys each stage function in ``tfla/ops/common`` documents;
             ``flat`` / ``idx64`` force the large-input indexing, for tests). ``scripts/tune.py`` searches them.
         use_beta_sigmoid_in_kernel: beta holds pre-activations; ``sigmoid(beta)`` is used (FLA 0.6.0's
-            option; here a differentiable PyTorch op before the kernels, fp32).
+            option; applied in fp32 by the gate's chunk-cumsum kernel, its gradient by the backward's last one:
+            ``tfla/ops/common/gate_act.py``).
         allow_neg_eigval: with ``use_beta_sigmoid_in_kernel``, ``2 sigmoid(beta)`` (beta in [0, 2)).
         state_v_first: ``initial_state`` and the final state in the ``[N, HV, V, K]`` layout (transposed at the
             boundary; the kernels keep ``[K, V]``). ``transpose_state_layout``: its deprecated name.
@@ -337,8 +367,10 @@ def chunk_gated_delta_rule(
             None (default) chooses the piece length from the lengths, the heads and the GPU's SM count
             (``choose_piece``; no split at K > 128). Results equal up to rounding for any value.
         use_gate_in_kernel, A_log, dt_bias (keyword-only): g holds pre-activations and the log decay is
-            ``-exp(A_log) softplus(g + dt_bias)`` (A_log, dt_bias ``[HV]``; dt_bias optional), FLA's GDN gate,
-            here a differentiable PyTorch op before the kernels (fp32), so A_log and dt_bias get gradients.
+            ``-exp(A_log) softplus(g + dt_bias)`` (A_log, dt_bias ``[HV]``; dt_bias optional; softplus linear above
+            20, as PyTorch's and FLA's), FLA's GDN gate, computed in fp32 inside the gate's chunk-cumsum kernel and
+            differentiated in the backward's last kernel (``gate_act.py``): g, A_log and dt_bias get gradients.
+            Under ``torch.compile`` both activations are PyTorch ops before the custom ops (inductor fuses them).
 
     Returns:
         ``o [B, T, HV, V]`` in q's dtype, and ``final_state [N, HV, K, V]`` fp32 (``[N, HV, V, K]`` with
@@ -362,11 +394,12 @@ def chunk_gated_delta_rule(
     Precision: the recurrence and gates are fp32; materialized states and W/U use the input dtype
     (as in FLA); fp32 inputs use tf32x3 dots on the GPU (IEEE on the CPU interpreter).
     """
-    q, k, v, g, beta, initial_state, state_v_first = _fla_options(
-        q, k, v, g, beta, initial_state, use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, cp_context,
-        use_gate_in_kernel, A_log, dt_bias, transpose_state_layout)
-    # under torch.compile the op enters the graph as custom ops (library.py): no host reads here
+    # under torch.compile the op enters the graph as custom ops (library.py): no host reads here, and the gate / beta
+    # activations stay PyTorch ops there (inductor fuses them); eager calls apply them in the gate's cumsum kernels
     compiling = torch.compiler.is_compiling()
+    q, k, v, g, beta, initial_state, state_v_first, act = _fla_options(
+        q, k, v, g, beta, initial_state, use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, cp_context,
+        use_gate_in_kernel, A_log, dt_bias, transpose_state_layout, in_kernel=not compiling)
     bounds = None if compiling else host_bounds(cu_seqlens, cu_seqlens_cpu)
     check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens)
     B, T, H, K = q.shape
@@ -383,10 +416,12 @@ def chunk_gated_delta_rule(
     if config is not None and (not isinstance(config, dict) or not set(config) <= set(CONFIG_STAGES)
                                or not all(isinstance(c, dict) for c in config.values())):
         raise ValueError(f"`config` must map stages of {CONFIG_STAGES} to dicts of launch overrides, got {config!r}")
+    a_log, a_bias = (act.A_log, act.dt_bias) if act is not None else (None, None)
     opts = GDNOptions(float(scale), bool(output_final_state), bool(use_qk_l2norm_in_kernel),
                       bool(save_states), save_v_new, segments,
                       torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
-                                                      for t in (q, k, v, g, beta, initial_state)), config)
+                                                      for t in (q, k, v, g, beta, initial_state, a_log, a_bias)),
+                      config, act.beta if act is not None else NO_BETA, act is not None and act.A_log is not None)
     if use_qk_l2norm_in_kernel:  # one Triton pass each way per tensor (tfla/ops/common/l2norm.py)
         q, k = l2norm(q), l2norm(k)
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
@@ -399,15 +434,17 @@ def chunk_gated_delta_rule(
                                            opts.output_final_state, opts.needs_grad)
         final_state = final_state if output_final_state else None
     else:
-        o, final_state = ChunkGatedDeltaRuleFunction.apply(q, k, v, g, beta, initial_state, varlen, opts)
+        o, final_state = ChunkGatedDeltaRuleFunction.apply(q, k, v, g, beta, initial_state, a_log, a_bias, varlen,
+                                                           opts)
     return o, state_in_fla_layout(final_state, state_v_first)
 
 
 def _fla_options(q, k, v, g, beta, initial_state, use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first,
-                 cp_context, use_gate_in_kernel, A_log, dt_bias, transpose_state_layout):
-    """FLA 0.6.0's extra options of ``chunk_gated_delta_rule``, checked and applied as differentiable PyTorch ops
-    before the kernels: returns ``(q, k, v, g, beta, initial_state, state_v_first)`` with the gate and beta
-    activated and the initial state in ``[N, HV, K, V]``."""
+                 cp_context, use_gate_in_kernel, A_log, dt_bias, transpose_state_layout, in_kernel=False):
+    """FLA 0.6.0's extra options of ``chunk_gated_delta_rule``, checked. The gate and beta activations are applied
+    as differentiable PyTorch ops before the kernels, or with ``in_kernel`` left to the kernels (``gate_act.py``):
+    returns ``(q, k, v, g, beta, initial_state, state_v_first, act)`` with the initial state in ``[N, HV, K, V]``
+    and ``act`` the ``GateAct`` the kernels apply (None when there is nothing to apply or not ``in_kernel``)."""
     import warnings
 
     if transpose_state_layout is not None:
@@ -426,11 +463,16 @@ def _fla_options(q, k, v, g, beta, initial_state, use_beta_sigmoid_in_kernel, al
                 continue
             if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.numel() != HV:
                 raise ValueError(f"`{name}` must be a float tensor of HV = {HV} elements with use_gate_in_kernel")
-        if isinstance(g, torch.Tensor):
+        if isinstance(g, torch.Tensor) and not in_kernel:
             x = g.float() + (dt_bias.float().reshape(HV) if dt_bias is not None else 0.0)
             g = -A_log.float().reshape(HV).exp() * torch.nn.functional.softplus(x)
     elif A_log is not None or dt_bias is not None:
         raise ValueError("`A_log` / `dt_bias` are used only with `use_gate_in_kernel=True`")
-    if use_beta_sigmoid_in_kernel and isinstance(beta, torch.Tensor):
+    if use_beta_sigmoid_in_kernel and isinstance(beta, torch.Tensor) and not in_kernel:
         beta = torch.sigmoid(beta.float()) * (2.0 if allow_neg_eigval else 1.0)
-    return q, k, v, g, beta, state_in_kv_layout(initial_state, state_v_first), state_v_first
+    act = None
+    if in_kernel and (use_gate_in_kernel or use_beta_sigmoid_in_kernel):
+        act = GateAct(A_log.reshape(HV) if use_gate_in_kernel else None,
+                      dt_bias.reshape(HV) if use_gate_in_kernel and dt_bias is not None else None,
+                      (BETA_2SIGMOID if allow_neg_eigval else BETA_SIGMOID) if use_beta_sigmoid_in_kernel else NO_BETA)
+    return q, k, v, g, beta, state_in_kv_layout(initial_state, state_v_first), state_v_first, act

@@ -401,7 +401,7 @@ def fused_recurrent_gated_delta_rule(
     if beta is None and isinstance(q, torch.Tensor) and isinstance(v, torch.Tensor) and v.dim() == 4:
         beta = torch.ones(v.shape[:3], dtype=q.dtype, device=q.device)
     user_state = initial_state
-    q, k, v, g, beta, initial_state, state_v_first = _fla_options(
+    q, k, v, g, beta, initial_state, state_v_first, _ = _fla_options(
         q, k, v, g, beta, initial_state, use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, None,
         use_gate_in_kernel, A_log, dt_bias, transpose_state_layout)
     compiling = torch.compiler.is_compiling()  # then one custom op (library.py), no host reads

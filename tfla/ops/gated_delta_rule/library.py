@@ -59,7 +59,7 @@ def chunk_gdn_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g_cum: torc
     from tfla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_bwd
 
     varlen = varlen_index(cu_seqlens, SUB_CHUNK, q.shape[1])
-    dq, dk, dv, dg, dbeta, dh0 = chunk_gated_delta_rule_bwd(
+    dq, dk, dv, dg, dbeta, dh0, *_ = chunk_gated_delta_rule_bwd(
         q, k, v, g_cum, beta, ai, scale, initial_state, do.contiguous(), None if dht is None else dht.contiguous(),
         varlen, v_new=v_new)
     return dq, dk, dv, dg, dbeta, dh0 if dh0 is not None else absent(q)
