@@ -184,8 +184,10 @@ def test_bwd_varlen_matches_recurrence_per_sequence(device, poison_empty):
     _check(got, ref, FP32_TOL)
 
 
-def test_bwd_l2norm_in_kernel(device):
-    got, ref = _grads(device, 1, 100, 1, 2, 32, 32, l2norm=True, seed=5)
+@pytest.mark.parametrize("HV", [1, 2])
+def test_bwd_l2norm_in_kernel(device, HV):
+    """l2norm inside the op: its backward in the GVA sum's pass (HV > H) or its own pass (HV = H)."""
+    got, ref = _grads(device, 1, 100, 1, HV, 32, 32, l2norm=True, seed=5)
     _check(got, ref, FP32_TOL)
 
 

@@ -30,7 +30,7 @@ from tfla.ops.common.cumsum import chunk_local_cumsum
 from tfla.ops.common.fused_delta_fwd import SAVE_NONE, SAVE_STATES, SAVE_V_NEW, Split, fused_delta_fwd, segment_scan
 from tfla.ops.common.gate_act import BETA_2SIGMOID, BETA_SIGMOID, NO_BETA, GateAct, gate_epilogue
 from tfla.ops.common.group_sum import group_sum
-from tfla.ops.common.l2norm import l2norm
+from tfla.ops.common.l2norm import l2norm, l2norm_bwd, l2norm_fwd
 from tfla.ops.common.utils import SUB_CHUNK
 from tfla.ops.common.ut_transform import ut_transform_fwd, w_from_tm
 from tfla.ops.common.wy_bwd import wy_bwd
@@ -119,13 +119,16 @@ def chunk_gated_delta_rule_bwd(
     act: GateAct | None = None,
     g: torch.Tensor | None = None,
     beta_in: torch.Tensor | None = None,
+    l2: tuple | None = None,
 ):
     """Plain backward (no autograd) from the forward's saved ``g_cum`` (log2, restarting every 64 rows) and ``ai``
     (Tm); ``saved = (v_new, h)`` (the forward's Vnew and 64-row states) skips their recomputation; ``v_new`` alone
     turns the recomputation into W only and the linear-attention state pass over Vnew; ``split`` (with ``saved``: the
     forward's ``Split`` of its sequences into pieces) runs the state-gradient recurrence in those pieces in parallel
     (``_state_grad_in_pieces``); ``act`` with the forward's ``g`` and ``beta_in`` (pre-activations; ``beta`` is then the
-    activated one): the gradients of the pre-activations, A_log and dt_bias (``gate_act.gate_epilogue``). Returns
+    activated one): the gradients of the pre-activations, A_log and dt_bias (``gate_act.gate_epilogue``); ``l2 =
+    (q0, rstd_q, k0, rstd_k)``: q and k are ``l2norm_fwd`` of q0 and k0, and dq, dk are returned for q0 and k0 (the
+    l2norm's backward in the GVA sum's pass, or its own pass without grouped heads). Returns
     ``(dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias)``: dq, dk ``[B, T, H, K]`` in q's dtype, dv in v's dtype, dg and
     dbeta ``[B, T, HV]`` fp32, dh0 fp32 or None, dA_log and ddt_bias ``[HV]`` fp32 or None.
 
@@ -199,7 +202,10 @@ def chunk_gated_delta_rule_bwd(
         dg = chunk_local_cumsum(dgq, L, reverse=True, chunk_indices=varlen.chunk_indices if varlen else None,
                                 out_dtype=acc, add=dgam, cu_seqlens=cu)
     if HV != H:  # grouped value heads: a key head's gradient sums over its value heads (fp32 sum)
-        dq, dk = group_sum(dq, H, q.dtype), group_sum(dk, H, k.dtype)
+        dq = group_sum(dq, H, q.dtype, l2=l2[:2] if l2 is not None else None)
+        dk = group_sum(dk, H, k.dtype, l2=l2[2:] if l2 is not None else None)
+    elif l2 is not None:
+        dq, dk = l2norm_bwd(l2[0], l2[1], dq), l2norm_bwd(l2[2], l2[3], dk)
     return dq, dk, dv, dg, dbeta, dh0, dA_log, ddt
 
 
@@ -246,6 +252,9 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
         # states too
         split_save = SAVE_STATES if save == SAVE_V_NEW else None
         act = _act(opts, A_log, dt_bias)
+        q0 = k0 = rq = rk = None
+        if opts.use_qk_l2norm_in_kernel:  # one Triton pass per tensor; its backward joins the GVA sum's pass
+            (q0, k0), ((q, rq), (k, rk)) = (q, k), (l2norm_fwd(q), l2norm_fwd(k))
         o, final_state, inter = chunk_gated_delta_rule_fwd(
             q, k, v, g, beta, opts.scale, initial_state, opts.output_final_state, varlen,
             config=opts.config, save=save, split_save=split_save, segments=opts.segments, act=act)
@@ -254,8 +263,9 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
         # Vnew or save_states keeps Vnew and the states before every 64-row chunk
         extra = tuple(inter[n] for n in ("v_new", "h")[:inter["save"]])
         # with a beta activation, the activated beta (fp32 [B, T, HV]) too
+        # with l2norm, q and k are the normalized rows and q0, k0 the inputs (with their 1 / norm)
         ctx.save_for_backward(q, k, v, g, beta, initial_state, A_log, dt_bias, inter["beta"], inter["g_cum"],
-                              inter["ai"], *extra)
+                              inter["ai"], q0, rq, k0, rk, *extra)
         ctx.varlen, ctx.opts = varlen, opts
         # with the forward's states kept, the backward's state-gradient chain runs in the same pieces
         ctx.split = inter.get("split") if inter["save"] == SAVE_STATES else None
@@ -263,7 +273,8 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, g, beta, initial_state, A_log, dt_bias, beta_used, g_cum, ai, *saved = ctx.saved_tensors
+        q, k, v, g, beta, initial_state, A_log, dt_bias, beta_used, g_cum, ai, q0, rq, k0, rk, *saved = \
+            ctx.saved_tensors
         opts = ctx.opts
         act = _act(opts, A_log, dt_bias)
         if do is None:
@@ -277,7 +288,8 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
         dq, dk, dv, dg, dbeta, dh0, dA_log, ddt = chunk_gated_delta_rule_bwd(
             q, k, v, g_cum, beta_used, ai, opts.scale, initial_state, do.contiguous(), dht, ctx.varlen,
             config=opts.config, saved=tuple(saved) if len(saved) == 2 else None,
-            v_new=saved[0] if len(saved) == 1 else None, split=ctx.split, act=act, g=g, beta_in=beta)
+            v_new=saved[0] if len(saved) == 1 else None, split=ctx.split, act=act, g=g, beta_in=beta,
+            l2=(q0, rq, k0, rk) if q0 is not None else None)
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), dbeta.to(beta.dtype),
                 dh0.to(initial_state.dtype) if dh0 is not None else None,
                 dA_log.to(A_log.dtype) if dA_log is not None else None, ddt.to(dt_bias.dtype) if ddt is not None else None,
@@ -337,7 +349,8 @@ def chunk_gated_delta_rule(
         initial_state: ``[N, HV, K, V]`` (any float dtype, read as fp32); N = B, or the number of
             sequences with ``cu_seqlens``.
         output_final_state: also return the final state.
-        use_qk_l2norm_in_kernel: L2-normalise q and k (``x / sqrt(sum x^2 + 1e-6)``) first.
+        use_qk_l2norm_in_kernel: L2-normalise q and k (``x / sqrt(sum x^2 + 1e-6)``) first (one Triton pass each; the
+            backward's in the pass that sums grouped value heads' dq / dk).
         cu_seqlens: ``[N + 1]`` int offsets of N packed sequences (then B must be 1).
         save_states: keep Vnew and the states (every 64 rows) from the forward for the backward instead of
             recomputing the states there (keyword-only): ``B*ceil(T/64)*HV*K*V`` more
@@ -422,7 +435,7 @@ def chunk_gated_delta_rule(
                       torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
                                                       for t in (q, k, v, g, beta, initial_state, a_log, a_bias)),
                       config, act.beta if act is not None else NO_BETA, act is not None and act.A_log is not None)
-    if use_qk_l2norm_in_kernel:  # one Triton pass each way per tensor (tfla/ops/common/l2norm.py)
+    if use_qk_l2norm_in_kernel and compiling:  # custom ops each way; eager: inside ChunkGatedDeltaRuleFunction
         q, k = l2norm(q), l2norm(k)
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     if initial_state is not None:
