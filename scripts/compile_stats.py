@@ -1,8 +1,9 @@
-"""Compile every Triton kernel one GLA / simple-GLA / mLSTM / GDN forward + backward launches, for sm_90, on a machine
-without a GPU (nothing is launched), and print per kernel: registers, spill stores, shared memory.
+"""Compile every Triton kernel one GLA / simple-GLA / mLSTM / GDN / RNN-cell forward + backward launches, for sm_90,
+on a machine without a GPU (nothing is launched), and print per kernel: registers, spill stores, shared memory.
 
-python scripts/compile_stats.py [--op gla|simple_gla|mlstm|gdn] [--dtype bf16|fp32] [--K 128] [--V 128] [--L 64]
-                                [--allocs] [--check] [--layouts] [--dump DIR] [--config JSON] [--save-v-new op|true|false]
+python scripts/compile_stats.py [--op gla|simple_gla|mlstm|gdn|rnn] [--dtype bf16|fp32] [--K 128] [--V 128]
+                                [--L 64] [--rnn-D 64] [--allocs] [--check] [--layouts] [--dump DIR] [--config JSON]
+                                [--save-v-new op|true|false]
 
 ``--allocs`` lists each kernel's shared-memory buffers (``ttg.local_alloc`` in its TTGIR: pipelined loads,
 dot operands staged there; tf32x3 stages a hi and a lo copy of each fp32 operand); ``--check`` exits 1
@@ -100,12 +101,14 @@ def shared_allocs(ttgir: str):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--op", choices=["gla", "simple_gla", "mlstm", "gdn", "rnn"], default="gla",
-                   help="rnn: the four FlashRNN cells' pointwise kernels, forward and backward")
+                   help="rnn: the four FlashRNN cells' kernels, forward and backward: the alternating path's "
+                        "pointwise kernels (D = 32) and the fused path's (D = --rnn-D)")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
     p.add_argument("--K", type=int, default=128)
     p.add_argument("--V", type=int, default=128)
     p.add_argument("--L", type=int, default=64)
     p.add_argument("--input-gate", choices=["sigmoid", "exp"], default="sigmoid", help="mLSTM input gate (--op mlstm)")
+    p.add_argument("--rnn-D", type=int, default=64, help="--op rnn: head dim of the fused kernels")
     p.add_argument("--HV", type=int, default=2, help="value heads (--op gdn; 2 key heads: 4 is grouped)")
     p.add_argument("--T", type=int, default=300, help="sequence length (a multiple of 16 specializes T as the JIT does)")
     p.add_argument("--allocs", action="store_true", help="list the shared-memory buffers of each kernel")
@@ -115,12 +118,13 @@ def main(argv=None):
     p.add_argument("--dump", type=str, default=None, help="write each kernel's TTGIR to this folder")
     p.add_argument("--config", type=json.loads, default=None,
                    help="--op gdn: the config= of chunk_gated_delta_rule_fwd / _bwd "
-                        "(JSON, e.g. '{\"state\": {\"BV\": 32}}')")
+                        "(JSON, e.g. '{\"state\": {\"BV\": 32}}'); --op rnn: the cells' config= of the fused "
+                        "kernels (e.g. '{\"BB\": 32, \"num_warps\": 4}')")
     p.add_argument("--save-v-new", choices=["op", "true", "false"], default="op",
                    help="--op gdn: the backward with the forward's Vnew or recomputing it (op: the op's default)")
     args = p.parse_args(argv)
-    if (args.config or args.save_v_new != "op") and args.op != "gdn":
-        p.error("--config and --save-v-new apply to --op gdn")
+    if (args.config and args.op not in ("gdn", "rnn")) or (args.save_v_new != "op" and args.op != "gdn"):
+        p.error("--config applies to --op gdn and rnn, --save-v-new to --op gdn")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     T, H, K, V, L = args.T, 2, args.K, args.V, args.L
     HV = args.HV if args.op == "gdn" else H
@@ -162,11 +166,15 @@ def main(argv=None):
     elif args.op == "rnn":
         from tfla.ops.rnn import cells
 
-        N, Tm, NH, D = 2, 3, 2, 32
-        for cell, G, S in (("elman", 1, 1), ("lstm", 4, 2), ("gru", 3, 1), ("slstm", 4, 4)):
-            x, R, b = torch.randn(N, Tm, G, NH, D, dtype=dtype), torch.randn(G, NH, D, D), torch.randn(NH, G, D)
-            o, states, rh, Wt, b_acc = cells.rnn_fwd(cell, x, R, b, torch.zeros(S, NH, N, D))
-            cells.rnn_bwd(cell, x, Wt, b_acc, states, rh, torch.randn_like(o), torch.zeros(S, NH, N, D), [Tm] * N)
+        N, Tm, NH = 2, 3, 2
+        cfg = {"path": "fused", **(args.config or {})}
+        cells.check_config(cfg, dtype, args.rnn_D)
+        for D, fused in ((32, None), (args.rnn_D, cells.fused_launch(cfg, dtype, args.rnn_D))):
+            for cell, G, S in (("elman", 1, 1), ("lstm", 4, 2), ("gru", 3, 1), ("slstm", 4, 4)):
+                x, R, b = torch.randn(N, Tm, G, NH, D, dtype=dtype), torch.randn(G, NH, D, D), torch.randn(G, NH, D)
+                o, states, rh, Wt, b_acc = cells.rnn_fwd(cell, x, R, b, torch.zeros(S, NH, N, D), fused)
+                cells.rnn_bwd(cell, x, Wt, b_acc, states, rh, torch.randn_like(o), torch.zeros(S, NH, N, D), [Tm] * N,
+                              fused=fused)
     else:
         from tfla.ops.simple_gla.chunk import chunk_simple_gla_bwd, chunk_simple_gla_fwd
 
@@ -174,7 +182,7 @@ def main(argv=None):
         chunk_simple_gla_bwd(q, k, v, gc, 0.1, h0, do, dht, L)
     over = False
     flags = ("VEC_G", "VEC_ROWDOT", "ROWDOT", "REVERSE", "HAS_STATE", "STORE_SUB", "N_STATE", "NORM", "ROWADD",
-             "VEC_SPAN", "CELL")
+             "VEC_SPAN", "CELL", "BB", "BD")
     print(f"{args.op} {args.dtype} T={T} K={K} V={V} L={L}, sm_90, Triton {triton.__version__}")
     for fn, a, kw in launches:
         name = fn.fn.__name__

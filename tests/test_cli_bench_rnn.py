@@ -116,6 +116,20 @@ def test_bench_rnn_refuses_wrong_kernel(monkeypatch, tmp_path, capsys):
     assert row["status"].startswith("WRONG (h, slice h") and "ms" not in row
 
 
+def test_bench_rnn_paths(tmp_path):
+    """``tfla:fused`` / ``tfla:alternating``: tfla with its path forced, each checked before timing; the fused path
+    is not available above D = 128."""
+    json_path = tmp_path / "r.json"
+    rc = main(["bench", "rnn", "--cells", "lstm", "--heads", "4:2,130:1", "--mode", "fwd",
+               "--impls", "tfla:fused,tfla:alternating", *TINY, "--json", str(json_path)])
+    assert rc == 0
+    rows = _rows(json_path)[1]
+    assert [(r["impl"], r["D"], r["status"][:13]) for r in rows] == [
+        ("tfla:fused", 4, "ok"), ("tfla:alternating", 4, "ok"), ("tfla:fused", 130, "not available"),
+        ("tfla:alternating", 130, "ok")]
+    assert all(r["err_h"] < tolerance(torch.float32) for r in rows if r["status"] == "ok")
+
+
 def test_paper_workloads_and_list(capsys):
     from tfla.bench.rnn import WORKLOADS
 

@@ -294,7 +294,7 @@ def _opcheck_cases(device):
                              torch.randn(4, 2, 8, 8, generator=gen).to(device) * 0.3,
                              torch.randn(4, 2, 8, generator=gen).to(device),
                              [torch.randn(2, 2, 8, generator=gen).to(device) for _ in range(2)],
-                             torch.tensor([0, 3, 9], device=device), "lstm", True)),
+                             torch.tensor([0, 3, 9], device=device), "lstm", True, "auto", 0, 0, 0)),
     }
 
 
@@ -315,9 +315,12 @@ def test_custom_ops_pass_opcheck(device, name):
 
 @pytest.mark.parametrize("cell,G,S", [("elman", 1, 1), ("lstm", 4, 2), ("gru", 3, 1), ("slstm", 4, 4)])
 @pytest.mark.parametrize("varlen", [False, True])
-def test_rnn_fullgraph_equals_eager(device, cell, G, S, varlen):
+@pytest.mark.parametrize("path", ["auto", "alternating"])  # auto: the fused path at D = 8
+def test_rnn_fullgraph_equals_eager(device, cell, G, S, varlen, path):
     """The FlashRNN cells compile without graph breaks (forward op; the backward op runs the forward again);
-    outputs, final states and every gradient equal eager's, dense and varlen (an empty and a one-step sequence)."""
+    outputs, final states and every gradient equal eager's, dense and varlen (an empty and a one-step sequence),
+    on both paths."""
+    torch._dynamo.reset()  # one code object (fn below) over 16 cases: past dynamo's recompile limit otherwise
     B, T, NH, D = (1, 9, 2, 8) if varlen else (2, 6, 2, 8)
     cu = torch.tensor([0, 0, 1, 9], device=device) if varlen else None
     N = 3 if varlen else B
@@ -329,7 +332,7 @@ def test_rnn_fullgraph_equals_eager(device, cell, G, S, varlen):
     op = getattr(tfla, cell)
 
     def fn(x, R, b, *st):
-        return op(x, R, b, initial_state=tuple(st), output_final_state=True, cu_seqlens=cu)
+        return op(x, R, b, initial_state=tuple(st), output_final_state=True, cu_seqlens=cu, config={"path": path})
 
     def run(f):
         leaves = [t.clone().requires_grad_() for t in (x, R, b, *st)]

@@ -5,7 +5,9 @@ check of every implementation.
 What each row times (inputs made and converted to the implementation's layout outside the timed region; zero
 initial states; ``fwdbwd``: the forward plus ``torch.autograd.grad`` of every input for a random cotangent of h):
 
-    tfla                tfla.<cell>(x, R, b): the recurrence given the pre-activations x [B, T, G, NH, D]
+    tfla                tfla.<cell>(x, R, b): the recurrence given the pre-activations x [B, T, G, NH, D] (the
+                        fused path for D <= 64, else the alternating path: tfla/ops/rnn/README.md)
+    tfla:<path>         the same with config={"path": <path>}, path fused (D <= 128) or alternating
     flashrnn:<backend>  flashrnn.flashrnn(Wx, R, b, function=<cell>, backend=<backend>, dtype=<dtype>) for backend
                         cuda_fused, cuda, triton_fused (when the flashrnn package imports): the same recurrence in
                         FlashRNN's layout (the GRU's R and b reordered and a zero 4th bias, outside the timed call);
@@ -60,6 +62,7 @@ from tfla.bench.linear_attn import DTYPES, add_speedups, exit_code, ints, names,
 CELLS = ("lstm", "gru", "slstm", "elman")
 MODES = ("fwd", "fwdbwd")
 FLASHRNN_BACKENDS = ("cuda_fused", "cuda", "triton_fused")
+TFLA_PATHS = ("fused", "alternating")
 TORCH_CELLS = ("lstm", "gru")
 # refuse-to-time thresholds (rel-L2 of h and of every gradient against tfla's fp32 run and the float64 slice);
 # bf16 allows for FlashRNN keeping its states in bf16 between steps
@@ -127,7 +130,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", type=str, default="fwd,fwdbwd",
                    help="comma-separated: fwd (forward without grad), fwdbwd (forward + torch.autograd.grad)")
     p.add_argument("--impls", type=str, default="tfla,torch,flashrnn",
-                   help="comma-separated: tfla, torch (nn.LSTM / nn.GRU), flashrnn (its three backends) or "
+                   help="comma-separated: tfla (tfla:fused, tfla:alternating: that path forced), torch (nn.LSTM / "
+                        "nn.GRU), flashrnn (its three backends) or "
                         f"flashrnn:<backend> ({', '.join(FLASHRNN_BACKENDS)}); peers only when installed")
     p.add_argument("--dtype", choices=list(DTYPES), default="bf16" if gpu else "fp32")
     p.add_argument("--slice-T", type=int, default=64, help="float64 check on x[:, :slice-T]")
@@ -167,16 +171,23 @@ def _leaves(inputs: dict, grad: bool) -> dict:
     return {n: t.detach().clone().requires_grad_(grad) for n, t in inputs.items()}
 
 
-def tfla_impl(cell: str) -> RNNImpl:
+def tfla_impl(cell: str, path: str | None = None, D: int = 0) -> RNNImpl:
+    """``tfla.<cell>`` on its default path, or with ``path`` (fused, alternating) forced."""
     import tfla
+    from tfla.ops.rnn.fused import MAX_FUSED_D
 
     op = getattr(tfla, cell)
+    cfg = {"path": path} if path else None
 
     def make(inputs, grad):
         lv = _leaves(inputs, grad)
-        return (lambda: op(lv["x"], lv["R"], lv["b"])[0]), lv, None
+        return (lambda: op(lv["x"], lv["R"], lv["b"], config=cfg)[0]), lv, None
 
-    return RNNImpl("tfla", _version("tfla"), False, make, note=f"tfla.{cell}")
+    impl = RNNImpl("tfla" if path is None else f"tfla:{path}", _version("tfla"), False, make,
+                   note=f"tfla.{cell}" + (f"(config={cfg})" if cfg else ""))
+    if path == "fused" and D > MAX_FUSED_D:
+        impl.unavailable = f"not available: tfla's fused path takes D <= {MAX_FUSED_D}"
+    return impl
 
 
 def _layer_problem(lv: dict, cell: str):
@@ -267,6 +278,7 @@ def _gru_grads_to_tfla(g: dict) -> dict:
 
 def impls_for(cell: str, wl: Workload, want: list[str]) -> list[RNNImpl]:
     out = [tfla_impl(cell)] if "tfla" in want else []
+    out += [tfla_impl(cell, path, wl.D) for path in TFLA_PATHS if f"tfla:{path}" in want]
     if "torch" in want and cell in TORCH_CELLS and wl.NH == 1:  # one dense recurrent matrix: NH = 1 only
         out.append(torch_impl(cell))
     backends = [b for b in FLASHRNN_BACKENDS if "flashrnn" in want or f"flashrnn:{b}" in want]
@@ -279,7 +291,8 @@ def impls_for(cell: str, wl: Workload, want: list[str]) -> list[RNNImpl]:
 
 
 def _check_impls(want: list[str]) -> None:
-    known = {"tfla", "torch", "flashrnn", *(f"flashrnn:{b}" for b in FLASHRNN_BACKENDS)}
+    known = {"tfla", *(f"tfla:{p}" for p in TFLA_PATHS), "torch", "flashrnn",
+             *(f"flashrnn:{b}" for b in FLASHRNN_BACKENDS)}
     bad = [w for w in want if w not in known]
     if bad:
         raise SystemExit(f"--impls: unknown implementation(s) {', '.join(bad)} "
@@ -393,7 +406,7 @@ def run(args) -> tuple[list[dict], dict]:
             append_csv(args.csv, [csv_row(row, meta, row["cell"], workload=row["workload"],
                                           first_s=f"{row['first_s']:.2f}",
                                           proj_ms=None if proj is None else f"{proj:.4f}",
-                                          version=None if row["impl"] == "tfla" else row["version"])])
+                                          version=None if row["impl"].startswith("tfla") else row["version"])])
 
     plan = [(wl, cell, impls_for(cell, wl, want)) for wl in wls for cell in cells]
     with Progress(disable=args.no_progress, transient=True) as bar:

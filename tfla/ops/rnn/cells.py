@@ -1,12 +1,15 @@
-"""Multi-head Elman, LSTM, GRU and sLSTM (FlashRNN's cells) on the alternating path: per time step one batched
-matmul ``R h_{t-1}`` for all gates and heads (PyTorch, fp32 accumulation), then one fused Triton pointwise kernel.
+"""Multi-head Elman, LSTM, GRU and sLSTM (FlashRNN's cells) on two paths. Fused (``fused.py``; the default for head
+dims up to 64 and 16-bit or fp32 inputs): one launch runs all time steps with the states and R on chip. Alternating
+(the rest, float64 included): per time step one batched matmul ``R h_{t-1}`` for all gates and heads (PyTorch, fp32
+accumulation), then one fused Triton pointwise kernel. ``config={"path": ...}`` forces either.
 
 Notation: B batch, T time, G gates, NH heads, D head dim, S states of the cell, N sequences (B, or
 ``len(cu_seqlens) - 1`` for varlen), Tm the longest sequence.
 
-Backward: time in reverse, one fused pointwise kernel per step (pre-activation gradients, carried c / n
-gradients), the recurrent gradient ``R^T`` (pre-activation gradients) as one batched matmul per step, and after
-the loop dR as one batched matmul over all (t, batch) rows and db as one sum. Definitions: ``README.md`` here.
+Backward (alternating): time in reverse, one fused pointwise kernel per step (pre-activation gradients, carried c / n
+gradients), the recurrent gradient ``R^T`` (pre-activation gradients) as one batched matmul per step; the fused
+path does all steps in one launch. After the loop, both: dR as one batched matmul over all (t, batch) rows and db
+as one sum. Definitions: ``README.md`` here.
 """
 from __future__ import annotations
 
@@ -17,12 +20,16 @@ import torch
 from tfla.ops.common.utils import SUPPORTED_DTYPES, cdiv, check_device, next_pow2
 from tfla.ops.common.varlen import cached_bounds
 from tfla.ops.rnn import pointwise
+from tfla.ops.rnn.fused import MAX_FUSED_D, rnn_fused_bwd, rnn_fused_fwd
 from tfla.ops.rnn.reference import CELL_GATES, CELL_STATES
 from tfla.utils.validation import check_cotangent, check_tensor, check_varlen_bounds
 
 _CELL_IDS = {"elman": pointwise.ELMAN.value, "lstm": pointwise.LSTM.value, "gru": pointwise.GRU.value,
              "slstm": pointwise.SLSTM.value}
 _MAX_BLOCK = 1024
+FUSED_AUTO_MAX_D = 64  # head dims the fused path takes by default (R of all gates on chip)
+CONFIG_KEYS = {"path": ("auto", "fused", "alternating"), "BB": (16, 32, 64), "num_warps": (1, 2, 4, 8),
+               "num_stages": (1, 2, 3)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +38,39 @@ class RNNOptions:
     lengths: tuple[int, ...]  # steps of each of the N sequences (all T without varlen)
     output_final_state: bool
     state_sequence: bool = False  # also output the states after h (c; c, n, m) after every step
+    fused: tuple[int, int, int] | None = None  # (BB, num_warps, num_stages) of the fused path; None: alternating
+
+
+def check_config(config, dtype: torch.dtype, D: int) -> None:
+    """``config`` of the cells: None or a dict with keys ``CONFIG_KEYS`` (values among those listed)."""
+    if config is None:
+        return
+    if not isinstance(config, dict):
+        raise TypeError(f"`config` must be None or a dict, got {type(config).__name__}")
+    for k, v in config.items():
+        if k not in CONFIG_KEYS:
+            raise ValueError(f"`config` key {k!r} unknown; keys: {tuple(CONFIG_KEYS)}")
+        if v not in CONFIG_KEYS[k] or isinstance(v, bool):
+            raise ValueError(f"`config[{k!r}]` must be one of {CONFIG_KEYS[k]}, got {v!r}")
+    if config.get("path") == "fused":
+        if dtype == torch.float64:
+            raise ValueError("`config['path']='fused'` takes float32/float16/bfloat16 inputs; float64 runs the "
+                             "alternating path")
+        if D > MAX_FUSED_D:
+            raise ValueError(f"`config['path']='fused'` takes head dims up to {MAX_FUSED_D}, got D={D}")
+
+
+def fused_launch(config, dtype: torch.dtype, D: int) -> tuple[int, int, int] | None:
+    """The path of a (checked) ``config``: ``(BB, num_warps, num_stages)`` of the fused path, or None for the
+    alternating one. Default: fused for 16-bit and fp32 inputs with D <= FUSED_AUTO_MAX_D; BB = 16 batch rows per
+    program, 8 warps above D = 32, else 4, 2 stages (step t + 1's loads issued during step t). Compiled for sm_90
+    (``scripts/compile_stats.py --op rnn``), the defaults spill no registers at D = 32 and 64 (fp32 at D = 16: 8 B);
+    BB = 32 spills at D = 32 and 64, and 3 stages overflow shared memory for fp32 at D = 64."""
+    cfg = config or {}
+    path = cfg.get("path", "auto")
+    if path == "alternating" or (path == "auto" and (dtype == torch.float64 or D > FUSED_AUTO_MAX_D)):
+        return None
+    return cfg.get("BB", 16), cfg.get("num_warps", 8 if D > 32 else 4), cfg.get("num_stages", 2)
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
@@ -47,11 +87,13 @@ def _block(E: int) -> int:
     return min(_MAX_BLOCK, next_pow2(E))
 
 
-def rnn_fwd(cell: str, x, R, b, state0):
-    """Forward on a padded batch. x ``[N, Tm, G, NH, D]``; state0 ``[S, NH, N, D]`` (ACC dtype).
+def rnn_fwd(cell: str, x, R, b, state0, fused: tuple[int, int, int] | None = None):
+    """Forward on a padded batch. x ``[N, Tm, G, NH, D]``; state0 ``[S, NH, N, D]`` (ACC dtype); fused: ``(BB,
+    num_warps, num_stages)`` of the fused path (``fused_launch``), or None for the alternating path.
 
     Returns ``(o [N, Tm, NH, D] in x's dtype, states [Tm + 1, S, NH, N, D], rh [Tm, NH, N, G * D], Wt, b_acc)``
-    with ``Wt [NH, D, G * D]`` (R as the right operand of ``h @ Wt``) and every state step kept for the backward.
+    with ``Wt [NH, D, G * D]`` (R as the right operand of ``h @ Wt``) and every state step kept for the backward
+    (the same for both paths).
     """
     N, Tm, G, NH, D = x.shape
     acc = _acc(x.dtype)
@@ -61,6 +103,9 @@ def rnn_fwd(cell: str, x, R, b, state0):
     states[0] = state0
     rh = torch.empty(Tm, NH, N, G * D, device=x.device, dtype=acc)
     o = torch.empty(N, Tm, NH, D, device=x.device, dtype=x.dtype)
+    if fused is not None:
+        rnn_fused_fwd(_CELL_IDS[cell], x, Wt, b_acc, states, rh, o, *fused)
+        return o, states, rh, Wt, b_acc
     E = NH * N * D
     BE = _block(E)
     grid = (cdiv(E, BE),)
@@ -70,19 +115,27 @@ def rnn_fwd(cell: str, x, R, b, state0):
         pointwise._rnn_pointwise_fwd_kernel[grid](
             xt, rh[t], b_acc, states[t], states[t + 1], ot, N, NH, D,
             xt.stride(0), xt.stride(1), xt.stride(2), xt.stride(3), ot.stride(0), ot.stride(1), ot.stride(2),
-            CELL=_CELL_IDS[cell], G=G, BE=BE, ACC=_tl_acc(x.dtype))
+            CELL=_CELL_IDS[cell], G=G, S=state0.shape[0], BE=BE, ACC=_tl_acc(x.dtype))
     return o, states, rh, Wt, b_acc
 
 
-def rnn_bwd(cell: str, x, Wt, b_acc, states, rh, do, dstate_final, lengths, dstate_seq=None):
+def rnn_bwd(cell: str, x, Wt, b_acc, states, rh, do, dstate_final, lengths, dstate_seq=None,
+            fused: tuple[int, int, int] | None = None):
     """Backward of ``rnn_fwd``. do ``[N, Tm, NH, D]``; dstate_final ``[S, NH, N, D]`` (ACC dtype; the m slot is
     ignored), added before the step ``lengths[n] - 1`` of each sequence n; dstate_seq None or ``[Tm, S - 1, NH, N,
     D]`` (ACC), the cotangents of the states after h (c; c, n, m; m ignored) after every step, added before each
-    step. Returns ``(dx [N, Tm, G, NH, D], dR [G, NH, D, D], db [G, NH, D], dstate0 [S, NH, N, D])``, all in the
-    ACC dtype."""
+    step; fused as ``rnn_fwd``'s (either path takes either's saved tensors). Returns ``(dx [N, Tm, G, NH, D],
+    dR [G, NH, D, D], db [G, NH, D], dstate0 [S, NH, N, D])``, all in the ACC dtype."""
     N, Tm, G, NH, D = x.shape
     S = states.shape[1]
     acc = states.dtype
+    dx = torch.empty(N, Tm, G, NH, D, device=x.device, dtype=acc)
+    drh = torch.empty(Tm, NH, N, G * D, device=x.device, dtype=acc)
+    if fused is not None:
+        dstate0 = torch.zeros(S, NH, N, D, device=x.device, dtype=acc)
+        rnn_fused_bwd(_CELL_IDS[cell], x, Wt, b_acc, states, rh, do, dstate_final, lengths, dstate_seq, dx, drh,
+                      dstate0, *fused)
+        return (dx, *_dR_db(states, drh), dstate0)
     dh_rec = torch.zeros(NH, N, D, device=x.device, dtype=acc)
     ds = torch.zeros(S, NH, N, D, device=x.device, dtype=acc)
     n_carried = 3 if cell == "slstm" else S  # h (and c, n); the sLSTM's m is a constant
@@ -96,8 +149,6 @@ def rnn_bwd(cell: str, x, Wt, b_acc, states, rh, do, dstate_final, lengths, dsta
         if n_carried > 1:
             ds[1:n_carried, :, idx] += dstate_final[1:n_carried][:, :, idx]
 
-    dx = torch.empty(N, Tm, G, NH, D, device=x.device, dtype=acc)
-    drh = torch.empty(Tm, NH, N, G * D, device=x.device, dtype=acc)
     WtT = Wt.transpose(1, 2)
     E = NH * N * D
     BE = _block(E)
@@ -112,19 +163,28 @@ def rnn_bwd(cell: str, x, Wt, b_acc, states, rh, do, dstate_final, lengths, dsta
             xt, rh[t], b_acc, states[t], states[t + 1], dot, dh_rec, ds, dxt, drh[t], N, NH, D,
             xt.stride(0), xt.stride(1), xt.stride(2), xt.stride(3), dot.stride(0), dot.stride(1), dot.stride(2),
             dxt.stride(0), dxt.stride(1), dxt.stride(2), dxt.stride(3),
-            CELL=_CELL_IDS[cell], G=G, BE=BE, ACC=_tl_acc(x.dtype))
+            CELL=_CELL_IDS[cell], G=G, S=S, BE=BE, ACC=_tl_acc(x.dtype))
         dh_rec = torch.baddbmm(ds[0], drh[t], WtT)  # direct part (GRU's z dh) + R^T (pre-activation gradients)
     if -1 in inject:  # empty sequences: the final state is the initial state
         add_final(inject[-1])
     dstate0 = torch.zeros_like(ds)
     dstate0[0] = dh_rec
     dstate0[1:n_carried] = ds[1:n_carried]
-    # dR[g, n, e, d] = sum over (t, batch) of drh[t, n, batch, g*D + e] h_{t-1}[n, batch, d]: one batched matmul
+    return (dx, *_dR_db(states, drh), dstate0)
+
+
+def _dR_db(states, drh):
+    """dR ``[G, NH, D, D]`` and db ``[G, NH, D]`` from the gradients of every step's ``R h_{t-1}`` (drh ``[Tm, NH,
+    N, G * D]``): ``dR[g, n, e, d]`` = sum over (t, batch) of ``drh[t, n, batch, g*D + e] h_{t-1}[n, batch, d]``,
+    one batched matmul; db one sum."""
+    Tm, NH, N, GD = drh.shape
+    D = states.shape[-1]
+    G = GD // D
     h_prev = states[:Tm, 0].permute(1, 0, 2, 3).reshape(NH, Tm * N, D)
     drh_rows = drh.permute(1, 0, 2, 3).reshape(NH, Tm * N, G * D)
     dR = torch.bmm(drh_rows.transpose(1, 2), h_prev).view(NH, G, D, D).permute(1, 0, 2, 3)
     db = drh.sum((0, 2)).view(NH, G, D).transpose(0, 1)
-    return dx, dR, db, dstate0
+    return dR, db
 
 
 class RNNFunction(torch.autograd.Function):
@@ -141,7 +201,7 @@ class RNNFunction(torch.autograd.Function):
             s0 = torch.stack([s.to(acc).transpose(0, 1) for s in state0])  # [S, NH, N, D]
         else:
             s0 = torch.zeros(S, NH, N, D, device=x.device, dtype=acc)
-        o, states, rh, Wt, b_acc = rnn_fwd(opts.cell, x, R, b, s0)
+        o, states, rh, Wt, b_acc = rnn_fwd(opts.cell, x, R, b, s0, opts.fused)
         ctx.save_for_backward(x, Wt, b_acc, states, rh)
         ctx.opts = opts
         ctx.meta = (R.dtype, b.dtype, tuple(s.dtype for s in state0))
@@ -172,13 +232,13 @@ class RNNFunction(torch.autograd.Function):
             if g is not None:
                 check_cotangent(f"final_state[{k}]", g, (N, NH, D), None)
                 dsf[k] = g.to(states.dtype).transpose(0, 1)
-        dx, dR, db, ds0 = rnn_bwd(opts.cell, x, Wt, b_acc, states, rh, do, dsf, opts.lengths, dseq)
+        dx, dR, db, ds0 = rnn_bwd(opts.cell, x, Wt, b_acc, states, rh, do, dsf, opts.lengths, dseq, opts.fused)
         R_dtype, b_dtype, s_dtypes = ctx.meta
         dstate = tuple(ds0[k].transpose(0, 1).to(dt) for k, dt in enumerate(s_dtypes))
         return (None, dx.to(x.dtype), dR.to(R_dtype), db.to(b_dtype), *dstate)
 
 
-def _check(cell, x, R, b, initial_state, output_final_state, cu_seqlens, host_values=True):
+def _check(cell, x, R, b, initial_state, output_final_state, cu_seqlens, host_values=True, config=None):
     gates, states = CELL_GATES[cell], CELL_STATES[cell]
     G = len(gates)
     check_tensor("x", x, 5)
@@ -206,6 +266,7 @@ def _check(cell, x, R, b, initial_state, output_final_state, cu_seqlens, host_va
             raise ValueError(f"`{name}` is on {t.device} but `x` is on {x.device}")
     if not isinstance(output_final_state, bool):
         raise TypeError(f"`output_final_state` must be a bool, got {type(output_final_state).__name__}")
+    check_config(config, x.dtype, D)
     N = B
     lengths = (T,) * B
     if cu_seqlens is not None:
@@ -253,20 +314,24 @@ def pad_index(bounds, lengths, T: int, device):
     return torch.where(valid, start[:, None] + t_idx[None, :], T), valid
 
 
-def rnn(cell: str, x, R, b, initial_state=None, output_final_state=False, *, cu_seqlens=None):
+def rnn(cell: str, x, R, b, initial_state=None, output_final_state=False, *, cu_seqlens=None, config=None):
     """Shared entry of the four cells (see ``elman``, ``lstm``, ``gru``, ``slstm``); under ``torch.compile`` the
     custom ops of ``library.py``."""
     if cell not in CELL_GATES:
         raise ValueError(f"`cell` must be one of {tuple(CELL_GATES)}, got {cell!r}")
     compiling = torch.compiler.is_compiling()
-    lengths, bounds = _check(cell, x, R, b, initial_state, output_final_state, cu_seqlens, host_values=not compiling)
+    lengths, bounds = _check(cell, x, R, b, initial_state, output_final_state, cu_seqlens, host_values=not compiling,
+                             config=config)
     state0 = tuple(initial_state) if initial_state is not None else ()
     if compiling:
         from tfla.ops.rnn.library import rnn_fwd_op
 
-        out = rnn_fwd_op(x, R, b, list(state0), cu_seqlens, cell, output_final_state)
+        cfg = config or {}
+        out = rnn_fwd_op(x, R, b, list(state0), cu_seqlens, cell, output_final_state, cfg.get("path", "auto"),
+                         cfg.get("BB", 0), cfg.get("num_warps", 0), cfg.get("num_stages", 0))
         return out[0], (tuple(out[1:]) if output_final_state else None)
-    opts = RNNOptions(cell, lengths, output_final_state)
+    fused = fused_launch(config, x.dtype, x.shape[4])
+    opts = RNNOptions(cell, lengths, output_final_state, fused=fused)
     if bounds is None:
         out = RNNFunction.apply(opts, x, R, b, *state0)
         return out[0], (tuple(out[1:]) if output_final_state else None)
@@ -280,16 +345,17 @@ def rnn(cell: str, x, R, b, initial_state=None, output_final_state=False, *, cu_
 
 
 @torch.compiler.disable  # eager only (a graph break under torch.compile): the custom ops return h and the final state
-def rnn_state_sequence(cell: str, x, R, b, initial_state=None):
+def rnn_state_sequence(cell: str, x, R, b, initial_state=None, config=None):
     """``(h [B, T, NH, D], state_seq [S - 1, B, T, NH, D])``: ``cell`` as ``rnn`` (no varlen, no final state), also
     returning the states after h (c; for the sLSTM c, n, m) after every step, in fp32 (float64 for float64 x) and
     differentiable (m's cotangent is ignored: m is a constant of the backward). FlashRNN returns every state at
     every step; ``tfla.compat.flashrnn`` uses this."""
     if cell not in CELL_GATES:
         raise ValueError(f"`cell` must be one of {tuple(CELL_GATES)}, got {cell!r}")
-    lengths, _ = _check(cell, x, R, b, initial_state, False, None)
+    lengths, _ = _check(cell, x, R, b, initial_state, False, None, config=config)
     state0 = tuple(initial_state) if initial_state is not None else ()
-    return RNNFunction.apply(RNNOptions(cell, lengths, False, state_sequence=True), x, R, b, *state0)
+    fused = fused_launch(config, x.dtype, x.shape[4])
+    return RNNFunction.apply(RNNOptions(cell, lengths, False, state_sequence=True, fused=fused), x, R, b, *state0)
 
 
 _DOC = """{title}
@@ -297,8 +363,11 @@ _DOC = """{title}
     {recurrence}
 
     Pre-activations ``g^j_t = x^j_t + R^j h_{{t-1}} + b^j`` per gate j and head (x already holds the input
-    projection). Alternating path: per step one batched matmul for all gates and heads plus one fused Triton
-    pointwise kernel; states and gate math in fp32 (float64 for float64 inputs). Source: {source}.
+    projection). Fused path (default for head dims D <= 64 and fp32 / fp16 / bf16 x): one Triton launch runs all
+    steps with the states and R on chip, the products ``R^j h`` as ``tl.dot`` in x's dtype (fp32 accumulation;
+    fp32 x: tf32x3 on a GPU). Alternating path (D > 64, float64): per step one batched matmul for all gates and heads (fp32)
+    plus one fused Triton pointwise kernel. States and gate math in fp32 (float64 for float64 inputs).
+    Source: {source}.
 
     Args:
         x: ``[B, T, G, NH, D]`` with G = {G} gates in the order {gates}; float32, float16, bfloat16 (float64 for
@@ -311,6 +380,10 @@ _DOC = """{title}
         output_final_state: also return the state after each sequence's last step.
         cu_seqlens: keyword-only, 1-D int32/int64 ``[N + 1]`` offsets of packed sequences (varlen); run as a padded
             batch of the longest length.
+        config: keyword-only, None or a dict: ``"path"``: ``"auto"`` (default), ``"fused"`` (D <= 128, not
+            float64) or ``"alternating"``; for the fused path ``"BB"`` (batch rows per program: 16, 32, 64; default
+            16), ``"num_warps"`` (1, 2, 4, 8; default 8 above D = 32, else 4), ``"num_stages"`` (1, 2, 3;
+            default 2). ``tfla/ops/rnn/README.md``.
 
     Returns:
         ``(h, final_state)``: h ``[B, T, NH, D]`` in x's dtype (the hidden state after every step);
@@ -319,14 +392,15 @@ _DOC = """{title}
 
     Raises:
         ValueError: wrong ranks or shapes (gate count G, head dim D or heads NH of R / b differing from x, state
-            tuple length or shapes), bad ``cu_seqlens`` offsets or B != 1 with them, tensors on different devices.
-        TypeError: non-tensor or non-floating inputs, unsupported dtypes.
+            tuple length or shapes), bad ``cu_seqlens`` offsets or B != 1 with them, tensors on different devices,
+            unknown ``config`` keys or values (the fused path forced for float64 or D > 128).
+        TypeError: non-tensor or non-floating inputs, unsupported dtypes, a ``config`` that is not a dict.
     """
 
 
 def _make(cell: str, title: str, recurrence: str, source: str, grad_note: str = ""):
-    def op(x, R, b, initial_state=None, output_final_state=False, *, cu_seqlens=None):
-        return rnn(cell, x, R, b, initial_state, output_final_state, cu_seqlens=cu_seqlens)
+    def op(x, R, b, initial_state=None, output_final_state=False, *, cu_seqlens=None, config=None):
+        return rnn(cell, x, R, b, initial_state, output_final_state, cu_seqlens=cu_seqlens, config=config)
 
     op.__name__ = op.__qualname__ = cell
     op.__doc__ = _DOC.format(title=title, recurrence=recurrence, source=source, G=len(CELL_GATES[cell]),

@@ -9,13 +9,19 @@ from __future__ import annotations
 import torch
 
 from tfla.ops.common.varlen import cached_bounds
-from tfla.ops.rnn.cells import _acc, pad_index, rnn_bwd, rnn_fwd
+from tfla.ops.rnn.cells import _acc, fused_launch, pad_index, rnn_bwd, rnn_fwd
 from tfla.ops.rnn.reference import CELL_STATES
 from tfla.utils.validation import check_varlen_bounds
 
 
-def _forward(cell, x, R, b, state0, cu_seqlens):
-    """The padded run: ``(h packed like x's rows, states, rh, Wt, b_acc, xp, lengths, gather, valid)``."""
+def _config(path: str, BB: int, num_warps: int, num_stages: int) -> dict:
+    """The cells' ``config`` from the ops' arguments (0: the default)."""
+    sizes = {"BB": BB, "num_warps": num_warps, "num_stages": num_stages}
+    return {"path": path, **{k: v for k, v in sizes.items() if v}}
+
+
+def _forward(cell, x, R, b, state0, cu_seqlens, config):
+    """The padded run: ``(h packed like x's rows, states, rh, Wt, b_acc, xp, lengths, gather, valid, fused)``."""
     B, T = x.shape[:2]
     gather = valid = None
     lengths = (T,) * B
@@ -31,16 +37,20 @@ def _forward(cell, x, R, b, state0, cu_seqlens):
     S = len(CELL_STATES[cell])
     s0 = torch.stack([s.to(acc).transpose(0, 1) for s in state0]) if state0 else \
         torch.zeros(S, NH, N, D, device=x.device, dtype=acc)
-    o, states, rh, Wt, b_acc = rnn_fwd(cell, xp, R, b, s0)
+    fused = fused_launch(config, x.dtype, D)
+    o, states, rh, Wt, b_acc = rnn_fwd(cell, xp, R, b, s0, fused)
     h = o if valid is None else o[valid].unsqueeze(0)
-    return h, states, rh, Wt, b_acc, xp, lengths, gather, valid
+    return h, states, rh, Wt, b_acc, xp, lengths, gather, valid, fused
 
 
 @torch.library.custom_op("tfla::rnn_fwd", mutates_args=())
 def rnn_fwd_op(x: torch.Tensor, R: torch.Tensor, b: torch.Tensor, state0: list[torch.Tensor],
-               cu_seqlens: torch.Tensor | None, cell: str, output_final_state: bool) -> list[torch.Tensor]:
-    """``[h, *final_state]`` (the final state's tensors ``[N, NH, D]`` in the accumulation dtype, when asked)."""
-    h, states, *_, lengths, _, _ = _forward(cell, x, R, b, state0, cu_seqlens)
+               cu_seqlens: torch.Tensor | None, cell: str, output_final_state: bool, path: str, BB: int,
+               num_warps: int, num_stages: int) -> list[torch.Tensor]:
+    """``[h, *final_state]`` (the final state's tensors ``[N, NH, D]`` in the accumulation dtype, when asked);
+    path, BB, num_warps, num_stages: the cells' ``config`` (0: the default)."""
+    cfg = _config(path, BB, num_warps, num_stages)
+    h, states, *_, lengths, _, _, _ = _forward(cell, x, R, b, state0, cu_seqlens, cfg)
     if not output_final_state:
         return [h]
     N = len(lengths)
@@ -50,7 +60,7 @@ def rnn_fwd_op(x: torch.Tensor, R: torch.Tensor, b: torch.Tensor, state0: list[t
 
 
 @rnn_fwd_op.register_fake
-def _(x, R, b, state0, cu_seqlens, cell, output_final_state):
+def _(x, R, b, state0, cu_seqlens, cell, output_final_state, path, BB, num_warps, num_stages):
     B, T, _, NH, D = x.shape
     h = x.new_empty(B, T, NH, D)
     if not output_final_state:
@@ -61,18 +71,19 @@ def _(x, R, b, state0, cu_seqlens, cell, output_final_state):
 
 @torch.library.custom_op("tfla::rnn_bwd", mutates_args=())
 def rnn_bwd_op(x: torch.Tensor, R: torch.Tensor, b: torch.Tensor, state0: list[torch.Tensor],
-               cu_seqlens: torch.Tensor | None, dh: torch.Tensor, dfinal: list[torch.Tensor], cell: str
-               ) -> list[torch.Tensor]:
+               cu_seqlens: torch.Tensor | None, dh: torch.Tensor, dfinal: list[torch.Tensor], cell: str,
+               path: str, BB: int, num_warps: int, num_stages: int) -> list[torch.Tensor]:
     """``[dx, dR, db, *d initial_state]`` in the inputs' dtypes; ``dfinal``: the final state's cotangents ``[N, NH,
     D]`` each (zeros where none), or empty."""
-    _, states, rh, Wt, b_acc, xp, lengths, gather, valid = _forward(cell, x, R, b, state0, cu_seqlens)
+    _, states, rh, Wt, b_acc, xp, lengths, gather, valid, fused = _forward(cell, x, R, b, state0, cu_seqlens,
+                                                                          _config(path, BB, num_warps, num_stages))
     N, Tm, _, NH, D = xp.shape
     acc = states.dtype
     dhp = dh if valid is None else dh.new_zeros(N, Tm, NH, D).index_put_((valid,), dh[0])
     dsf = torch.zeros(states.shape[1], NH, N, D, device=x.device, dtype=acc)
     for k, g in enumerate(dfinal):
         dsf[k] = g.to(acc).transpose(0, 1)
-    dxp, dR, db, ds0 = rnn_bwd(cell, xp, Wt, b_acc, states, rh, dhp.contiguous(), dsf, lengths)
+    dxp, dR, db, ds0 = rnn_bwd(cell, xp, Wt, b_acc, states, rh, dhp.contiguous(), dsf, lengths, fused=fused)
     if gather is None:
         dx = dxp
     else:  # back to packed rows (pad steps read the zero row T, whose gradient is dropped)
@@ -86,14 +97,14 @@ def rnn_bwd_op(x: torch.Tensor, R: torch.Tensor, b: torch.Tensor, state0: list[t
 
 
 @rnn_bwd_op.register_fake
-def _(x, R, b, state0, cu_seqlens, dh, dfinal, cell):
+def _(x, R, b, state0, cu_seqlens, dh, dfinal, cell, path, BB, num_warps, num_stages):
     return [x.new_empty(x.shape), R.new_empty(R.shape), b.new_empty(b.shape)] + [s.new_empty(s.shape) for s in state0]
 
 
 def _setup_context(ctx, inputs, output):
-    x, R, b, state0, cu_seqlens, cell, output_final_state = inputs
+    x, R, b, state0, cu_seqlens, cell, output_final_state, *config = inputs  # config: path, BB, ...
     ctx.save_for_backward(x, R, b, cu_seqlens, *state0)
-    ctx.cell, ctx.output_final_state = cell, output_final_state
+    ctx.cell, ctx.output_final_state, ctx.config = cell, output_final_state, config
 
 
 def _backward(ctx, grads):
@@ -105,8 +116,8 @@ def _backward(ctx, grads):
         N = x.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
         dfinal = [g if g is not None else x.new_zeros(N, x.shape[3], x.shape[4], dtype=_acc(x.dtype))
                   for g in grads[1:]]
-    out = rnn_bwd_op(x, R, b, list(state0), cu_seqlens, dh, dfinal, ctx.cell)
-    return out[0], out[1], out[2], list(out[3:]), None, None, None
+    out = rnn_bwd_op(x, R, b, list(state0), cu_seqlens, dh, dfinal, ctx.cell, *ctx.config)
+    return out[0], out[1], out[2], list(out[3:]), None, None, None, None, None, None, None
 
 
 rnn_fwd_op.register_autograd(_backward, setup_context=_setup_context)
