@@ -203,6 +203,16 @@ def _rnn_fused_bwd_kernel(
         tl.store(ds0_ptr + 2 * E + o_s, dn, mask=m)
 
 
+def _run(kernel, grid, *args, **kw):
+    """Launch; a launch config that needs more shared memory or registers than the GPU has (a ``config`` the caller
+    chose) raises ValueError naming it instead of Triton's OutOfResources."""
+    try:
+        kernel[grid](*args, **kw)
+    except triton.runtime.errors.OutOfResources as e:
+        raise ValueError(f"`config` (BB={kw['BB']}, num_warps={kw['num_warps']}, num_stages={kw['STAGES']}) does not "
+                         f"fit this GPU: {e}") from e
+
+
 def _launch(N: int, NH: int, D: int, dtype: torch.dtype, BB: int, num_warps: int, num_stages: int):
     BD = dot_tile(D, MAX_FUSED_D, dtype)
     return (triton.cdiv(N, BB), NH), dict(BB=BB, BD=BD, DOT=_DOT[dtype], PREC=dot_precision(dtype),
@@ -213,9 +223,9 @@ def rnn_fused_fwd(cell_id: int, x, Wt, b_acc, states, rh, o, BB: int, num_warps:
     """Fills ``states[1:]``, rh and o (``cells.rnn_fwd``'s outputs; states[0] holds the initial state)."""
     N, Tm, G, NH, D = x.shape
     grid, kw = _launch(N, NH, D, x.dtype, BB, num_warps, num_stages)
-    _rnn_fused_fwd_kernel[grid](
-        x, Wt, b_acc, states, rh, o, N, NH, D, Tm, *Wt.stride(), *x.stride(), *o.stride(),
-        CELL=cell_id, G=G, S=states.shape[1], **kw)
+    _run(_rnn_fused_fwd_kernel, grid,
+         x, Wt, b_acc, states, rh, o, N, NH, D, Tm, *Wt.stride(), *x.stride(), *o.stride(),
+         CELL=cell_id, G=G, S=states.shape[1], **kw)
 
 
 def rnn_fused_bwd(cell_id: int, x, Wt, b_acc, states, rh, do, dstate_final, lengths, dstate_seq, dx, drh, dstate0,
@@ -226,7 +236,7 @@ def rnn_fused_bwd(cell_id: int, x, Wt, b_acc, states, rh, do, dstate_final, leng
     grid, kw = _launch(N, NH, D, x.dtype, BB, num_warps, num_stages)
     lens = torch.tensor(lengths, device=x.device, dtype=torch.int32)
     seq = dstate_seq.contiguous() if dstate_seq is not None else dstate_final
-    _rnn_fused_bwd_kernel[grid](
-        x, Wt, b_acc, states, rh, do, dstate_final.contiguous(), lens, seq, dx, drh, dstate0, N, NH, D, Tm,
-        *Wt.stride(), *x.stride(), *do.stride(), *dx.stride(),
-        CELL=cell_id, G=G, S=states.shape[1], HAS_SEQ=dstate_seq is not None, **kw)
+    _run(_rnn_fused_bwd_kernel, grid,
+         x, Wt, b_acc, states, rh, do, dstate_final.contiguous(), lens, seq, dx, drh, dstate0, N, NH, D, Tm,
+         *Wt.stride(), *x.stride(), *do.stride(), *dx.stride(),
+         CELL=cell_id, G=G, S=states.shape[1], HAS_SEQ=dstate_seq is not None, **kw)
