@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tfla.ops.common.grid import check_varlen_batch, program_rows, tile_grid
+from tfla.ops.common.grid import check_varlen_batch, chunk_rows, program_rows, tile_grid
 from tfla.ops.common.utils import cdiv, prepare_chunk_indices
 
 
@@ -46,13 +46,7 @@ def _chunk_local_cumsum_scalar_kernel(
     ``dG = q.dq - k.dk`` difference and the sub-chunk part of dg, without their own passes over HBM)."""
     i_t, i_bh = program_rows(T, BT, H, IS_VARLEN, FLAT)  # (chunk, batch x head): 2-D or flat grid (grid.py)
     i_b, i_h = i_bh // H, i_bh % H
-    if IS_VARLEN:
-        i_n = tl.load(chunk_indices + i_t * 2).to(tl.int64)
-        i_t = tl.load(chunk_indices + i_t * 2 + 1).to(tl.int64)
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
-    else:
-        bos = i_b * T
+    i_t, bos, T = chunk_rows(i_t, i_b, T, cu_seqlens, chunk_indices, IS_VARLEN)
     o_t = i_t * BT + tl.arange(0, BT)
     m_t = o_t < T
     if BD == 0:

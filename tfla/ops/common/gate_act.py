@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tfla.ops.common.grid import check_varlen_batch, program_rows, tile_grid
+from tfla.ops.common.grid import check_varlen_batch, chunk_rows, program_rows, tile_grid
 from tfla.ops.common.utils import LOG_DECAY_FLOOR, RCP_LN2, acc_dtype, cdiv, prepare_chunk_indices
 
 NO_BETA, BETA_SIGMOID, BETA_2SIGMOID = 0, 1, 2
@@ -66,13 +66,7 @@ def _gdn_gate_kernel(
     i_t, i_bh = program_rows(T, BT, HV, IS_VARLEN, FLAT)
     i_part = (i_bh * NT + i_t) * 2  # this program's two sums in part [B * HV, NT, 2]
     i_b, i_h = i_bh // HV, i_bh % HV
-    if IS_VARLEN:
-        i_n = tl.load(chunk_indices + i_t * 2).to(tl.int64)
-        i_t = tl.load(chunk_indices + i_t * 2 + 1).to(tl.int64)
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
-    else:
-        bos = i_b * T
+    i_t, bos, T = chunk_rows(i_t, i_b, T, cu_seqlens, chunk_indices, IS_VARLEN)
     o_t = i_t * BT + tl.arange(0, BT)
     m = o_t < T
     p = (bos + o_t) * HV + i_h

@@ -94,3 +94,19 @@ def program_pair(NI: tl.constexpr, FLAT: tl.constexpr):
         return (pid % NI).to(tl.int64), (pid // NI).to(tl.int64)
     else:
         return tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+
+
+@triton.jit
+def chunk_rows(i_t, i_b, T, cu_seqlens, chunk_indices, IS_VARLEN: tl.constexpr):
+    """``(i_c, bos, T)`` of a (chunk, batch) program: its chunk within the sequence, the sequence's first row and its
+    length. With ``IS_VARLEN`` (B = 1) ``i_t`` is a row of the ``[NC, 2]`` (sequence, chunk) table ``chunk_indices``
+    and the sequence's rows come from ``cu_seqlens``; else chunk ``i_t`` of batch row ``i_b`` of T rows."""
+    if IS_VARLEN:
+        i_n = tl.load(chunk_indices + i_t * 2).to(tl.int64)
+        i_c = tl.load(chunk_indices + i_t * 2 + 1).to(tl.int64)
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
+    else:
+        i_c = i_t
+        bos = i_b * T
+    return i_c, bos, T

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tfla.ops.common.grid import check_varlen_batch, program_rows, tile_grid
+from tfla.ops.common.grid import check_varlen_batch, chunk_rows, program_rows, tile_grid
 from tfla.ops.common.utils import SUB_CHUNK, acc_dtype, cdiv, dot_precision, dot_tile, next_pow2
 
 
@@ -88,13 +88,7 @@ def _gdn_ut_inverse_kernel(
     i_s, i_bh = program_rows(T, BS, HV, IS_VARLEN, FLAT)  # (64-row sub-chunk, batch x head): 2-D or flat grid
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
-    if IS_VARLEN:
-        i_n = tl.load(chunk_indices + i_s * 2).to(tl.int64)
-        i_s = tl.load(chunk_indices + i_s * 2 + 1).to(tl.int64)
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
-    else:
-        bos = i_b * T
+    i_s, bos, T = chunk_rows(i_s, i_b, T, cu_seqlens, chunk_indices, IS_VARLEN)
     t0 = i_s * BS
     o_c = tl.arange(0, BC)
     t_0 = t0 + o_c
@@ -315,13 +309,7 @@ def _gdn_wy_fwd_kernel(
     i_s, i_bh = program_rows(T, 64, HV, IS_VARLEN, FLAT)  # (64-row sub-chunk, batch x head): 2-D or flat grid
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
-    if IS_VARLEN:
-        i_n = tl.load(chunk_indices + i_s * 2).to(tl.int64)
-        i_s = tl.load(chunk_indices + i_s * 2 + 1).to(tl.int64)
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
-    else:
-        bos = i_b * T
+    i_s, bos, T = chunk_rows(i_s, i_b, T, cu_seqlens, chunk_indices, IS_VARLEN)
     _wy_apply(k, v, g, beta, ai, w, u, i_s * 64, T, bos, i_h, i_hv, H, HV, K, V, BT, BK, BV, USE_G, DOT_PREC, ACC,
               WITH_U)
 

@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tfla.ops.common.grid import check_varlen_batch, program_rows, tile_grid
+from tfla.ops.common.grid import check_varlen_batch, chunk_rows, program_rows, tile_grid
 from tfla.ops.common.utils import SUB_CHUNK, acc_dtype, cdiv, dot_precision, dot_tile, next_pow2
 
 @triton.jit
@@ -149,15 +149,12 @@ def _wy_bwd_kernel(
     i_s, i_bh = program_rows(T, BS, HV, IS_VARLEN, FLAT)  # (64-row sub-chunk, batch x head): 2-D or flat grid
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
+    # this sub-chunk's row among all of them: the varlen table's rows are in (sequence, sub-chunk) order
     if IS_VARLEN:
-        i_sub = i_s  # sub-chunk rows of the varlen table are in (sequence, sub-chunk) order
-        i_n = tl.load(chunk_indices + i_s * 2).to(tl.int64)
-        i_s = tl.load(chunk_indices + i_s * 2 + 1).to(tl.int64)
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
+        i_sub = i_s
     else:
-        bos = i_b * T
         i_sub = i_b * tl.cdiv(T, BS) + i_s
+    i_s, bos, T = chunk_rows(i_s, i_b, T, cu_seqlens, chunk_indices, IS_VARLEN)
     t0 = i_s * BS
     o_c = tl.arange(0, BS)
     o_t = t0 + o_c
