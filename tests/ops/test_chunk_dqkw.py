@@ -1,6 +1,6 @@
-"""The L = 64 backward stage chunk_dqkw (dq, dk, dW and the state parts of dg of the gated delta rule) alone,
-against its formulas in float64 PyTorch on random states, state gradients and gradients of Vnew; and the GDN
-backward with it against the path it replaced (dual tiled launch + the state terms inside wy_bwd)."""
+"""The backward stage chunk_dqkw (dq, dk, dW and the state parts of dg of the gated delta rule) alone, against its
+formulas in float64 PyTorch on random states, state gradients and gradients of Vnew (the whole GDN backward with it:
+tests/ops/test_gated_delta_rule_bwd.py)."""
 import pytest
 import torch
 

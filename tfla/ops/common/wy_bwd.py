@@ -12,14 +12,13 @@ from tfla.ops.common.grid import check_varlen_batch, chunk_rows, program_rows, t
 from tfla.ops.common.utils import SUB_CHUNK, acc_dtype, cdiv, dot_precision, dot_tile, next_pow2
 
 @triton.jit
-def _state_terms(du, v_new, h, dh, b_en, p_tv0, p_h, p_dh, o_t, m_t, o_k, m_k, V: tl.constexpr, HV: tl.constexpr,
-                 BK: tl.constexpr, BV: tl.constexpr, WITH_DW: tl.constexpr, WITH_DK: tl.constexpr,
-                 DOT_PREC: tl.constexpr, ACC: tl.constexpr, WITH_SDS: tl.constexpr = True):
-    """For one key tile: ``dW = -dU S^T`` and (WITH_DK) ``dk_state = 2^(g_n - g) Vnew dS^T`` and (WITH_SDS) the
-    tile's rows of ``<S, dS>`` (``[BK]``, summed over V), looping over value tiles (S, dS: the
-    sub-chunk's start state and the gradient of the state after it). S is read only for dW or <S, dS>."""
+def _state_terms(v_new, dh, b_en, p_tv0, p_h, p_dh, o_t, m_t, o_k, m_k, V: tl.constexpr, BK: tl.constexpr,
+                 BV: tl.constexpr, DOT_PREC: tl.constexpr, ACC: tl.constexpr, WITH_SDS: tl.constexpr = True):
+    """Linear attention, one key tile: ``dk_state = 2^(g_n - g) Vnew dS^T`` and (WITH_SDS) the tile's rows of
+    ``<S, dS>`` (``[BK]``, summed over V), looping over value tiles (S, dS: the sub-chunk's start state and the
+    gradient of the state after it). S is read only for <S, dS>. (The delta rule's state terms come from
+    ``chunk_dqkw``.)"""
     dt = dh.dtype.element_ty
-    b_dw = tl.zeros([64, BK], dtype=ACC)
     b_dks = tl.zeros([64, BK], dtype=ACC)
     b_sds = tl.zeros([BK], dtype=ACC)
     for i_v in range(tl.cdiv(V, BV)):
@@ -27,18 +26,14 @@ def _state_terms(du, v_new, h, dh, b_en, p_tv0, p_h, p_dh, o_t, m_t, o_k, m_k, V
         m_v = o_v < V
         m_tv = m_t[:, None] & m_v[None, :]
         m_kv = m_k[:, None] & m_v[None, :]
-        if WITH_DW or WITH_SDS:
+        if WITH_SDS:
             b_s = tl.load(p_h + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.0)  # [BK, BV]
-        if WITH_DW:
-            b_du = tl.load(du + p_tv0 + o_v[None, :], mask=m_tv, other=0.0)  # [BS, BV]
-            b_dw -= tl.dot(b_du.to(dt), tl.trans(b_s), input_precision=DOT_PREC)
-        if WITH_DK:
-            b_vn = tl.load(v_new + p_tv0 + o_v[None, :], mask=m_tv, other=0.0)
-            b_ds = tl.load(p_dh + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.0)
-            b_dks = tl.dot((b_vn * b_en[:, None]).to(dt), tl.trans(b_ds), b_dks, input_precision=DOT_PREC)
-            if WITH_SDS:
-                b_sds += tl.sum(b_s.to(ACC) * b_ds.to(ACC), 1)
-    return b_dw, b_dks, b_sds
+        b_vn = tl.load(v_new + p_tv0 + o_v[None, :], mask=m_tv, other=0.0)
+        b_ds = tl.load(p_dh + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.0)
+        b_dks = tl.dot((b_vn * b_en[:, None]).to(dt), tl.trans(b_ds), b_dks, input_precision=DOT_PREC)
+        if WITH_SDS:
+            b_sds += tl.sum(b_s.to(ACC) * b_ds.to(ACC), 1)
+    return b_dks, b_sds
 
 
 @triton.jit
@@ -115,16 +110,16 @@ def _wy_bwd_kernel(
     dwp=None,
     pst=None,
     sdst=None,
-    PRE: tl.constexpr = False,
     BKK: tl.constexpr = 0,
     FLAT: tl.constexpr = False,
 ):
     """Delta-rule gradients of one 64-row sub-chunk (W = Tm X_k, U = Tm X_v, Tm = (I + A)^-1,
-    Vnew = U - W S, S' = 2^(g_n) S + K^T 2^(g_n - g) Vnew):
-    state terms ``dW = -dU S^T``, ``dk_state = 2^(g_n - g) Vnew dS^T``; then the UT/WY backward
-    ``dTm = dW X_k^T + dU X_v^T``, ``dA = -Tm^T dTm Tm^T``, giving dk, dv, dbeta and this part's
-    gradient of g. Key and value dims in BK/BV tiles; dW is recomputed per key tile in the second
-    pass rather than stored (it would be an fp32 round trip through HBM).
+    Vnew = U - W S, S' = 2^(g_n) S + K^T 2^(g_n - g) Vnew): the state terms ``dW = -dU S^T``,
+    ``dk_state = 2^(g_n - g) Vnew dS^T`` and the state parts of the gate gradient come precomputed
+    (``chunk_dqkw.chunk_dqkw_bwd``: dW from ``dwp``, dk_state already inside ``dka``, the rows
+    ``P_s = k_s . dk_state_s`` from ``pst`` and ``<S, dS>`` from ``sdst``; neither S nor dS is read); this kernel
+    does the UT/WY backward ``dTm = dW X_k^T + dU X_v^T``, ``dA = -Tm^T dTm Tm^T``, giving dk, dv, dbeta and this
+    part's gradient of g. Key and value dims in BK/BV tiles.
 
     Without DELTA (plain linear attention, ``v_new`` = V) only the state terms remain: dk = dk_state
     and the gradient of g; there is no Tm, beta, W or U. Split gates (SPLIT_G, HAS_GB; linear
@@ -141,10 +136,8 @@ def _wy_bwd_kernel(
     NVS > 0 (linear attention): ``<S, dS>`` per key row comes precomputed from the state-gradient recurrence
     (``sds [B, NS, HV, NVS, K]`` fp32, one partial per value tile of that kernel, summed here) and S is not
     read: ``h`` may then be None and ``dh`` the buffer where dS overwrote S (``chunk_state_bwd(h_sub=..)``).
-    PRE (delta rule): the state terms come precomputed (``chunk_dqkw.chunk_dqkw_bwd``): dW from ``dwp``, dk_state
-    already inside ``dka``, the rows ``P_s = k_s . dk_state_s`` from ``pst`` and ``<S, dS>`` from ``sdst``; neither S
-    nor dS is read (``h``, ``dh`` unused). BKK > 0 (>= K): K K^T from one [64, BKK] load of k before the first key
-    pass instead of inside it (that pass then holds dW's product alone)."""
+    BKK > 0 (>= K, delta rule): K K^T from one [64, BKK] load of k before the first key pass instead of inside it
+    (that pass then holds dW's product alone)."""
     BS: tl.constexpr = 64
     i_s, i_bh = program_rows(T, BS, HV, IS_VARLEN, FLAT)  # (64-row sub-chunk, batch x head): 2-D or flat grid
     i_b, i_hv = i_bh // HV, i_bh % HV
@@ -202,11 +195,7 @@ def _wy_bwd_kernel(
             o_k = i_k * BK + tl.arange(0, BK)
             m_k = o_k < K
             b_k = tl.load(p_k + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)  # [BS, BK]
-            if PRE:
-                b_dw = tl.load(dwp + p_tk + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
-            else:
-                b_dw, _, _ = _state_terms(du, v_new, h, dh, b_en, p_tv0, p_h, p_dh, o_t, m_t, o_k, m_k, V, HV, BK, BV,
-                                          True, False, DOT_PREC, ACC)
+            b_dw = tl.load(dwp + p_tk + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
             b_dtm = tl.dot(b_dw.to(dt), tl.trans((b_k * b_sk[:, None]).to(dt)), b_dtm, input_precision=DOT_PREC)
             if BKK == 0:
                 b_kk = tl.dot(b_k, tl.trans(b_k), b_kk, input_precision=DOT_PREC)
@@ -244,11 +233,11 @@ def _wy_bwd_kernel(
         m_k = o_k < K
         m_tk = m_t[:, None] & m_k[None, :]
         b_k = tl.load(p_k + o_k[None, :], mask=m_tk, other=0.0)
-        if PRE:  # dW stored by chunk_dqkw; dk_state is in dka already
+        if DELTA:  # dW stored by chunk_dqkw; dk_state is in dka already
             b_dw = tl.load(dwp + p_tk + o_k[None, :], mask=m_tk, other=0.0)
         else:
-            b_dw, b_dks, b_sds_k = _state_terms(du, v_new, h, dh, b_en, p_tv0, p_h, p_dh, o_t, m_t, o_k, m_k, V, HV,
-                                                BK, BV, DELTA, True, DOT_PREC, ACC, DG and NVS == 0)
+            b_dks, b_sds_k = _state_terms(v_new, dh, b_en, p_tv0, p_h, p_dh, o_t, m_t, o_k, m_k, V, BK, BV,
+                                          DOT_PREC, ACC, DG and NVS == 0)
             if DG and NVS > 0:  # <S, dS> rows from the state-gradient recurrence's value tiles
                 for i_p in range(NVS):
                     b_sds_k += tl.load(sds + ((i_sub * HV + i_hv) * NVS + i_p) * K + o_k, mask=m_k, other=0.0)
@@ -267,8 +256,6 @@ def _wy_bwd_kernel(
             b_md = b_m.to(dt)
             b_dk = b_dxk * b_sk[:, None] + tl.dot(b_md, b_k, input_precision=DOT_PREC) \
                 + tl.dot(tl.trans(b_md), b_k, input_precision=DOT_PREC)
-            if not PRE:
-                b_dk += b_dks
             b_dxk_k = tl.sum(b_dxk * b_kf, 1)
             b_db += b_dxk_k * b_eg
             b_dxx += b_dxk_k * b_sk
@@ -277,7 +264,7 @@ def _wy_bwd_kernel(
         if ADD_DK:
             b_dk += tl.load(dka + p_tk + o_k[None, :], mask=m_tk, other=0.0).to(ACC)
         tl.store(dk + p_tk + o_k[None, :], b_dk.to(dk.dtype.element_ty), mask=m_tk)
-        if not PRE:
+        if not DELTA:
             b_p += tl.sum(b_kf * b_dks, 1)
         if KDOT:
             b_kdk += tl.sum(b_kf * b_dk, 1)
@@ -285,7 +272,7 @@ def _wy_bwd_kernel(
         tl.store(dbeta + (bos + o_t) * HV + i_hv, b_db.to(dbeta.dtype.element_ty), mask=m_t)
     if KDOT:
         tl.store(kdk + (bos + o_t) * HV + i_hv, b_kdk, mask=m_t)
-    if PRE and DG:  # the state parts of the gate gradient, from chunk_dqkw
+    if DELTA and DG:  # the state parts of the gate gradient, from chunk_dqkw
         b_p = tl.load(pst + (bos + o_t) * HV + i_hv, mask=m_t, other=0.0)
         b_sds = tl.load(sdst + i_sub * HV + i_hv)
     if USE_G and DG:
@@ -362,20 +349,19 @@ def wy_bwd(
     (one pipeline stage then).
     """
     delta = ai is not None
-    pre = dw is not None
-    if pre and (not delta or pst is None or sdst is None or dk_add is None):
-        raise ValueError("dw / pst / sdst (precomputed state terms) serve the delta rule, all three and dk_add")
+    if delta != (dw is not None) or (delta and (pst is None or sdst is None or dk_add is None)):
+        raise ValueError("the delta rule (ai) takes its state terms precomputed by chunk_dqkw (dw, pst, sdst and "
+                         "dk_add, all four), linear attention none of them")
     n_state = dhn_sub is not None
     if sds_sub is not None and (delta or sds_sub.dim() != 5 or sds_sub.shape[:3] != dh_sub.shape[:3]):
         raise ValueError("sds_sub [B, NS, HV, NV, K] serves linear attention (no delta rule)")
-    if h_sub is None and not pre and (delta or ((g_cum is not None or gv_cum is not None) and need_dg
-                                                and sds_sub is None)):
+    if h_sub is None and not delta and (g_cum is not None or gv_cum is not None) and need_dg and sds_sub is None:
         raise ValueError("h_sub is needed unless sds_sub is given or no gate gradient is (need_dg=False)")
     if n_state and (delta or gv_cum is not None or hn_sub is None):
         raise ValueError("hn_sub / dhn_sub (both) serve linear attention with scalar gates")
     B, T, H, K = k.shape
     HV, V = v_new.shape[2], v_new.shape[3]
-    if pre and (tuple(dw.shape) != (B, T, HV, K) or tuple(pst.shape) != (B, T, HV) or sdst.shape[2] != HV):
+    if delta and (tuple(dw.shape) != (B, T, HV, K) or tuple(pst.shape) != (B, T, HV) or sdst.shape[2] != HV):
         raise ValueError("dw [B, T, HV, K], pst [B, T, HV], sdst [B, NS, HV]")
     acc = torch.float64 if k.dtype == torch.float64 else torch.float32
     if kdot and (delta or gv_cum is not None):
@@ -414,8 +400,8 @@ def wy_bwd(
     # ``kk_full``, K <= 128) leaves that pass dW's product alone, and it is bitwise reproducible at 3 stages and
     # bitwise equal to one stage (H100 fwd+bwd 3.383 -> 3.350 ms; 95b3700). K > 128 keeps K K^T in the key loop at
     # one stage.
-    kk_full = pre and (config or {}).get("kk_full", True) and next_pow2(K) <= 128
-    stages = 1 if pre and not kk_full else 3
+    kk_full = delta and (config or {}).get("kk_full", True) and next_pow2(K) <= 128
+    stages = 1 if delta and not kk_full else 3
     cfg = {"num_warps": 4, "num_stages": stages, "BK": 128 if one_k else 64, "BV": 64, **(config or {})}
     cfg.pop("kk_full", None)
     bkk = next_pow2(K) if kk_full else 0
@@ -434,6 +420,6 @@ def wy_bwd(
         gv=gv_cum, dgv=dgam if gv_cum is not None else None, VEC_G=gv_cum is not None,
         hn=hn_sub, dhn=dhn_sub, N_STATE=n_state, dka=dk_add, kdk=kdk, ADD_DK=dk_add is not None, KDOT=kdot,
         DG=need_dg, sds=sds_sub, NVS=sds_sub.shape[3] if sds_sub is not None else 0,
-        dwp=dw, pst=pst, sdst=sdst, PRE=pre, BKK=max(bkk, 16) if bkk else 0, FLAT=flat,
+        dwp=dw, pst=pst, sdst=sdst, BKK=max(bkk, 16) if bkk else 0, FLAT=flat,
     )
     return rets
