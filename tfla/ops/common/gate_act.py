@@ -70,15 +70,14 @@ def _gdn_gate_kernel(
     o_t = i_t * BT + tl.arange(0, BT)
     m = o_t < T
     p = (bos + o_t) * HV + i_h
-    b_a = tl.load(g + p, mask=m, other=0.0).to(ACC)  # [BT]
     if GATE:
-        b_x = b_a
+        b_x = tl.load(g + p, mask=m, other=0.0).to(ACC)  # [BT] the pre-activation
         if HAS_BIAS:
             b_x += tl.load(dt_bias + i_h).to(ACC)
         b_e = tl.exp(tl.load(A_log + i_h).to(ACC))
         b_g = -b_e * _softplus(b_x)
-    else:
-        b_g = b_a
+    elif not REVERSE:  # (the backward reads g only through the activation)
+        b_g = tl.load(g + p, mask=m, other=0.0).to(ACC)
     if not REVERSE:
         b_gf = tl.where(b_g < FLOOR, FLOOR, b_g)  # (a comparison: NaN stays NaN)
         tl.store(out + p, (tl.cumsum(b_gf, axis=0) * SCALE).to(out.dtype.element_ty), mask=m)
@@ -114,7 +113,8 @@ def _launch(g, act: GateAct, cu_seqlens, chunk_indices, bounds, reverse, **ptrs)
     else:
         NT = cdiv(T, 64)
     acc = torch.float64 if g.dtype == torch.float64 else torch.float32
-    part = torch.zeros(B * HV, NT, 2, dtype=acc, device=g.device) if reverse and act.A_log is not None else None
+    # every program writes its two sums: no zero fill
+    part = torch.empty(B * HV, NT, 2, dtype=acc, device=g.device) if reverse and act.A_log is not None else None
     if NT == 0 or B * HV == 0:
         return part
     dummy = ptrs["out"]  # stands in for absent pointers (their constexpr flags are off)
