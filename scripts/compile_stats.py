@@ -160,7 +160,11 @@ def main(argv=None):
             default = inspect.signature(chunk_gated_delta_rule).parameters["save_v_new"].default
             keep = default if isinstance(default, bool) else True
         g, beta = -torch.rand(1, T, HV), torch.rand(1, T, HV, dtype=dtype)
-        _, _, inter = chunk_gated_delta_rule_fwd(q, k, v, g, beta, 0.1, h0, True, config=args.config)
+        from tfla.ops.common.fused_delta_fwd import SAVE_NONE, SAVE_V_NEW
+
+        # the forward as autograd runs it: keeping Vnew for the backward when the backward takes it
+        _, _, inter = chunk_gated_delta_rule_fwd(q, k, v, g, beta, 0.1, h0, True, config=args.config,
+                                                 save=SAVE_V_NEW if keep else SAVE_NONE)
         chunk_gated_delta_rule_bwd(q, k, v, inter["g_cum"], beta, inter["ai"], 0.1, h0, do, dht, config=args.config,
                                    v_new=inter["v_new"] if keep else None)
     elif args.op == "rnn":

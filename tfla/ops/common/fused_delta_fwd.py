@@ -136,7 +136,7 @@ def _fused_delta_fwd_kernel(q, k, v, g, beta, ai, a, o, v_new, h, h0, ht, cu_seq
         # Vnew = Tm (beta o (V - 2^G o (K S))): W is never formed
         b_y = (b_v - tl.dot(b_k, b_hd, input_precision=DOT_PREC) * b_eg[:, None]) * b_b[:, None]
         b_vd = tl.dot(b_tm, b_y.to(dt), input_precision=DOT_PREC).to(dt)  # [BS, BV]
-        if SAVE > 0:
+        if SAVE > 0 and BV < 64:
             tl.store(v_new + p_tv, b_vd, mask=m_tv)
         if not TRANSITION:  # the output: the state's part with its row factor 2^G after the product, the prep's
             # gated causal scores (scale included) times Vnew
@@ -146,6 +146,9 @@ def _fused_delta_fwd_kernel(q, k, v, g, beta, ai, a, o, v_new, h, h0, ht, cu_seq
                           other=0.0)
             b_o = tl.dot(b_a, b_vd, b_o, input_precision=DOT_PREC)
             tl.store(o + p_tv, b_o.to(o.dtype.element_ty), mask=m_tv)
+        if SAVE > 0 and BV >= 64:  # after the output at 64 columns: the store's layout conversion then reuses the
+            # state operand's shared memory (115 instead of 123 KB: two programs per SM)
+            tl.store(v_new + p_tv, b_vd, mask=m_tv)
         # the state after the chunk (gate weights on the keys: the backward's state pass over the saved Vnew,
         # chunk_state_fwd with key_weights, rebuilds these states bit for bit)
         if USE_G:
