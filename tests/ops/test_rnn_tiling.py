@@ -1,0 +1,175 @@
+"""The fused RNN launch optimizer (``tfla/ops/rnn/tiling.py``): constraints of every choice, branch-and-bound against
+enumeration, the cache, argument errors, the shared-memory model against sm_90 compiles, feedback, and the H100
+hand defaults of ``cells.fused_launch`` at the shapes the tests and docs use."""
+import itertools
+import types
+
+import pytest
+import torch
+
+from tfla.ops.rnn import tiling
+from tfla.ops.rnn.cells import CONFIG_KEYS, fused_launch
+from tfla.ops.rnn.tiling import (CELLS, H100, SPACE, DeviceLimits, FusedFeedback, choose_fused_launch,
+                                 exhaustive_fused_launch, fused_constraints, fused_cost, fused_smem)
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+SMALL = DeviceLimits(name="small", sms=4, regs_per_sm=32768, smem_per_block=65536, smem_per_sm=98304,
+                     max_warps_per_sm=32)
+LIMITS = (H100, SMALL, DeviceLimits(name="A100-like", sms=108, smem_per_block=166912, smem_per_sm=167936))
+SHAPES = [(1, 1), (17, 3), (16, 48), (256, 12), (4096, 48)]
+
+
+def test_space_is_the_cells_config_space():
+    assert SPACE == {k: v for k, v in CONFIG_KEYS.items() if k != "path"}
+
+
+@pytest.mark.parametrize("limits", LIMITS, ids=lambda l: l.name)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("D", [1, 16, 20, 32, 48, 64, 96, 128])
+def test_choice_meets_every_constraint_and_equals_enumeration(limits, dtype, D):
+    """Every choice meets every constraint, equals the enumeration's, and beats (or ties) every feasible candidate."""
+    for (N, NH), cell in itertools.product(SHAPES, (None, *CELLS)):
+        got = choose_fused_launch(N, NH, D, dtype, limits, cell=cell)
+        assert got == exhaustive_fused_launch(N, NH, D, dtype, limits, cell=cell)
+        feasible = [c for c in itertools.product(*SPACE.values())
+                    if all(fused_constraints(c, cell, D, dtype, limits).values())]
+        if got is None:
+            assert not feasible
+            continue
+        cons = fused_constraints(got, cell, D, dtype, limits)
+        assert all(cons.values()), cons
+        assert fused_cost(cell, D, dtype, *got, limits).smem <= limits.smem_per_block
+        key = tiling.fused_objective(got, N, NH, cell, D, dtype, limits)
+        assert all(key <= tiling.fused_objective(c, N, NH, cell, D, dtype, limits) for c in feasible)
+
+
+@pytest.mark.parametrize("fixed", [dict(BB=32), dict(num_warps=2), dict(num_stages=3), dict(BB=64, num_stages=1),
+                                   dict(BB=16, num_warps=8, num_stages=2)])
+@pytest.mark.parametrize("limits", LIMITS[:2], ids=lambda l: l.name)
+def test_fixed_variables_equal_enumeration(fixed, limits):
+    """Small spaces (some variables fixed, as ConstrINT allows) and feedback sets: branch-and-bound = enumeration."""
+    spilled = frozenset({(16, 8, 2), (32, 4, 1)})
+    failed = frozenset({(16, 4, 2), (64, 8, 1)})
+    for dtype, D, (N, NH), cell in itertools.product(DTYPES, (16, 64, 128), SHAPES, (None, "gru")):
+        fb = FusedFeedback()
+        for c in spilled:
+            fb.record(D, dtype, c, spilled=True)
+        for c in failed:
+            fb.record(D, dtype, c, failed=True)
+        got = choose_fused_launch(N, NH, D, dtype, limits, cell=cell, feedback=fb, **fixed)
+        want = exhaustive_fused_launch(N, NH, D, dtype, limits, cell=cell, spilled=spilled, failed=failed, **fixed)
+        assert got == want
+        if got is not None:
+            assert got not in failed
+            for i, k in enumerate(SPACE):
+                if k in fixed:
+                    assert got[i] == fixed[k]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("D", [1, 4, 12, 16, 17, 20, 31, 32, 33, 48, 63, 64])
+@pytest.mark.parametrize("cell", (None, *CELLS))
+def test_reproduces_h100_defaults(dtype, D, cell):
+    """At the shapes the tests (N <= 19, NH <= 3) and the docs (B = 16, D x NH = 768) use, the optimizer on the H100's
+    limits chooses ``fused_launch``'s hand defaults: BB = 16, 8 warps above D = 32 else 4, 2 stages."""
+    want = fused_launch(None, dtype, D)
+    assert want == (16, 8 if D > 32 else 4, 2)
+    for N, NH in [(1, 1), (2, 2), (3, 2), (17, 3), (19, 3), (16, 768 // max(D, 16)), (16, 48), (64, 12)]:
+        assert choose_fused_launch(N, NH, D, dtype, H100, cell=cell) == want, (N, NH)
+
+
+def test_many_programs_trade_warps_for_residency():
+    """Beyond one wave the objective may leave the hand rule (unmeasured on a GPU): fp32 D = 16 with 768 programs
+    takes 2 warps (the same mma rounds, more programs resident per SM)."""
+    assert choose_fused_launch(1, 48, 16, torch.float32) == (16, 4, 2)
+    assert choose_fused_launch(1, 768, 16, torch.float32) == (16, 2, 2)
+
+
+# sm_90, Triton 3.6.0 (compile_stats.py --op rnn), BB = 16, 2 stages: shared bytes of (forward, backward)
+SMEM_SM90 = {
+    (torch.bfloat16, 64): {"elman": (14336, 22528), "lstm": (45056, 79872), "gru": (34816, 57344),
+                           "slstm": (45056, 100352)},
+    (torch.float32, 64): {"gru": (118784, 143360), "slstm": (155648, 212992)},
+    (torch.bfloat16, 16): {"elman": (5120, 9216), "lstm": (14336, 31744), "gru": (11264, 22528),
+                           "slstm": (14336, 41984)},
+}
+
+
+@pytest.mark.parametrize("key", list(SMEM_SM90), ids=str)
+def test_smem_model_matches_sm90_compiles(key):
+    dtype, D = key
+    BD = tiling.dot_tile(D, 128, dtype)
+    for cell, (fwd, bwd) in SMEM_SM90[key].items():
+        assert fused_smem(cell, "fwd", 16, BD, 2, dtype) == fwd
+        assert fused_smem(cell, "bwd", 16, BD, 2, dtype, state_sequence=False) == bwd
+
+
+def test_bf16_d128_slstm_takes_one_stage():
+    """D = 128 bf16: two stages of the sLSTM's backward need 266240 B > 232448 (the hand rule's (16, 8, 2) does not
+    fit), one stage fits; fp32 LSTM: R alone (4 x 128 x 128 x 4 B x 2 copies) exceeds every block."""
+    assert fused_smem("slstm", "bwd", 16, 128, 2, torch.bfloat16, state_sequence=False) == 266240
+    assert choose_fused_launch(16, 6, 128, torch.bfloat16, cell="slstm")[2] == 1
+    assert choose_fused_launch(16, 6, 128, torch.float32, cell="lstm") is None
+
+
+def test_feedback_excludes_and_ranks_last():
+    fb = FusedFeedback()
+    args = (16, 12, 64, torch.bfloat16)
+    assert choose_fused_launch(*args, feedback=fb) == (16, 8, 2)
+    fb.record(64, torch.bfloat16, (16, 8, 2), cell="slstm", failed=True)
+    assert choose_fused_launch(*args, cell="lstm", feedback=fb) == (16, 8, 2)  # another cell's observation
+    got = choose_fused_launch(*args, feedback=fb)
+    assert got != (16, 8, 2) and got is not None
+    fb.record(64, torch.bfloat16, got, spilled=True)
+    again = choose_fused_launch(*args, feedback=fb)
+    assert again not in ((16, 8, 2), got)
+    assert fb.excluded(64, torch.bfloat16) == (frozenset({got}), frozenset({(16, 8, 2)}))
+    assert fb.excluded(48, torch.bfloat16)[1] == frozenset({(16, 8, 2)})  # same tile BD = 64
+    assert fb.excluded(32, torch.bfloat16) == (frozenset(), frozenset())
+
+
+def test_cache():
+    choose_fused_launch.cache_clear()
+    choose_fused_launch(16, 12, 64, torch.bfloat16)
+    choose_fused_launch(16, 12, 64, torch.bfloat16)
+    info = choose_fused_launch.cache_info()
+    assert (info.hits, info.misses) == (1, 1)
+    choose_fused_launch(16, 12, 64, torch.bfloat16, SMALL)
+    assert choose_fused_launch.cache_info().misses == 2
+
+
+@pytest.mark.parametrize("kwargs,exc,match", [
+    (dict(N=0), ValueError, "`N`"), (dict(N=1.5), TypeError, "`N`"), (dict(NH=True), TypeError, "`NH`"),
+    (dict(D=0), ValueError, "`D`"), (dict(D=129), ValueError, "`D`"), (dict(dtype=torch.float64), TypeError, "`dtype`"),
+    (dict(dtype="bf16"), TypeError, "`dtype`"), (dict(device_limits={}), TypeError, "`device_limits`"),
+    (dict(cell="rnn"), ValueError, "`cell`"), (dict(BB=8), ValueError, "`BB`"),
+    (dict(num_warps=16), ValueError, "`num_warps`"), (dict(num_stages=0), ValueError, "`num_stages`"),
+    (dict(feedback={}), TypeError, "`feedback`"),
+])
+def test_bad_arguments(kwargs, exc, match):
+    args = dict(N=16, NH=4, D=32, dtype=torch.float32, device_limits=H100, **{})
+    args.update(kwargs)
+    with pytest.raises(exc, match=match):
+        choose_fused_launch(**args)
+
+
+def test_bad_limits_and_feedback():
+    with pytest.raises(ValueError, match="`sms`"):
+        DeviceLimits(sms=0)
+    with pytest.raises(TypeError, match="`config`"):
+        FusedFeedback().record(16, torch.float32, [16, 4, 2], failed=True)
+    with pytest.raises(ValueError, match="`cell`"):
+        FusedFeedback().record(16, torch.float32, (16, 4, 2), cell="x", failed=True)
+
+
+def test_from_device(monkeypatch):
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA"):
+            DeviceLimits.from_device()
+    props = types.SimpleNamespace(name="fake", multi_processor_count=108, regs_per_multiprocessor=65536,
+                                  shared_memory_per_block_optin=166912, shared_memory_per_multiprocessor=167936,
+                                  max_threads_per_multi_processor=2048, warp_size=32)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: props)
+    lim = DeviceLimits.from_device()
+    assert (lim.sms, lim.smem_per_block, lim.smem_per_sm, lim.max_warps_per_sm) == (108, 166912, 167936, 64)

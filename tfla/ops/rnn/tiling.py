@@ -1,0 +1,329 @@
+"""Launch settings of the fused RNN kernels (``fused.py``) from integer constraints, in the spirit of FlashRNN's
+ConstrINT (Pöppel et al. 2024, Sections 5.4 and Appendices C-D): the batch tile BB, ``num_warps`` and ``num_stages``
+are chosen by a small branch-and-bound search over the integer space ``SPACE`` under the device's limits (SM count,
+registers, shared memory, warps) and the shapes' divisibility, with a lexicographic objective; results are cached.
+
+Notation: N batch rows (sequences), NH heads, D head dim, BD the dot tile (a power of two >= D, at least 16, 32 for
+16-bit inputs: ``dot_tile``), G gates, S states, W = num_warps, St = num_stages.
+
+Per-program resources (one program = one (batch tile, head); the launch tuple serves the forward and the backward):
+
+- shared memory, from ``fused.py``'s code and the buffers Triton 3.6 allocates for it (``compile_stats.py
+  --allocs``): the G recurrent blocks ``[BD, BD]`` in the dot dtype (fp32: a high and a low copy for tf32x3), plus
+  per pipelined stage (St - 1 of them) the loads issued one step ahead (forward: the G gates of x_t; backward: dh_t,
+  the gates of x_t and ``R h_{t-1}``, the state tiles and cotangents the cell's backward reads: ``_BWD_LOADS``),
+  plus one ``[BB, BD]`` layout-conversion buffer (the dot's A operand, fp32: two copies, at least BB * BD * 4 B).
+  On the 736 kernels of the sweep below it is never under the compiled figure: equal for 497, at most 16 KiB over
+  (fp32 at BD = 16, some BB = 64 or 3-stage configs). State-sequence cotangents (``rnn_state_sequence``) add
+  their tiles to the backward's loads.
+- registers per thread, an estimate (ptxas decides): ``a + b * e + c * f`` with e = BB * BD / (32 * min(W, tiles))
+  the elements of one ``[BB, BD]`` tile a thread holds (tiles = (BB / 16) * (BD / 8) mma tiles of one dot: warps
+  beyond that replicate) and f = BB * BD / 32 (each warp holds the whole A operand), a, b, c per (cell, direction,
+  16-bit | fp32) from a least-squares fit to sm_90 compiles (``_REG_FIT``). Its spill classification (estimate > 255
+  <=> ptxas spilled) is right for 647 of 736 compiled kernels (bf16 D = 16..128, fp32 D = 16..64, BB 16 / 32 / 64,
+  W 4 / 8 (and 2 at D = 16), St 1 / 2 (and 3 at D = 16)): it misses 83 spills and predicts 6 that do not occur (the
+  misses: BB = 32 at D = 32 and 2 warps at D = 16, mostly the LSTM's and sLSTM's backward); registers cannot be predicted exactly (FlashRNN,
+  Appendix D), so compiled kernels' spills and failures feed back through ``FusedFeedback`` (below).
+
+Measured, sm_90, Triton 3.6.0 and its ptxas, compiled on a CPU (``scripts/compile_stats.py --op rnn``), BB = 16,
+W = 8, St = 2, D = 64 (registers / spill bytes / shared bytes; model's shared bytes equal):
+
+| dtype | kernel | elman | lstm | gru | slstm |
+|---|---|---|---|---|---|
+| bf16 | fwd | 48 / 0 / 14336 | 96 / 0 / 45056 | 74 / 0 / 34816 | 120 / 0 / 45056 |
+| bf16 | bwd | 48 / 0 / 22528 | 157 / 0 / 79872 | 124 / 0 / 57344 | 206 / 0 / 100352 |
+| fp32 | fwd | 93 / 0 / 45056 | 169 / 0 / 155648 | 162 / 0 / 118784 | 165 / 0 / 155648 |
+| fp32 | bwd | 100 / 0 / 53248 | 254 / 0 / 192512 | 170 / 0 / 143360 | 255 / 4 / 212992 |
+
+(fp32 at D = 64: the sLSTM backward spills 4 B under Triton 3.6 at these defaults; Triton 3.9: 254 registers, none.)
+
+Constraints of a candidate (``fused_constraints``): BB, W, St in ``SPACE``; BB a multiple of 16 (the mma tile's
+rows); 32 W threads within the block limit; shared memory of every kernel within the per-block limit; at least one
+program resident per SM (registers, warps); not recorded as failed to compile. Objective (``fused_objective``,
+smaller is better, compared in order): (1) registers over the per-thread limit (a predicted spill; a recorded spill
+counts as over), (2) waves x mma rounds: waves = ceil(programs / (SMs x resident programs per SM)), programs = NH *
+ceil(N / BB), rounds = ceil(tiles / W) mma tiles per warp per dot, a step-latency proxy, (3) rounds, (4) one stage (step t + 1's
+loads not overlapped with step t), (5) fewer warps than the SM's schedulers (4), (6) W, (7) shared memory, (8) BB,
+(9) St. ``choose_fused_launch`` returns the smallest candidate; ``exhaustive_fused_launch`` the same by enumeration
+(for tests).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import math
+
+import torch
+
+from tfla.ops.common.utils import dot_tile
+
+SPACE = {"BB": (16, 32, 64), "num_warps": (1, 2, 4, 8), "num_stages": (1, 2, 3)}  # = cells.CONFIG_KEYS
+MAX_FUSED_D = 128  # fused.MAX_FUSED_D (not imported: fused.py needs Triton)
+CELLS = ("elman", "lstm", "gru", "slstm")
+_GATES = {"elman": 1, "lstm": 4, "gru": 3, "slstm": 4}
+# [BB, BD] tiles the backward's loop loads per step (pipelined with St > 1): (fp32 tiles, tiles in x's dtype);
+# fp32: dh_t's final-state part (h, c, n), R h_{t-1} of the gates it reads, the states it reads (t and t + 1);
+# x's dtype: dh_t, the gates of x_t it reads (Triton drops the loads a cell's backward does not use)
+_BWD_LOADS = {"elman": (2, 1), "lstm": (8, 5), "gru": (5, 4), "slstm": (13, 5)}
+_SEQ_LOADS = {"elman": 0, "lstm": 1, "gru": 0, "slstm": 2}  # the state sequence's cotangents (c; c, n)
+# registers a + b e + c f (module docstring): least squares over the kernels that did not spill, sm_90, Triton 3.6.0
+# (D = 16 and 32, part of 64; fp32 and bf16), checked on the whole sweep (module docstring)
+_REG_FIT = {
+    ("elman", "fwd", "16"): (11.9, 5.2, 0.2), ("elman", "bwd", "16"): (17.1, 7.7, 0.2),
+    ("lstm", "fwd", "16"): (49.6, 9.5, 0.9), ("lstm", "bwd", "16"): (71.0, 10.0, 1.5),
+    ("gru", "fwd", "16"): (48.1, 11.3, 0.2), ("gru", "bwd", "16"): (52.6, 19.5, 0.5),
+    ("slstm", "fwd", "16"): (104.5, 1.8, 1.2), ("slstm", "bwd", "16"): (8.3, 33.1, 1.5),
+    ("elman", "fwd", "fp32"): (41.5, 1.5, 1.1), ("elman", "bwd", "fp32"): (40.7, 3.5, 1.2),
+    ("lstm", "fwd", "fp32"): (108.5, 2.0, 1.9), ("lstm", "bwd", "fp32"): (107.9, 17.5, 0.1),
+    ("gru", "fwd", "fp32"): (63.8, 5.5, 2.0), ("gru", "bwd", "fp32"): (86.1, 18.6, -0.8),
+    ("slstm", "fwd", "fp32"): (111.7, 14.2, -1.0), ("slstm", "bwd", "fp32"): (11.8, 47.2, 0.5),
+}
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceLimits:
+    """What one SM and one block may use. Default: H100 SXM (sm_90): 132 SMs, 64 Ki 32-bit registers per SM, 255
+    per thread, 227 KiB (232448 B) opt-in shared memory per block and 228 KiB per SM, 64 warps and 32 blocks per
+    SM, 1024 threads per block, 4 warp schedulers per SM (CUDA C Programming Guide, compute capability 9.0)."""
+    name: str = "H100 (sm_90)"
+    sms: int = 132
+    regs_per_sm: int = 65536
+    regs_per_thread: int = 255
+    smem_per_block: int = 232448
+    smem_per_sm: int = 233472
+    max_warps_per_sm: int = 64
+    max_blocks_per_sm: int = 32
+    max_threads_per_block: int = 1024
+    schedulers_per_sm: int = 4
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.name == "name":
+                if not isinstance(v, str):
+                    raise TypeError(f"`name` must be a str, got {type(v).__name__}")
+            elif not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"`{f.name}` must be a positive int, got {v!r}")
+
+    @classmethod
+    def from_device(cls, device=None) -> DeviceLimits:
+        """The limits of a CUDA device from ``torch.cuda.get_device_properties`` (fields it lacks keep the H100's);
+        ValueError when CUDA is not available."""
+        if not torch.cuda.is_available():
+            raise ValueError("`device`: CUDA is not available; use DeviceLimits() (the H100's limits)")
+        p = torch.cuda.get_device_properties(device)
+        d = cls()
+        warp = getattr(p, "warp_size", 32) or 32
+        return cls(name=str(getattr(p, "name", d.name)), sms=int(p.multi_processor_count),
+                   regs_per_sm=int(getattr(p, "regs_per_multiprocessor", d.regs_per_sm)),
+                   smem_per_block=int(getattr(p, "shared_memory_per_block_optin", d.smem_per_block)),
+                   smem_per_sm=int(getattr(p, "shared_memory_per_multiprocessor", d.smem_per_sm)),
+                   max_warps_per_sm=int(getattr(p, "max_threads_per_multi_processor", 32 * d.max_warps_per_sm))
+                   // warp)
+
+
+H100 = DeviceLimits()
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedCost:
+    """Resources of one program of a fused launch over the kernels it covers (the cell's forward and backward, or
+    all four cells'): shared bytes and estimated registers per thread, the maxima; resident programs per SM."""
+    smem: int
+    regs: int
+    resident: int  # programs per SM (0: none fits)
+    tiles: int  # mma tiles of one [BB, BD] x [BD, BD] dot
+    rounds: int  # ceil(tiles / W)
+
+
+def _check_dtype(dtype):
+    if dtype not in _DTYPES:
+        raise TypeError(f"`dtype` must be torch.float32, torch.float16 or torch.bfloat16, got {dtype!r}")
+
+
+def _check_int(name, v, lo=1, hi=None):
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise TypeError(f"`{name}` must be an int, got {type(v).__name__}")
+    if v < lo or (hi is not None and v > hi):
+        raise ValueError(f"`{name}` must be in [{lo}, {hi if hi is not None else 'inf'}], got {v}")
+
+
+def _check_cell(cell):
+    if cell is not None and cell not in CELLS:
+        raise ValueError(f"`cell` must be None (all four) or one of {CELLS}, got {cell!r}")
+
+
+def fused_smem(cell: str, direction: str, BB: int, BD: int, num_stages: int, dtype, state_sequence=True) -> int:
+    """Shared bytes of one program of ``_rnn_fused_{fwd,bwd}_kernel`` (module docstring)."""
+    wbytes, copies = (4, 2) if dtype == torch.float32 else (2, 1)
+    xbytes = 4 if dtype == torch.float32 else 2
+    G, tile = _GATES[cell], BB * BD
+    weights = G * BD * BD * wbytes * copies
+    scratch = max(tile * wbytes * copies, tile * 4)
+    if direction == "fwd":
+        per_stage = G * tile * xbytes
+    else:
+        n32, nx = _BWD_LOADS[cell]
+        n32 += _SEQ_LOADS[cell] if state_sequence else 0
+        per_stage = n32 * tile * 4 + nx * tile * xbytes
+    return weights + (num_stages - 1) * per_stage + scratch
+
+
+def fused_regs(cell: str, direction: str, BB: int, BD: int, num_warps: int, dtype) -> int:
+    """Estimated registers per thread of one program (``_REG_FIT``; may exceed 255: a predicted spill)."""
+    a, b, c = _REG_FIT[(cell, direction, "fp32" if dtype == torch.float32 else "16")]
+    tiles = (BB // 16) * (BD // 8)
+    e = BB * BD / (32 * min(num_warps, tiles))
+    return math.ceil(a + b * e + c * BB * BD / 32)
+
+
+def fused_cost(cell, D: int, dtype, BB: int, num_warps: int, num_stages: int, limits: DeviceLimits = H100) -> FusedCost:
+    """``FusedCost`` of a launch (cell None: the maxima over the four cells)."""
+    BD = dot_tile(D, MAX_FUSED_D, dtype)
+    cells = CELLS if cell is None else (cell,)
+    smem = max(fused_smem(c, k, BB, BD, num_stages, dtype) for c in cells for k in ("fwd", "bwd"))
+    regs = max(fused_regs(c, k, BB, BD, num_warps, dtype) for c in cells for k in ("fwd", "bwd"))
+    alloc = min(limits.regs_per_thread, -(-regs // 8) * 8)  # ptxas allocates in 8s, spilling past the limit
+    resident = min(limits.smem_per_sm // max(smem, 1), limits.regs_per_sm // (alloc * 32 * num_warps),
+                   limits.max_warps_per_sm // num_warps, limits.max_blocks_per_sm)
+    tiles = (BB // 16) * (BD // 8)
+    return FusedCost(smem, regs, resident, tiles, -(-tiles // num_warps))
+
+
+def fused_constraints(cand, cell, D, dtype, limits: DeviceLimits = H100, failed=frozenset()) -> dict[str, bool]:
+    """Each hard constraint of a candidate ``(BB, num_warps, num_stages)``, by name: True where it holds."""
+    BB, W, St = cand
+    c = fused_cost(cell, D, dtype, BB, W, St, limits)
+    return {
+        "in_space": BB in SPACE["BB"] and W in SPACE["num_warps"] and St in SPACE["num_stages"],
+        "BB_multiple_of_16": BB % 16 == 0,
+        "threads_per_block": 32 * W <= limits.max_threads_per_block,
+        "smem_per_block": c.smem <= limits.smem_per_block,
+        "resident_per_sm": c.resident >= 1,
+        "not_failed": cand not in failed,
+    }
+
+
+def fused_objective(cand, N, NH, cell, D, dtype, limits: DeviceLimits = H100, spilled=frozenset()) -> tuple:
+    """The objective's key of a candidate (module docstring; compared lexicographically, smaller is better)."""
+    BB, W, St = cand
+    c = fused_cost(cell, D, dtype, BB, W, St, limits)
+    over = max(0, c.regs - limits.regs_per_thread) + (1 if cand in spilled else 0)
+    programs = NH * -(-N // BB)
+    waves = -(-programs // (limits.sms * max(c.resident, 1)))
+    return (over, waves * c.rounds, c.rounds, St == 1, W < limits.schedulers_per_sm, W, c.smem, BB, St)
+
+
+@dataclasses.dataclass
+class FusedFeedback:
+    """Observations of compiled fused launches, so later choices exclude or avoid them (FlashRNN's compiler feedback,
+    Appendix D): ``record(D, dtype, (BB, num_warps, num_stages), cell=None, spilled=.., failed=..)``. A failed
+    compile excludes the config; a spill makes it rank after every config without a (predicted or recorded) spill.
+    Keyed by (BD, dtype, cell); cell None applies to every cell. An in-memory table held by its caller (e.g.
+    ``scripts/rnn_tiling.py``), passed to ``choose_fused_launch(..., feedback=)``; no module keeps one."""
+    table: dict = dataclasses.field(default_factory=dict)
+
+    def record(self, D: int, dtype, config: tuple[int, int, int], cell: str | None = None, *, spilled: bool = False,
+               failed: bool = False) -> None:
+        _check_int("D", D, 1, MAX_FUSED_D)
+        _check_dtype(dtype)
+        _check_cell(cell)
+        if not (isinstance(config, tuple) and len(config) == 3 and all(isinstance(v, int) for v in config)):
+            raise TypeError(f"`config` must be a tuple (BB, num_warps, num_stages) of ints, got {config!r}")
+        if not (spilled or failed):
+            return
+        key = (dot_tile(D, MAX_FUSED_D, dtype), dtype, cell)
+        spill, fail = self.table.get(key, (frozenset(), frozenset()))
+        self.table[key] = (spill | {config} if spilled else spill, fail | {config} if failed else fail)
+
+    def excluded(self, D: int, dtype, cell: str | None = None) -> tuple[frozenset, frozenset]:
+        """``(spilled, failed)`` configs recorded for D's tile, dtype and cell (and cell None's; for cell None: all
+        cells')."""
+        BD = dot_tile(D, MAX_FUSED_D, dtype)
+        spill, fail = frozenset(), frozenset()
+        for (bd, dt, c), (s, f) in self.table.items():
+            if bd == BD and dt == dtype and (c is None or cell is None or c == cell):
+                spill, fail = spill | s, fail | f
+        return spill, fail
+
+
+def _check_args(N, NH, D, dtype, limits, cell, fixed):
+    _check_int("N", N)
+    _check_int("NH", NH)
+    _check_int("D", D, 1, MAX_FUSED_D)
+    _check_dtype(dtype)
+    if not isinstance(limits, DeviceLimits):
+        raise TypeError(f"`device_limits` must be a DeviceLimits, got {type(limits).__name__}")
+    _check_cell(cell)
+    for k, v in fixed.items():
+        if v is not None and (v not in SPACE[k] or isinstance(v, bool)):
+            raise ValueError(f"`{k}` must be None or one of {SPACE[k]}, got {v!r}")
+
+
+def _space(fixed):
+    return [tuple(SPACE[k] if fixed[k] is None else (fixed[k],)) for k in ("BB", "num_warps", "num_stages")]
+
+
+def exhaustive_fused_launch(N, NH, D, dtype, device_limits=H100, *, cell=None, BB=None, num_warps=None,
+                            num_stages=None, spilled=frozenset(), failed=frozenset()):
+    """``choose_fused_launch`` by enumerating every candidate (the reference of the tests)."""
+    fixed = {"BB": BB, "num_warps": num_warps, "num_stages": num_stages}
+    _check_args(N, NH, D, dtype, device_limits, cell, fixed)
+    ok = [c for c in itertools.product(*_space(fixed))
+          if all(fused_constraints(c, cell, D, dtype, device_limits, failed).values())]
+    return min(ok, key=lambda c: fused_objective(c, N, NH, cell, D, dtype, device_limits, spilled), default=None)
+
+
+@functools.lru_cache(maxsize=4096)
+def _choose(N, NH, D, dtype, limits, cell, BB, W, St, spilled, failed):
+    fixed = {"BB": BB, "num_warps": W, "num_stages": St}
+    bbs, ws, sts = _space(fixed)
+    best, best_key = None, None
+    for bb in sorted(bbs):
+        # shared memory grows with BB and St and does not depend on W: the smallest stage count bounds this BB
+        # (and, BB ascending, every larger one)
+        if fused_cost(cell, D, dtype, bb, max(ws), min(sts), limits).smem > limits.smem_per_block:
+            break
+        for w in sorted(ws, reverse=True):
+            c0 = fused_cost(cell, D, dtype, bb, w, min(sts), limits)
+            # bound: (1) and (2) of the key do not depend on St except through residency, at most that of St min
+            lb_over = max(0, c0.regs - limits.regs_per_thread)
+            lb_waves = -(-(NH * -(-N // bb)) // (limits.sms * max(c0.resident, 1)))
+            if best_key is not None and (lb_over, lb_waves * c0.rounds) > best_key[:2]:
+                continue
+            for st in sorted(sts):
+                cand = (bb, w, st)
+                if not all(fused_constraints(cand, cell, D, dtype, limits, failed).values()):
+                    if fused_cost(cell, D, dtype, bb, w, st, limits).smem > limits.smem_per_block:
+                        break  # more stages only add shared memory
+                    continue
+                key = fused_objective(cand, N, NH, cell, D, dtype, limits, spilled)
+                if best_key is None or key < best_key:
+                    best, best_key = cand, key
+    return best
+
+
+def choose_fused_launch(N: int, NH: int, D: int, dtype, device_limits: DeviceLimits = H100, *, cell: str | None = None,
+                        BB: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+                        feedback: FusedFeedback | None = None) -> tuple[int, int, int] | None:
+    """The fused path's ``(BB, num_warps, num_stages)`` for N batch rows, NH heads, head dim D (1..128) and x's dtype
+    (fp32, fp16, bf16) on ``device_limits`` (default the H100's): the smallest candidate of the objective among those
+    meeting every constraint (module docstring), or None when none does (R of all gates does not fit a block: run the
+    alternating path). ``cell``: one cell's kernels, or None (default) for the most demanding of the four. ``BB``,
+    ``num_warps``, ``num_stages``: fix a variable (None: search it). ``feedback``: observed spills / compile failures
+    (``FusedFeedback``). Cached (``functools.lru_cache`` on the arguments and the feedback's content).
+
+    Raises ValueError (out-of-range N, NH, D, a fixed value outside ``SPACE``, an unknown cell) or TypeError (a
+    non-int size, an unsupported dtype, limits not a ``DeviceLimits``), naming the argument."""
+    fixed = {"BB": BB, "num_warps": num_warps, "num_stages": num_stages}
+    _check_args(N, NH, D, dtype, device_limits, cell, fixed)
+    if feedback is not None and not isinstance(feedback, FusedFeedback):
+        raise TypeError(f"`feedback` must be None or a FusedFeedback, got {type(feedback).__name__}")
+    spilled, failed = feedback.excluded(D, dtype, cell) if feedback is not None else (frozenset(), frozenset())
+    return _choose(N, NH, D, dtype, device_limits, cell, BB, num_warps, num_stages, spilled, failed)
+
+
+choose_fused_launch.cache_info = _choose.cache_info
+choose_fused_launch.cache_clear = _choose.cache_clear
