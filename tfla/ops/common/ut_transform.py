@@ -33,21 +33,29 @@ from tfla.ops.common.utils import SUB_CHUNK, acc_dtype, cdiv, dot_precision, dot
 
 
 @triton.jit
-def _unit_lower_inverse(b_A, BC: tl.constexpr, ACC: tl.constexpr):
-    """``(I + A)^-1`` of a strictly lower-triangular fp32 ``[BC, BC]`` block.
+def _unit_lower_inverse4(b_A0, b_A1, b_A2, b_A3, BC: tl.constexpr, ACC: tl.constexpr):
+    """``(I + A)^-1`` of four strictly lower-triangular fp32 ``[BC, BC]`` blocks.
 
     ``I + A = prod_j (I + a_j e_j^T)`` with ``a_j`` column j of A, so the inverse is
     ``prod_{j = BC-1 .. 0} (I - a_j e_j^T)``: starting from ``X = I``, ``X <- X - a_j (e_j^T X)`` for
     j = 0, 1, ... Column j of A comes out row-indexed and row j of X column-indexed, so every step
-    is an outer-product update with no register-layout conversion.
+    is an outer-product update with no register-layout conversion. The four blocks take each step in one loop
+    (four independent chains of reductions per step for the warp to overlap).
     """
     o = tl.arange(0, BC)
-    b_X = tl.where(o[:, None] == o[None, :], 1.0, 0.0).to(ACC)
+    b_I = tl.where(o[:, None] == o[None, :], 1.0, 0.0).to(ACC)
+    b_X0 = b_I
+    b_X1 = b_I
+    b_X2 = b_I
+    b_X3 = b_I
     for j in range(0, BC - 1):
-        b_a = tl.sum(tl.where(o[None, :] == j, b_A, 0.0), 1)  # [BC] column j of A
-        b_x = tl.sum(tl.where(o[:, None] == j, b_X, 0.0), 0)  # [BC] row j of X
-        b_X -= b_a[:, None] * b_x[None, :]
-    return b_X
+        m_c = o[None, :] == j
+        m_r = o[:, None] == j
+        b_X0 -= tl.sum(tl.where(m_c, b_A0, 0.0), 1)[:, None] * tl.sum(tl.where(m_r, b_X0, 0.0), 0)[None, :]
+        b_X1 -= tl.sum(tl.where(m_c, b_A1, 0.0), 1)[:, None] * tl.sum(tl.where(m_r, b_X1, 0.0), 0)[None, :]
+        b_X2 -= tl.sum(tl.where(m_c, b_A2, 0.0), 1)[:, None] * tl.sum(tl.where(m_r, b_X2, 0.0), 0)[None, :]
+        b_X3 -= tl.sum(tl.where(m_c, b_A3, 0.0), 1)[:, None] * tl.sum(tl.where(m_r, b_X3, 0.0), 0)[None, :]
+    return b_X0, b_X1, b_X2, b_X3
 
 
 @triton.jit
@@ -177,10 +185,7 @@ def _gdn_ut_inverse_kernel(
     b_A32 *= b_b3[:, None]
 
     # Tm = (I + A)^-1: diagonal blocks by substitution, the rest by block forward substitution
-    b_T00 = _unit_lower_inverse(b_A00, BC, ACC)
-    b_T11 = _unit_lower_inverse(b_A11, BC, ACC)
-    b_T22 = _unit_lower_inverse(b_A22, BC, ACC)
-    b_T33 = _unit_lower_inverse(b_A33, BC, ACC)
+    b_T00, b_T11, b_T22, b_T33 = _unit_lower_inverse4(b_A00, b_A11, b_A22, b_A33, BC, ACC)
     b_T10 = -tl.dot(b_T11, tl.dot(b_A10, b_T00, input_precision=MERGE_PREC), input_precision=MERGE_PREC)
     b_T21 = -tl.dot(b_T22, tl.dot(b_A21, b_T11, input_precision=MERGE_PREC), input_precision=MERGE_PREC)
     b_T32 = -tl.dot(b_T33, tl.dot(b_A32, b_T22, input_precision=MERGE_PREC), input_precision=MERGE_PREC)
