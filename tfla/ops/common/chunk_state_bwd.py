@@ -76,13 +76,15 @@ def _chunk_state_bwd_kernel(
     ROWLOG: tl.constexpr = False,
     IDX64: tl.constexpr = False,
     FLAT: tl.constexpr = False,
+    STORE: tl.constexpr = True,
 ):
     """Reverse state-gradient recurrence (DELTA: of the delta rule; otherwise of linear attention,
     where the W^T dU term is absent and dU is the whole gradient of V). ``b_dh`` is the gradient of the state
     after the current sub-chunk; per sub-chunk (reverse): dU = dvo + 2^(G_n - G) (K dS),
     dS <- 2^(G_n - G_c) dS - W^T dU; at each outer-chunk start the output's use of the state adds
     scale (2^G Q)^T dO of the whole outer chunk. Stores dS at every sub-chunk (for the parallel
-    gradient kernels) and dU. That product keeps the row factor scale 2^G unrounded on dO's side
+    gradient kernels) and dU (not with STORE off: only the initial state's gradient, a segment's summary). That
+    product keeps the row factor scale 2^G unrounded on dO's side
     (``_rowscaled_qdot``): rounding 2^G q to bf16 made d initial_state 3-4x less accurate than FLA's (H100,
     bf16); the fp32 q tile that fixed it (a TF32 product) spilled registers (GDN on the H100: 0.49 -> 0.89 ms).
 
@@ -128,10 +130,11 @@ def _chunk_state_bwd_kernel(
             r0, o_r = _row_split(bos, t0, o_c, IDX64)
             m_tk = m_t[:, None] & m_k[None, :]
             m_tv = m_t[:, None] & m_v[None, :]
-            p_dhs = dh + ((boh + t0 // BS) * HV + i_hv) * K * V + o_kv
+            if SDS or STORE:
+                p_dhs = dh + ((boh + t0 // BS) * HV + i_hv) * K * V + o_kv
             if SDS:  # S of this slot, read here and used below (its latency behind this step's loads and products)
                 b_s = tl.load(p_dhs, mask=m_kv, other=0.0)
-            else:
+            elif STORE:
                 tl.store(p_dhs, b_dh.to(dh.dtype.element_ty), mask=m_kv)
             b_k = tl.load(k + (r0 * H + i_h) * K + o_r[:, None] * (H * K) + o_k[None, :], mask=m_tk, other=0.0)
             b_q = tl.load(q + (r0 * H + i_h) * K + o_r[:, None] * (H * K) + o_k[None, :], mask=m_tk, other=0.0)
@@ -173,7 +176,8 @@ def _chunk_state_bwd_kernel(
             else:
                 b_du += b_kdh
                 b_sr = tl.full([BS], scale, dtype=tl.float32)
-            tl.store(du + p_tv, b_du.to(du.dtype.element_ty), mask=m_tv)
+            if STORE:
+                tl.store(du + p_tv, b_du.to(du.dtype.element_ty), mask=m_tv)
             # the output's q-term (scale 2^G q)^T dO with the row factor on dO's side ([BS, BV], not [BS, BK])
             b_qt = _rowscaled_qdot(b_q, b_do, b_sr, dt, ACC, DOT_PREC, QSPLIT)
             if BT > BS:
@@ -282,6 +286,7 @@ def chunk_state_bwd(
     h_sub: torch.Tensor | None = None,
     sds: bool = False,
     do_row_log2: torch.Tensor | None = None,
+    store: bool = True,
 ):
     """State-gradient recurrence of the gated delta rule (reverse, 64-row sub-chunks, outer chunk L).
 
@@ -303,6 +308,8 @@ def chunk_state_bwd(
             h_sub keeps S.
         do_row_log2: ``[B, T, HV]`` (g_cum's dtype) or None: the output's cotangent is ``do * 2^do_row_log2`` per
             row, applied through the query rows' gate (needs ``g_cum`` and dvo None: formed here).
+        store: False writes neither dh nor du (returned as None): the recurrence runs for ``dh0`` alone (a
+            segment's state-gradient summary, ``need_dh0`` True); not with ``dden``, ``sds`` or ``h_sub``.
     Returns:
         ``dh [B, NS, HV, K, V]`` (gradient of the state after each 64-row sub-chunk, k's dtype),
         ``du [B, T, HV, V]`` (total gradient of U = Vnew's gradient, k's dtype), ``dh0 [N, HV, K, V]``
@@ -313,6 +320,8 @@ def chunk_state_bwd(
     HV, V = do.shape[2], do.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     NS = cdiv(T, SUB_CHUNK) if cu_seqlens is None else num_sub_chunks
+    if not store and (not need_dh0 or dden is not None or sds or h_sub is not None):
+        raise ValueError("store=False runs the recurrence for dh0 alone: needs need_dh0, no dden, sds or h_sub")
     if sds and (h_sub is None or w is not None):
         raise ValueError("sds (the rows of <S, dS>) needs h_sub and serves linear attention (w None)")
     # measured (docs/performance.md): the delta rule at K <= 128 runs best on 64-column value tiles with 8 warps
@@ -332,9 +341,11 @@ def chunk_state_bwd(
         if tuple(h_sub.shape) != (B, NS, HV, K, V) or h_sub.dtype != k.dtype or not h_sub.is_contiguous():
             raise ValueError(f"h_sub must be a contiguous {(B, NS, HV, K, V)} tensor of k's dtype")
         dh = h_sub  # in place: each slot's S is read (SDS) before its dS is stored
-    else:
+    elif store:
         dh = torch.empty(B, NS, HV, K, V, dtype=k.dtype, device=k.device)
-    du = torch.empty(B, T, HV, V, dtype=k.dtype, device=k.device)
+    else:
+        dh = None
+    du = torch.empty(B, T, HV, V, dtype=k.dtype, device=k.device) if store else None
     dh0 = torch.empty(N, HV, K, V, dtype=_state_acc(k.dtype), device=k.device) if need_dh0 else None
     n_state = dden is not None
     intra = dvo is None
@@ -368,7 +379,7 @@ def chunk_state_bwd(
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         gv=gv_cum, VEC_G=gv_cum is not None, INTRA=intra, sds=sds_t, SDS=sds_on,
         QSPLIT=cfg.get("qsplit", True), rl=do_row_log2,
-        ROWLOG=do_row_log2 is not None, IDX64=idx64, FLAT=flat,
+        ROWLOG=do_row_log2 is not None, IDX64=idx64, FLAT=flat, STORE=store,
     )
     if n_state:
         # its own launch config (config keys n_bk, n_warps, n_stages; H100, B=8 T=8192 H=16 K=128, scripts/tune.py:

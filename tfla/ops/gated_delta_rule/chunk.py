@@ -212,7 +212,7 @@ def chunk_gated_delta_rule_bwd(
 def _state_grad_in_pieces(q, k, w, do, g_cum, scale, dht, need_dh0, split: Split, config):
     """The state-gradient recurrence (L = 64) over the forward's pieces in parallel, exactly (``docs/gdn-math.md``
     section 6, backward): the adjoint is affine in the state gradient, ``dS_start = M^T dS_end + dN`` per piece.
-    Pass 1 runs every piece from a zero gradient at its end for ``dN`` (its outputs are overwritten by pass 2); the
+    Pass 1 runs every piece from a zero gradient at its end for ``dN`` alone (``store=False``: no dS or dU); the
     reverse scan walks each sequence's pieces from the final state's cotangent for every piece's end gradient and
     the initial state's gradient; pass 2 runs every piece from its exact end gradient and writes dS at every 64
     rows and dU. Two passes of the recurrence in ``pieces`` times as many programs. Returns ``chunk_state_bwd``'s
@@ -222,7 +222,7 @@ def _state_grad_in_pieces(q, k, w, do, g_cum, scale, dht, need_dh0, split: Split
     flat = [x.reshape(1, B * T, *x.shape[2:]) if x is not None else None for x in (q, k, w, do, g_cum)]
     kw = dict(cu_seqlens=split.cu_seqlens, sub_offsets=split.sub_offsets, num_sub_chunks=split.num_chunks,
               config=config)
-    _, _, dn = chunk_state_bwd(*flat[:4], None, flat[4], scale, SUB_CHUNK, need_dh0=True, **kw)
+    _, _, dn = chunk_state_bwd(*flat[:4], None, flat[4], scale, SUB_CHUNK, need_dh0=True, store=False, **kw)
     ends, dh0 = segment_scan(split.mn, dht, split.first, V, need_dh0, config, dn=dn)
     del dn
     dh, du, _ = chunk_state_bwd(*flat[:4], None, flat[4], scale, SUB_CHUNK, dht=ends, **kw)
