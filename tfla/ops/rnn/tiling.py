@@ -22,8 +22,9 @@ Per-program resources (one program = one (batch tile, head); the launch tuple se
   16-bit | fp32) from a least-squares fit to sm_90 compiles (``_REG_FIT``). Its spill classification (estimate > 255
   <=> ptxas spilled) is right for 647 of 736 compiled kernels (bf16 D = 16..128, fp32 D = 16..64, BB 16 / 32 / 64,
   W 4 / 8 (and 2 at D = 16), St 1 / 2 (and 3 at D = 16)): it misses 83 spills and predicts 6 that do not occur (the
-  misses: BB = 32 at D = 32 and 2 warps at D = 16, mostly the LSTM's and sLSTM's backward); registers cannot be predicted exactly (FlashRNN,
-  Appendix D), so compiled kernels' spills and failures feed back through ``FusedFeedback`` (below).
+  misses: BB = 32 at D = 32 and 2 warps at D = 16, mostly the LSTM's and sLSTM's backward); registers cannot be
+  predicted exactly (FlashRNN, Appendix D), so compiled kernels' spills and failures feed back through
+  ``FusedFeedback`` (below).
 
 Measured, sm_90, Triton 3.6.0 and its ptxas, compiled on a CPU (``scripts/compile_stats.py --op rnn``), BB = 16,
 W = 8, St = 2, D = 64 (registers / spill bytes / shared bytes; model's shared bytes equal):
@@ -42,10 +43,10 @@ rows); 32 W threads within the block limit; shared memory of every kernel within
 program resident per SM (registers, warps); not recorded as failed to compile. Objective (``fused_objective``,
 smaller is better, compared in order): (1) registers over the per-thread limit (a predicted spill; a recorded spill
 counts as over), (2) waves x mma rounds: waves = ceil(programs / (SMs x resident programs per SM)), programs = NH *
-ceil(N / BB), rounds = ceil(tiles / W) mma tiles per warp per dot, a step-latency proxy, (3) rounds, (4) one stage (step t + 1's
-loads not overlapped with step t), (5) fewer warps than the SM's schedulers (4), (6) W, (7) shared memory, (8) BB,
-(9) St. ``choose_fused_launch`` returns the smallest candidate; ``exhaustive_fused_launch`` the same by enumeration
-(for tests).
+ceil(N / BB), rounds = ceil(tiles / W) mma tiles per warp per dot, a step-latency proxy, (3) rounds, (4) one stage
+(step t + 1's loads not overlapped with step t), (5) fewer warps than the SM's schedulers (4), (6) W, (7) shared
+memory, (8) BB, (9) St. ``choose_fused_launch`` returns the smallest candidate; ``exhaustive_fused_launch`` the same
+by enumeration (for tests).
 """
 from __future__ import annotations
 
