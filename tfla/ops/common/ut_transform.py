@@ -87,10 +87,12 @@ def _gdn_ut_inverse_kernel(
     ACC: tl.constexpr,
     WITH_SCORES: tl.constexpr = False,
     FLAT: tl.constexpr = False,
+    SR: tl.constexpr = 64,
+    SBK: tl.constexpr = 32,
 ):
     """Tm = (I + A)^-1 of one 64-row sub-chunk, A = beta (K K^T) 2^(G_r - G_i) strictly lower. WITH_SCORES: also
     the fused forward's output scores ``scale causal(q k^T) o 2^(G_r - G_s)`` of the sub-chunk (``sc``, layout as
-    ``ai``), in 16-row blocks (one warp holds a [16, 64] fp32 block, not the whole [64, 64])."""
+    ``ai``), in ``[SR, 64]`` blocks over ``SBK``-wide key slices."""
     BS: tl.constexpr = 64
     BC: tl.constexpr = 16
     i_s, i_bh = program_rows(T, BS, HV, IS_VARLEN, FLAT)  # (64-row sub-chunk, batch x head): 2-D or flat grid
@@ -224,18 +226,19 @@ def _gdn_ut_inverse_kernel(
         if USE_G:
             b_gs = tl.load(g + bos * HV + i_hv + t_s * HV, mask=m_s, other=0.0)
         p_q = q + (bos * H + i_h) * K
-        for i_r in tl.static_range(BS // BC):
-            t_r = t0 + i_r * BC + o_c
+        o_sr = tl.arange(0, SR)
+        for i_r in tl.static_range(BS // SR):  # SR rows of scores at a time
+            t_r = t0 + i_r * SR + o_sr
             m_r = t_r < T
-            b_s = tl.zeros([BC, BS], dtype=ACC)
-            for i_k in range(tl.cdiv(K, BK)):
-                o_k = i_k * BK + tl.arange(0, BK)
+            b_s = tl.zeros([SR, BS], dtype=ACC)
+            for i_k in range(tl.cdiv(K, SBK)):
+                o_k = i_k * SBK + tl.arange(0, SBK)
                 m_k = o_k < K
                 b_q = tl.load(p_q + t_r[:, None] * (H * K) + o_k[None, :], mask=m_r[:, None] & m_k[None, :], other=0.0)
                 b_kt = tl.load(p_k + t_s[:, None] * (H * K) + o_k[None, :], mask=m_s[:, None] & m_k[None, :],
                                other=0.0)
                 b_s = tl.dot(b_q, tl.trans(b_kt), b_s, input_precision=DOT_PREC)
-            m_rs = ((i_r * BC + o_c)[:, None] >= o_s[None, :]) & m_r[:, None] & m_s[None, :]
+            m_rs = ((i_r * SR + o_sr)[:, None] >= o_s[None, :]) & m_r[:, None] & m_s[None, :]
             if USE_G:
                 b_gr = tl.load(g + bos * HV + i_hv + t_r * HV, mask=m_r, other=0.0)
                 b_s = b_s * scale * tl.exp2(tl.where(m_rs, b_gr[:, None] - b_gs[None, :], float("-inf")))
@@ -397,7 +400,11 @@ def w_from_tm(
 
 # the inverse in one warp per sub-chunk (its 16 x 16 block products); W and U in a second kernel (the fused forward
 # needs Tm alone; the one-kernel Tm + W + U of the three-kernel forward went with it, 2026-11-24)
-UT_DEFAULTS = {"inv_warps": 1, "wy_warps": 4, "wy_stages": 2, "BK": 32, "BV": 32}
+# the output's scores as one [64, 64] tile over 32-wide key slices (H100, torch 2.11, Triton 3.6, bf16, K = V = 128,
+# the kernel alone, 2026-11-24: MVE 225.6 -> 211.3 us, the Qwen3-Next-style heads 412.4 -> 364.7, B = 1, T = 65536
+# 454.4 -> 438.4 against [16, 64] blocks over 64-wide slices; [32, 64] over 32: 233.6, [16, 64] over 32: 252.6)
+UT_DEFAULTS = {"inv_warps": 1, "inv_BK": 64, "sc_rows": 64, "sc_BK": 32, "wy_warps": 4, "wy_stages": 2, "BK": 32,
+               "BV": 32}
 
 
 def _ut_launch(k, v, g_cum, beta, chunk_size, cu_seqlens, sub_indices, config, ai=None, q=None, scale=1.0):
@@ -425,7 +432,8 @@ def _ut_launch(k, v, g_cum, beta, chunk_size, cu_seqlens, sub_indices, config, a
     if compute_ai:
         _gdn_ut_inverse_kernel[grid](
             q, k, v, g_cum, beta, ai, sc, w, u, cu_seqlens, sub_indices, scale, T, WITH_SCORES=q is not None,
-            BK=dot_tile(K, 64, k.dtype),
+            SR=cfg["sc_rows"], SBK=dot_tile(K, cfg["sc_BK"], k.dtype),
+            BK=dot_tile(K, cfg["inv_BK"], k.dtype),
             # Tm is rounded to k's dtype afterwards: TF32 merges suffice for 16-bit inputs, fp32 stays exact
             MERGE_PREC=dot_precision(k.dtype), num_warps=cfg["inv_warps"], **common,
         )
