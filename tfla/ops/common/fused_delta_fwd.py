@@ -46,8 +46,9 @@ from tfla.ops.common.ut_transform import ut_inverse_and_scores
 
 # launch of the fused pass (docs/performance.md). Value tiles: "BV" None picks 64 columns where the pass has
 # programs for two per SM at that width, else 32 (wide_tiles); 8 warps or 3 stages measured slower; the transition
-# pass (no output) at 64 columns
-FUSED_DEFAULTS = {"BV": None, "num_warps": 4, "num_stages": 2, "mn_BV": 64, "mn_warps": 4}
+# pass (no output) at 64 columns, 2 stages (3 fit two programs per SM there, 99 KB, but measured no faster: H100,
+# Triton 3.6, bf16, B = 1, T = 65536, H = 16, forward 1.815 / 1.815 ms at 2 against 1.836 / 1.828 at 3, 2026-11-24)
+FUSED_DEFAULTS = {"BV": None, "num_warps": 4, "num_stages": 2, "mn_BV": 64, "mn_warps": 4, "mn_stages": 2}
 
 
 class Split(NamedTuple):
@@ -240,7 +241,8 @@ def fused_delta_pass(q, k, v, g_cum, beta, ai, scale, initial_state=None, output
     BK = dot_tile(K, 1 << 20, q.dtype)
     # fp32 / fp64 at head dims past 128: one stage (two need 320 KB of shared memory at K = V = 256, fp32; sm_90
     # compile with Triton 3.6), unless the config sets it
-    stages = cfg["num_stages"] if "num_stages" in (config or {}) or q.element_size() < 4 or BK <= 128 else 1
+    key = "mn_stages" if transition else "num_stages"
+    stages = cfg[key] if key in (config or {}) or q.element_size() < 4 or BK <= 128 else 1
     if transition:
         width = cfg["mn_BV"]
     else:
