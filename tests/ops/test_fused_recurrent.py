@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 import tfla
 from tfla.bench.inputs import as_reference, gdn_inputs
-from tfla.ops.gated_delta_rule.fused_recurrent import fused_recurrent_gated_delta_rule_fwd
+from tfla.ops.gated_delta_rule.fused_recurrent import fused_recurrent_gated_delta_rule_fwd, launch_config
 from tfla.ops.gated_delta_rule.reference import recurrent_gated_delta_rule_ref
 from tfla.utils.testing import assert_rel_close, tolerance
 
@@ -78,6 +78,33 @@ def test_state_v_first(device):
                                                    config={"BV": 32, "num_warps": 2})  # one value tile
     assert_rel_close("o (BV 32)", o2, ro, TOL)
     assert_rel_close("final_state (BV 32)", s2, rs.transpose(-1, -2), TOL)
+
+
+def test_launch_config_by_batch():
+    """32-column tiles on 2 warps once the batch fills two programs per SM at that width, else FLA's 8 on one."""
+    assert launch_config(128, None, pairs=64 * 32, sms=132) == {"BV": 32, "num_warps": 2}
+    assert launch_config(128, None, pairs=66, sms=132) == {"BV": 32, "num_warps": 2}  # 66 x 4 tiles = 2 x 132
+    assert launch_config(128, None, pairs=65, sms=132) == {"BV": 8, "num_warps": 1}
+    assert launch_config(16, None, pairs=10_000, sms=132)["BV"] == 16
+    assert launch_config(128, {"BV": 16}, pairs=64 * 32, sms=132) == {"BV": 16, "num_warps": 2}
+
+
+def test_wide_tiles_at_a_large_batch(device):
+    """A batch that takes the 32-column tiles by default (34 sequences x 2 heads x 4 tiles >= 2 x 132 programs)
+    against the float64 recurrence and against FLA's 8-column tiles."""
+    x = _inputs(34, 2, 1, 16, 128, HV=2, device=device, seed=4)
+    kw = dict(beta=x["beta"], initial_state=x["initial_state"], output_final_state=True)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if x["q"].is_cuda else 132
+    if 34 * 2 * 4 < 2 * sms:
+        pytest.skip("this device has too many SMs for the batch to take the wide tiles")
+    o, s = tfla.fused_recurrent_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], **kw)
+    o8, s8 = tfla.fused_recurrent_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], config={"BV": 8, "num_warps": 1},
+                                                   **kw)
+    ro, rs = _ref(x, initial_state=as_reference(x)["initial_state"], output_final_state=True)
+    assert_rel_close("o", o, ro, TOL)
+    assert_rel_close("final_state", s, rs, TOL)
+    assert_rel_close("o vs 8 columns", o, o8, TOL)
+    assert_rel_close("final_state vs 8 columns", s, s8, TOL)
 
 
 def test_no_gate_and_default_beta(device):
