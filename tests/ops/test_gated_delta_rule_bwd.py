@@ -116,6 +116,26 @@ def test_bwd_save_states_matches_recurrence(device, poison_empty, varlen):
     _check(got, ref, FP32_TOL)
 
 
+def test_state_grad_summary_pass(device):
+    """``chunk_state_bwd(store=False)`` (the first pass of the backward in pieces) returns the same initial-state
+    gradient as the storing pass, writes neither dS nor dU, and refuses a call that would return nothing."""
+    from tfla.ops.common.chunk_state_bwd import chunk_state_bwd
+
+    gen = torch.Generator().manual_seed(11)
+    B, T, H, HV, K, V = 2, 150, 1, 2, 16, 32
+    q, k = (torch.randn(B, T, H, K, generator=gen).to(device) for _ in range(2))
+    w = torch.randn(B, T, HV, K, generator=gen).to(device) * 0.1
+    do = torch.randn(B, T, HV, V, generator=gen).to(device)
+    g = (F.logsigmoid(torch.randn(B, T, HV, generator=gen) + 2) / math.log(2)).to(device)
+    dht = torch.randn(B, HV, K, V, generator=gen).to(device)
+    dh, du, dh0 = chunk_state_bwd(q, k, w, do, None, g, 0.5, 64, dht=dht, need_dh0=True)
+    dh_, du_, dh0_ = chunk_state_bwd(q, k, w, do, None, g, 0.5, 64, dht=dht, need_dh0=True, store=False)
+    assert dh_ is None and du_ is None and dh is not None and du is not None
+    assert torch.equal(dh0_, dh0)
+    with pytest.raises(ValueError, match="store=False"):
+        chunk_state_bwd(q, k, w, do, None, g, 0.5, 64, dht=dht, store=False)
+
+
 @pytest.mark.parametrize("segments,varlen,h0,final,gate", [(2, False, True, True, "weak"), (4, False, False, True, "zero"),
                                                            (3, True, True, True, "weak"),
                                                            (3, True, False, False, "mixed")])
