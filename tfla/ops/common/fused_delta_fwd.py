@@ -36,10 +36,10 @@ from tfla.ops.common.utils import (
     acc_dtype,
     cdiv,
     chunk_offset_rows,
-    device_sm_count,
     dot_precision,
     dot_tile,
     next_pow2,
+    sm_count,
 )
 from tfla.ops.common.varlen import cached_bounds, chunk_tables
 from tfla.ops.common.ut_transform import ut_inverse_and_scores
@@ -246,7 +246,7 @@ def fused_delta_pass(q, k, v, g_cum, beta, ai, scale, initial_state=None, output
     if transition:
         width = cfg["mn_BV"]
     else:
-        width = cfg["BV"] or wide_tiles(N * HV, V, device_sm_count(q.device.index or 0) if q.is_cuda else 132)
+        width = cfg["BV"] or wide_tiles(N * HV, V, sm_count(q))
     BV = dot_tile(ncol, width, q.dtype)
     grid, flat = tile_grid(cdiv(ncol, BV), N * HV, force_flat=cfg.get("flat", False))
     _fused_delta_fwd_kernel[grid](
@@ -370,7 +370,7 @@ def fused_delta_fwd(q, k, v, g, beta, scale, initial_state=None, output_final_st
     if segments is None:
         # the scan holds a K x K transition in registers: the automatic split stays at head dims up to 128 (the
         # ones measured; K = 256 would put a 256 x 256 fp32 tile there)
-        sms = device_sm_count(dev.index or 0) if q.is_cuda else 132
+        sms = sm_count(q)
         piece = choose_piece(bounds, HV, V, sms, cfg.get("BV") or 32) if K <= 128 else None
         cuts, first = segment_bounds(bounds, piece=piece) if piece else (bounds, None)
     elif segments == 1:

@@ -116,3 +116,9 @@ def prepare_chunk_offsets(bounds: list[int], chunk_size: int, device) -> torch.T
 @functools.lru_cache(maxsize=None)
 def device_sm_count(index: int = 0) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(x: torch.Tensor) -> int:
+    """SMs of ``x``'s CUDA device (cached per device); 132, an H100's, for CPU tensors (the interpreter), so launch
+    choices that depend on it are the same there as on that GPU."""
+    return device_sm_count(x.device.index or 0) if x.is_cuda else 132

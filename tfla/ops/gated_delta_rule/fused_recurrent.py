@@ -28,7 +28,7 @@ import triton.language as tl
 
 from tfla.ops.common.grid import program_pair, tile_grid
 from tfla.ops.common.l2norm import l2norm
-from tfla.ops.common.utils import SUB_CHUNK, acc_dtype, device_sm_count, next_pow2, seqlens_to_list
+from tfla.ops.common.utils import SUB_CHUNK, acc_dtype, next_pow2, seqlens_to_list, sm_count
 from tfla.ops.gated_delta_rule.chunk import _fla_options
 from tfla.utils.validation import (
     check_common,
@@ -172,7 +172,7 @@ def fused_recurrent_gated_delta_rule_fwd(
     if ssm_state_indices is not None and ssm_state_indices.dim() == 1:
         ssm_state_indices = ssm_state_indices[:, None]
     NS = ssm_state_indices.shape[1] if ssm_state_indices is not None else 1
-    cfg = launch_config(V, config, N * HV, device_sm_count(q.device.index or 0) if q.is_cuda else 132)
+    cfg = launch_config(V, config, N * HV, sm_count(q))
     BK, BV = next_pow2(K), cfg["BV"]
     NV = triton.cdiv(V, BV)
     o = torch.empty(B, T, HV, V, dtype=q.dtype, device=q.device)

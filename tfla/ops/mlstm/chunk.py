@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from tfla.ops.common.cumsum import chunk_local_cumsum
 from tfla.ops.common.linear_attn import chunk_simple_gla_bwd, chunk_simple_gla_fwd
 from tfla.ops.common.normalizer import normalizer_bwd_prep
-from tfla.ops.common.utils import LOG_DECAY_FLOOR, cdiv, device_sm_count
+from tfla.ops.common.utils import LOG_DECAY_FLOOR, cdiv, sm_count
 from tfla.ops.common.varlen import VarlenIndex
 from tfla.ops.mlstm.step import INPUT_GATES, check_mlstm_options, check_mlstm_state  # noqa: F401
 from tfla.utils.validation import (
@@ -268,7 +268,7 @@ def _state_bwd_config(q: torch.Tensor, num_seqs: int, H: int, V: int) -> dict | 
     128 / 64 / 32 value columns whose ``num_seqs * H * cdiv(V, BV)`` programs still cover the device's SMs."""
     if q.element_size() != 2:
         return None
-    sms = device_sm_count(q.device.index or 0) if q.is_cuda else 132
+    sms = sm_count(q)
     for cfg in (STATE_BWD_CONFIG,) + STATE_BWD_NARROW:
         if num_seqs * H * cdiv(V, cfg["BV"]) >= sms:
             return cfg
