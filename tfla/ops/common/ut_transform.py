@@ -340,8 +340,9 @@ def ut_transform_fwd(
         g_cum: ``[B, T, HV]`` fp32 cumulative gate within outer chunks of ``chunk_size``, log2 units
             (or None for the ungated delta rule).
         sub_indices: varlen table of (sequence, sub-chunk) from ``prepare_chunk_indices(.., 64)``.
-        config: overrides of ``inv_warps``, ``wy_warps``,
-            ``wy_stages``, ``BK``, ``BV``.
+        config: overrides of ``inv_warps``, ``inv_BK`` (key slice of the inverse's K K^T), ``sc_rows`` /
+            ``sc_BK`` (rows and key slice of the fused forward's scores tile), ``wy_warps``, ``wy_stages``, ``BK``,
+            ``BV``.
     Returns:
         ``w [B, T, HV, K]``, ``u [B, T, HV, V]`` and ``ai [B, T, HV, 64]`` (Tm, row r of each sub-chunk
         in row r), all in k's dtype.
