@@ -33,6 +33,94 @@ def _rowscaled_qdot(b_q, b_x, b_sr, dt: tl.constexpr, ACC: tl.constexpr, DOT_PRE
 
 
 @triton.jit
+def _state_bwd_sub_chunk(q, k, w, do, dvo, g, du, dh, gk, gb, sds, rl, gv, scale, T, bos, boh, i_c, i_h, i_hv, i_v,
+                         t0, o_c, o_k, o_v, m_k, m_v, m_kv, o_kv, b_dh, b_dhi,
+                         H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                         BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, SPLIT_G: tl.constexpr,
+                         HAS_GB: tl.constexpr, DELTA: tl.constexpr, DOT_PREC: tl.constexpr, ACC: tl.constexpr,
+                         VEC_G: tl.constexpr, INTRA: tl.constexpr, SDS: tl.constexpr, QSPLIT: tl.constexpr,
+                         ROWLOG: tl.constexpr, IDX64: tl.constexpr, STORE: tl.constexpr):
+    """One 64-row sub-chunk of ``_chunk_state_bwd_kernel`` (rows ``[t0, t0 + 64)`` of outer chunk ``i_c``): returns
+    the state gradient before it and the outer chunk's q-term accumulator ``b_dhi`` (BT > 64; else passed through)."""
+    BS: tl.constexpr = 64
+    dt = k.dtype.element_ty
+    o_t = t0 + o_c
+    m_t = o_t < T
+    r0, o_r = _row_split(bos, t0, o_c, IDX64)
+    m_tk = m_t[:, None] & m_k[None, :]
+    m_tv = m_t[:, None] & m_v[None, :]
+    if SDS or STORE:
+        p_dhs = dh + ((boh + t0 // BS) * HV + i_hv) * K * V + o_kv
+    if SDS:  # S of this slot, read here and used below (its latency behind this step's loads and products)
+        b_s = tl.load(p_dhs, mask=m_kv, other=0.0)
+    elif STORE:
+        tl.store(p_dhs, b_dh.to(dh.dtype.element_ty), mask=m_kv)
+    b_k = tl.load(k + (r0 * H + i_h) * K + o_r[:, None] * (H * K) + o_k[None, :], mask=m_tk, other=0.0)
+    b_q = tl.load(q + (r0 * H + i_h) * K + o_r[:, None] * (H * K) + o_k[None, :], mask=m_tk, other=0.0)
+    p_tv = (r0 * HV + i_hv) * V + o_r[:, None] * (HV * V) + o_v[None, :]
+    b_do = tl.load(do + p_tv, mask=m_tv, other=0.0)
+    if USE_G:
+        b_g = tl.load(g + r0 * HV + i_hv + o_r * HV, mask=m_t, other=0.0)
+        if SPLIT_G:
+            b_gkey = tl.load(gk + r0 * HV + i_hv + o_r * HV, mask=m_t, other=0.0)
+        else:
+            b_gkey = b_g
+        if ROWLOG:  # dO's row factor 2^rl joins the gate of its (query) rows only
+            b_g += tl.load(rl + r0 * HV + i_hv + o_r * HV, mask=m_t, other=0.0)
+    if INTRA:  # dvo of this sub-chunk's diagonal tile: rows s (keys), columns r >= s (queries)
+        b_a = tl.dot(b_k, tl.trans(b_q), input_precision=DOT_PREC)  # [BS, BS]
+        m_a = (o_c[:, None] <= o_c[None, :]) & m_t[:, None] & m_t[None, :]
+        if USE_G:
+            b_a *= tl.exp2(tl.where(m_a, b_g[None, :] - b_gkey[:, None], float("-inf")))
+        else:
+            b_a = tl.where(m_a, b_a, 0.0)
+        b_du = tl.dot(b_a.to(dt), b_do, input_precision=DOT_PREC) * scale
+    else:
+        b_du = tl.load(dvo + p_tv, mask=m_tv, other=0.0).to(ACC)
+    if VEC_G:  # per key row: K * 2^(GV_n - GV), Q * 2^GV, and dS's row decays 2^(GV_n - GV_c)
+        b_wv, b_rd, b_wq = _vec_decays(gv, r0, o_r, i_hv, t0, T, bos, m_t, o_k, m_k, HV, K, BT, BS)
+        b_k = (b_k * b_wv).to(dt)
+        b_q = (b_q * b_wq).to(dt)
+    b_kdh = tl.dot(b_k, b_dh.to(dt), input_precision=DOT_PREC)  # [BS, BV]
+    if USE_G:
+        b_gn = tl.load(g + (bos + tl.minimum(t0 + BS, T) - 1) * HV + i_hv)
+        b_gc = tl.load(g + (bos + t0 - 1) * HV + i_hv, mask=(t0 % BT) != 0, other=0.0)
+        b_du += b_kdh * tl.exp2(tl.where(m_t, b_gn - b_gkey, float("-inf")))[:, None]
+        if HAS_GB:  # the outer chunk's start state is stabilized by gb at its first row
+            b_gb = tl.load(gb + (bos + i_c * BT) * HV + i_hv)
+            b_gc += tl.where((t0 % BT) == 0, b_gb, 0.0)
+            b_sr = scale * tl.exp2(tl.where(m_t, b_g - b_gb, float("-inf")))
+        else:
+            b_sr = scale * tl.exp2(b_g)
+    else:
+        b_du += b_kdh
+        b_sr = tl.full([BS], scale, dtype=tl.float32)
+    if STORE:
+        tl.store(du + p_tv, b_du.to(du.dtype.element_ty), mask=m_tv)
+    # the output's q-term (scale 2^G q)^T dO with the row factor on dO's side ([BS, BV], not [BS, BK])
+    b_qt = _rowscaled_qdot(b_q, b_do, b_sr, dt, ACC, DOT_PREC, QSPLIT)
+    if BT > BS:
+        b_dhi += b_qt
+    if SDS:  # before b_dh changes: <S, dS> rows, then dS over S. Each stored element depends on its row's
+        # sum, i.e. on every read of that row (a barrier there hit an illegal address in bf16 on the H100
+        # under Triton 3.6). IEEE semantics keep the `+ 0.0 * sum` (no fast-math flags: it stays an fma with
+        # 0 in the sm_90 PTX, Triton 3.9, checked locally)
+        b_sdsr = tl.sum(b_s.to(ACC) * b_dh, 1)
+        tl.store(sds + (((boh + t0 // BS) * HV + i_hv) * tl.cdiv(V, BV) + i_v) * K + o_k, b_sdsr, mask=m_k)
+        tl.store(p_dhs, (b_dh + 0.0 * b_sdsr[:, None]).to(dh.dtype.element_ty), mask=m_kv)
+    if USE_G:
+        b_dh *= tl.exp2(b_gn - b_gc)
+    if VEC_G:
+        b_dh *= b_rd[:, None]
+    if DELTA:
+        b_w = tl.load(w + (r0 * HV + i_hv) * K + o_r[:, None] * (HV * K) + o_k[None, :], mask=m_tk, other=0.0)
+        b_dh -= tl.dot(tl.trans(b_w), b_du.to(dt), input_precision=DOT_PREC)
+    if BT == BS:  # one sub-chunk per chunk: no second accumulator (register pressure)
+        b_dh += b_qt
+    return b_dh, b_dhi
+
+
+@triton.jit
 def _chunk_state_bwd_kernel(
     q,
     k,
@@ -117,88 +205,27 @@ def _chunk_state_bwd_kernel(
     b_dh = tl.zeros([BK, BV], dtype=ACC)
     if USE_FINAL_STATE_GRADIENT:
         b_dh += tl.load(dht + i_nh * K * V + o_kv, mask=m_kv, other=0.0).to(ACC)
-    NT = tl.cdiv(T, BT)
-    for i_cr in range(0, NT):
-        i_c = NT - 1 - i_cr
-        if BT > BS:  # the output's use of this chunk's start state, added once the chunk is done
-            b_dhi = tl.zeros([BK, BV], dtype=ACC)
-        NS = tl.minimum(BT // BS, tl.cdiv(T - i_c * BT, BS))
-        for i_jr in range(0, NS):
-            t0 = i_c * BT + (NS - 1 - i_jr) * BS
-            o_t = t0 + o_c
-            m_t = o_t < T
-            r0, o_r = _row_split(bos, t0, o_c, IDX64)
-            m_tk = m_t[:, None] & m_k[None, :]
-            m_tv = m_t[:, None] & m_v[None, :]
-            if SDS or STORE:
-                p_dhs = dh + ((boh + t0 // BS) * HV + i_hv) * K * V + o_kv
-            if SDS:  # S of this slot, read here and used below (its latency behind this step's loads and products)
-                b_s = tl.load(p_dhs, mask=m_kv, other=0.0)
-            elif STORE:
-                tl.store(p_dhs, b_dh.to(dh.dtype.element_ty), mask=m_kv)
-            b_k = tl.load(k + (r0 * H + i_h) * K + o_r[:, None] * (H * K) + o_k[None, :], mask=m_tk, other=0.0)
-            b_q = tl.load(q + (r0 * H + i_h) * K + o_r[:, None] * (H * K) + o_k[None, :], mask=m_tk, other=0.0)
-            p_tv = (r0 * HV + i_hv) * V + o_r[:, None] * (HV * V) + o_v[None, :]
-            b_do = tl.load(do + p_tv, mask=m_tv, other=0.0)
-            if USE_G:
-                b_g = tl.load(g + r0 * HV + i_hv + o_r * HV, mask=m_t, other=0.0)
-                if SPLIT_G:
-                    b_gkey = tl.load(gk + r0 * HV + i_hv + o_r * HV, mask=m_t, other=0.0)
-                else:
-                    b_gkey = b_g
-                if ROWLOG:  # dO's row factor 2^rl joins the gate of its (query) rows only
-                    b_g += tl.load(rl + r0 * HV + i_hv + o_r * HV, mask=m_t, other=0.0)
-            if INTRA:  # dvo of this sub-chunk's diagonal tile: rows s (keys), columns r >= s (queries)
-                b_a = tl.dot(b_k, tl.trans(b_q), input_precision=DOT_PREC)  # [BS, BS]
-                m_a = (o_c[:, None] <= o_c[None, :]) & m_t[:, None] & m_t[None, :]
-                if USE_G:
-                    b_a *= tl.exp2(tl.where(m_a, b_g[None, :] - b_gkey[:, None], float("-inf")))
-                else:
-                    b_a = tl.where(m_a, b_a, 0.0)
-                b_du = tl.dot(b_a.to(dt), b_do, input_precision=DOT_PREC) * scale
-            else:
-                b_du = tl.load(dvo + p_tv, mask=m_tv, other=0.0).to(ACC)
-            if VEC_G:  # per key row: K * 2^(GV_n - GV), Q * 2^GV, and dS's row decays 2^(GV_n - GV_c)
-                b_wv, b_rd, b_wq = _vec_decays(gv, r0, o_r, i_hv, t0, T, bos, m_t, o_k, m_k, HV, K, BT, BS)
-                b_k = (b_k * b_wv).to(dt)
-                b_q = (b_q * b_wq).to(dt)
-            b_kdh = tl.dot(b_k, b_dh.to(dt), input_precision=DOT_PREC)  # [BS, BV]
-            if USE_G:
-                b_gn = tl.load(g + (bos + tl.minimum(t0 + BS, T) - 1) * HV + i_hv)
-                b_gc = tl.load(g + (bos + t0 - 1) * HV + i_hv, mask=(t0 % BT) != 0, other=0.0)
-                b_du += b_kdh * tl.exp2(tl.where(m_t, b_gn - b_gkey, float("-inf")))[:, None]
-                if HAS_GB:  # the outer chunk's start state is stabilized by gb at its first row
-                    b_gb = tl.load(gb + (bos + i_c * BT) * HV + i_hv)
-                    b_gc += tl.where((t0 % BT) == 0, b_gb, 0.0)
-                    b_sr = scale * tl.exp2(tl.where(m_t, b_g - b_gb, float("-inf")))
-                else:
-                    b_sr = scale * tl.exp2(b_g)
-            else:
-                b_du += b_kdh
-                b_sr = tl.full([BS], scale, dtype=tl.float32)
-            if STORE:
-                tl.store(du + p_tv, b_du.to(du.dtype.element_ty), mask=m_tv)
-            # the output's q-term (scale 2^G q)^T dO with the row factor on dO's side ([BS, BV], not [BS, BK])
-            b_qt = _rowscaled_qdot(b_q, b_do, b_sr, dt, ACC, DOT_PREC, QSPLIT)
-            if BT > BS:
-                b_dhi += b_qt
-            if SDS:  # before b_dh changes: <S, dS> rows, then dS over S. Each stored element depends on its row's
-                # sum, i.e. on every read of that row (a barrier there hit an illegal address in bf16 on the H100
-                # under Triton 3.6). IEEE semantics keep the `+ 0.0 * sum` (no fast-math flags: it stays an fma with
-                # 0 in the sm_90 PTX, Triton 3.9, checked locally)
-                b_sdsr = tl.sum(b_s.to(ACC) * b_dh, 1)
-                tl.store(sds + (((boh + t0 // BS) * HV + i_hv) * tl.cdiv(V, BV) + i_v) * K + o_k, b_sdsr, mask=m_k)
-                tl.store(p_dhs, (b_dh + 0.0 * b_sdsr[:, None]).to(dh.dtype.element_ty), mask=m_kv)
-            if USE_G:
-                b_dh *= tl.exp2(b_gn - b_gc)
-            if VEC_G:
-                b_dh *= b_rd[:, None]
-            if DELTA:
-                b_w = tl.load(w + (r0 * HV + i_hv) * K + o_r[:, None] * (HV * K) + o_k[None, :], mask=m_tk, other=0.0)
-                b_dh -= tl.dot(tl.trans(b_w), b_du.to(dt), input_precision=DOT_PREC)
-            if BT == BS:  # one sub-chunk per chunk: no second accumulator (register pressure)
-                b_dh += b_qt
-        if BT > BS:
+    if BT == BS:  # one loop over the 64-row chunks, last first: Triton pipelines the innermost loop, so the nested
+        # form below (an inner loop of one sub-chunk per chunk at BT = 64) issued each step's loads at its own start
+        NSUB = tl.cdiv(T, BS)
+        for i_sr in range(0, NSUB):
+            i_c = NSUB - 1 - i_sr
+            b_dh, _ = _state_bwd_sub_chunk(
+                q, k, w, do, dvo, g, du, dh, gk, gb, sds, rl, gv, scale, T, bos, boh, i_c, i_h, i_hv, i_v, i_c * BS,
+                o_c, o_k, o_v, m_k, m_v, m_kv, o_kv, b_dh, b_dh, H, HV, K, V, BT, BK, BV, USE_G, SPLIT_G, HAS_GB,
+                DELTA, DOT_PREC, ACC, VEC_G, INTRA, SDS, QSPLIT, ROWLOG, IDX64, STORE)
+    else:
+        NT = tl.cdiv(T, BT)
+        for i_cr in range(0, NT):
+            i_c = NT - 1 - i_cr
+            b_dhi = tl.zeros([BK, BV], dtype=ACC)  # the output's use of this chunk's start state, added at its end
+            NS = tl.minimum(BT // BS, tl.cdiv(T - i_c * BT, BS))
+            for i_jr in range(0, NS):
+                t0 = i_c * BT + (NS - 1 - i_jr) * BS
+                b_dh, b_dhi = _state_bwd_sub_chunk(
+                    q, k, w, do, dvo, g, du, dh, gk, gb, sds, rl, gv, scale, T, bos, boh, i_c, i_h, i_hv, i_v, t0,
+                    o_c, o_k, o_v, m_k, m_v, m_kv, o_kv, b_dh, b_dhi, H, HV, K, V, BT, BK, BV, USE_G, SPLIT_G,
+                    HAS_GB, DELTA, DOT_PREC, ACC, VEC_G, INTRA, SDS, QSPLIT, ROWLOG, IDX64, STORE)
             b_dh += b_dhi
     if STORE_INITIAL_STATE_GRADIENT:
         tl.store(dh0 + i_nh * K * V + o_kv, b_dh, mask=m_kv)
