@@ -65,8 +65,31 @@ def compile_launch(fn, args, kwargs, arch=90):
             const[i] = attr
         elif isinstance(attr, str) and attr:
             attrs[i] = CUDABackend.parse_attr(attr)
-    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
+    source = ASTSource
+    if type(fn).__name__ == "GluonJITFunction":  # a Gluon kernel (fused_delta_ws.py)
+        from triton.experimental.gluon._runtime import GluonASTSource as source
+    return triton.compile(source(fn=fn, signature=sig, constexprs=const, attrs=attrs),
                           target=GPUTarget("cuda", arch, 32), options=opts)
+
+
+def _record_ws(dtype, T, K, V):
+    """The Gluon forward pass's launches (``fused_delta_pass_ws``) for dense / varlen, with and without the initial
+    and final states and Vnew, at 1 and 2 consumer warpgroups (no GPU: the launcher only records)."""
+    from tfla.ops.common import fused_delta_ws as ws
+
+    if not ws.HAVE_GLUON:
+        sys.exit(f"Triton {triton.__version__} has no Gluon warp specialization")
+    H, HV = 2, 4
+    q, k = torch.randn(1, T, H, K, dtype=dtype), torch.randn(1, T, H, K, dtype=dtype)
+    v = torch.randn(1, T, HV, V, dtype=dtype)
+    ai, a = torch.randn(1, T, HV, 64, dtype=dtype), torch.randn(1, T, HV, 64, dtype=dtype)
+    g, beta = torch.randn(1, T, HV), torch.rand(1, T, HV, dtype=dtype)
+    cu = torch.tensor([0, T // 3, T], dtype=torch.int32)
+    for ncons, bv in ((1, 64), (2, 32)):
+        for varlen, h0, save in ((False, False, 0), (True, True, 1), (False, True, 1)):
+            state = torch.randn(2 if varlen else 1, HV, K, V) if h0 else None
+            ws.fused_delta_pass_ws(q, k, v, g, beta, ai, a, 0.1, state, h0, cu if varlen else None, save,
+                                   config={"NCONS": ncons, "BV": bv})
 
 
 def ptxas_stats(ptx: str, arch=90):
@@ -100,9 +123,11 @@ def shared_allocs(ttgir: str):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--op", choices=["gla", "simple_gla", "mlstm", "gdn", "rnn"], default="gla",
+    p.add_argument("--op", choices=["gla", "simple_gla", "mlstm", "gdn", "gdn_ws", "rnn"], default="gla",
                    help="rnn: the four FlashRNN cells' kernels, forward and backward: the alternating path's "
-                        "pointwise kernels (D = 32) and the fused path's (D = --rnn-D)")
+                        "pointwise kernels (D = 32) and the fused path's (D = --rnn-D); gdn_ws: the "
+                        "warp-specialized Gluon forward pass (fused_delta_ws.py; bf16 / fp16, K = 128) at each of its "
+                        "flag sets")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
     p.add_argument("--K", type=int, default=128)
     p.add_argument("--V", type=int, default=128)
@@ -132,7 +157,9 @@ def main(argv=None):
     v, do = torch.randn(1, T, HV, V, dtype=dtype), torch.randn(1, T, HV, V, dtype=dtype)
     h0, dht = torch.randn(1, HV, K, V), torch.randn(1, HV, K, V)
     JITFunction.run = _record
-    if args.op == "gla":
+    if args.op == "gdn_ws":
+        _record_ws(dtype, T, K, V)
+    elif args.op == "gla":
         from tfla.ops.gla.chunk import chunk_gla_bwd, chunk_gla_fwd
 
         _, _, gv = chunk_gla_fwd(q, k, v, -torch.rand(1, T, H, K), 0.1, h0, True, L)
@@ -185,7 +212,8 @@ def main(argv=None):
         _, _, gc = chunk_simple_gla_fwd(q, k, v, -torch.rand(1, T, H), 0.1, h0, True, L)
         chunk_simple_gla_bwd(q, k, v, gc, 0.1, h0, do, dht, L)
     over = False
-    flags = ("VEC_G", "VEC_ROWDOT", "ROWDOT", "REVERSE", "HAS_STATE", "STORE_SUB", "N_STATE", "NORM", "ROWADD",
+    flags = ("VEC_G", "VEC_ROWDOT", "ROWDOT", "REVERSE", "HAS_STATE", "STORE_SUB", "N_STATE", "NORM", "ROWADD", "NCONS",
+             "IS_VARLEN", "USE_H0", "SAVE",
              "VEC_SPAN", "CELL", "BB", "BD")
     print(f"{args.op} {args.dtype} T={T} K={K} V={V} L={L}, sm_90, Triton {triton.__version__}")
     for fn, a, kw in launches:

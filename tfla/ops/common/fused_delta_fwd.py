@@ -27,6 +27,7 @@ import triton.language as tl
 
 from tfla.ops.common.chunk_state import _idx64, _row_split, _sequence_slots
 from tfla.ops.common.cumsum import chunk_local_cumsum
+from tfla.ops.common.fused_delta_ws import fused_delta_pass_ws, ws_supported
 from tfla.ops.common.gate_act import gate_prologue
 from tfla.ops.common.grid import check_varlen_batch, program_pair, tile_grid
 from tfla.ops.common.utils import (
@@ -48,7 +49,7 @@ from tfla.ops.common.ut_transform import ut_inverse_and_scores
 # programs for two per SM at that width, else 32 (wide_tiles); 8 warps or 3 stages measured slower; the transition
 # pass (no output) at 64 columns, 2 stages (3 fit two programs per SM there, 99 KB, but measured no faster: H100,
 # Triton 3.6, bf16, B = 1, T = 65536, H = 16, forward 1.815 / 1.815 ms at 2 against 1.836 / 1.828 at 3, 2026-11-24)
-FUSED_DEFAULTS = {"BV": None, "num_warps": 4, "num_stages": 2, "mn_BV": 64, "mn_warps": 4, "mn_stages": 2}
+FUSED_DEFAULTS = {"BV": None, "num_warps": 4, "num_stages": 2, "mn_BV": 64, "mn_warps": 4, "mn_stages": 2, "ws": True}
 
 
 class Split(NamedTuple):
@@ -228,6 +229,14 @@ def fused_delta_pass(q, k, v, g_cum, beta, ai, scale, initial_state=None, output
     HV, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     cfg = {**FUSED_DEFAULTS, **(config or {})}
+    # the warp-specialized Gluon pass on Hopper where it applies (fused_delta_ws.py); config key "ws": True (default),
+    # False (this kernel always) or a dict of that pass's launch keys
+    ws_cfg = cfg["ws"] if isinstance(cfg["ws"], dict) else None
+    if cfg["ws"] is not False and ws_supported(q, k, v, g_cum, beta, ai, a, initial_state, cu_seqlens, save,
+                                               transition, ws_cfg):
+        check_varlen_batch(B, cu_seqlens)
+        return fused_delta_pass_ws(q, k, v, g_cum, beta, ai, a, scale, initial_state, output_final_state,
+                                   cu_seqlens, save, ws_cfg)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     ncol = K + V if transition else V
     o = None if transition else torch.empty(B, T, HV, V, dtype=v.dtype, device=v.device)

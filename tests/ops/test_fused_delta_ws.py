@@ -1,0 +1,113 @@
+"""The warp-specialized Gluon forward pass (``tfla/ops/common/fused_delta_ws.py``, Hopper only) against the ``tl``
+pass and the float64 recurrence: T = 1 and T not a multiple of 64, varlen with sequences of length 0 and 1, grouped
+value heads, initial and final state, Vnew kept, one and two consumer warpgroups, bf16 and fp16, strong gates; and
+through the op, forward and backward. Where the pass does not apply (CPU, fp32, K != 128) the dispatch keeps the
+``tl`` pass."""
+import pytest
+import torch
+
+from tfla.bench.inputs import gdn_inputs
+from tfla.ops.common.fused_delta_fwd import SAVE_STATES, SAVE_V_NEW, fused_delta_fwd, fused_delta_prep
+from tfla.ops.common.fused_delta_ws import HAVE_GLUON, ws_supported
+from tfla.ops.common.varlen import chunk_tables
+from tfla.ops.gated_delta_rule.reference import recurrent_gated_delta_rule_ref
+from tfla.utils.testing import rel_l2
+
+SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) and HAVE_GLUON
+needs_sm90 = pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU and Triton's Gluon")
+
+CASES = [  # (B, T, H, HV, lens, gate, dtype, ws config)
+    (1, 1, 1, 1, None, "default", torch.bfloat16, None),
+    (2, 200, 2, 4, None, "default", torch.bfloat16, None),
+    (1, 1000, 1, 2, None, "strong", torch.float16, None),
+    (1, 1171, 2, 2, [0, 1, 64, 130, 5, 971], "default", torch.bfloat16, None),
+    (1, 1171, 2, 4, [0, 1, 64, 130, 5, 971], "strong", torch.bfloat16, {"NCONS": 2, "BV": 32}),
+    (3, 257, 1, 2, None, "zero", torch.bfloat16, {"NCONS": 2, "BV": 64}),
+]
+
+
+def _run(x, cu, ws, save):
+    out = fused_delta_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], 128 ** -0.5, x["initial_state"], True,
+                          cu_seqlens=cu, segments=1, save=save, config={"ws": ws})
+    return out["o"], out["final_state"], out["v_new"]
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("B,T,H,HV,lens,gate,dtype,cfg", CASES)
+@pytest.mark.parametrize("save", [0, SAVE_V_NEW])
+def test_ws_pass_matches_tl_pass_and_recurrence(B, T, H, HV, lens, gate, dtype, cfg, save):
+    cu = None
+    N = B
+    if lens is not None:
+        cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), device="cuda")
+        N = len(lens)
+    x = gdn_inputs(B, T, H, 128, 128, HV=HV, dtype=dtype, device="cuda", gate=gate, initial_state=True,
+                   num_seqs=N, seed=T + HV)
+    q, k, v = x["q"], x["k"], x["v"]
+    sub = chunk_tables([0] + torch.tensor(lens).cumsum(0).tolist(), 64, "cuda")[0] if lens is not None else None
+    g_cum, ai, a, beta = fused_delta_prep(q, k, x["g"], x["beta"], 128 ** -0.5, cu, sub)
+    assert ws_supported(q, k, v, g_cum, beta, ai, a, x["initial_state"], cu, save, False, cfg)
+    got = _run(x, cu, cfg or True, save)
+    tl = _run(x, cu, False, save)
+    r = {n: t.double().cpu() for n, t in x.items()}
+    ro, rs = recurrent_gated_delta_rule_ref(r["q"], r["k"], r["v"], r["g"], r["beta"], scale=128 ** -0.5,
+                                            initial_state=r["initial_state"], output_final_state=True,
+                                            cu_seqlens=cu.cpu() if cu is not None else None)
+    for name, a_, b_, ref in (("o", got[0], tl[0], ro), ("final_state", got[1], tl[1], rs)):
+        e_ws, e_tl = rel_l2(a_.double().cpu(), ref), rel_l2(b_.double().cpu(), ref)
+        assert torch.isfinite(a_).all(), name
+        # the same rounding budget as the tl pass (the gate weights round on Vnew instead of k)
+        assert e_ws <= 1.15 * e_tl + 1e-4, f"{name}: ws {e_ws:.3e} vs tl {e_tl:.3e}"
+    if save:
+        assert rel_l2(got[2].float(), tl[2].float()) < 1e-2
+    else:
+        assert got[2] is None
+
+
+def test_ws_pass_not_taken_where_it_does_not_apply(device):
+    """CPU tensors, fp32, K != 128, the transition pass or per-chunk states: the tl pass runs."""
+    x = gdn_inputs(1, 70, 1, 128, 128, dtype=torch.float16, device=device, seed=1)
+    q, k, v = x["q"], x["k"], x["v"]
+    ai = a = torch.zeros(1, 70, 1, 64, dtype=q.dtype, device=device)
+    g = x["g"].float()
+    args = (q, k, v, g, x["beta"], ai, a, None, None)
+    if device == "cuda" and SM90:
+        assert ws_supported(*args, 0, False)
+    assert not ws_supported(*args, SAVE_STATES, False)
+    assert not ws_supported(*args, 0, True)
+    assert not ws_supported(q, k, v, None, x["beta"], ai, a, None, None, 0, False)  # no gate
+    assert not ws_supported(q.float(), k.float(), v.float(), g, x["beta"], ai.float(), a.float(), None, None, 0,
+                            False)
+    x64 = gdn_inputs(1, 70, 1, 64, 128, dtype=torch.float16, device=device, seed=1)
+    assert not ws_supported(x64["q"], x64["k"], x64["v"], g, x64["beta"], ai, a, None, None, 0, False)
+    if device == "cpu":
+        assert not ws_supported(*args, 0, False)
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("varlen", [False, True])
+def test_op_with_ws_pass_matches_tl_pass_forward_and_backward(varlen):
+    """``chunk_gated_delta_rule`` forward + backward with the Gluon pass against the same op on the tl pass
+    (``config={"fused": {"ws": False}}``): bf16, grouped value heads, initial and final state."""
+    import tfla
+
+    cu = torch.tensor([0, 1, 300, 300, 1100], device="cuda") if varlen else None
+    B, T = (1, 1100) if varlen else (2, 550)
+    x = gdn_inputs(B, T, 2, 128, 128, HV=4, dtype=torch.bfloat16, device="cuda", initial_state=True,
+                   num_seqs=4 if varlen else B, seed=7)
+    names = ("q", "k", "v", "g", "beta", "initial_state")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    do = torch.randn(B, T, 4, 128, device="cuda", generator=gen).bfloat16()
+    dht = torch.randn_like(x["initial_state"])
+    res = []
+    for ws in (True, False):
+        leaves = [x[n].clone().requires_grad_() for n in names]
+        o, s = tfla.chunk_gated_delta_rule(*leaves[:5], initial_state=leaves[5], output_final_state=True,
+                                           cu_seqlens=cu, config={"fused": {"ws": ws}})
+        grads = torch.autograd.grad((o * do).sum() + (s * dht).sum(), leaves)
+        res.append((o, s) + grads)
+    for name, a_, b_ in zip(("o", "final_state") + names, *res):
+        assert torch.isfinite(a_).all(), name
+        assert rel_l2(a_.float(), b_.float()) < 2e-2, name

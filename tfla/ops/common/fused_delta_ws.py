@@ -1,0 +1,266 @@
+"""The gated delta rule's fused forward pass as a warp-specialized Gluon kernel for Hopper (sm_90): the same pass
+as ``fused_delta_fwd._fused_delta_fwd_kernel`` (module docstring there; ``docs/gdn-math.md`` section 4) for the
+shapes most models run, chosen by ``fused_delta_fwd.fused_delta_pass`` where ``ws_supported`` holds.
+
+Notation: B batch, T time, H key heads, HV value heads, K / V head dims, N sequences, 64-row chunks, BV value
+columns per consumer warpgroup.
+
+One CTA per (sequence, value head, NCONS x BV value columns), three roles (``gl.warp_specialize``):
+
+- a one-warp producer streams each chunk's k and q (``[64, K]``), v (``[64, BV]`` per consumer), Tm and the
+  output scores (``[64, 64]``, from the prep) into a STAGES-deep ring of shared memory with TMA, ahead of the
+  consumers, which release a slot when its chunk is done (``ready`` / ``empty`` mbarriers);
+- NCONS consumer warpgroups each keep their ``[K, BV]`` fp32 state in registers and per chunk run
+  ``kS, qS = k S, q S`` (S as 16-bit in shared memory), ``y = (v - 2^G kS) beta``, ``Vnew = Tm y``,
+  ``o = scale 2^G qS + A Vnew`` and ``S <- 2^(G_n) S + k^T (2^(G_n - G) Vnew)`` on asynchronous wgmma; o and Vnew
+  leave through TMA stores from shared memory (rows of a chunk cut by the sequence's end: masked stores).
+
+Why: the ``tl`` pass issues a chunk's loads at the end of the previous step and waits for all of them at its start
+(Triton's software pipeliner), so a program hides none of its own load latency (``docs/performance.md``, "Where the
+fused pass waits"); the producer warp runs ahead instead. Kernel time, H100, Triton 3.6, bf16, K = V = 128, Vnew
+kept (2026-11-24): MVE (B = 4, T = 8192, H = HV = 16) 335 us against 481 us for the ``tl`` pass; the
+Qwen3-Next-style layer's pass (6 packed sequences, 32,768 tokens, HV = 32, initial states) 658 against 969 us.
+Without the TMA stores (masked register stores of o and Vnew) it was slower than the ``tl`` pass (522 / 1041 us).
+
+Differences from the ``tl`` pass: the gate weights ``2^(G_n - G)`` multiply Vnew (fp32, rounded once), not k, in
+the state update, so the states equal the ``tl`` pass's to rounding, not bitwise; no transition mode and no
+per-chunk state output (those launches keep the ``tl`` pass).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+try:  # Gluon (triton.experimental.gluon): Triton 3.5 and later; without it the tl pass runs everywhere
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    # Triton 3.9 names the TMA copies async_load / async_store (3.6: async_copy_global_to_shared / _shared_to_global)
+    _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
+    _tma_store = tma.async_store if hasattr(tma, "async_store") else tma.async_copy_shared_to_global
+    HAVE_GLUON = hasattr(gl, "warp_specialize")
+except ImportError:  # pragma: no cover - depends on the installed Triton
+    HAVE_GLUON = False
+
+BS = 64  # rows per chunk
+WS_DEFAULTS = {"BV": 64, "NCONS": 1, "STAGES": 2}  # 2 consumers x 32 columns measured the same (334 vs 335 us)
+
+
+if HAVE_GLUON:
+
+    @gluon.jit
+    def _ws_producer(k_desc, q_desc, v_desc, t_desc, a_desc, k_s, q_s, v_s, t_s, a_s, ready, empty,
+                     row0, col_k, col_v, col_t, n_chunks, BV: gl.constexpr, NCONS: gl.constexpr,
+                     STAGES: gl.constexpr):
+        """One warp: chunk i's tiles into ring slot i % STAGES once the consumers have released it."""
+        nbytes: gl.constexpr = (k_desc.block_type.nbytes + q_desc.block_type.nbytes
+                                + NCONS * v_desc.block_type.nbytes + t_desc.block_type.nbytes
+                                + a_desc.block_type.nbytes)
+        for i in range(n_chunks):
+            s = i % STAGES
+            mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)  # the first pass over the ring does not wait
+            mbarrier.expect(ready.index(s), nbytes)
+            r = row0 + i * 64
+            _tma_load(k_desc, [r, col_k], ready.index(s), k_s.index(s))
+            _tma_load(q_desc, [r, col_k], ready.index(s), q_s.index(s))
+            for c in gl.static_range(NCONS):
+                _tma_load(v_desc, [r, col_v + c * BV], ready.index(s), v_s.index(NCONS * s + c))
+            _tma_load(t_desc, [r, col_t], ready.index(s), t_s.index(s))
+            _tma_load(a_desc, [r, col_t], ready.index(s), a_s.index(s))
+
+    @gluon.jit
+    def _ws_consumer(k_s, q_s, v_s, t_s, a_s, ready, empty, st_s, y_s, vn_s, vw_s, os_s, o_desc, vn_desc,
+                     g, beta, o, v_new, h0, ht, row0, i_nh, i_hv, col_v, col_h, n_chunks, T, scale,
+                     CID: gl.constexpr, NCONS: gl.constexpr, HV: gl.constexpr, V: gl.constexpr, K: gl.constexpr,
+                     BV: gl.constexpr, STAGES: gl.constexpr, USE_H0: gl.constexpr, STORE_HT: gl.constexpr,
+                     SAVE: gl.constexpr):
+        """Consumer warpgroup CID: value columns ``col_v + CID BV ..`` of v / o / Vnew (``[.., HV * V]`` rows),
+        ``col_h + CID BV ..`` of the state (h0 / ht ``[N, HV, K, V]`` fp32)."""
+        L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BV, 16])
+        LR: gl.constexpr = gl.SliceLayout(1, L)
+        LC: gl.constexpr = gl.SliceLayout(0, L)
+        dt: gl.constexpr = st_s.dtype
+        st = st_s.index(CID)
+        ys = y_s.index(CID)
+        vns = vn_s.index(CID)
+        vws = vw_s.index(CID)
+        oss = os_s.index(CID)
+        o_r = gl.arange(0, 64, layout=LR)
+        o_k = gl.arange(0, K, layout=LR)
+        o_c = gl.arange(0, BV, layout=LC)
+        col = col_v + CID * BV
+        p_h = i_nh * K * V + o_k[:, None] * V + col_h + CID * BV + o_c[None, :]
+        if USE_H0:
+            b_h = gl.load(h0 + p_h).to(gl.float32)  # [K, BV]
+        else:
+            b_h = gl.zeros([K, BV], dtype=gl.float32, layout=L)
+        zc = gl.zeros([64, BV], dtype=gl.float32, layout=L)
+        for i in range(n_chunks):
+            s = i % STAGES
+            r = row0 + i * 64
+            m_r = (i * 64 + o_r) < T  # rows past the sequence: beta 0, weight 0 in the update, not stored
+            full = (i + 1) * 64 <= T
+            b_g = gl.load(g + (r + o_r) * HV + i_hv, mask=m_r, other=0.0)
+            b_gn = gl.load(g + (r + gl.minimum(64, T - i * 64) - 1) * HV + i_hv)
+            b_b = gl.load(beta + (r + o_r) * HV + i_hv, mask=m_r, other=0.0).to(gl.float32)
+            b_eg = gl.exp2(b_g)
+            mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+            st.store(b_h.to(dt))
+            fence_async_shared()
+            b_ks = warpgroup_mma(k_s.index(s), st, zc, use_acc=False, is_async=True)  # [64, BV]
+            b_qs = warpgroup_mma(q_s.index(s), st, zc, use_acc=False, is_async=True)
+            b_ks = warpgroup_mma_wait(num_outstanding=1, deps=(b_ks,))
+            b_v = v_s.index(NCONS * s + CID).load(L).to(gl.float32)
+            b_y = (b_v - b_ks * b_eg[:, None]) * b_b[:, None]
+            ys.store(b_y.to(dt))
+            fence_async_shared()
+            b_vn = warpgroup_mma(t_s.index(s), ys, zc, use_acc=False, is_async=True)  # Vnew = Tm y
+            b_vn, b_qs = warpgroup_mma_wait(num_outstanding=0, deps=(b_vn, b_qs))
+            b_vnd = b_vn.to(dt)
+            tma.store_wait(0)  # the previous chunk's o / Vnew stores have read vns / oss
+            vns.store(b_vnd)
+            vws.store((b_vn * gl.exp2(gl.where(m_r, b_gn - b_g, float("-inf")))[:, None]).to(dt))
+            fence_async_shared()
+            b_o = warpgroup_mma(a_s.index(s), vns, b_qs * (b_eg * scale)[:, None], is_async=True)
+            b_h = warpgroup_mma(k_s.index(s).permute((1, 0)), vws, b_h * gl.exp2(b_gn), is_async=True)
+            p_tv = (r + o_r)[:, None] * (HV * V) + col + o_c[None, :]
+            if SAVE:
+                if full:
+                    _tma_store(vn_desc, [r, col], vns)
+                else:
+                    gl.store(v_new + p_tv, b_vnd, mask=m_r[:, None])
+            b_o, b_h = warpgroup_mma_wait(num_outstanding=0, deps=(b_o, b_h))
+            mbarrier.arrive(empty.index(s), count=1)
+            if full:
+                oss.store(b_o.to(dt))
+                fence_async_shared()
+                _tma_store(o_desc, [r, col], oss)
+            else:
+                gl.store(o + p_tv, b_o.to(o.dtype.element_ty), mask=m_r[:, None])
+        tma.store_wait(0)
+        if STORE_HT:
+            gl.store(ht + p_h, b_h)
+
+    @gluon.jit
+    def _fused_delta_ws_kernel(k_desc, q_desc, v_desc, t_desc, a_desc, o_desc, vn_desc, g, beta, o, v_new, h0, ht,
+                               cu_seqlens, T, scale, H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr,
+                               V: gl.constexpr, BV: gl.constexpr, NCONS: gl.constexpr, STAGES: gl.constexpr,
+                               IS_VARLEN: gl.constexpr, USE_H0: gl.constexpr, STORE_HT: gl.constexpr,
+                               SAVE: gl.constexpr):
+        """Grid ``(V / (NCONS BV), N HV)``; dense rows ``[B T, ..]`` or packed varlen (B = 1, ``cu_seqlens``)."""
+        i_v = gl.program_id(0)
+        i_nh = gl.program_id(1)
+        i_n = i_nh // HV
+        i_hv = i_nh % HV
+        i_h = i_hv // (HV // H)
+        if IS_VARLEN:
+            row0 = gl.load(cu_seqlens + i_n).to(gl.int32)
+            T = gl.load(cu_seqlens + i_n + 1).to(gl.int32) - row0
+        else:
+            row0 = i_n * T
+        n_chunks = gl.cdiv(T, 64)
+        dt: gl.constexpr = k_desc.dtype
+        k_s = gl.allocate_shared_memory(dt, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+        q_s = gl.allocate_shared_memory(dt, [STAGES] + q_desc.block_type.shape, q_desc.layout)
+        v_s = gl.allocate_shared_memory(dt, [NCONS * STAGES] + v_desc.block_type.shape, v_desc.layout)
+        t_s = gl.allocate_shared_memory(dt, [STAGES] + t_desc.block_type.shape, t_desc.layout)
+        a_s = gl.allocate_shared_memory(dt, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+        st_s = gl.allocate_shared_memory(dt, [NCONS, K, BV], gl.NVMMASharedLayout.get_default_for([K, BV], dt))
+        tile: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, BV], dt)
+        y_s = gl.allocate_shared_memory(dt, [NCONS, 64, BV], tile)
+        vn_s = gl.allocate_shared_memory(dt, [NCONS, 64, BV], tile)
+        vw_s = gl.allocate_shared_memory(dt, [NCONS, 64, BV], tile)
+        os_s = gl.allocate_shared_memory(dt, [NCONS, 64, BV], tile)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(ready.index(s), count=1)
+            mbarrier.init(empty.index(s), count=NCONS)
+        col_h = i_v * NCONS * BV
+        col_v = i_hv * V + col_h
+        C0: gl.constexpr = 0  # partition arguments that are constants must be named constexprs
+        C1: gl.constexpr = 1
+        if NCONS == 2:
+            gl.warp_specialize([
+                (_ws_consumer, (k_s, q_s, v_s, t_s, a_s, ready, empty, st_s, y_s, vn_s, vw_s, os_s, o_desc, vn_desc,
+                                g, beta, o, v_new, h0, ht, row0, i_nh, i_hv, col_v, col_h, n_chunks, T, scale, C0,
+                                NCONS, HV, V, K, BV, STAGES, USE_H0, STORE_HT, SAVE)),
+                (_ws_consumer, (k_s, q_s, v_s, t_s, a_s, ready, empty, st_s, y_s, vn_s, vw_s, os_s, o_desc, vn_desc,
+                                g, beta, o, v_new, h0, ht, row0, i_nh, i_hv, col_v, col_h, n_chunks, T, scale, C1,
+                                NCONS, HV, V, K, BV, STAGES, USE_H0, STORE_HT, SAVE)),
+                (_ws_producer, (k_desc, q_desc, v_desc, t_desc, a_desc, k_s, q_s, v_s, t_s, a_s, ready, empty,
+                                row0, i_h * K, col_v, i_hv * 64, n_chunks, BV, NCONS, STAGES)),
+            ], [4, 1], [232, 40])
+        else:
+            gl.warp_specialize([
+                (_ws_consumer, (k_s, q_s, v_s, t_s, a_s, ready, empty, st_s, y_s, vn_s, vw_s, os_s, o_desc, vn_desc,
+                                g, beta, o, v_new, h0, ht, row0, i_nh, i_hv, col_v, col_h, n_chunks, T, scale, C0,
+                                NCONS, HV, V, K, BV, STAGES, USE_H0, STORE_HT, SAVE)),
+                (_ws_producer, (k_desc, q_desc, v_desc, t_desc, a_desc, k_s, q_s, v_s, t_s, a_s, ready, empty,
+                                row0, i_h * K, col_v, i_hv * 64, n_chunks, BV, NCONS, STAGES)),
+            ], [1], [40])
+
+
+@functools.lru_cache(maxsize=None)
+def _is_sm90(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) == (9, 0)
+
+
+def ws_supported(q, k, v, g_cum, beta, ai, a, initial_state, cu_seqlens, save: int, transition: bool,
+                 config: dict | None = None) -> bool:
+    """Whether the warp-specialized pass takes this call: an sm_90 GPU, Gluon available, fp16 / bf16 q, k, v, Tm and
+    scores of one dtype, K = 128, V a multiple of the launch's columns, a gate, no transition, o (and Vnew) out but
+    no per-chunk states, contiguous tensors whose row offsets fit int32, 1 to 65,535 (sequence, head) pairs.
+    ``config``: this pass's launch keys (``WS_DEFAULTS``) or None."""
+    cfg = {**WS_DEFAULTS, **(config or {})}
+    if not HAVE_GLUON or transition or save > 1 or g_cum is None or a is None:
+        return False
+    if not (q.is_cuda and _is_sm90(q.device.index or 0)):
+        return False
+    if q.dtype not in (torch.float16, torch.bfloat16) or any(x.dtype != q.dtype for x in (k, v, ai, a)):
+        return False
+    B, T, H, K = k.shape
+    HV, V = v.shape[2], v.shape[3]
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    if K != 128 or V % (cfg["BV"] * cfg["NCONS"]) != 0 or N * HV > 65535 or N * HV == 0:
+        return False
+    if not all(x.is_contiguous() for x in (q, k, v, g_cum, beta, ai, a)):
+        return False
+    if initial_state is not None and (initial_state.dtype != torch.float32 or not initial_state.is_contiguous()):
+        return False
+    return B * T * max(H * K, HV * V) < 2 ** 31 and N * HV * K * V < 2 ** 31
+
+
+def fused_delta_pass_ws(q, k, v, g_cum, beta, ai, a, scale, initial_state=None, output_final_state=False,
+                        cu_seqlens=None, save: int = 0, config: dict | None = None):
+    """``fused_delta_fwd.fused_delta_pass`` (transition off, ``save`` 0 or 1) on the warp-specialized kernel; call
+    only where ``ws_supported`` holds (same ``config``: launch keys ``BV``, ``NCONS`` consumer warpgroups of BV
+    columns each, ``STAGES``). Returns ``(o, final, v_new, None)`` as that function does."""
+    cfg = {**WS_DEFAULTS, **(config or {})}
+    BV, NCONS = cfg["BV"], cfg["NCONS"]
+    B, T, H, K = k.shape
+    HV, V = v.shape[2], v.shape[3]
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    o = torch.empty_like(v)
+    v_new = torch.empty_like(v) if save else None
+    final = torch.empty(N, HV, K, V, dtype=torch.float32, device=q.device) if output_final_state else None
+    dt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+
+    def desc(x, cols, block):  # a 2-D [rows, heads * dim] view, one chunk of one head per block
+        x2 = x.reshape(B * T, cols)
+        return TensorDescriptor(x2, list(x2.shape), list(x2.stride()), block,
+                                gl.NVMMASharedLayout.get_default_for(block, dt))
+
+    o_desc = desc(o, HV * V, [BS, BV])
+    _fused_delta_ws_kernel[(V // (NCONS * BV), N * HV)](
+        desc(k, H * K, [BS, K]), desc(q, H * K, [BS, K]), desc(v, HV * V, [BS, BV]), desc(ai, HV * BS, [BS, BS]),
+        desc(a, HV * BS, [BS, BS]), o_desc, desc(v_new, HV * V, [BS, BV]) if save else o_desc, g_cum, beta, o,
+        v_new if save else o, initial_state if initial_state is not None else o, final if final is not None else o,
+        cu_seqlens if cu_seqlens is not None else o, T, scale, H=H, HV=HV, K=K, V=V, BV=BV, NCONS=NCONS,
+        STAGES=cfg["STAGES"], IS_VARLEN=cu_seqlens is not None, USE_H0=initial_state is not None,
+        STORE_HT=final is not None, SAVE=bool(save), num_warps=4)
+    return o, final, v_new, None
