@@ -38,3 +38,19 @@ def test_gdn_fused_pass_fits_two_programs_per_sm():
     line = next(ln for ln in r.stdout.splitlines() if "_fused_delta_fwd_kernel" in ln)
     smem = int(line.split("smem=")[1].split("B")[0])
     assert smem <= TWO_PER_SM, line
+
+
+def test_gdn_ws_pass_compiles_for_sm90():
+    """The warp-specialized Gluon forward (``fused_delta_ws.py``, taken on Hopper GPUs only, so no CPU test runs it)
+    compiles for sm_90 at each of its flag sets, within one SM's shared memory and without register spills."""
+    from tfla.ops.common.fused_delta_ws import HAVE_GLUON
+
+    if not HAVE_GLUON:
+        pytest.skip("this Triton has no Gluon warp specialization")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "compile_stats.py"), "--op", "gdn_ws", "--dtype",
+                        "bf16", "--check"], capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    lines = [ln for ln in r.stdout.splitlines() if "_fused_delta_ws_kernel" in ln]
+    assert len(lines) == 6, r.stdout[-2000:]
+    assert all("spill_stores=0B" in ln for ln in lines), "\n".join(lines)

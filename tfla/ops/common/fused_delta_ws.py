@@ -31,8 +31,9 @@ from __future__ import annotations
 import functools
 
 import torch
+import triton
 
-try:  # Gluon (triton.experimental.gluon): Triton 3.5 and later; without it the tl pass runs everywhere
+try:  # Gluon (triton.experimental.gluon); without it the tl pass runs everywhere
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
@@ -42,7 +43,9 @@ try:  # Gluon (triton.experimental.gluon): Triton 3.5 and later; without it the 
     # Triton 3.9 names the TMA copies async_load / async_store (3.6: async_copy_global_to_shared / _shared_to_global)
     _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
     _tma_store = tma.async_store if hasattr(tma, "async_store") else tma.async_copy_shared_to_global
-    HAVE_GLUON = hasattr(gl, "warp_specialize")
+    # the warp_specialize form used here ([(fn, args), ...], worker warps, worker registers): Triton 3.6 and 3.9 (the
+    # versions checked); earlier Gluon releases spelled it differently
+    HAVE_GLUON = hasattr(gl, "warp_specialize") and tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 6)
 except ImportError:  # pragma: no cover - depends on the installed Triton
     HAVE_GLUON = False
 
