@@ -82,13 +82,13 @@ def _record_ws(dtype, T, K, V):
     H, HV = 2, 4
     q, k = torch.randn(1, T, H, K, dtype=dtype), torch.randn(1, T, H, K, dtype=dtype)
     v = torch.randn(1, T, HV, V, dtype=dtype)
-    ai, a = torch.randn(1, T, HV, 64, dtype=dtype), torch.randn(1, T, HV, 64, dtype=dtype)
+    ai = torch.randn(1, T, HV, 64, dtype=dtype)
     g, beta = torch.randn(1, T, HV), torch.rand(1, T, HV, dtype=dtype)
     cu = torch.tensor([0, T // 3, T], dtype=torch.int32)
     for ncons, bv in ((1, 64), (2, 32)):
         for varlen, h0, save in ((False, False, 0), (True, True, 1), (False, True, 1)):
             state = torch.randn(2 if varlen else 1, HV, K, V) if h0 else None
-            ws.fused_delta_pass_ws(q, k, v, g, beta, ai, a, 0.1, state, h0, cu if varlen else None, save,
+            ws.fused_delta_pass_ws(q, k, v, g, beta, ai, 0.1, state, h0, cu if varlen else None, save,
                                    config={"NCONS": ncons, "BV": bv})
 
 

@@ -7,9 +7,8 @@ import pytest
 import torch
 
 from tfla.bench.inputs import gdn_inputs
-from tfla.ops.common.fused_delta_fwd import SAVE_STATES, SAVE_V_NEW, fused_delta_fwd, fused_delta_prep
+from tfla.ops.common.fused_delta_fwd import SAVE_STATES, SAVE_V_NEW, fused_delta_fwd
 from tfla.ops.common.fused_delta_ws import HAVE_GLUON, ws_supported
-from tfla.ops.common.varlen import chunk_tables
 from tfla.ops.gated_delta_rule.reference import recurrent_gated_delta_rule_ref
 from tfla.utils.testing import rel_l2
 
@@ -21,8 +20,8 @@ CASES = [  # (B, T, H, HV, lens, gate, dtype, ws config)
     (2, 200, 2, 4, None, "default", torch.bfloat16, None),
     (1, 1000, 1, 2, None, "strong", torch.float16, None),
     (1, 1171, 2, 2, [0, 1, 64, 130, 5, 971], "default", torch.bfloat16, None),
-    (1, 1171, 2, 4, [0, 1, 64, 130, 5, 971], "strong", torch.bfloat16, {"NCONS": 2, "BV": 32}),
-    (3, 257, 1, 2, None, "zero", torch.bfloat16, {"NCONS": 2, "BV": 64}),
+    (1, 1171, 2, 4, [0, 1, 64, 130, 5, 971], "strong", torch.bfloat16, {"NCONS": 1, "BV": 64}),
+    (3, 257, 1, 2, None, "zero", torch.bfloat16, {"NCONS": 1, "BV": 32}),
 ]
 
 
@@ -45,9 +44,7 @@ def test_ws_pass_matches_tl_pass_and_recurrence(B, T, H, HV, lens, gate, dtype, 
     x = gdn_inputs(B, T, H, 128, 128, HV=HV, dtype=dtype, device="cuda", gate=gate, initial_state=True,
                    num_seqs=N, seed=T + HV)
     q, k, v = x["q"], x["k"], x["v"]
-    sub = chunk_tables([0] + torch.tensor(lens).cumsum(0).tolist(), 64, "cuda")[0] if lens is not None else None
-    g_cum, ai, a, beta = fused_delta_prep(q, k, x["g"], x["beta"], 128 ** -0.5, cu, sub)
-    assert ws_supported(q, k, v, g_cum, beta, ai, a, x["initial_state"], cu, save, False, cfg)
+    assert ws_supported(q, k, v, True, x["initial_state"], cu, save, cfg)
     got = _run(x, cu, cfg or True, save)
     tl = _run(x, cu, False, save)
     r = {n: t.double().cpu() for n, t in x.items()}
@@ -66,23 +63,21 @@ def test_ws_pass_matches_tl_pass_and_recurrence(B, T, H, HV, lens, gate, dtype, 
 
 
 def test_ws_pass_not_taken_where_it_does_not_apply(device):
-    """CPU tensors, fp32, K != 128, the transition pass or per-chunk states: the tl pass runs."""
+    """CPU tensors, fp32, K != 128, no gate, per-chunk states kept, too many (sequence, head) pairs: the tl pass."""
     x = gdn_inputs(1, 70, 1, 128, 128, dtype=torch.float16, device=device, seed=1)
     q, k, v = x["q"], x["k"], x["v"]
-    ai = a = torch.zeros(1, 70, 1, 64, dtype=q.dtype, device=device)
-    g = x["g"].float()
-    args = (q, k, v, g, x["beta"], ai, a, None, None)
     if device == "cuda" and SM90:
-        assert ws_supported(*args, 0, False)
-    assert not ws_supported(*args, SAVE_STATES, False)
-    assert not ws_supported(*args, 0, True)
-    assert not ws_supported(q, k, v, None, x["beta"], ai, a, None, None, 0, False)  # no gate
-    assert not ws_supported(q.float(), k.float(), v.float(), g, x["beta"], ai.float(), a.float(), None, None, 0,
-                            False)
+        assert ws_supported(q, k, v, True, None, None, 0)
+        assert ws_supported(q, k, v, True, None, None, SAVE_V_NEW)
+    assert not ws_supported(q, k, v, True, None, None, SAVE_STATES)
+    assert not ws_supported(q, k, v, False, None, None, 0)  # no gate
+    assert not ws_supported(q.float(), k.float(), v.float(), True, None, None, 0)
     x64 = gdn_inputs(1, 70, 1, 64, 128, dtype=torch.float16, device=device, seed=1)
-    assert not ws_supported(x64["q"], x64["k"], x64["v"], g, x64["beta"], ai, a, None, None, 0, False)
+    assert not ws_supported(x64["q"], x64["k"], x64["v"], True, None, None, 0)
+    cu = torch.arange(0, 70001, device=device)  # 70,000 one-token sequences x 1 head
+    assert not ws_supported(q, k, v, True, None, cu, 0)
     if device == "cpu":
-        assert not ws_supported(*args, 0, False)
+        assert not ws_supported(q, k, v, True, None, None, 0)
 
 
 @pytest.mark.gpu

@@ -43,13 +43,13 @@ from tfla.ops.common.utils import (
     sm_count,
 )
 from tfla.ops.common.varlen import cached_bounds, chunk_tables
-from tfla.ops.common.ut_transform import ut_inverse_and_scores
+from tfla.ops.common.ut_transform import ut_inverse, ut_inverse_and_scores
 
 # launch of the fused pass (docs/performance.md). Value tiles: "BV" None picks 64 columns where the pass has
 # programs for two per SM at that width, else 32 (wide_tiles); 8 warps or 3 stages measured slower; the transition
 # pass (no output) at 64 columns, 2 stages (3 fit two programs per SM there, 99 KB, but measured no faster: H100,
 # Triton 3.6, bf16, B = 1, T = 65536, H = 16, forward 1.815 / 1.815 ms at 2 against 1.836 / 1.828 at 3, 2026-11-24)
-FUSED_DEFAULTS = {"BV": None, "num_warps": 4, "num_stages": 2, "mn_BV": 64, "mn_warps": 4, "mn_stages": 2, "ws": True}
+FUSED_DEFAULTS = {"BV": None, "num_warps": 4, "num_stages": 2, "mn_BV": 64, "mn_warps": 4, "mn_stages": 2}
 
 
 class Split(NamedTuple):
@@ -200,11 +200,13 @@ def _segment_scan_kernel(mn, nn, h0, starts, ht, first, s_np, s_nr, HV: tl.const
         tl.store(ht + i_nh * K * V + o_k[:, None] * V + o_v[None, :], b_s, mask=m_kv)
 
 
-def fused_delta_prep(q, k, g, beta, scale, cu_seqlens=None, sub_indices=None, config=None, act=None):
+def fused_delta_prep(q, k, g, beta, scale, cu_seqlens=None, sub_indices=None, config=None, act=None,
+                     scores: bool = True):
     """The prep pass: ``(g_cum, ai, a, beta)``: g_cum ``[B, T, HV]`` fp32 log2 restarting every 64 rows (or None), Tm
     and the output's scores ``scale causal(q k^T) o 2^(G_r - G_s)`` ``[B, T, HV, 64]`` (``ut_inverse_and_scores``, one
-    kernel), and the beta used; g natural-log decay ``[B, T, HV]`` or None, floored at ``LOG_DECAY_FLOOR``. ``act``
-    (a ``GateAct``, g given): g and / or beta hold pre-activations, activated by the gate's cumsum kernel."""
+    kernel; ``scores`` False: Tm alone, a None), and the beta used; g natural-log decay ``[B, T, HV]`` or None, floored
+    at ``LOG_DECAY_FLOOR``. ``act`` (a ``GateAct``, g given): g and / or beta hold pre-activations, activated by the
+    gate's cumsum kernel."""
     acc = torch.float64 if k.dtype == torch.float64 else torch.float32
     if act is not None and g is not None:
         g_cum, beta = gate_prologue(g, beta, act, cu_seqlens=cu_seqlens, chunk_indices=sub_indices)
@@ -212,7 +214,10 @@ def fused_delta_prep(q, k, g, beta, scale, cu_seqlens=None, sub_indices=None, co
         g_cum = None if g is None else chunk_local_cumsum(g, SUB_CHUNK, scale=RCP_LN2, cu_seqlens=cu_seqlens,
                                                           chunk_indices=sub_indices, out_dtype=acc,
                                                           floor=LOG_DECAY_FLOOR)
-    ai, a = ut_inverse_and_scores(q, k, g_cum, beta, scale, cu_seqlens, sub_indices, config)
+    if scores:
+        ai, a = ut_inverse_and_scores(q, k, g_cum, beta, scale, cu_seqlens, sub_indices, config)
+    else:
+        ai, a = ut_inverse(k, g_cum, beta, cu_seqlens, sub_indices, config), None
     return g_cum, ai, a, beta
 
 
@@ -229,14 +234,6 @@ def fused_delta_pass(q, k, v, g_cum, beta, ai, scale, initial_state=None, output
     HV, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     cfg = {**FUSED_DEFAULTS, **(config or {})}
-    # the warp-specialized Gluon pass on Hopper where it applies (fused_delta_ws.py); config key "ws": True (default),
-    # False (this kernel always) or a dict of that pass's launch keys
-    ws_cfg = cfg["ws"] if isinstance(cfg["ws"], dict) else None
-    if cfg["ws"] is not False and ws_supported(q, k, v, g_cum, beta, ai, a, initial_state, cu_seqlens, save,
-                                               transition, ws_cfg):
-        check_varlen_batch(B, cu_seqlens)
-        return fused_delta_pass_ws(q, k, v, g_cum, beta, ai, a, scale, initial_state, output_final_state,
-                                   cu_seqlens, save, ws_cfg)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     ncol = K + V if transition else V
     o = None if transition else torch.empty(B, T, HV, V, dtype=v.dtype, device=v.device)
@@ -375,7 +372,6 @@ def fused_delta_fwd(q, k, v, g, beta, scale, initial_state=None, output_final_st
     else:
         bounds = [i * T for i in range(B + 1)]
         sub = offsets = None
-    g_cum, ai, a, beta = fused_delta_prep(q, k, g, beta, scale, cu_seqlens, sub, cfg.get("ut"), act=act)
     if segments is None:
         # the scan holds a K x K transition in registers: the automatic split stays at head dims up to 128 (the
         # ones measured; K = 256 would put a 256 x 256 fp32 tile there)
@@ -390,25 +386,44 @@ def fused_delta_fwd(q, k, v, g, beta, scale, initial_state=None, output_final_st
             cuts, first = bounds, None
     if first is not None and split_save is not None:
         save = split_save
+    # the pass over the sequences (or pieces): the warp-specialized Gluon kernel on Hopper where it applies
+    # (fused_delta_ws.py; it forms the output's scores itself, so the prep forms Tm alone), else the tl kernel;
+    # config key "ws": True (default), False (the tl kernel always) or a dict of the Gluon pass's launch keys
+    ws_cfg = cfg["ws"] if isinstance(cfg.get("ws"), dict) else None
+    use_ws = cfg.get("ws", True) is not False
+    if first is None:
+        ws = use_ws and ws_supported(q, k, v, g is not None, initial_state, cu_seqlens, save, ws_cfg)
+    else:
+        seg_cu, seg_off, first_t = _split_tables(tuple(cuts), tuple(first), dev)
+        # (the pieces start from the scan's fp32 states)
+        ws = use_ws and ws_supported(q, k, v, g is not None, None, seg_cu, save, ws_cfg)
+    g_cum, ai, a, beta = fused_delta_prep(q, k, g, beta, scale, cu_seqlens, sub, cfg.get("ut"), act=act,
+                                          scores=not ws)
     out = dict(g_cum=g_cum, ai=ai, beta=beta, save=save)
     if first is None:
-        o, final, v_new, h = fused_delta_pass(
-            q, k, v, g_cum, beta, ai, scale, initial_state, output_final_state, cu_seqlens, offsets,
-            sum(cdiv(e - b, SUB_CHUNK) for b, e in zip(bounds[:-1], bounds[1:])), save, a=a, config=cfg)
+        if ws:
+            o, final, v_new, h = fused_delta_pass_ws(q, k, v, g_cum, beta, ai, scale, initial_state,
+                                                     output_final_state, cu_seqlens, save, ws_cfg)
+        else:
+            o, final, v_new, h = fused_delta_pass(
+                q, k, v, g_cum, beta, ai, scale, initial_state, output_final_state, cu_seqlens, offsets,
+                sum(cdiv(e - b, SUB_CHUNK) for b, e in zip(bounds[:-1], bounds[1:])), save, a=a, config=cfg)
         out.update(o=o, final_state=final, v_new=v_new, h=h)
         return out
     # pieces: B sequences of T rows become one packed batch
     flat = [x.reshape(1, B * T, *x.shape[2:]) if x is not None else None for x in (q, k, v, g_cum, beta, ai, a)]
     qf, kf, vf, gf, bf, af, sf = flat
-    seg_cu, seg_off, first_t = _split_tables(tuple(cuts), tuple(first), dev)
     _, mn, _, _ = fused_delta_pass(qf, kf, vf, gf, bf, af, scale, None, True, seg_cu, seg_off, transition=True,
                                    config=cfg)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     h0 = initial_state.to(acc).contiguous() if initial_state is not None else None
     starts, final = segment_scan(mn, h0, first_t, V, output_final_state, cfg)
     num_chunks = sum(cdiv(e - b, SUB_CHUNK) for b, e in zip(cuts[:-1], cuts[1:]))
-    o, _, v_new, h = fused_delta_pass(qf, kf, vf, gf, bf, af, scale, starts, False, seg_cu, seg_off, num_chunks,
-                                      save, a=sf, config=cfg)
+    if ws:
+        o, _, v_new, h = fused_delta_pass_ws(qf, kf, vf, gf, bf, af, scale, starts, False, seg_cu, save, ws_cfg)
+    else:
+        o, _, v_new, h = fused_delta_pass(qf, kf, vf, gf, bf, af, scale, starts, False, seg_cu, seg_off, num_chunks,
+                                          save, a=sf, config=cfg)
     out.update(o=o.reshape(B, T, HV, V), final_state=final, v_new=None if v_new is None else v_new.reshape(v.shape),
                h=None if h is None else h.reshape(B, -1, HV, K, V), split=Split(seg_cu, seg_off, first_t, num_chunks, mn))
     return out

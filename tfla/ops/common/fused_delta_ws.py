@@ -50,19 +50,18 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
     HAVE_GLUON = False
 
 BS = 64  # rows per chunk
-WS_DEFAULTS = {"BV": 64, "NCONS": 1, "STAGES": 2}  # 2 consumers x 32 columns measured the same (334 vs 335 us)
+WS_DEFAULTS = {"BV": 64, "NCONS": 1, "STAGES": 2}  # measured against 2 x 32 and 1 x 32 columns: docs/performance.md
 
 
 if HAVE_GLUON:
 
     @gluon.jit
-    def _ws_producer(k_desc, q_desc, v_desc, t_desc, a_desc, k_s, q_s, v_s, t_s, a_s, ready, empty,
+    def _ws_producer(k_desc, q_desc, v_desc, t_desc, k_s, q_s, v_s, t_s, ready, empty,
                      row0, col_k, col_v, col_t, n_chunks, BV: gl.constexpr, NCONS: gl.constexpr,
                      STAGES: gl.constexpr):
         """One warp: chunk i's tiles into ring slot i % STAGES once the consumers have released it."""
         nbytes: gl.constexpr = (k_desc.block_type.nbytes + q_desc.block_type.nbytes
-                                + NCONS * v_desc.block_type.nbytes + t_desc.block_type.nbytes
-                                + a_desc.block_type.nbytes)
+                                + NCONS * v_desc.block_type.nbytes + t_desc.block_type.nbytes)
         for i in range(n_chunks):
             s = i % STAGES
             mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)  # the first pass over the ring does not wait
@@ -73,10 +72,9 @@ if HAVE_GLUON:
             for c in gl.static_range(NCONS):
                 _tma_load(v_desc, [r, col_v + c * BV], ready.index(s), v_s.index(NCONS * s + c))
             _tma_load(t_desc, [r, col_t], ready.index(s), t_s.index(s))
-            _tma_load(a_desc, [r, col_t], ready.index(s), a_s.index(s))
 
     @gluon.jit
-    def _ws_consumer(k_s, q_s, v_s, t_s, a_s, ready, empty, st_s, y_s, vn_s, vw_s, os_s, o_desc, vn_desc,
+    def _ws_consumer(k_s, q_s, v_s, t_s, ready, empty, st_s, y_s, vn_s, vw_s, os_s, o_desc, vn_desc,
                      g, beta, o, v_new, h0, ht, row0, i_nh, i_hv, col_v, col_h, n_chunks, T, scale,
                      CID: gl.constexpr, NCONS: gl.constexpr, HV: gl.constexpr, V: gl.constexpr, K: gl.constexpr,
                      BV: gl.constexpr, STAGES: gl.constexpr, USE_H0: gl.constexpr, STORE_HT: gl.constexpr,
@@ -86,6 +84,10 @@ if HAVE_GLUON:
         L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BV, 16])
         LR: gl.constexpr = gl.SliceLayout(1, L)
         LC: gl.constexpr = gl.SliceLayout(0, L)
+        LS: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
+        LSR: gl.constexpr = gl.SliceLayout(1, LS)  # the scores' [64, 64] tile: rows, columns
+        LSC: gl.constexpr = gl.SliceLayout(0, LS)
+        LA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=L, k_width=2)  # scores as the A operand
         dt: gl.constexpr = st_s.dtype
         st = st_s.index(CID)
         ys = y_s.index(CID)
@@ -102,6 +104,9 @@ if HAVE_GLUON:
         else:
             b_h = gl.zeros([K, BV], dtype=gl.float32, layout=L)
         zc = gl.zeros([64, BV], dtype=gl.float32, layout=L)
+        zs = gl.zeros([64, 64], dtype=gl.float32, layout=LS)
+        o_sr = gl.arange(0, 64, layout=LSR)
+        o_sc = gl.arange(0, 64, layout=LSC)
         for i in range(n_chunks):
             s = i % STAGES
             r = row0 + i * 64
@@ -110,8 +115,12 @@ if HAVE_GLUON:
             b_g = gl.load(g + (r + o_r) * HV + i_hv, mask=m_r, other=0.0)
             b_gn = gl.load(g + (r + gl.minimum(64, T - i * 64) - 1) * HV + i_hv)
             b_b = gl.load(beta + (r + o_r) * HV + i_hv, mask=m_r, other=0.0).to(gl.float32)
+            b_gr = gl.load(g + (r + o_sr) * HV + i_hv, mask=(i * 64 + o_sr) < T, other=0.0)  # g in the scores' rows
+            b_gc = gl.load(g + (r + o_sc) * HV + i_hv, mask=(i * 64 + o_sc) < T, other=0.0)  # and columns
             b_eg = gl.exp2(b_g)
             mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+            # the output's scores q k^T of the chunk: off the state's chain, issued first
+            b_sc = warpgroup_mma(q_s.index(s), k_s.index(s).permute((1, 0)), zs, use_acc=False, is_async=True)
             st.store(b_h.to(dt))
             fence_async_shared()
             b_ks = warpgroup_mma(k_s.index(s), st, zc, use_acc=False, is_async=True)  # [64, BV]
@@ -122,13 +131,17 @@ if HAVE_GLUON:
             ys.store(b_y.to(dt))
             fence_async_shared()
             b_vn = warpgroup_mma(t_s.index(s), ys, zc, use_acc=False, is_async=True)  # Vnew = Tm y
-            b_vn, b_qs = warpgroup_mma_wait(num_outstanding=0, deps=(b_vn, b_qs))
+            b_vn, b_qs, b_sc = warpgroup_mma_wait(num_outstanding=0, deps=(b_vn, b_qs, b_sc))
+            # scores scale causal(q k^T) o 2^(G_r - G_s), in registers as the output product's A operand
+            m_rs = o_sr[:, None] >= o_sc[None, :]
+            b_a = b_sc * gl.exp2(gl.where(m_rs, b_gr[:, None] - b_gc[None, :], float("-inf"))) * scale
+            b_a = gl.convert_layout(b_a.to(dt), LA)
             b_vnd = b_vn.to(dt)
             tma.store_wait(0)  # the previous chunk's o / Vnew stores have read vns / oss
             vns.store(b_vnd)
             vws.store((b_vn * gl.exp2(gl.where(m_r, b_gn - b_g, float("-inf")))[:, None]).to(dt))
             fence_async_shared()
-            b_o = warpgroup_mma(a_s.index(s), vns, b_qs * (b_eg * scale)[:, None], is_async=True)
+            b_o = warpgroup_mma(b_a, vns, b_qs * (b_eg * scale)[:, None], is_async=True)
             b_h = warpgroup_mma(k_s.index(s).permute((1, 0)), vws, b_h * gl.exp2(b_gn), is_async=True)
             p_tv = (r + o_r)[:, None] * (HV * V) + col + o_c[None, :]
             if SAVE:
@@ -149,7 +162,7 @@ if HAVE_GLUON:
             gl.store(ht + p_h, b_h)
 
     @gluon.jit
-    def _fused_delta_ws_kernel(k_desc, q_desc, v_desc, t_desc, a_desc, o_desc, vn_desc, g, beta, o, v_new, h0, ht,
+    def _fused_delta_ws_kernel(k_desc, q_desc, v_desc, t_desc, o_desc, vn_desc, g, beta, o, v_new, h0, ht,
                                cu_seqlens, T, scale, H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr,
                                V: gl.constexpr, BV: gl.constexpr, NCONS: gl.constexpr, STAGES: gl.constexpr,
                                IS_VARLEN: gl.constexpr, USE_H0: gl.constexpr, STORE_HT: gl.constexpr,
@@ -171,7 +184,6 @@ if HAVE_GLUON:
         q_s = gl.allocate_shared_memory(dt, [STAGES] + q_desc.block_type.shape, q_desc.layout)
         v_s = gl.allocate_shared_memory(dt, [NCONS * STAGES] + v_desc.block_type.shape, v_desc.layout)
         t_s = gl.allocate_shared_memory(dt, [STAGES] + t_desc.block_type.shape, t_desc.layout)
-        a_s = gl.allocate_shared_memory(dt, [STAGES] + a_desc.block_type.shape, a_desc.layout)
         st_s = gl.allocate_shared_memory(dt, [NCONS, K, BV], gl.NVMMASharedLayout.get_default_for([K, BV], dt))
         tile: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, BV], dt)
         y_s = gl.allocate_shared_memory(dt, [NCONS, 64, BV], tile)
@@ -189,21 +201,21 @@ if HAVE_GLUON:
         C1: gl.constexpr = 1
         if NCONS == 2:
             gl.warp_specialize([
-                (_ws_consumer, (k_s, q_s, v_s, t_s, a_s, ready, empty, st_s, y_s, vn_s, vw_s, os_s, o_desc, vn_desc,
+                (_ws_consumer, (k_s, q_s, v_s, t_s, ready, empty, st_s, y_s, vn_s, vw_s, os_s, o_desc, vn_desc,
                                 g, beta, o, v_new, h0, ht, row0, i_nh, i_hv, col_v, col_h, n_chunks, T, scale, C0,
                                 NCONS, HV, V, K, BV, STAGES, USE_H0, STORE_HT, SAVE)),
-                (_ws_consumer, (k_s, q_s, v_s, t_s, a_s, ready, empty, st_s, y_s, vn_s, vw_s, os_s, o_desc, vn_desc,
+                (_ws_consumer, (k_s, q_s, v_s, t_s, ready, empty, st_s, y_s, vn_s, vw_s, os_s, o_desc, vn_desc,
                                 g, beta, o, v_new, h0, ht, row0, i_nh, i_hv, col_v, col_h, n_chunks, T, scale, C1,
                                 NCONS, HV, V, K, BV, STAGES, USE_H0, STORE_HT, SAVE)),
-                (_ws_producer, (k_desc, q_desc, v_desc, t_desc, a_desc, k_s, q_s, v_s, t_s, a_s, ready, empty,
+                (_ws_producer, (k_desc, q_desc, v_desc, t_desc, k_s, q_s, v_s, t_s, ready, empty,
                                 row0, i_h * K, col_v, i_hv * 64, n_chunks, BV, NCONS, STAGES)),
             ], [4, 1], [232, 40])
         else:
             gl.warp_specialize([
-                (_ws_consumer, (k_s, q_s, v_s, t_s, a_s, ready, empty, st_s, y_s, vn_s, vw_s, os_s, o_desc, vn_desc,
+                (_ws_consumer, (k_s, q_s, v_s, t_s, ready, empty, st_s, y_s, vn_s, vw_s, os_s, o_desc, vn_desc,
                                 g, beta, o, v_new, h0, ht, row0, i_nh, i_hv, col_v, col_h, n_chunks, T, scale, C0,
                                 NCONS, HV, V, K, BV, STAGES, USE_H0, STORE_HT, SAVE)),
-                (_ws_producer, (k_desc, q_desc, v_desc, t_desc, a_desc, k_s, q_s, v_s, t_s, a_s, ready, empty,
+                (_ws_producer, (k_desc, q_desc, v_desc, t_desc, k_s, q_s, v_s, t_s, ready, empty,
                                 row0, i_h * K, col_v, i_hv * 64, n_chunks, BV, NCONS, STAGES)),
             ], [1], [40])
 
@@ -213,36 +225,38 @@ def _is_sm90(index: int) -> bool:
     return torch.cuda.get_device_capability(index) == (9, 0)
 
 
-def ws_supported(q, k, v, g_cum, beta, ai, a, initial_state, cu_seqlens, save: int, transition: bool,
-                 config: dict | None = None) -> bool:
-    """Whether the warp-specialized pass takes this call: an sm_90 GPU, Gluon available, fp16 / bf16 q, k, v, Tm and
-    scores of one dtype, K = 128, V a multiple of the launch's columns, a gate, no transition, o (and Vnew) out but
-    no per-chunk states, contiguous tensors whose row offsets fit int32, 1 to 65,535 (sequence, head) pairs.
-    ``config``: this pass's launch keys (``WS_DEFAULTS``) or None."""
+def ws_supported(q, k, v, has_gate: bool, initial_state, cu_seqlens, save: int, config: dict | None = None) -> bool:
+    """Whether the warp-specialized pass takes a forward: an sm_90 GPU, Gluon available, fp16 / bf16 q, k and v of one
+    dtype, K = 128, V a multiple of the launch's columns, a gate, o (and Vnew) out but no per-chunk states (``save``
+    0 or 1), contiguous inputs whose row offsets fit int32, 1 to 65,535 (sequence, head) pairs, an fp32 initial state
+    if any. ``config``: this pass's launch keys (``WS_DEFAULTS``) or None. Decided before the prep, which then forms
+    Tm alone (the pass forms the output's scores)."""
     cfg = {**WS_DEFAULTS, **(config or {})}
-    if not HAVE_GLUON or transition or save > 1 or g_cum is None or a is None:
+    if not HAVE_GLUON or save > 1 or not has_gate:
         return False
     if not (q.is_cuda and _is_sm90(q.device.index or 0)):
         return False
-    if q.dtype not in (torch.float16, torch.bfloat16) or any(x.dtype != q.dtype for x in (k, v, ai, a)):
+    if q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype or v.dtype != q.dtype:
         return False
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     if K != 128 or V % (cfg["BV"] * cfg["NCONS"]) != 0 or N * HV > 65535 or N * HV == 0:
         return False
-    if not all(x.is_contiguous() for x in (q, k, v, g_cum, beta, ai, a)):
+    if not all(x.is_contiguous() for x in (q, k, v)):
         return False
     if initial_state is not None and (initial_state.dtype != torch.float32 or not initial_state.is_contiguous()):
         return False
     return B * T * max(H * K, HV * V) < 2 ** 31 and N * HV * K * V < 2 ** 31
 
 
-def fused_delta_pass_ws(q, k, v, g_cum, beta, ai, a, scale, initial_state=None, output_final_state=False,
+def fused_delta_pass_ws(q, k, v, g_cum, beta, ai, scale, initial_state=None, output_final_state=False,
                         cu_seqlens=None, save: int = 0, config: dict | None = None):
-    """``fused_delta_fwd.fused_delta_pass`` (transition off, ``save`` 0 or 1) on the warp-specialized kernel; call
-    only where ``ws_supported`` holds (same ``config``: launch keys ``BV``, ``NCONS`` consumer warpgroups of BV
-    columns each, ``STAGES``). Returns ``(o, final, v_new, None)`` as that function does."""
+    """``fused_delta_fwd.fused_delta_pass`` (transition off, ``save`` 0 or 1) on the warp-specialized kernel, from
+    the prep's ``g_cum`` (fp32, log2, restarting every 64 rows), Tm (``ai``, q's dtype) and beta (all contiguous); the
+    output's scores are formed in the kernel. Call only where ``ws_supported`` holds (same ``config``: launch keys
+    ``BV``, ``NCONS`` consumer warpgroups of BV columns each, ``STAGES``). Returns ``(o, final, v_new, None)`` as
+    that function does."""
     cfg = {**WS_DEFAULTS, **(config or {})}
     BV, NCONS = cfg["BV"], cfg["NCONS"]
     B, T, H, K = k.shape
@@ -261,7 +275,7 @@ def fused_delta_pass_ws(q, k, v, g_cum, beta, ai, a, scale, initial_state=None, 
     o_desc = desc(o, HV * V, [BS, BV])
     _fused_delta_ws_kernel[(V // (NCONS * BV), N * HV)](
         desc(k, H * K, [BS, K]), desc(q, H * K, [BS, K]), desc(v, HV * V, [BS, BV]), desc(ai, HV * BS, [BS, BS]),
-        desc(a, HV * BS, [BS, BS]), o_desc, desc(v_new, HV * V, [BS, BV]) if save else o_desc, g_cum, beta, o,
+        o_desc, desc(v_new, HV * V, [BS, BV]) if save else o_desc, g_cum, beta, o,
         v_new if save else o, initial_state if initial_state is not None else o, final if final is not None else o,
         cu_seqlens if cu_seqlens is not None else o, T, scale, H=H, HV=HV, K=K, V=V, BV=BV, NCONS=NCONS,
         STAGES=cfg["STAGES"], IS_VARLEN=cu_seqlens is not None, USE_H0=initial_state is not None,

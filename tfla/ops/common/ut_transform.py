@@ -367,6 +367,19 @@ def ut_inverse_and_scores(
     return _ut_launch(k, None, g_cum, beta, SUB_CHUNK, cu_seqlens, sub_indices, config, q=q, scale=scale)
 
 
+def ut_inverse(
+    k: torch.Tensor,
+    g_cum: torch.Tensor | None,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor | None = None,
+    sub_indices: torch.Tensor | None = None,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """Tm of every 64-row sub-chunk alone (``ut_inverse_and_scores`` without the scores: the prep of the Gluon
+    forward pass, which forms them itself), ``[B, T, HV, 64]`` in k's dtype. Config keys as ``ut_transform_fwd``."""
+    return _ut_launch(k, None, g_cum, beta, SUB_CHUNK, cu_seqlens, sub_indices, config)[2]
+
+
 def w_from_tm(
     k: torch.Tensor,
     g_cum: torch.Tensor | None,
