@@ -1,17 +1,19 @@
 """The gated delta rule's fused forward pass as a warp-specialized Gluon kernel for Hopper (sm_90): the same pass
 as ``fused_delta_fwd._fused_delta_fwd_kernel`` (module docstring there; ``docs/gdn-math.md`` section 4) for the
-shapes most models run, chosen by ``fused_delta_fwd.fused_delta_pass`` where ``ws_supported`` holds.
+shapes most models run, chosen by ``fused_delta_fwd.fused_delta_fwd`` where ``ws_supported`` holds (before the
+prep, which then forms Tm alone: this pass forms the output's scores itself).
 
 Notation: B batch, T time, H key heads, HV value heads, K / V head dims, N sequences, 64-row chunks, BV value
 columns per consumer warpgroup.
 
 One CTA per (sequence, value head, NCONS x BV value columns), three roles (``gl.warp_specialize``):
 
-- a one-warp producer streams each chunk's k and q (``[64, K]``), v (``[64, BV]`` per consumer), Tm and the
-  output scores (``[64, 64]``, from the prep) into a STAGES-deep ring of shared memory with TMA, ahead of the
-  consumers, which release a slot when its chunk is done (``ready`` / ``empty`` mbarriers);
+- a one-warp producer streams each chunk's k and q (``[64, K]``), v (``[64, BV]`` per consumer) and Tm
+  (``[64, 64]``, from the prep) into a STAGES-deep ring of shared memory with TMA, ahead of the consumers, which
+  release a slot when its chunk is done (``ready`` / ``empty`` mbarriers);
 - NCONS consumer warpgroups each keep their ``[K, BV]`` fp32 state in registers and per chunk run
-  ``kS, qS = k S, q S`` (S as 16-bit in shared memory), ``y = (v - 2^G kS) beta``, ``Vnew = Tm y``,
+  ``A = scale causal(q k^T) o 2^(G_r - G_s)`` (off the state's chain; in registers as the output product's A
+  operand), ``kS, qS = k S, q S`` (S as 16-bit in shared memory), ``y = (v - 2^G kS) beta``, ``Vnew = Tm y``,
   ``o = scale 2^G qS + A Vnew`` and ``S <- 2^(G_n) S + k^T (2^(G_n - G) Vnew)`` on asynchronous wgmma; o and Vnew
   leave through TMA stores from shared memory (rows of a chunk cut by the sequence's end: masked stores).
 
@@ -21,6 +23,8 @@ fused pass waits"); the producer warp runs ahead instead. Kernel time, H100, Tri
 kept (2026-11-24): MVE (B = 4, T = 8192, H = HV = 16) 335 us against 481 us for the ``tl`` pass; the
 Qwen3-Next-style layer's pass (6 packed sequences, 32,768 tokens, HV = 32, initial states) 658 against 969 us.
 Without the TMA stores (masked register stores of o and Vnew) it was slower than the ``tl`` pass (522 / 1041 us).
+With the scores formed here (172dd1e) the prep kernel takes 116 instead of 212 us at the MVE and the forward call
+the layer 1.100 instead of 1.162 ms (``docs/performance.md``).
 
 Differences from the ``tl`` pass: the gate weights ``2^(G_n - G)`` multiply Vnew (fp32, rounded once), not k, in
 the state update, so the states equal the ``tl`` pass's to rounding, not bitwise; no transition mode and no
@@ -258,11 +262,11 @@ def ws_supported(q, k, v, has_gate: bool, initial_state, cu_seqlens, save: int, 
 
 def fused_delta_pass_ws(q, k, v, g_cum, beta, ai, scale, initial_state=None, output_final_state=False,
                         cu_seqlens=None, save: int = 0, config: dict | None = None):
-    """``fused_delta_fwd.fused_delta_pass`` (transition off, ``save`` 0 or 1) on the warp-specialized kernel, from
-    the prep's ``g_cum`` (fp32, log2, restarting every 64 rows), Tm (``ai``, q's dtype) and beta (all contiguous); the
-    output's scores are formed in the kernel. Call only where ``ws_supported`` holds (same ``config``: launch keys
-    ``BV``, ``NCONS`` consumer warpgroups of BV columns each, ``STAGES``). Returns ``(o, final, v_new, None)`` as
-    that function does."""
+    """``fused_delta_fwd.fused_delta_pass`` (transition off, ``save`` 0 or 1, no ``a``) on the warp-specialized
+    kernel, from the prep's ``g_cum`` (fp32, log2, restarting every 64 rows), Tm (``ai``, q's dtype) and beta (all
+    contiguous); the output's scores are formed in the kernel. Call only where ``ws_supported`` holds (same
+    ``config``: launch keys ``BV``, ``NCONS`` consumer warpgroups of BV columns each, ``STAGES``). Returns
+    ``(o, final, v_new, None)`` as that function does."""
     cfg = {**WS_DEFAULTS, **(config or {})}
     BV, NCONS = cfg["BV"], cfg["NCONS"]
     B, T, H, K = k.shape
