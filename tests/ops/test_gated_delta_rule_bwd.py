@@ -134,6 +134,13 @@ def test_state_grad_summary_pass(device):
     assert torch.equal(dh0_, dh0)
     with pytest.raises(ValueError, match="store=False"):
         chunk_state_bwd(q, k, w, do, None, g, 0.5, 64, dht=dht, store=False)
+    with pytest.raises(ValueError, match="store=False"):  # linear attention (w None) has no summary pass
+        chunk_state_bwd(q, k, None, do, do, g, 0.5, 64, need_dh0=True, store=False)
+    # the delta rule's kernel takes 64-row chunks with dvo formed inside and a scalar gate only
+    with pytest.raises(ValueError, match="delta rule"):
+        chunk_state_bwd(q, k, w, do, do, g, 0.5, 64)
+    with pytest.raises(ValueError, match="delta rule"):
+        chunk_state_bwd(q, k, w, do, None, g, 0.5, 128)
 
 
 @pytest.mark.parametrize("segments,varlen,h0,final,gate", [(2, False, True, True, "weak"), (4, False, False, True, "zero"),

@@ -124,7 +124,6 @@ def _state_bwd_sub_chunk(q, k, w, do, dvo, g, du, dh, gk, gb, sds, rl, gv, scale
 def _chunk_state_bwd_kernel(
     q,
     k,
-    w,
     do,
     dvo,
     g,
@@ -148,7 +147,6 @@ def _chunk_state_bwd_kernel(
     USE_G: tl.constexpr,
     SPLIT_G: tl.constexpr,
     HAS_GB: tl.constexpr,
-    DELTA: tl.constexpr,
     USE_FINAL_STATE_GRADIENT: tl.constexpr,
     STORE_INITIAL_STATE_GRADIENT: tl.constexpr,
     IS_VARLEN: tl.constexpr,
@@ -164,15 +162,12 @@ def _chunk_state_bwd_kernel(
     ROWLOG: tl.constexpr = False,
     IDX64: tl.constexpr = False,
     FLAT: tl.constexpr = False,
-    STORE: tl.constexpr = True,
 ):
-    """Reverse state-gradient recurrence (DELTA: of the delta rule; otherwise of linear attention,
-    where the W^T dU term is absent and dU is the whole gradient of V). ``b_dh`` is the gradient of the state
-    after the current sub-chunk; per sub-chunk (reverse): dU = dvo + 2^(G_n - G) (K dS),
-    dS <- 2^(G_n - G_c) dS - W^T dU; at each outer-chunk start the output's use of the state adds
-    scale (2^G Q)^T dO of the whole outer chunk. Stores dS at every sub-chunk (for the parallel
-    gradient kernels) and dU (not with STORE off: only the initial state's gradient, a segment's summary). That
-    product keeps the row factor scale 2^G unrounded on dO's side
+    """Reverse state-gradient recurrence of linear attention (the delta rule's: ``_delta_state_bwd_kernel``, the same
+    step helper with the W^T dU term). ``b_dh`` is the gradient of the state after the current sub-chunk; per
+    sub-chunk (reverse): dU = dvo + 2^(G_n - G) (K dS) (the whole gradient of V), dS <- 2^(G_n - G_c) dS; at each
+    outer-chunk start the output's use of the state adds scale (2^G Q)^T dO of the whole outer chunk. Stores dS at
+    every sub-chunk (for the parallel gradient kernels) and dU. That product keeps the row factor scale 2^G unrounded on dO's side
     (``_rowscaled_qdot``): rounding 2^G q to bf16 made d initial_state 3-4x less accurate than FLA's (H100,
     bf16); the fp32 q tile that fixed it (a TF32 product) spilled registers (GDN on the H100: 0.49 -> 0.89 ms).
 
@@ -211,9 +206,9 @@ def _chunk_state_bwd_kernel(
         for i_sr in range(0, NSUB):
             i_c = NSUB - 1 - i_sr
             b_dh, _ = _state_bwd_sub_chunk(
-                q, k, w, do, dvo, g, du, dh, gk, gb, sds, rl, gv, scale, T, bos, boh, i_c, i_h, i_hv, i_v, i_c * BS,
-                o_c, o_k, o_v, m_k, m_v, m_kv, o_kv, b_dh, b_dh, H, HV, K, V, BT, BK, BV, USE_G, SPLIT_G, HAS_GB,
-                DELTA, DOT_PREC, ACC, VEC_G, INTRA, SDS, QSPLIT, ROWLOG, IDX64, STORE)
+                q, k, None, do, dvo, g, du, dh, gk, gb, sds, rl, gv, scale, T, bos, boh, i_c, i_h, i_hv, i_v,
+                i_c * BS, o_c, o_k, o_v, m_k, m_v, m_kv, o_kv, b_dh, b_dh, H, HV, K, V, BT, BK, BV, USE_G, SPLIT_G,
+                HAS_GB, False, DOT_PREC, ACC, VEC_G, INTRA, SDS, QSPLIT, ROWLOG, IDX64, True)
     else:
         NT = tl.cdiv(T, BT)
         for i_cr in range(0, NT):
@@ -223,10 +218,49 @@ def _chunk_state_bwd_kernel(
             for i_jr in range(0, NS):
                 t0 = i_c * BT + (NS - 1 - i_jr) * BS
                 b_dh, b_dhi = _state_bwd_sub_chunk(
-                    q, k, w, do, dvo, g, du, dh, gk, gb, sds, rl, gv, scale, T, bos, boh, i_c, i_h, i_hv, i_v, t0,
+                    q, k, None, do, dvo, g, du, dh, gk, gb, sds, rl, gv, scale, T, bos, boh, i_c, i_h, i_hv, i_v, t0,
                     o_c, o_k, o_v, m_k, m_v, m_kv, o_kv, b_dh, b_dhi, H, HV, K, V, BT, BK, BV, USE_G, SPLIT_G,
-                    HAS_GB, DELTA, DOT_PREC, ACC, VEC_G, INTRA, SDS, QSPLIT, ROWLOG, IDX64, STORE)
+                    HAS_GB, False, DOT_PREC, ACC, VEC_G, INTRA, SDS, QSPLIT, ROWLOG, IDX64, True)
             b_dh += b_dhi
+    if STORE_INITIAL_STATE_GRADIENT:
+        tl.store(dh0 + i_nh * K * V + o_kv, b_dh, mask=m_kv)
+
+
+@triton.jit
+def _delta_state_bwd_kernel(q, k, w, do, g, du, dh, dht, dh0, cu_seqlens, sub_offsets, scale, T, H: tl.constexpr,
+                            HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                            USE_G: tl.constexpr, USE_FINAL_STATE_GRADIENT: tl.constexpr,
+                            STORE_INITIAL_STATE_GRADIENT: tl.constexpr, IS_VARLEN: tl.constexpr,
+                            DOT_PREC: tl.constexpr, ACC: tl.constexpr, QSPLIT: tl.constexpr = True,
+                            IDX64: tl.constexpr = False, FLAT: tl.constexpr = False, STORE: tl.constexpr = True):
+    """The delta rule's reverse state-gradient recurrence (the step helper shared with ``_chunk_state_bwd_kernel``,
+    with its W^T dU term; 64-row chunks, a scalar gate or none): per chunk, last first, dU = dvo + 2^(G_n - G) (K dS) with the output's
+    intra-chunk gradient of Vnew ``dvo`` formed from this step's q, k and dO tiles, and
+    dS <- 2^(G_n) dS - W^T dU + scale (2^G q)^T dO. Stores dS at every chunk and dU (STORE; off: only the initial
+    state's gradient, a segment's summary). One loop over the chunks: Triton pipelines the innermost loop, so step
+    i + 1's loads are issued during step i (a nested loop of one sub-chunk per chunk waited for its own loads)."""
+    BS: tl.constexpr = 64
+    i_v, i_nh = program_pair((V + BV - 1) // BV, FLAT)  # (value tile, sequence x head): 2-D or flat grid
+    i_n, i_hv = i_nh // HV, i_nh % HV
+    i_h = i_hv // (HV // H)
+    bos, T, boh = _sequence_slots(cu_seqlens, sub_offsets, i_n, T, BS, IS_VARLEN)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    o_c = tl.arange(0, BS)
+    m_k = o_k < K
+    m_v = o_v < V
+    m_kv = m_k[:, None] & m_v[None, :]
+    o_kv = o_k[:, None] * V + o_v[None, :]
+    b_dh = tl.zeros([BK, BV], dtype=ACC)
+    if USE_FINAL_STATE_GRADIENT:
+        b_dh += tl.load(dht + i_nh * K * V + o_kv, mask=m_kv, other=0.0).to(ACC)
+    NSUB = tl.cdiv(T, BS)
+    for i_sr in range(0, NSUB):
+        i_c = NSUB - 1 - i_sr
+        b_dh, _ = _state_bwd_sub_chunk(
+            q, k, w, do, None, g, du, dh, None, None, None, None, None, scale, T, bos, boh, i_c, i_h, i_hv, i_v,
+            i_c * BS, o_c, o_k, o_v, m_k, m_v, m_kv, o_kv, b_dh, b_dh, H, HV, K, V, BS, BK, BV, USE_G, False, False,
+            True, DOT_PREC, ACC, False, True, False, QSPLIT, False, IDX64, STORE)
     if STORE_INITIAL_STATE_GRADIENT:
         tl.store(dh0 + i_nh * K * V + o_kv, b_dh, mask=m_kv)
 
@@ -347,8 +381,13 @@ def chunk_state_bwd(
     HV, V = do.shape[2], do.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     NS = cdiv(T, SUB_CHUNK) if cu_seqlens is None else num_sub_chunks
-    if not store and (not need_dh0 or dden is not None or sds or h_sub is not None):
-        raise ValueError("store=False runs the recurrence for dh0 alone: needs need_dh0, no dden, sds or h_sub")
+    if w is not None and not (dvo is None and chunk_size == SUB_CHUNK and gk_cum is None and gb is None
+                              and gv_cum is None and dden is None and do_row_log2 is None):
+        raise ValueError("the delta rule's state gradient (w given) runs at 64-row chunks with dvo=None (formed in the "
+                         "kernel) and a scalar gate or none: no gk_cum, gb, gv_cum, dden or do_row_log2")
+    if not store and (w is None or not need_dh0 or sds or h_sub is not None):
+        raise ValueError("store=False (the delta rule's segment summary) runs the recurrence for dh0 alone: needs w "
+                         "and need_dh0, no sds or h_sub")
     if sds and (h_sub is None or w is not None):
         raise ValueError("sds (the rows of <S, dS>) needs h_sub and serves linear attention (w None)")
     # measured (docs/performance.md): the delta rule at K <= 128 runs best on 64-column value tiles with 8 warps
@@ -399,17 +438,26 @@ def chunk_state_bwd(
         return rets
     grid, flat = tile_grid(cdiv(V, BV), N * HV, force_flat=cfg.get("flat", False))
     idx64 = cfg.get("idx64", False) or _idx64(T, H, HV, K, V)
-    _chunk_state_bwd_kernel[grid](
-        q, k, w, do, dvo, g_cum, du, dh, dht, dh0, gk_cum, gb, cu_seqlens, sub_offsets, scale, T,
-        H=H, HV=HV, K=K, V=V, BT=chunk_size, BK=BK, BV=BV, USE_G=g_cum is not None,
-        SPLIT_G=gk_cum is not None, HAS_GB=gb is not None, DELTA=w is not None,
-        USE_FINAL_STATE_GRADIENT=dht is not None, STORE_INITIAL_STATE_GRADIENT=need_dh0,
-        IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(k.dtype), ACC=acc_dtype(k.dtype),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        gv=gv_cum, VEC_G=gv_cum is not None, INTRA=intra, sds=sds_t, SDS=sds_on,
-        QSPLIT=cfg.get("qsplit", True), rl=do_row_log2,
-        ROWLOG=do_row_log2 is not None, IDX64=idx64, FLAT=flat, STORE=store,
-    )
+    if w is not None:  # the delta rule (GDN): its own kernel
+        _delta_state_bwd_kernel[grid](
+            q, k, w, do, g_cum, du, dh, dht, dh0, cu_seqlens, sub_offsets, scale, T, H=H, HV=HV, K=K, V=V, BK=BK,
+            BV=BV, USE_G=g_cum is not None, USE_FINAL_STATE_GRADIENT=dht is not None,
+            STORE_INITIAL_STATE_GRADIENT=need_dh0, IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(k.dtype),
+            ACC=acc_dtype(k.dtype), QSPLIT=cfg.get("qsplit", True), IDX64=idx64, FLAT=flat, STORE=store,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )
+    else:
+        _chunk_state_bwd_kernel[grid](
+            q, k, do, dvo, g_cum, du, dh, dht, dh0, gk_cum, gb, cu_seqlens, sub_offsets, scale, T,
+            H=H, HV=HV, K=K, V=V, BT=chunk_size, BK=BK, BV=BV, USE_G=g_cum is not None,
+            SPLIT_G=gk_cum is not None, HAS_GB=gb is not None,
+            USE_FINAL_STATE_GRADIENT=dht is not None, STORE_INITIAL_STATE_GRADIENT=need_dh0,
+            IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(k.dtype), ACC=acc_dtype(k.dtype),
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            gv=gv_cum, VEC_G=gv_cum is not None, INTRA=intra, sds=sds_t, SDS=sds_on,
+            QSPLIT=cfg.get("qsplit", True), rl=do_row_log2,
+            ROWLOG=do_row_log2 is not None, IDX64=idx64, FLAT=flat,
+        )
     if n_state:
         # its own launch config (config keys n_bk, n_warps, n_stages; H100, B=8 T=8192 H=16 K=128, scripts/tune.py:
         # 32-wide key tiles on one warp ~0.15 ms, two warps 0.21, 16 / 64-wide 0.16-0.28, stages no matter)
