@@ -140,6 +140,24 @@ def _sequence_slots(cu_seqlens, offsets, i_n, T, SLOT: tl.constexpr, IS_VARLEN: 
 
 
 @triton.jit
+def _state_tile(cu_seqlens, offsets, T, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                BK: tl.constexpr, BV: tl.constexpr, SLOT: tl.constexpr, IS_VARLEN: tl.constexpr, FLAT: tl.constexpr):
+    """The ``[BK, BV]`` state tile of a (value tile, sequence x value head) program of the state recurrences (forward
+    and reverse): ``(i_v, i_nh, i_h, i_hv, bos, T, boh, o_k, o_v, m_k, m_v, m_kv, o_kv)`` with the sequence's rows
+    and state slots as ``_sequence_slots``, o_kv the tile's offsets in a ``[K, V]`` state."""
+    i_v, i_nh = program_pair((V + BV - 1) // BV, FLAT)  # (value tile, sequence x head): 2-D or flat grid
+    i_hv = i_nh % HV
+    i_h = i_hv // (HV // H)
+    bos, T, boh = _sequence_slots(cu_seqlens, offsets, i_nh // HV, T, SLOT, IS_VARLEN)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = o_k < K
+    m_v = o_v < V
+    m_kv = m_k[:, None] & m_v[None, :]
+    return i_v, i_nh, i_h, i_hv, bos, T, boh, o_k, o_v, m_k, m_v, m_kv, o_k[:, None] * V + o_v[None, :]
+
+
+@triton.jit
 def _chunk_state_fwd_kernel(
     k,
     v,
@@ -183,19 +201,10 @@ def _chunk_state_fwd_kernel(
     KEY_W: tl.constexpr = False,
 ):
     BS: tl.constexpr = 64
-    i_v, i_nh = program_pair((V + BV - 1) // BV, FLAT)  # (value tile, sequence x head): 2-D or flat grid
-    i_n, i_hv = i_nh // HV, i_nh % HV
-    i_h = i_hv // (HV // H)
     SLOT: tl.constexpr = BS if STORE_SUB else BT  # rows per stored state
-    bos, T, boh = _sequence_slots(cu_seqlens, chunk_offsets, i_n, T, SLOT, IS_VARLEN)
-
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
+    i_v, i_nh, i_h, i_hv, bos, T, boh, o_k, o_v, m_k, m_v, m_kv, o_kv = _state_tile(
+        cu_seqlens, chunk_offsets, T, H, HV, K, V, BK, BV, SLOT, IS_VARLEN, FLAT)
     o_c = tl.arange(0, BS)
-    m_k = o_k < K
-    m_v = o_v < V
-    m_kv = m_k[:, None] & m_v[None, :]
-    o_kv = o_k[:, None] * V + o_v[None, :]
 
     b_h = tl.zeros([BK, BV], dtype=ACC)
     if USE_INITIAL_STATE:

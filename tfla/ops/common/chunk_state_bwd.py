@@ -7,8 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tfla.ops.common.chunk_state import (_idx64, _row_split, _sequence_slots, _state_acc, _vec_decays,
-                                         intra_supported)
+from tfla.ops.common.chunk_state import (_idx64, _row_split, _sequence_slots, _state_acc, _state_tile,
+                                         _vec_decays, intra_supported)
 from tfla.ops.common.grid import program_pair, tile_grid
 from tfla.ops.common.utils import SUB_CHUNK, acc_dtype, cdiv, dot_precision, dot_tile, next_pow2
 
@@ -167,8 +167,8 @@ def _chunk_state_bwd_kernel(
     step helper with the W^T dU term). ``b_dh`` is the gradient of the state after the current sub-chunk; per
     sub-chunk (reverse): dU = dvo + 2^(G_n - G) (K dS) (the whole gradient of V), dS <- 2^(G_n - G_c) dS; at each
     outer-chunk start the output's use of the state adds scale (2^G Q)^T dO of the whole outer chunk. Stores dS at
-    every sub-chunk (for the parallel gradient kernels) and dU. That product keeps the row factor scale 2^G unrounded on dO's side
-    (``_rowscaled_qdot``): rounding 2^G q to bf16 made d initial_state 3-4x less accurate than FLA's (H100,
+    every sub-chunk (for the parallel gradient kernels) and dU. That product keeps the row factor scale 2^G
+    unrounded on dO's side (``_rowscaled_qdot``): rounding 2^G q to bf16 made d initial_state 3-4x less accurate than FLA's (H100,
     bf16); the fp32 q tile that fixed it (a TF32 product) spilled registers (GDN on the H100: 0.49 -> 0.89 ms).
 
     The normalizer state's gradient (``chunk_state_bwd(dden=..)``) runs in its own launch
@@ -184,18 +184,9 @@ def _chunk_state_bwd_kernel(
     ``<S, dS>`` over its value tile (``sds [B, NS, HV, NV, K]`` fp32): the state-terms kernel then reads
     neither S nor a second ``[B, NS, HV, K, V]`` buffer (peak memory: one such buffer less)."""
     BS: tl.constexpr = 64
-    i_v, i_nh = program_pair((V + BV - 1) // BV, FLAT)  # (value tile, sequence x head): 2-D or flat grid
-    i_n, i_hv = i_nh // HV, i_nh % HV
-    i_h = i_hv // (HV // H)
-    bos, T, boh = _sequence_slots(cu_seqlens, sub_offsets, i_n, T, BS, IS_VARLEN)
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
+    i_v, i_nh, i_h, i_hv, bos, T, boh, o_k, o_v, m_k, m_v, m_kv, o_kv = _state_tile(
+        cu_seqlens, sub_offsets, T, H, HV, K, V, BK, BV, BS, IS_VARLEN, FLAT)
     o_c = tl.arange(0, BS)
-    m_k = o_k < K
-    m_v = o_v < V
-    m_kv = m_k[:, None] & m_v[None, :]
-    o_kv = o_k[:, None] * V + o_v[None, :]
-    dt = k.dtype.element_ty
 
     b_dh = tl.zeros([BK, BV], dtype=ACC)
     if USE_FINAL_STATE_GRADIENT:
@@ -234,23 +225,15 @@ def _delta_state_bwd_kernel(q, k, w, do, g, du, dh, dht, dh0, cu_seqlens, sub_of
                             DOT_PREC: tl.constexpr, ACC: tl.constexpr, QSPLIT: tl.constexpr = True,
                             IDX64: tl.constexpr = False, FLAT: tl.constexpr = False, STORE: tl.constexpr = True):
     """The delta rule's reverse state-gradient recurrence (the step helper shared with ``_chunk_state_bwd_kernel``,
-    with its W^T dU term; 64-row chunks, a scalar gate or none): per chunk, last first, dU = dvo + 2^(G_n - G) (K dS) with the output's
-    intra-chunk gradient of Vnew ``dvo`` formed from this step's q, k and dO tiles, and
+    with its W^T dU term; 64-row chunks, a scalar gate or none): per chunk, last first, dU = dvo + 2^(G_n - G) (K dS)
+    with the output's intra-chunk gradient of Vnew ``dvo`` formed from this step's q, k and dO tiles, and
     dS <- 2^(G_n) dS - W^T dU + scale (2^G q)^T dO. Stores dS at every chunk and dU (STORE; off: only the initial
     state's gradient, a segment's summary). One loop over the chunks: Triton pipelines the innermost loop, so step
     i + 1's loads are issued during step i (a nested loop of one sub-chunk per chunk waited for its own loads)."""
     BS: tl.constexpr = 64
-    i_v, i_nh = program_pair((V + BV - 1) // BV, FLAT)  # (value tile, sequence x head): 2-D or flat grid
-    i_n, i_hv = i_nh // HV, i_nh % HV
-    i_h = i_hv // (HV // H)
-    bos, T, boh = _sequence_slots(cu_seqlens, sub_offsets, i_n, T, BS, IS_VARLEN)
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
+    i_v, i_nh, i_h, i_hv, bos, T, boh, o_k, o_v, m_k, m_v, m_kv, o_kv = _state_tile(
+        cu_seqlens, sub_offsets, T, H, HV, K, V, BK, BV, BS, IS_VARLEN, FLAT)
     o_c = tl.arange(0, BS)
-    m_k = o_k < K
-    m_v = o_v < V
-    m_kv = m_k[:, None] & m_v[None, :]
-    o_kv = o_k[:, None] * V + o_v[None, :]
     b_dh = tl.zeros([BK, BV], dtype=ACC)
     if USE_FINAL_STATE_GRADIENT:
         b_dh += tl.load(dht + i_nh * K * V + o_kv, mask=m_kv, other=0.0).to(ACC)
