@@ -355,7 +355,10 @@ def fused_delta_fwd(q, k, v, g, beta, scale, initial_state=None, output_final_st
     ``split_save``: the ``save`` to use instead when a sequence is cut (a kept Vnew is consistent only with the
     forward's own states there: the pieces start from the scan's states, not from the recurrence a backward would
     run over Vnew from the initial state);
-    ``act``: a ``GateAct`` (``gate_act.py``): g and / or beta hold pre-activations that the prep activates.
+    ``act``: a ``GateAct`` (``gate_act.py``): g and / or beta hold pre-activations that the prep activates;
+    ``config``: the ``tl`` pass's launch keys (``FUSED_DEFAULTS``), ``ut`` (the prep's) and ``ws``: True (default: the
+    warp-specialized Gluon pass where ``fused_delta_ws.ws_supported`` holds), False (the ``tl`` pass always) or a
+    dict of the Gluon pass's keys (``fused_delta_ws.WS_DEFAULTS``).
 
     Returns a dict: ``o [B, T, HV, V]`` (v's dtype), ``final_state`` (fp32 or None), ``g_cum``, ``ai`` (the prep's
     log2 gates restarting every 64 rows and Tm, for the backward), ``beta`` (the one used: activated with ``act``), ``v_new`` (``save`` >= 1), ``h`` (``save`` 2:
