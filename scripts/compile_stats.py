@@ -74,7 +74,8 @@ def compile_launch(fn, args, kwargs, arch=90):
 
 def _record_ws(dtype, T, K, V):
     """The Gluon forward pass's launches (``fused_delta_pass_ws``) for dense / varlen, with and without the initial
-    and final states and Vnew, at 1 and 2 consumer warpgroups (no GPU: the launcher only records)."""
+    and final states and Vnew, and the pieces' transitions, at 1 and 2 consumer warpgroups (no GPU: the launcher only
+    records)."""
     from tfla.ops.common import fused_delta_ws as ws
 
     if not ws.HAVE_GLUON:
@@ -85,11 +86,16 @@ def _record_ws(dtype, T, K, V):
     ai = torch.randn(1, T, HV, 64, dtype=dtype)
     g, beta = torch.randn(1, T, HV), torch.rand(1, T, HV, dtype=dtype)
     cu = torch.tensor([0, T // 3, T], dtype=torch.int32)
-    for ncons, bv in ((1, 64), (2, 32)):
-        for varlen, h0, save in ((False, False, 0), (True, True, 1), (False, True, 1)):
+    for ncons, bv in ((1, 64), (2, 32), (2, 64)):
+        for varlen, h0, save in ((False, False, 0), (True, True, 1), (False, True, 1), (True, True, 2)):
             state = torch.randn(2 if varlen else 1, HV, K, V) if h0 else None
+            offs = torch.tensor([0, (T // 3 + 63) // 64]) if varlen else None
             ws.fused_delta_pass_ws(q, k, v, g, beta, ai, 0.1, state, h0, cu if varlen else None, save,
-                                   config={"NCONS": ncons, "BV": bv})
+                                   config={"NCONS": ncons, "BV": bv}, chunk_offsets=offs,
+                                   num_chunks=(T // 3 + 63) // 64 + (T - T // 3 + 63) // 64)
+        # the pieces' transitions ([M | N], packed varlen)
+        ws.fused_delta_pass_ws(q, k, v, g, beta, ai, 0.1, None, True, cu, config={"NCONS": ncons, "BV": bv},
+                               transition=True)
 
 
 def ptxas_stats(ptx: str, arch=90):
@@ -213,7 +219,7 @@ def main(argv=None):
         chunk_simple_gla_bwd(q, k, v, gc, 0.1, h0, do, dht, L)
     over = False
     flags = ("VEC_G", "VEC_ROWDOT", "ROWDOT", "REVERSE", "HAS_STATE", "STORE_SUB", "N_STATE", "NORM", "ROWADD", "NCONS",
-             "IS_VARLEN", "USE_H0", "SAVE",
+             "IS_VARLEN", "USE_H0", "SAVE", "TRANSITION", "BV",
              "VEC_SPAN", "CELL", "BB", "BD")
     print(f"{args.op} {args.dtype} T={T} K={K} V={V} L={L}, sm_90, Triton {triton.__version__}")
     for fn, a, kw in launches:

@@ -43,7 +43,8 @@ def test_gdn_fused_pass_fits_two_programs_per_sm():
 def test_gdn_ws_pass_compiles_for_sm90():
     """The warp-specialized Gluon forward (``fused_delta_ws.py``, taken on Hopper GPUs only, so no CPU test runs it)
     compiles for sm_90 at each of its flag sets, within one SM's shared memory; the default (one consumer of 64
-    columns) spills at most a few dozen bytes (12-64 B under Triton 3.6 and 3.9), two consumers of 32 none."""
+    columns) spills at most a few dozen bytes (12-64 B under Triton 3.6 and 3.9), two consumers of 32 none, two of 64
+    (the pieces' launch: 213 KB of shared memory) a few hundred (92-232 B under 3.6, 164-328 B under 3.9)."""
     from tfla.ops.common.fused_delta_ws import HAVE_GLUON
 
     if not HAVE_GLUON:
@@ -53,6 +54,8 @@ def test_gdn_ws_pass_compiles_for_sm90():
                         "bf16", "--check"], capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     lines = [ln for ln in r.stdout.splitlines() if "_fused_delta_ws_kernel" in ln]
-    assert len(lines) == 6, r.stdout[-2000:]
-    spills = [int(ln.split("spill_stores=")[1].split("B")[0]) for ln in lines]
-    assert max(spills) <= 128 and all(s == 0 for s, ln in zip(spills, lines) if "NCONS=2" in ln), "\n".join(lines)
+    assert len(lines) == 15, r.stdout[-2000:]  # 3 launches x (4 pass flag sets + the transitions)
+    spills = {ln: int(ln.split("spill_stores=")[1].split("B")[0]) for ln in lines}
+    for ln, sp in spills.items():
+        limit = 0 if "NCONS=2" in ln and "BV=32" in ln else 512 if "NCONS=2" in ln else 128
+        assert sp <= limit, "\n".join(lines)

@@ -28,13 +28,13 @@ CASES = [  # (B, T, H, HV, lens, gate, dtype, ws config)
 def _run(x, cu, ws, save):
     out = fused_delta_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], 128 ** -0.5, x["initial_state"], True,
                           cu_seqlens=cu, segments=1, save=save, config={"ws": ws})
-    return out["o"], out["final_state"], out["v_new"]
+    return out["o"], out["final_state"], out["v_new"], out["h"]
 
 
 @pytest.mark.gpu
 @needs_sm90
 @pytest.mark.parametrize("B,T,H,HV,lens,gate,dtype,cfg", CASES)
-@pytest.mark.parametrize("save", [0, SAVE_V_NEW])
+@pytest.mark.parametrize("save", [0, SAVE_V_NEW, SAVE_STATES])
 def test_ws_pass_matches_tl_pass_and_recurrence(B, T, H, HV, lens, gate, dtype, cfg, save):
     cu = None
     N = B
@@ -60,16 +60,22 @@ def test_ws_pass_matches_tl_pass_and_recurrence(B, T, H, HV, lens, gate, dtype, 
         assert rel_l2(got[2].float(), tl[2].float()) < 1e-2
     else:
         assert got[2] is None
+    if save == SAVE_STATES:  # the states before each chunk, as the tl pass keeps them
+        assert got[3].shape == tl[3].shape
+        assert rel_l2(got[3].float(), tl[3].float()) < 1e-2
+    else:
+        assert got[3] is None
 
 
 def test_ws_pass_not_taken_where_it_does_not_apply(device):
-    """CPU tensors, fp32, K != 128, no gate, per-chunk states kept, too many (sequence, head) pairs: the tl pass."""
+    """CPU tensors, fp32, K != 128, no gate, an unknown ``save``, too many (sequence, head) pairs: the tl pass."""
     x = gdn_inputs(1, 70, 1, 128, 128, dtype=torch.float16, device=device, seed=1)
     q, k, v = x["q"], x["k"], x["v"]
     if device == "cuda" and SM90:
         assert ws_supported(q, k, v, True, None, None, 0)
         assert ws_supported(q, k, v, True, None, None, SAVE_V_NEW)
-    assert not ws_supported(q, k, v, True, None, None, SAVE_STATES)
+        assert ws_supported(q, k, v, True, None, None, SAVE_STATES)
+    assert not ws_supported(q, k, v, True, None, None, 3)
     assert not ws_supported(q, k, v, False, None, None, 0)  # no gate
     assert not ws_supported(q.float(), k.float(), v.float(), True, None, None, 0)
     x64 = gdn_inputs(1, 70, 1, 64, 128, dtype=torch.float16, device=device, seed=1)
@@ -83,9 +89,11 @@ def test_ws_pass_not_taken_where_it_does_not_apply(device):
 @pytest.mark.gpu
 @needs_sm90
 @pytest.mark.parametrize("varlen", [False, True])
-def test_op_with_ws_pass_matches_tl_pass_forward_and_backward(varlen):
+@pytest.mark.parametrize("segments", [1, 3])
+def test_op_with_ws_pass_matches_tl_pass_forward_and_backward(varlen, segments):
     """``chunk_gated_delta_rule`` forward + backward with the Gluon pass against the same op on the tl pass
-    (``config={"fused": {"ws": False}}``): bf16, grouped value heads, initial and final state."""
+    (``config={"fused": {"ws": False}}``): bf16, grouped value heads, initial and final state; whole sequences and
+    sequences cut in pieces (the Gluon transitions, per-chunk states kept for the backward)."""
     import tfla
 
     cu = torch.tensor([0, 1, 300, 300, 1100], device="cuda") if varlen else None
@@ -100,9 +108,50 @@ def test_op_with_ws_pass_matches_tl_pass_forward_and_backward(varlen):
     for ws in (True, False):
         leaves = [x[n].clone().requires_grad_() for n in names]
         o, s = tfla.chunk_gated_delta_rule(*leaves[:5], initial_state=leaves[5], output_final_state=True,
-                                           cu_seqlens=cu, config={"fused": {"ws": ws}})
+                                           cu_seqlens=cu, segments=segments, config={"fused": {"ws": ws}})
         grads = torch.autograd.grad((o * do).sum() + (s * dht).sum(), leaves)
         res.append((o, s) + grads)
     for name, a_, b_ in zip(("o", "final_state") + names, *res):
         assert torch.isfinite(a_).all(), name
         assert rel_l2(a_.float(), b_.float()) < 2e-2, name
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("segments,lens,cfg,save", [
+    (2, None, None, 0),
+    (4, [0, 1, 700, 130, 64, 1276], None, SAVE_STATES),
+    (3, [0, 1, 700, 130, 64, 1276], {"NCONS": 2, "BV": 32}, 0),
+    (4, None, {"NCONS": 1, "BV": 64}, SAVE_STATES),
+])
+def test_ws_transitions_match_tl_and_recurrence(segments, lens, cfg, save):
+    """Sequences cut into pieces: the pieces' ``[M | N]`` from the Gluon transition pass against the ``tl``
+    transition pass, the op's output and final states against the float64 recurrence, and (``save`` 2, as under
+    autograd) Vnew and the per-chunk states against the ``tl`` pass's (bf16, grouped value heads, initial state;
+    config None: the pieces' default launch)."""
+    B, T = (2, 1100) if lens is None else (1, sum(lens))
+    cu = None if lens is None else torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), device="cuda")
+    N = B if lens is None else len(lens)
+    x = gdn_inputs(B, T, 2, 128, 128, HV=4, dtype=torch.bfloat16, device="cuda", initial_state=True,
+                   num_seqs=N, seed=segments)
+    outs = []
+    for ws in (cfg or True, False):
+        out = fused_delta_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], 128 ** -0.5, x["initial_state"], True,
+                              cu_seqlens=cu, segments=segments, save=save, config={"ws": ws})
+        assert "split" in out
+        outs.append(out)
+    mn_ws, mn_tl = outs[0]["split"].mn, outs[1]["split"].mn
+    assert torch.isfinite(mn_ws).all()
+    assert rel_l2(mn_ws, mn_tl) < 1e-2
+    r = {n: t.double().cpu() for n, t in x.items()}
+    ro, rs = recurrent_gated_delta_rule_ref(r["q"], r["k"], r["v"], r["g"], r["beta"], scale=128 ** -0.5,
+                                            initial_state=r["initial_state"], output_final_state=True,
+                                            cu_seqlens=cu.cpu() if cu is not None else None)
+    for name, ref in (("o", ro), ("final_state", rs)):
+        e_ws = rel_l2(outs[0][name].double().cpu(), ref)
+        e_tl = rel_l2(outs[1][name].double().cpu(), ref)
+        assert e_ws <= 1.15 * e_tl + 1e-4, f"{name}: ws {e_ws:.3e} vs tl {e_tl:.3e}"
+    if save:
+        for name in ("v_new", "h"):
+            assert outs[0][name].shape == outs[1][name].shape
+            assert rel_l2(outs[0][name].float(), outs[1][name].float()) < 1e-2, name

@@ -76,9 +76,13 @@ def wide_tiles(pairs: int, V: int, sms: int) -> int:
 
 
 SAVE_NONE, SAVE_V_NEW, SAVE_STATES = 0, 1, 2
+PIECE_WS = {"BV": 64, "NCONS": 2}  # the Gluon pass's launch for pieces (fused_delta_fwd)
 
 
-@triton.jit
+# T not specialized: Triton compiles an int argument equal to 1 as a constant, and that build of this kernel (dense,
+# 32-column tiles, 16-bit, states kept) hit an illegal memory access on an H100 under Triton 3.6 (2026-11-25;
+# varlen T = 1 and dense T = 200 were fine)
+@triton.jit(do_not_specialize=["T"])
 def _fused_delta_fwd_kernel(q, k, v, g, beta, ai, a, o, v_new, h, h0, ht, cu_seqlens, chunk_offsets, scale, T,
                             H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                             BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr,
@@ -398,15 +402,22 @@ def fused_delta_fwd(q, k, v, g, beta, scale, initial_state=None, output_final_st
         ws = use_ws and ws_supported(q, k, v, g is not None, initial_state, cu_seqlens, save, ws_cfg)
     else:
         seg_cu, seg_off, first_t = _split_tables(tuple(cuts), tuple(first), dev)
+        # pieces: two 64-column consumer warpgroups per CTA unless the config sets the launch (one sequence of
+        # 65,536 tokens, H = 16: 1.59 -> 1.24 ms forward; the layer unsplit is faster with one, docs/performance.md)
+        if ws_cfg is None and V % (PIECE_WS["BV"] * PIECE_WS["NCONS"]) == 0:
+            ws_cfg = PIECE_WS
         # (the pieces start from the scan's fp32 states)
         ws = use_ws and ws_supported(q, k, v, g is not None, None, seg_cu, save, ws_cfg)
+        ws_mn = use_ws and ws_supported(q, k, v, g is not None, None, seg_cu, SAVE_NONE, ws_cfg)
     g_cum, ai, a, beta = fused_delta_prep(q, k, g, beta, scale, cu_seqlens, sub, cfg.get("ut"), act=act,
                                           scores=not ws)
     out = dict(g_cum=g_cum, ai=ai, beta=beta, save=save)
     if first is None:
         if ws:
-            o, final, v_new, h = fused_delta_pass_ws(q, k, v, g_cum, beta, ai, scale, initial_state,
-                                                     output_final_state, cu_seqlens, save, ws_cfg)
+            o, final, v_new, h = fused_delta_pass_ws(
+                q, k, v, g_cum, beta, ai, scale, initial_state, output_final_state, cu_seqlens, save, ws_cfg,
+                chunk_offsets=offsets, num_chunks=sum(cdiv(e - b, SUB_CHUNK) for b, e in zip(bounds[:-1], bounds[1:]))
+                if save == SAVE_STATES else None)
         else:
             o, final, v_new, h = fused_delta_pass(
                 q, k, v, g_cum, beta, ai, scale, initial_state, output_final_state, cu_seqlens, offsets,
@@ -416,14 +427,19 @@ def fused_delta_fwd(q, k, v, g, beta, scale, initial_state=None, output_final_st
     # pieces: B sequences of T rows become one packed batch
     flat = [x.reshape(1, B * T, *x.shape[2:]) if x is not None else None for x in (q, k, v, g_cum, beta, ai, a)]
     qf, kf, vf, gf, bf, af, sf = flat
-    _, mn, _, _ = fused_delta_pass(qf, kf, vf, gf, bf, af, scale, None, True, seg_cu, seg_off, transition=True,
-                                   config=cfg)
+    if ws_mn:
+        _, mn, _, _ = fused_delta_pass_ws(qf, kf, vf, gf, bf, af, scale, None, True, seg_cu, config=ws_cfg,
+                                          transition=True)
+    else:
+        _, mn, _, _ = fused_delta_pass(qf, kf, vf, gf, bf, af, scale, None, True, seg_cu, seg_off, transition=True,
+                                       config=cfg)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     h0 = initial_state.to(acc).contiguous() if initial_state is not None else None
     starts, final = segment_scan(mn, h0, first_t, V, output_final_state, cfg)
     num_chunks = sum(cdiv(e - b, SUB_CHUNK) for b, e in zip(cuts[:-1], cuts[1:]))
     if ws:
-        o, _, v_new, h = fused_delta_pass_ws(qf, kf, vf, gf, bf, af, scale, starts, False, seg_cu, save, ws_cfg)
+        o, _, v_new, h = fused_delta_pass_ws(qf, kf, vf, gf, bf, af, scale, starts, False, seg_cu, save, ws_cfg,
+                                             chunk_offsets=seg_off, num_chunks=num_chunks)
     else:
         o, _, v_new, h = fused_delta_pass(qf, kf, vf, gf, bf, af, scale, starts, False, seg_cu, seg_off, num_chunks,
                                           save, a=sf, config=cfg)

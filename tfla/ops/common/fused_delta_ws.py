@@ -27,8 +27,13 @@ With the scores formed here (172dd1e) the prep kernel takes 116 instead of 212 u
 the layer 1.100 instead of 1.162 ms (``docs/performance.md``).
 
 Differences from the ``tl`` pass: the gate weights ``2^(G_n - G)`` multiply Vnew (fp32, rounded once), not k, in
-the state update, so the states equal the ``tl`` pass's to rounding, not bitwise; no transition mode and no
-per-chunk state output (those launches keep the ``tl`` pass).
+the state update, so the states equal the ``tl`` pass's to rounding, not bitwise.
+
+The same kernel runs the pieces' transition pass (``TRANSITION``: ``[M | N]`` over K + V state columns, no q, no
+output, 98 KB of shared memory) and keeps the per-chunk states for the backward (``SAVE`` 2: TMA stores of the
+16-bit state operand already in shared memory). One sequence cut in pieces (B = 1, T = 65536, H = 16, forward
+without grad; 2026-11-25): 1.62 ms with the ``tl`` transitions, 1.59 with these, 1.24 with two 64-column consumer
+warpgroups per CTA (``fused_delta_fwd`` takes that launch for pieces).
 """
 from __future__ import annotations
 
@@ -61,30 +66,43 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _ws_producer(k_desc, q_desc, v_desc, t_desc, k_s, q_s, v_s, t_s, ready, empty,
-                     row0, col_k, col_v, col_t, n_chunks, BV: gl.constexpr, NCONS: gl.constexpr,
-                     STAGES: gl.constexpr):
-        """One warp: chunk i's tiles into ring slot i % STAGES once the consumers have released it."""
-        nbytes: gl.constexpr = (k_desc.block_type.nbytes + q_desc.block_type.nbytes
-                                + NCONS * v_desc.block_type.nbytes + t_desc.block_type.nbytes)
+                     row0, col_k, col_v, col_t, n_chunks, has_v, BV: gl.constexpr, NCONS: gl.constexpr,
+                     STAGES: gl.constexpr, TRANSITION: gl.constexpr):
+        """One warp: chunk i's tiles into ring slot i % STAGES once the consumers have released it. TRANSITION: no q,
+        and v only where ``has_v`` (the program's columns are value columns, not the transition's identity ones)."""
+        nb_kt: gl.constexpr = k_desc.block_type.nbytes + t_desc.block_type.nbytes  # (byte counts: constants)
+        nb_v: gl.constexpr = nb_kt + NCONS * v_desc.block_type.nbytes
         for i in range(n_chunks):
             s = i % STAGES
             mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)  # the first pass over the ring does not wait
-            mbarrier.expect(ready.index(s), nbytes)
             r = row0 + i * 64
-            _tma_load(k_desc, [r, col_k], ready.index(s), k_s.index(s))
-            _tma_load(q_desc, [r, col_k], ready.index(s), q_s.index(s))
-            for c in gl.static_range(NCONS):
-                _tma_load(v_desc, [r, col_v + c * BV], ready.index(s), v_s.index(NCONS * s + c))
+            if TRANSITION:
+                mbarrier.expect(ready.index(s), nb_v, has_v)  # one of the two
+                mbarrier.expect(ready.index(s), nb_kt, not has_v)
+                _tma_load(k_desc, [r, col_k], ready.index(s), k_s.index(s))
+                if has_v:
+                    for c in gl.static_range(NCONS):
+                        _tma_load(v_desc, [r, col_v + c * BV], ready.index(s), v_s.index(NCONS * s + c))
+            else:
+                mbarrier.expect(ready.index(s), nb_v + q_desc.block_type.nbytes)
+                _tma_load(k_desc, [r, col_k], ready.index(s), k_s.index(s))
+                _tma_load(q_desc, [r, col_k], ready.index(s), q_s.index(s))
+                for c in gl.static_range(NCONS):
+                    _tma_load(v_desc, [r, col_v + c * BV], ready.index(s), v_s.index(NCONS * s + c))
             _tma_load(t_desc, [r, col_t], ready.index(s), t_s.index(s))
 
     @gluon.jit
-    def _ws_consumer(k_s, q_s, v_s, t_s, ready, empty, st_s, y_s, vn_s, vw_s, os_s, o_desc, vn_desc,
-                     g, beta, o, v_new, h0, ht, row0, i_nh, i_hv, col_v, col_h, n_chunks, T, scale,
+    def _ws_consumer(k_s, q_s, v_s, t_s, ready, empty, st_s, y_s, vn_s, vw_s, os_s, o_desc, vn_desc, h_desc,
+                     g, beta, o, v_new, h0, ht, row0, boh, i_nh, i_hv, col_v, col_h, n_chunks, T, scale,
                      CID: gl.constexpr, NCONS: gl.constexpr, HV: gl.constexpr, V: gl.constexpr, K: gl.constexpr,
                      BV: gl.constexpr, STAGES: gl.constexpr, USE_H0: gl.constexpr, STORE_HT: gl.constexpr,
-                     SAVE: gl.constexpr):
+                     SAVE: gl.constexpr, TRANSITION: gl.constexpr):
         """Consumer warpgroup CID: value columns ``col_v + CID BV ..`` of v / o / Vnew (``[.., HV * V]`` rows),
-        ``col_h + CID BV ..`` of the state (h0 / ht ``[N, HV, K, V]`` fp32)."""
+        ``col_h + CID BV ..`` of the state (h0 / ht ``[N, HV, K, V]`` fp32). TRANSITION: state columns ``col_h + CID
+        BV ..`` of ``[M | N]`` (``ht [N, HV, K, K + V]``): the first K start as the identity with values 0, the rest
+        are v's columns ``col_h - K ..`` from a zero state; no output, only the final state. SAVE 1: Vnew out; 2:
+        also the 16-bit state before each chunk (the products' operand in shared memory, ``h_desc`` rows
+        ``((boh + i) HV + i_hv) K``)."""
         L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BV, 16])
         LR: gl.constexpr = gl.SliceLayout(1, L)
         LC: gl.constexpr = gl.SliceLayout(0, L)
@@ -92,6 +110,7 @@ if HAVE_GLUON:
         LSR: gl.constexpr = gl.SliceLayout(1, LS)  # the scores' [64, 64] tile: rows, columns
         LSC: gl.constexpr = gl.SliceLayout(0, LS)
         LA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=L, k_width=2)  # scores as the A operand
+        NCOL: gl.constexpr = K + V if TRANSITION else V  # the state's columns
         dt: gl.constexpr = st_s.dtype
         st = st_s.index(CID)
         ys = y_s.index(CID)
@@ -102,8 +121,10 @@ if HAVE_GLUON:
         o_k = gl.arange(0, K, layout=LR)
         o_c = gl.arange(0, BV, layout=LC)
         col = col_v + CID * BV
-        p_h = i_nh * K * V + o_k[:, None] * V + col_h + CID * BV + o_c[None, :]
-        if USE_H0:
+        p_h = i_nh * K * NCOL + o_k[:, None] * NCOL + col_h + CID * BV + o_c[None, :]
+        if TRANSITION:  # identity columns (state column j < K) start as I, value columns as 0
+            b_h = gl.where(o_k[:, None] == (col_h + CID * BV + o_c)[None, :], 1.0, 0.0)
+        elif USE_H0:
             b_h = gl.load(h0 + p_h).to(gl.float32)  # [K, BV]
         else:
             b_h = gl.zeros([K, BV], dtype=gl.float32, layout=L)
@@ -119,59 +140,80 @@ if HAVE_GLUON:
             b_g = gl.load(g + (r + o_r) * HV + i_hv, mask=m_r, other=0.0)
             b_gn = gl.load(g + (r + gl.minimum(64, T - i * 64) - 1) * HV + i_hv)
             b_b = gl.load(beta + (r + o_r) * HV + i_hv, mask=m_r, other=0.0).to(gl.float32)
-            b_gr = gl.load(g + (r + o_sr) * HV + i_hv, mask=(i * 64 + o_sr) < T, other=0.0)  # g in the scores' rows
-            b_gc = gl.load(g + (r + o_sc) * HV + i_hv, mask=(i * 64 + o_sc) < T, other=0.0)  # and columns
+            if not TRANSITION:
+                b_gr = gl.load(g + (r + o_sr) * HV + i_hv, mask=(i * 64 + o_sr) < T, other=0.0)  # g in the scores'
+                b_gc = gl.load(g + (r + o_sc) * HV + i_hv, mask=(i * 64 + o_sc) < T, other=0.0)  # rows and columns
             b_eg = gl.exp2(b_g)
             mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-            # the output's scores q k^T of the chunk: off the state's chain, issued first
-            b_sc = warpgroup_mma(q_s.index(s), k_s.index(s).permute((1, 0)), zs, use_acc=False, is_async=True)
+            if not TRANSITION:  # the output's scores q k^T of the chunk: off the state's chain, issued first
+                b_sc = warpgroup_mma(q_s.index(s), k_s.index(s).permute((1, 0)), zs, use_acc=False, is_async=True)
+            if SAVE == 2:  # the previous chunk's state has left st (its Vnew and o stores may still run)
+                tma.store_wait(2)
             st.store(b_h.to(dt))
             fence_async_shared()
+            if SAVE == 2:
+                _tma_store(h_desc, [((boh + i) * HV + i_hv) * K, col_h + CID * BV], st)
             b_ks = warpgroup_mma(k_s.index(s), st, zc, use_acc=False, is_async=True)  # [64, BV]
-            b_qs = warpgroup_mma(q_s.index(s), st, zc, use_acc=False, is_async=True)
-            b_ks = warpgroup_mma_wait(num_outstanding=1, deps=(b_ks,))
-            b_v = v_s.index(NCONS * s + CID).load(L).to(gl.float32)
-            b_y = (b_v - b_ks * b_eg[:, None]) * b_b[:, None]
+            if TRANSITION:
+                b_ks = warpgroup_mma_wait(num_outstanding=0, deps=(b_ks,))
+                b_y = -(b_ks * (b_eg * b_b)[:, None])
+                if col_h >= K:  # value columns
+                    b_y += v_s.index(NCONS * s + CID).load(L).to(gl.float32) * b_b[:, None]
+            else:
+                b_qs = warpgroup_mma(q_s.index(s), st, zc, use_acc=False, is_async=True)
+                b_ks = warpgroup_mma_wait(num_outstanding=1, deps=(b_ks,))
+                b_v = v_s.index(NCONS * s + CID).load(L).to(gl.float32)
+                b_y = (b_v - b_ks * b_eg[:, None]) * b_b[:, None]
             ys.store(b_y.to(dt))
             fence_async_shared()
             b_vn = warpgroup_mma(t_s.index(s), ys, zc, use_acc=False, is_async=True)  # Vnew = Tm y
-            b_vn, b_qs, b_sc = warpgroup_mma_wait(num_outstanding=0, deps=(b_vn, b_qs, b_sc))
-            # scores scale causal(q k^T) o 2^(G_r - G_s), in registers as the output product's A operand
-            m_rs = o_sr[:, None] >= o_sc[None, :]
-            b_a = b_sc * gl.exp2(gl.where(m_rs, b_gr[:, None] - b_gc[None, :], float("-inf"))) * scale
-            b_a = gl.convert_layout(b_a.to(dt), LA)
-            b_vnd = b_vn.to(dt)
-            tma.store_wait(0)  # the previous chunk's o / Vnew stores have read vns / oss
-            vns.store(b_vnd)
-            vws.store((b_vn * gl.exp2(gl.where(m_r, b_gn - b_g, float("-inf")))[:, None]).to(dt))
-            fence_async_shared()
-            b_o = warpgroup_mma(b_a, vns, b_qs * (b_eg * scale)[:, None], is_async=True)
-            b_h = warpgroup_mma(k_s.index(s).permute((1, 0)), vws, b_h * gl.exp2(b_gn), is_async=True)
-            p_tv = (r + o_r)[:, None] * (HV * V) + col + o_c[None, :]
-            if SAVE:
-                if full:
-                    _tma_store(vn_desc, [r, col], vns)
-                else:
-                    gl.store(v_new + p_tv, b_vnd, mask=m_r[:, None])
-            b_o, b_h = warpgroup_mma_wait(num_outstanding=0, deps=(b_o, b_h))
-            mbarrier.arrive(empty.index(s), count=1)
-            if full:
-                oss.store(b_o.to(dt))
+            if TRANSITION:
+                b_vn = warpgroup_mma_wait(num_outstanding=0, deps=(b_vn,))
+                vws.store((b_vn * gl.exp2(gl.where(m_r, b_gn - b_g, float("-inf")))[:, None]).to(dt))
                 fence_async_shared()
-                _tma_store(o_desc, [r, col], oss)
+                b_h = warpgroup_mma(k_s.index(s).permute((1, 0)), vws, b_h * gl.exp2(b_gn), is_async=True)
+                b_h = warpgroup_mma_wait(num_outstanding=0, deps=(b_h,))
+                mbarrier.arrive(empty.index(s), count=1)
             else:
-                gl.store(o + p_tv, b_o.to(o.dtype.element_ty), mask=m_r[:, None])
+                b_vn, b_qs, b_sc = warpgroup_mma_wait(num_outstanding=0, deps=(b_vn, b_qs, b_sc))
+                # scores scale causal(q k^T) o 2^(G_r - G_s), in registers as the output product's A operand
+                m_rs = o_sr[:, None] >= o_sc[None, :]
+                b_a = b_sc * gl.exp2(gl.where(m_rs, b_gr[:, None] - b_gc[None, :], float("-inf"))) * scale
+                b_a = gl.convert_layout(b_a.to(dt), LA)
+                b_vnd = b_vn.to(dt)
+                # the previous chunk's o / Vnew stores have read vns / oss (this chunk's state store may still run)
+                tma.store_wait(1 if SAVE == 2 else 0)
+                vns.store(b_vnd)
+                vws.store((b_vn * gl.exp2(gl.where(m_r, b_gn - b_g, float("-inf")))[:, None]).to(dt))
+                fence_async_shared()
+                b_o = warpgroup_mma(b_a, vns, b_qs * (b_eg * scale)[:, None], is_async=True)
+                b_h = warpgroup_mma(k_s.index(s).permute((1, 0)), vws, b_h * gl.exp2(b_gn), is_async=True)
+                p_tv = (r + o_r)[:, None] * (HV * V) + col + o_c[None, :]
+                if SAVE:
+                    if full:
+                        _tma_store(vn_desc, [r, col], vns)
+                    else:
+                        gl.store(v_new + p_tv, b_vnd, mask=m_r[:, None])
+                b_o, b_h = warpgroup_mma_wait(num_outstanding=0, deps=(b_o, b_h))
+                mbarrier.arrive(empty.index(s), count=1)
+                if full:
+                    oss.store(b_o.to(dt))
+                    fence_async_shared()
+                    _tma_store(o_desc, [r, col], oss)
+                else:
+                    gl.store(o + p_tv, b_o.to(o.dtype.element_ty), mask=m_r[:, None])
         tma.store_wait(0)
         if STORE_HT:
             gl.store(ht + p_h, b_h)
 
     @gluon.jit
-    def _fused_delta_ws_kernel(k_desc, q_desc, v_desc, t_desc, o_desc, vn_desc, g, beta, o, v_new, h0, ht,
-                               cu_seqlens, T, scale, H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr,
+    def _fused_delta_ws_kernel(k_desc, q_desc, v_desc, t_desc, o_desc, vn_desc, h_desc, g, beta, o, v_new, h0,
+                               ht, cu_seqlens, chunk_offsets, T, scale, H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr,
                                V: gl.constexpr, BV: gl.constexpr, NCONS: gl.constexpr, STAGES: gl.constexpr,
                                IS_VARLEN: gl.constexpr, USE_H0: gl.constexpr, STORE_HT: gl.constexpr,
-                               SAVE: gl.constexpr):
-        """Grid ``(V / (NCONS BV), N HV)``; dense rows ``[B T, ..]`` or packed varlen (B = 1, ``cu_seqlens``)."""
+                               SAVE: gl.constexpr, TRANSITION: gl.constexpr):
+        """Grid ``(NCOL / (NCONS BV), N HV)`` (NCOL: V, or K + V with TRANSITION); dense rows ``[B T, ..]`` or packed
+        varlen (B = 1, ``cu_seqlens``)."""
         i_v = gl.program_id(0)
         i_nh = gl.program_id(1)
         i_n = i_nh // HV
@@ -180,47 +222,64 @@ if HAVE_GLUON:
         if IS_VARLEN:
             row0 = gl.load(cu_seqlens + i_n).to(gl.int32)
             T = gl.load(cu_seqlens + i_n + 1).to(gl.int32) - row0
+            if SAVE == 2:  # the sequence's first 64-row chunk among all sequences' chunks (h's slots)
+                boh = gl.load(chunk_offsets + i_n).to(gl.int32)
+            else:
+                boh = i_n * 0
         else:
+            boh = i_n * gl.cdiv(T, 64)
             row0 = i_n * T
         n_chunks = gl.cdiv(T, 64)
         dt: gl.constexpr = k_desc.dtype
         k_s = gl.allocate_shared_memory(dt, [STAGES] + k_desc.block_type.shape, k_desc.layout)
-        q_s = gl.allocate_shared_memory(dt, [STAGES] + q_desc.block_type.shape, q_desc.layout)
+        if TRANSITION:  # no q: its slots are k's (never read)
+            q_s = k_s
+        else:
+            q_s = gl.allocate_shared_memory(dt, [STAGES] + q_desc.block_type.shape, q_desc.layout)
         v_s = gl.allocate_shared_memory(dt, [NCONS * STAGES] + v_desc.block_type.shape, v_desc.layout)
         t_s = gl.allocate_shared_memory(dt, [STAGES] + t_desc.block_type.shape, t_desc.layout)
         st_s = gl.allocate_shared_memory(dt, [NCONS, K, BV], gl.NVMMASharedLayout.get_default_for([K, BV], dt))
         tile: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, BV], dt)
         y_s = gl.allocate_shared_memory(dt, [NCONS, 64, BV], tile)
-        vn_s = gl.allocate_shared_memory(dt, [NCONS, 64, BV], tile)
         vw_s = gl.allocate_shared_memory(dt, [NCONS, 64, BV], tile)
-        os_s = gl.allocate_shared_memory(dt, [NCONS, 64, BV], tile)
+        if TRANSITION:  # no o / Vnew out
+            vn_s = vw_s
+            os_s = vw_s
+        else:
+            vn_s = gl.allocate_shared_memory(dt, [NCONS, 64, BV], tile)
+            os_s = gl.allocate_shared_memory(dt, [NCONS, 64, BV], tile)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(STAGES):
             mbarrier.init(ready.index(s), count=1)
             mbarrier.init(empty.index(s), count=NCONS)
-        col_h = i_v * NCONS * BV
-        col_v = i_hv * V + col_h
+        col_h = i_v * NCONS * BV  # the CTA's first state column
+        if TRANSITION:  # its value columns (identity columns: none)
+            has_v = col_h >= K
+            col_v = i_hv * V + gl.maximum(col_h - K, 0)
+        else:
+            has_v = col_h >= 0
+            col_v = i_hv * V + col_h
         C0: gl.constexpr = 0  # partition arguments that are constants must be named constexprs
         C1: gl.constexpr = 1
         if NCONS == 2:
             gl.warp_specialize([
                 (_ws_consumer, (k_s, q_s, v_s, t_s, ready, empty, st_s, y_s, vn_s, vw_s, os_s, o_desc, vn_desc,
-                                g, beta, o, v_new, h0, ht, row0, i_nh, i_hv, col_v, col_h, n_chunks, T, scale, C0,
-                                NCONS, HV, V, K, BV, STAGES, USE_H0, STORE_HT, SAVE)),
+                                h_desc, g, beta, o, v_new, h0, ht, row0, boh, i_nh, i_hv, col_v, col_h, n_chunks, T,
+                                scale, C0, NCONS, HV, V, K, BV, STAGES, USE_H0, STORE_HT, SAVE, TRANSITION)),
                 (_ws_consumer, (k_s, q_s, v_s, t_s, ready, empty, st_s, y_s, vn_s, vw_s, os_s, o_desc, vn_desc,
-                                g, beta, o, v_new, h0, ht, row0, i_nh, i_hv, col_v, col_h, n_chunks, T, scale, C1,
-                                NCONS, HV, V, K, BV, STAGES, USE_H0, STORE_HT, SAVE)),
+                                h_desc, g, beta, o, v_new, h0, ht, row0, boh, i_nh, i_hv, col_v, col_h, n_chunks, T,
+                                scale, C1, NCONS, HV, V, K, BV, STAGES, USE_H0, STORE_HT, SAVE, TRANSITION)),
                 (_ws_producer, (k_desc, q_desc, v_desc, t_desc, k_s, q_s, v_s, t_s, ready, empty,
-                                row0, i_h * K, col_v, i_hv * 64, n_chunks, BV, NCONS, STAGES)),
+                                row0, i_h * K, col_v, i_hv * 64, n_chunks, has_v, BV, NCONS, STAGES, TRANSITION)),
             ], [4, 1], [232, 40])
         else:
             gl.warp_specialize([
                 (_ws_consumer, (k_s, q_s, v_s, t_s, ready, empty, st_s, y_s, vn_s, vw_s, os_s, o_desc, vn_desc,
-                                g, beta, o, v_new, h0, ht, row0, i_nh, i_hv, col_v, col_h, n_chunks, T, scale, C0,
-                                NCONS, HV, V, K, BV, STAGES, USE_H0, STORE_HT, SAVE)),
+                                h_desc, g, beta, o, v_new, h0, ht, row0, boh, i_nh, i_hv, col_v, col_h, n_chunks, T,
+                                scale, C0, NCONS, HV, V, K, BV, STAGES, USE_H0, STORE_HT, SAVE, TRANSITION)),
                 (_ws_producer, (k_desc, q_desc, v_desc, t_desc, k_s, q_s, v_s, t_s, ready, empty,
-                                row0, i_h * K, col_v, i_hv * 64, n_chunks, BV, NCONS, STAGES)),
+                                row0, i_h * K, col_v, i_hv * 64, n_chunks, has_v, BV, NCONS, STAGES, TRANSITION)),
             ], [1], [40])
 
 
@@ -237,12 +296,11 @@ def _is_sm90(index: int) -> bool:
 
 def ws_supported(q, k, v, has_gate: bool, initial_state, cu_seqlens, save: int, config: dict | None = None) -> bool:
     """Whether the warp-specialized pass takes a forward: an sm_90 GPU, Gluon available, fp16 / bf16 q, k and v of one
-    dtype, K = 128, V a multiple of the launch's columns, a gate, o (and Vnew) out but no per-chunk states (``save``
-    0 or 1), contiguous inputs whose row offsets fit int32, 1 to 65,535 (sequence, head) pairs, an fp32 initial state
-    if any. ``config``: this pass's launch keys (``WS_DEFAULTS``) or None. Decided before the prep, which then forms
+    dtype, K = 128, V a multiple of the launch's columns, a gate, ``save`` 0, 1 or 2 (Vnew, the per-chunk states),
+    contiguous inputs whose row offsets fit int32, 1 to 65,535 (sequence, head) pairs, an fp32 initial state if any. ``config``: this pass's launch keys (``WS_DEFAULTS``) or None. Decided before the prep, which then forms
     Tm alone (the pass forms the output's scores)."""
     cfg = {**WS_DEFAULTS, **(config or {})}
-    if not HAVE_GLUON or save > 1 or not has_gate:
+    if not HAVE_GLUON or save not in (0, 1, 2) or not has_gate:
         return False
     if not (q.is_cuda and _is_sm90(q.device.index or 0)):
         return False
@@ -251,7 +309,7 @@ def ws_supported(q, k, v, has_gate: bool, initial_state, cu_seqlens, save: int, 
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
-    if K != 128 or V % (cfg["BV"] * cfg["NCONS"]) != 0 or N * HV > 65535 or N * HV == 0:
+    if K != 128 or (K % (cfg["BV"] * cfg["NCONS"])) or V % (cfg["BV"] * cfg["NCONS"]) != 0 or N * HV > 65535 or N * HV == 0:
         return False
     if not all(x.is_contiguous() for x in (q, k, v)):
         return False
@@ -261,31 +319,45 @@ def ws_supported(q, k, v, has_gate: bool, initial_state, cu_seqlens, save: int, 
 
 
 def fused_delta_pass_ws(q, k, v, g_cum, beta, ai, scale, initial_state=None, output_final_state=False,
-                        cu_seqlens=None, save: int = 0, config: dict | None = None):
-    """``fused_delta_fwd.fused_delta_pass`` (transition off, ``save`` 0 or 1, no ``a``) on the warp-specialized
-    kernel, from the prep's ``g_cum`` (fp32, log2, restarting every 64 rows), Tm (``ai``, q's dtype) and beta (all
-    contiguous); the output's scores are formed in the kernel. Call only where ``ws_supported`` holds (same
-    ``config``: launch keys ``BV``, ``NCONS`` consumer warpgroups of BV columns each, ``STAGES``). Returns
-    ``(o, final, v_new, None)`` as that function does."""
+                        cu_seqlens=None, save: int = 0, config: dict | None = None, transition: bool = False,
+                        chunk_offsets=None, num_chunks: int | None = None):
+    """``fused_delta_fwd.fused_delta_pass`` (no ``a``) on the warp-specialized kernel, from the prep's ``g_cum``
+    (fp32, log2, restarting every 64 rows), Tm (``ai``, q's dtype) and beta (all contiguous); the output's scores are
+    formed in the kernel. ``save``: 1 Vnew, 2 also the state before each 64-row chunk (varlen: ``chunk_offsets`` /
+    ``num_chunks`` of 64-row chunks). ``transition``: the pieces' ``[M | N]`` (``[N, HV, K, K + V]``, fp32) instead
+    of o, from no initial state, nothing saved. Call only where ``ws_supported`` holds (same ``config``: launch keys
+    ``BV``, ``NCONS`` consumer warpgroups of BV columns each, ``STAGES``). Returns ``(o, final, v_new, h)`` as that
+    function does."""
     cfg = {**WS_DEFAULTS, **(config or {})}
     BV, NCONS = cfg["BV"], cfg["NCONS"]
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
-    o = torch.empty_like(v)
+    ncol = K + V if transition else V
+    save = 0 if transition else save
+    o = None if transition else torch.empty_like(v)
     v_new = torch.empty_like(v) if save else None
-    final = torch.empty(N, HV, K, V, dtype=torch.float32, device=q.device) if output_final_state else None
+    NT = (T + BS - 1) // BS if cu_seqlens is None else num_chunks
+    h = torch.empty(B, NT, HV, K, V, dtype=k.dtype, device=k.device) if save == 2 else None
+    final = (torch.empty(N, HV, K, ncol, dtype=torch.float32, device=q.device)
+             if output_final_state or transition else None)
+    if N * HV == 0:
+        return o, final, v_new, h
     bf16 = q.dtype == torch.bfloat16
 
-    def desc(x, cols, block):  # a 2-D [rows, heads * dim] view, one chunk of one head per block
-        return TensorDescriptor(x.view(B * T, cols), [B * T, cols], [cols, 1], block, _smem_layout(tuple(block), bf16))
+    def desc(x, rows, cols, block):  # a 2-D [rows, heads * dim] view, one chunk of one head per block
+        return TensorDescriptor(x.view(rows, cols), [rows, cols], [cols, 1], block, _smem_layout(tuple(block), bf16))
 
-    o_desc = desc(o, HV * V, [BS, BV])
-    _fused_delta_ws_kernel[(V // (NCONS * BV), N * HV)](
-        desc(k, H * K, [BS, K]), desc(q, H * K, [BS, K]), desc(v, HV * V, [BS, BV]), desc(ai, HV * BS, [BS, BS]),
-        o_desc, desc(v_new, HV * V, [BS, BV]) if save else o_desc, g_cum, beta, o,
-        v_new if save else o, initial_state if initial_state is not None else o, final if final is not None else o,
-        cu_seqlens if cu_seqlens is not None else o, T, scale, H=H, HV=HV, K=K, V=V, BV=BV, NCONS=NCONS,
-        STAGES=cfg["STAGES"], IS_VARLEN=cu_seqlens is not None, USE_H0=initial_state is not None,
-        STORE_HT=final is not None, SAVE=bool(save), num_warps=4)
-    return o, final, v_new, None
+    v_desc = desc(v, B * T, HV * V, [BS, BV])
+    o_desc = v_desc if transition else desc(o, B * T, HV * V, [BS, BV])  # (transition: never stored to)
+    vn_desc = desc(v_new, B * T, HV * V, [BS, BV]) if v_new is not None else o_desc
+    h_desc = desc(h, B * NT * HV * K, V, [K, BV]) if h is not None else o_desc
+    _fused_delta_ws_kernel[(ncol // (NCONS * BV), N * HV)](
+        desc(k, B * T, H * K, [BS, K]), desc(q, B * T, H * K, [BS, K]), v_desc, desc(ai, B * T, HV * BS, [BS, BS]),
+        o_desc, vn_desc, h_desc, g_cum, beta, o if o is not None else v, v_new if v_new is not None else v,
+        initial_state if initial_state is not None else v, final if final is not None else v,
+        cu_seqlens if cu_seqlens is not None else v, chunk_offsets if chunk_offsets is not None else v, T, scale,
+        H=H, HV=HV, K=K, V=V, BV=BV, NCONS=NCONS, STAGES=cfg["STAGES"], IS_VARLEN=cu_seqlens is not None,
+        USE_H0=initial_state is not None and not transition, STORE_HT=final is not None, SAVE=save,
+        TRANSITION=transition, num_warps=4)
+    return o, final, v_new, h
