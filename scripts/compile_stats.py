@@ -127,13 +127,32 @@ def shared_allocs(ttgir: str):
     return out
 
 
+def _record_state_bwd_ws(dtype, T, K, V):
+    """The Gluon state-gradient recurrence's launches (``delta_state_bwd_ws``, bf16): dense and varlen, with and
+    without the final state's cotangent, the stores off (a piece's summary), at 1 and 2 consumer warpgroups."""
+    from tfla.ops.common import state_bwd_ws as sb
+
+    H, HV = 2, 4
+    q, k = torch.randn(1, T, H, K, dtype=dtype), torch.randn(1, T, H, K, dtype=dtype)
+    w = torch.randn(1, T, HV, K, dtype=dtype)
+    do = torch.randn(1, T, HV, V, dtype=dtype)
+    g = torch.randn(1, T, HV)
+    cu = torch.tensor([0, T // 3, T], dtype=torch.int32)
+    offs = torch.tensor([0, (T // 3 + 63) // 64, (T // 3 + 63) // 64 + (T - T // 3 + 63) // 64])
+    for ncons, bv in ((1, 64), (2, 32)):
+        for varlen, dht, store in ((False, False, True), (True, True, True), (True, False, False)):
+            ct = torch.randn(2 if varlen else 1, HV, K, V) if dht else None
+            sb.delta_state_bwd_ws(q, k, w, do, g, 0.1, ct, True, cu if varlen else None, offs if varlen else None,
+                                  int(offs[-1]), store, config={"NCONS": ncons, "BV": bv})
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--op", choices=["gla", "simple_gla", "mlstm", "gdn", "gdn_ws", "rnn"], default="gla",
                    help="rnn: the four FlashRNN cells' kernels, forward and backward: the alternating path's "
                         "pointwise kernels (D = 32) and the fused path's (D = --rnn-D); gdn_ws: the "
-                        "warp-specialized Gluon forward pass (fused_delta_ws.py; bf16 / fp16, K = 128) at each of its "
-                        "flag sets")
+                        "warp-specialized Gluon kernels (fused_delta_ws.py, bf16 / fp16, and state_bwd_ws.py, bf16; "
+                        "K = 128) at each of their flag sets")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
     p.add_argument("--K", type=int, default=128)
     p.add_argument("--V", type=int, default=128)
@@ -165,6 +184,8 @@ def main(argv=None):
     JITFunction.run = _record
     if args.op == "gdn_ws":
         _record_ws(dtype, T, K, V)
+        if dtype == torch.bfloat16:
+            _record_state_bwd_ws(dtype, T, K, V)
     elif args.op == "gla":
         from tfla.ops.gla.chunk import chunk_gla_bwd, chunk_gla_fwd
 
@@ -219,7 +240,7 @@ def main(argv=None):
         chunk_simple_gla_bwd(q, k, v, gc, 0.1, h0, do, dht, L)
     over = False
     flags = ("VEC_G", "VEC_ROWDOT", "ROWDOT", "REVERSE", "HAS_STATE", "STORE_SUB", "N_STATE", "NORM", "ROWADD", "NCONS",
-             "IS_VARLEN", "USE_H0", "SAVE", "TRANSITION", "BV",
+             "IS_VARLEN", "USE_H0", "SAVE", "TRANSITION", "USE_DHT", "STORE", "BV",
              "VEC_SPAN", "CELL", "BB", "BD")
     print(f"{args.op} {args.dtype} T={T} K={K} V={V} L={L}, sm_90, Triton {triton.__version__}")
     for fn, a, kw in launches:

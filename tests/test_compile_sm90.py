@@ -41,7 +41,8 @@ def test_gdn_fused_pass_fits_two_programs_per_sm():
 
 
 def test_gdn_ws_pass_compiles_for_sm90():
-    """The warp-specialized Gluon forward (``fused_delta_ws.py``, taken on Hopper GPUs only, so no CPU test runs it)
+    """The warp-specialized Gluon kernels (``fused_delta_ws.py``, ``state_bwd_ws.py``: taken on Hopper GPUs only, so
+    no CPU test runs them)
     compiles for sm_90 at each of its flag sets, within one SM's shared memory; the default (one consumer of 64
     columns) spills at most a few dozen bytes (12-64 B under Triton 3.6 and 3.9), two consumers of 32 none, two of 64
     (the pieces' launch: 213 KB of shared memory) a few hundred (92-232 B under 3.6, 164-328 B under 3.9)."""
@@ -59,3 +60,7 @@ def test_gdn_ws_pass_compiles_for_sm90():
     for ln, sp in spills.items():
         limit = 0 if "NCONS=2" in ln and "BV=32" in ln else 512 if "NCONS=2" in ln else 128
         assert sp <= limit, "\n".join(lines)
+    # the state-gradient recurrence (state_bwd_ws.py, bf16): 2 launches x 3 flag sets, within 128 B of spills
+    bwd = [ln for ln in r.stdout.splitlines() if "_delta_state_bwd_ws_kernel" in ln]
+    assert len(bwd) == 6, r.stdout[-2000:]
+    assert all(int(ln.split("spill_stores=")[1].split("B")[0]) <= 128 for ln in bwd), "\n".join(bwd)

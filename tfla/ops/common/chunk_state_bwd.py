@@ -10,6 +10,7 @@ import triton.language as tl
 from tfla.ops.common.chunk_state import (_idx64, _row_split, _sequence_slots, _state_acc, _state_tile,
                                          _vec_decays, intra_supported)
 from tfla.ops.common.grid import program_pair, tile_grid
+from tfla.ops.common.state_bwd_ws import delta_state_bwd_ws, state_bwd_ws_supported
 from tfla.ops.common.utils import SUB_CHUNK, acc_dtype, cdiv, dot_precision, dot_tile, next_pow2
 
 @triton.jit
@@ -373,6 +374,13 @@ def chunk_state_bwd(
                          "and need_dh0, no sds or h_sub")
     if sds and (h_sub is None or w is not None):
         raise ValueError("sds (the rows of <S, dS>) needs h_sub and serves linear attention (w None)")
+    # the delta rule on Hopper: the warp-specialized Gluon kernel (state_bwd_ws.py) where it applies; config key "ws":
+    # True (default), False (the tl kernel always) or a dict of that kernel's launch keys
+    ws = (config or {}).get("ws", True)
+    if w is not None and ws is not False and h_sub is None and state_bwd_ws_supported(
+            q, k, w, do, g_cum, dht, cu_seqlens, ws if isinstance(ws, dict) else None):
+        return delta_state_bwd_ws(q, k, w, do, g_cum, scale, dht, need_dh0, cu_seqlens, sub_offsets, num_sub_chunks,
+                                  store, ws if isinstance(ws, dict) else None)
     # measured (docs/performance.md): the delta rule at K <= 128 runs best on 64-column value tiles with 8 warps
     # (H100: 0.53 vs 0.73 ms at 32 columns / 4 warps); linear attention keeps 32 columns and 4 warps (H100:
     # simple GLA 0.53 ms, other tiles 0.51-0.59; the mLSTM's V = 256 state backward 2.41 ms, others 2.50-3.95).
@@ -382,7 +390,8 @@ def chunk_state_bwd(
     # 2.77 ms, long sequence 7.60 -> 7.14 (2026-11-24, 62b3092; sm_90 Triton 3.6: 198 KB shared memory, no spills)
     wide = w is not None and K <= 128 and k.element_size() == 2  # 16-bit only: fp32 tiles double the smem
     stages = (3 if wide and chunk_size == 64 else 2) if (K <= 128 or k.element_size() == 2) and gv_cum is None else 1
-    cfg = {"BV": 64 if wide else 32, "num_warps": 8 if wide else 4, "num_stages": stages, **(config or {})}
+    cfg = {"BV": 64 if wide else 32, "num_warps": 8 if wide else 4, "num_stages": stages,
+           **{n: x for n, x in (config or {}).items() if n != "ws"}}
     BK = dot_tile(K, 1 << 20, k.dtype)
     BV = dot_tile(V, cfg["BV"], k.dtype)
     # 16-bit inputs read S in this kernel only on pipelined launches (a config override to one stage keeps dS

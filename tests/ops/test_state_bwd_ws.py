@@ -1,0 +1,117 @@
+"""The warp-specialized Gluon state-gradient recurrence of the delta rule (``tfla/ops/common/state_bwd_ws.py``,
+Hopper only) against the ``tl`` kernel (``_delta_state_bwd_kernel``, the same math): dense and varlen with sequences
+of length 0, 1 and not a multiple of 64, the final state's cotangent given and absent, the stores off (a piece's
+summary), one and two consumer warpgroups; and through the op (forward + backward, whole and cut in pieces) against
+the op on the ``tl`` kernel and the float64 recurrence. Where it does not apply (CPU, fp16, fp32, K != 128) the
+``tl`` kernel runs."""
+import pytest
+import torch
+
+from tfla.bench.inputs import gdn_inputs
+from tfla.ops.common.chunk_state_bwd import chunk_state_bwd
+from tfla.ops.common.cumsum import chunk_local_cumsum
+from tfla.ops.common.fused_delta_ws import HAVE_GLUON
+from tfla.ops.common.state_bwd_ws import state_bwd_ws_supported
+from tfla.ops.gated_delta_rule.reference import recurrent_gated_delta_rule_ref
+from tfla.utils.testing import rel_l2
+
+SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) and HAVE_GLUON
+needs_sm90 = pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU and Triton's Gluon")
+RCP_LN2 = 1.4426950408889634
+
+
+def _inputs(B, T, H, HV, lens, seed):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    cu = None if lens is None else torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), device="cuda")
+
+    def rnd(*shape, s=1.0):
+        return (torch.randn(*shape, device="cuda", generator=gen) * s).bfloat16()
+
+    q = torch.nn.functional.normalize(rnd(B, T, H, 128).float(), dim=-1).bfloat16()
+    k = torch.nn.functional.normalize(rnd(B, T, H, 128).float(), dim=-1).bfloat16()
+    w = rnd(B, T, HV, 128, s=0.1)
+    do = rnd(B, T, HV, 128)
+    g = torch.nn.functional.logsigmoid(torch.randn(B, T, HV, device="cuda", generator=gen) + 3)
+    g_cum = chunk_local_cumsum(g, 64, scale=RCP_LN2, cu_seqlens=cu,
+                               bounds=None if lens is None else cu.tolist())
+    N = B if lens is None else len(lens)
+    dht = torch.randn(N, HV, 128, 128, device="cuda", generator=gen)
+    return q, k, w, do, g_cum, dht, cu
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("B,T,H,HV,lens,cfg", [
+    (1, 1, 1, 1, None, None),
+    (2, 300, 2, 4, None, None),
+    (1, 1171, 2, 4, [0, 1, 64, 130, 5, 971], None),
+    (1, 1171, 1, 2, [0, 1, 64, 130, 5, 971], {"NCONS": 2, "BV": 32}),
+    (3, 257, 1, 2, None, {"NCONS": 1, "BV": 32}),
+])
+@pytest.mark.parametrize("with_dht,store", [(True, True), (False, True), (True, False)])
+def test_ws_state_bwd_matches_tl(B, T, H, HV, lens, cfg, with_dht, store):
+    q, k, w, do, g_cum, dht, cu = _inputs(B, T, H, HV, lens, seed=T + HV)
+    dht = dht if with_dht else None
+    assert state_bwd_ws_supported(q, k, w, do, g_cum, dht, cu, cfg)
+    kw = {}
+    if cu is not None:
+        from tfla.ops.common.varlen import chunk_tables
+        idx, offs = chunk_tables(cu.tolist(), 64, cu.device)
+        kw = dict(cu_seqlens=cu, sub_offsets=offs, num_sub_chunks=idx.shape[0])
+    res = [chunk_state_bwd(q, k, w, do, None, g_cum, 128 ** -0.5, 64, dht=dht, need_dh0=True, store=store,
+                           config={"ws": ws}, **kw) for ws in (cfg or True, False)]
+    for name, a, b in zip(("dh", "du", "dh0"), *res):
+        if not store and name != "dh0":
+            assert a is None and b is None
+            continue
+        assert torch.isfinite(a).all(), name
+        assert rel_l2(a.float(), b.float()) < 1e-2, f"{name}: {rel_l2(a.float(), b.float()):.3e}"
+
+
+def test_ws_state_bwd_not_taken_where_it_does_not_apply(device):
+    q, k, w, do = (torch.randn(1, 70, 1, 128, device=device, dtype=torch.bfloat16) for _ in range(4))
+    g = torch.zeros(1, 70, 1, device=device)
+    if device == "cuda" and SM90:
+        assert state_bwd_ws_supported(q, k, w, do, g, None, None)
+    assert not state_bwd_ws_supported(q, k, w, do, None, None, None)  # no gate
+    assert not state_bwd_ws_supported(q.half(), k.half(), w.half(), do.half(), g, None, None)
+    assert not state_bwd_ws_supported(q.float(), k.float(), w.float(), do.float(), g, None, None)
+    q64 = torch.randn(1, 70, 1, 64, device=device, dtype=torch.bfloat16)
+    assert not state_bwd_ws_supported(q64, q64, q64, do, g, None, None)
+    if device == "cpu":
+        assert not state_bwd_ws_supported(q, k, w, do, g, None, None)
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("varlen", [False, True])
+@pytest.mark.parametrize("segments", [1, 3])
+def test_op_with_ws_state_bwd(varlen, segments):
+    """``chunk_gated_delta_rule`` forward + backward with the Gluon state-gradient recurrence against the op on the
+    ``tl`` kernel (``config={"state_bwd": {"ws": False}}``) and the float64 recurrence's gradients: bf16, grouped
+    value heads, initial and final state, whole sequences and pieces."""
+    import tfla
+
+    cu = torch.tensor([0, 1, 300, 300, 1100], device="cuda") if varlen else None
+    B, T = (1, 1100) if varlen else (2, 550)
+    x = gdn_inputs(B, T, 2, 128, 128, HV=4, dtype=torch.bfloat16, device="cuda", initial_state=True,
+                   num_seqs=4 if varlen else B, seed=11)
+    names = ("q", "k", "v", "g", "beta", "initial_state")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    do = torch.randn(B, T, 4, 128, device="cuda", generator=gen).bfloat16()
+    dht = torch.randn_like(x["initial_state"])
+    res = []
+    for ws in (True, False):
+        leaves = [x[n].clone().requires_grad_() for n in names]
+        o, s = tfla.chunk_gated_delta_rule(*leaves[:5], initial_state=leaves[5], output_final_state=True,
+                                           cu_seqlens=cu, segments=segments, config={"state_bwd": {"ws": ws}})
+        grads = torch.autograd.grad((o * do).sum() + (s * dht).sum(), leaves)
+        res.append(grads)
+    r = [x[n].double().cpu().requires_grad_() for n in names]
+    ro, rs = recurrent_gated_delta_rule_ref(*r[:5], scale=128 ** -0.5, initial_state=r[5], output_final_state=True,
+                                            cu_seqlens=cu.cpu() if cu is not None else None)
+    ref = torch.autograd.grad((ro * do.double().cpu()).sum() + (rs * dht.double().cpu()).sum(), r)
+    for name, a_, b_, rf in zip(names, *res, ref):
+        assert torch.isfinite(a_).all(), name
+        e_ws, e_tl = rel_l2(a_.double().cpu(), rf), rel_l2(b_.double().cpu(), rf)
+        assert e_ws <= 1.15 * e_tl + 1e-4, f"{name}: ws {e_ws:.3e} vs tl {e_tl:.3e}"
