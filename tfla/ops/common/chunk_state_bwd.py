@@ -355,6 +355,10 @@ def chunk_state_bwd(
             row, applied through the query rows' gate (needs ``g_cum`` and dvo None: formed here).
         store: False writes neither dh nor du (returned as None): the recurrence runs for ``dh0`` alone (a
             segment's state-gradient summary, ``need_dh0`` True); not with ``dden``, ``sds`` or ``h_sub``.
+        config: launch keys of the ``tl`` kernels (``BV``, ``num_warps``, ``num_stages``, ``qsplit``, ``flat``,
+            ``idx64``, ``n_bk``, ``n_warps``, ``n_stages``) and ``ws``: True (default: the delta rule on the
+            warp-specialized Gluon kernel where ``state_bwd_ws.state_bwd_ws_supported`` holds), False (the ``tl``
+            kernel always) or a dict of that kernel's keys (``STATE_BWD_WS_DEFAULTS``).
     Returns:
         ``dh [B, NS, HV, K, V]`` (gradient of the state after each 64-row sub-chunk, k's dtype),
         ``du [B, T, HV, V]`` (total gradient of U = Vnew's gradient, k's dtype), ``dh0 [N, HV, K, V]``

@@ -362,7 +362,8 @@ def fused_delta_fwd(q, k, v, g, beta, scale, initial_state=None, output_final_st
     ``act``: a ``GateAct`` (``gate_act.py``): g and / or beta hold pre-activations that the prep activates;
     ``config``: the ``tl`` pass's launch keys (``FUSED_DEFAULTS``), ``ut`` (the prep's) and ``ws``: True (default: the
     warp-specialized Gluon pass where ``fused_delta_ws.ws_supported`` holds), False (the ``tl`` pass always) or a
-    dict of the Gluon pass's keys (``fused_delta_ws.WS_DEFAULTS``).
+    dict of the Gluon pass's keys (``fused_delta_ws.WS_DEFAULTS``; pieces, transitions included, launch ``PIECE_WS``
+    unless a dict is given).
 
     Returns a dict: ``o [B, T, HV, V]`` (v's dtype), ``final_state`` (fp32 or None), ``g_cum``, ``ai`` (the prep's
     log2 gates restarting every 64 rows and Tm, for the backward), ``beta`` (the one used: activated with ``act``), ``v_new`` (``save`` >= 1), ``h`` (``save`` 2:

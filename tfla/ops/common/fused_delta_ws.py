@@ -65,6 +65,36 @@ WS_DEFAULTS = {"BV": 64, "NCONS": 1, "STAGES": 2}  # measured against 2 x 32 and
 if HAVE_GLUON:
 
     @gluon.jit
+    def _seq_rows(cu_seqlens, offsets, i_n, T, IS_VARLEN: gl.constexpr, OFFSETS: gl.constexpr):
+        """Sequence i_n's first row, its length and its first 64-row chunk among all sequences' chunks (varlen:
+        ``offsets[i_n]`` where OFFSETS, else 0; dense: B sequences of T rows)."""
+        if IS_VARLEN:
+            row0 = gl.load(cu_seqlens + i_n).to(gl.int32)
+            T = gl.load(cu_seqlens + i_n + 1).to(gl.int32) - row0
+            if OFFSETS:
+                boh = gl.load(offsets + i_n).to(gl.int32)
+            else:
+                boh = i_n * 0
+        else:
+            boh = i_n * gl.cdiv(T, 64)
+            row0 = i_n * T
+        return row0, T, boh
+
+    @gluon.jit
+    def _chunk_gates(g, r, t0, T, i_hv, HV: gl.constexpr, LR: gl.constexpr, LSR: gl.constexpr,
+                     LSC: gl.constexpr):
+        """The chunk at rows ``r ..`` (``t0 ..`` of a sequence of T rows): its log2 gates G (0 past the end), G at its
+        last row, and G again in the rows and the columns of a ``[64, 64]`` tile's layout (the scores')."""
+        o_r = gl.arange(0, 64, layout=LR)
+        o_sr = gl.arange(0, 64, layout=LSR)
+        o_sc = gl.arange(0, 64, layout=LSC)
+        b_g = gl.load(g + (r + o_r) * HV + i_hv, mask=(t0 + o_r) < T, other=0.0)
+        b_gn = gl.load(g + (r + gl.minimum(64, T - t0) - 1) * HV + i_hv)
+        b_gr = gl.load(g + (r + o_sr) * HV + i_hv, mask=(t0 + o_sr) < T, other=0.0)
+        b_gc = gl.load(g + (r + o_sc) * HV + i_hv, mask=(t0 + o_sc) < T, other=0.0)
+        return b_g, b_gn, b_gr, b_gc
+
+    @gluon.jit
     def _ws_producer(k_desc, q_desc, v_desc, t_desc, k_s, q_s, v_s, t_s, ready, empty,
                      row0, col_k, col_v, col_t, n_chunks, has_v, BV: gl.constexpr, NCONS: gl.constexpr,
                      STAGES: gl.constexpr, TRANSITION: gl.constexpr):
@@ -137,12 +167,8 @@ if HAVE_GLUON:
             r = row0 + i * 64
             m_r = (i * 64 + o_r) < T  # rows past the sequence: beta 0, weight 0 in the update, not stored
             full = (i + 1) * 64 <= T
-            b_g = gl.load(g + (r + o_r) * HV + i_hv, mask=m_r, other=0.0)
-            b_gn = gl.load(g + (r + gl.minimum(64, T - i * 64) - 1) * HV + i_hv)
+            b_g, b_gn, b_gr, b_gc = _chunk_gates(g, r, i * 64, T, i_hv, HV, LR, LSR, LSC)  # (b_gr, b_gc: scores)
             b_b = gl.load(beta + (r + o_r) * HV + i_hv, mask=m_r, other=0.0).to(gl.float32)
-            if not TRANSITION:
-                b_gr = gl.load(g + (r + o_sr) * HV + i_hv, mask=(i * 64 + o_sr) < T, other=0.0)  # g in the scores'
-                b_gc = gl.load(g + (r + o_sc) * HV + i_hv, mask=(i * 64 + o_sc) < T, other=0.0)  # rows and columns
             b_eg = gl.exp2(b_g)
             mbarrier.wait(ready.index(s), (i // STAGES) & 1)
             if not TRANSITION:  # the output's scores q k^T of the chunk: off the state's chain, issued first
@@ -219,16 +245,7 @@ if HAVE_GLUON:
         i_n = i_nh // HV
         i_hv = i_nh % HV
         i_h = i_hv // (HV // H)
-        if IS_VARLEN:
-            row0 = gl.load(cu_seqlens + i_n).to(gl.int32)
-            T = gl.load(cu_seqlens + i_n + 1).to(gl.int32) - row0
-            if SAVE == 2:  # the sequence's first 64-row chunk among all sequences' chunks (h's slots)
-                boh = gl.load(chunk_offsets + i_n).to(gl.int32)
-            else:
-                boh = i_n * 0
-        else:
-            boh = i_n * gl.cdiv(T, 64)
-            row0 = i_n * T
+        row0, T, boh = _seq_rows(cu_seqlens, chunk_offsets, i_n, T, IS_VARLEN, SAVE == 2)  # (boh: h's slots)
         n_chunks = gl.cdiv(T, 64)
         dt: gl.constexpr = k_desc.dtype
         k_s = gl.allocate_shared_memory(dt, [STAGES] + k_desc.block_type.shape, k_desc.layout)

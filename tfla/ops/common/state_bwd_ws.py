@@ -29,7 +29,7 @@ if HAVE_GLUON:
                                                                   warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from tfla.ops.common.fused_delta_ws import _tma_load, _tma_store
+    from tfla.ops.common.fused_delta_ws import _chunk_gates, _seq_rows, _tma_load, _tma_store
 
 BS = 64  # rows per chunk
 STATE_BWD_WS_DEFAULTS = {"BV": 64, "NCONS": 1, "STAGES": 2}
@@ -94,10 +94,7 @@ if HAVE_GLUON:
             r = row0 + c * 64
             m_r = (c * 64 + o_r) < T  # rows past the sequence: no part in dU, dS or the stores
             full = (c + 1) * 64 <= T
-            b_g = gl.load(g + (r + o_r) * HV + i_hv, mask=m_r, other=0.0)
-            b_gn = gl.load(g + (r + gl.minimum(64, T - c * 64) - 1) * HV + i_hv)
-            b_gr = gl.load(g + (r + o_sr) * HV + i_hv, mask=(c * 64 + o_sr) < T, other=0.0)  # g in A's rows
-            b_gc = gl.load(g + (r + o_sc) * HV + i_hv, mask=(c * 64 + o_sc) < T, other=0.0)  # and columns
+            b_g, b_gn, b_gr, b_gc = _chunk_gates(g, r, c * 64, T, i_hv, HV, LR, LSR, LSC)  # (A's rows, columns)
             mbarrier.wait(ready.index(s), (j // STAGES) & 1)
             # A = k q^T of the chunk: off dS's chain, issued first
             b_a = warpgroup_mma(k_s.index(s), q_s.index(s).permute((1, 0)), zs, use_acc=False, is_async=True)
@@ -158,13 +155,7 @@ if HAVE_GLUON:
         i_n = i_nh // HV
         i_hv = i_nh % HV
         i_h = i_hv // (HV // H)
-        if IS_VARLEN:
-            row0 = gl.load(cu_seqlens + i_n).to(gl.int32)
-            T = gl.load(cu_seqlens + i_n + 1).to(gl.int32) - row0
-            boh = gl.load(sub_offsets + i_n).to(gl.int32)
-        else:
-            boh = i_n * gl.cdiv(T, 64)
-            row0 = i_n * T
+        row0, T, boh = _seq_rows(cu_seqlens, sub_offsets, i_n, T, IS_VARLEN, True)  # (boh: dh's slots)
         n_chunks = gl.cdiv(T, 64)
         dt: gl.constexpr = k_desc.dtype
         k_s = gl.allocate_shared_memory(dt, [STAGES] + k_desc.block_type.shape, k_desc.layout)
