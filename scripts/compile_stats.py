@@ -139,7 +139,7 @@ def _record_state_bwd_ws(dtype, T, K, V):
     g = torch.randn(1, T, HV)
     cu = torch.tensor([0, T // 3, T], dtype=torch.int32)
     offs = torch.tensor([0, (T // 3 + 63) // 64, (T // 3 + 63) // 64 + (T - T // 3 + 63) // 64])
-    for ncons, bv in ((1, 64), (2, 32)):
+    for ncons, bv in ((1, 64), (2, 32), (2, 64)):
         for varlen, dht, store in ((False, False, True), (True, True, True), (True, False, False)):
             ct = torch.randn(2 if varlen else 1, HV, K, V) if dht else None
             sb.delta_state_bwd_ws(q, k, w, do, g, 0.1, ct, True, cu if varlen else None, offs if varlen else None,

@@ -60,7 +60,8 @@ def test_gdn_ws_pass_compiles_for_sm90():
     for ln, sp in spills.items():
         limit = 0 if "NCONS=2" in ln and "BV=32" in ln else 512 if "NCONS=2" in ln else 128
         assert sp <= limit, "\n".join(lines)
-    # the state-gradient recurrence (state_bwd_ws.py, bf16): 2 launches x 3 flag sets, within 128 B of spills
+    # the state-gradient recurrence (state_bwd_ws.py, bf16): 3 launches x 3 flag sets, within 128 B of spills (two
+    # 64-column consumers: 230 KB of shared memory, 48-88 B under Triton 3.6)
     bwd = [ln for ln in r.stdout.splitlines() if "_delta_state_bwd_ws_kernel" in ln]
-    assert len(bwd) == 6, r.stdout[-2000:]
+    assert len(bwd) == 9, r.stdout[-2000:]
     assert all(int(ln.split("spill_stores=")[1].split("B")[0]) <= 128 for ln in bwd), "\n".join(bwd)

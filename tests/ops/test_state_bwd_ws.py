@@ -43,10 +43,11 @@ def _inputs(B, T, H, HV, lens, seed):
 @needs_sm90
 @pytest.mark.parametrize("B,T,H,HV,lens,cfg", [
     (1, 1, 1, 1, None, None),
-    (2, 300, 2, 4, None, None),
+    (2, 300, 2, 4, None, {"NCONS": 1, "BV": 64}),
     (1, 1171, 2, 4, [0, 1, 64, 130, 5, 971], None),
     (1, 1171, 1, 2, [0, 1, 64, 130, 5, 971], {"NCONS": 2, "BV": 32}),
     (3, 257, 1, 2, None, {"NCONS": 1, "BV": 32}),
+    (1, 1171, 2, 4, [0, 1, 64, 130, 5, 971], {"NCONS": 2, "BV": 64}),
 ])
 @pytest.mark.parametrize("with_dht,store", [(True, True), (False, True), (True, False)])
 def test_ws_state_bwd_matches_tl(B, T, H, HV, lens, cfg, with_dht, store):

@@ -76,7 +76,8 @@ def wide_tiles(pairs: int, V: int, sms: int) -> int:
 
 
 SAVE_NONE, SAVE_V_NEW, SAVE_STATES = 0, 1, 2
-PIECE_WS = {"BV": 64, "NCONS": 2}  # the Gluon pass's launch for pieces (fused_delta_fwd)
+# the Gluon kernels' launch for pieces: the forward pass here, the state-gradient recurrence in the GDN's chunk.py
+PIECE_WS = {"BV": 64, "NCONS": 2}
 
 
 # T not specialized: Triton compiles an int argument equal to 1 as a constant, and that build of this kernel (dense,
@@ -445,5 +446,6 @@ def fused_delta_fwd(q, k, v, g, beta, scale, initial_state=None, output_final_st
         o, _, v_new, h = fused_delta_pass(qf, kf, vf, gf, bf, af, scale, starts, False, seg_cu, seg_off, num_chunks,
                                           save, a=sf, config=cfg)
     out.update(o=o.reshape(B, T, HV, V), final_state=final, v_new=None if v_new is None else v_new.reshape(v.shape),
-               h=None if h is None else h.reshape(B, -1, HV, K, V), split=Split(seg_cu, seg_off, first_t, num_chunks, mn))
+               h=None if h is None else h.reshape(B, -1, HV, K, V),
+               split=Split(seg_cu, seg_off, first_t, num_chunks, mn))
     return out

@@ -234,10 +234,10 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _fused_delta_ws_kernel(k_desc, q_desc, v_desc, t_desc, o_desc, vn_desc, h_desc, g, beta, o, v_new, h0,
-                               ht, cu_seqlens, chunk_offsets, T, scale, H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr,
-                               V: gl.constexpr, BV: gl.constexpr, NCONS: gl.constexpr, STAGES: gl.constexpr,
-                               IS_VARLEN: gl.constexpr, USE_H0: gl.constexpr, STORE_HT: gl.constexpr,
-                               SAVE: gl.constexpr, TRANSITION: gl.constexpr):
+                               ht, cu_seqlens, chunk_offsets, T, scale, H: gl.constexpr, HV: gl.constexpr,
+                               K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, NCONS: gl.constexpr,
+                               STAGES: gl.constexpr, IS_VARLEN: gl.constexpr, USE_H0: gl.constexpr,
+                               STORE_HT: gl.constexpr, SAVE: gl.constexpr, TRANSITION: gl.constexpr):
         """Grid ``(NCOL / (NCONS BV), N HV)`` (NCOL: V, or K + V with TRANSITION); dense rows ``[B T, ..]`` or packed
         varlen (B = 1, ``cu_seqlens``)."""
         i_v = gl.program_id(0)
@@ -314,8 +314,9 @@ def _is_sm90(index: int) -> bool:
 def ws_supported(q, k, v, has_gate: bool, initial_state, cu_seqlens, save: int, config: dict | None = None) -> bool:
     """Whether the warp-specialized pass takes a forward: an sm_90 GPU, Gluon available, fp16 / bf16 q, k and v of one
     dtype, K = 128, V a multiple of the launch's columns, a gate, ``save`` 0, 1 or 2 (Vnew, the per-chunk states),
-    contiguous inputs whose row offsets fit int32, 1 to 65,535 (sequence, head) pairs, an fp32 initial state if any. ``config``: this pass's launch keys (``WS_DEFAULTS``) or None. Decided before the prep, which then forms
-    Tm alone (the pass forms the output's scores)."""
+    contiguous inputs whose row offsets fit int32, 1 to 65,535 (sequence, head) pairs, an fp32 initial state if any.
+    ``config``: this pass's launch keys (``WS_DEFAULTS``) or None. Decided before the prep, which then forms Tm alone
+    (the pass forms the output's scores)."""
     cfg = {**WS_DEFAULTS, **(config or {})}
     if not HAVE_GLUON or save not in (0, 1, 2) or not has_gate:
         return False
@@ -326,7 +327,8 @@ def ws_supported(q, k, v, has_gate: bool, initial_state, cu_seqlens, save: int, 
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
-    if K != 128 or (K % (cfg["BV"] * cfg["NCONS"])) or V % (cfg["BV"] * cfg["NCONS"]) != 0 or N * HV > 65535 or N * HV == 0:
+    cols = cfg["BV"] * cfg["NCONS"]  # a CTA's state columns (the transitions' identity ones included)
+    if K != 128 or K % cols or V % cols or N * HV > 65535 or N * HV == 0:
         return False
     if not all(x.is_contiguous() for x in (q, k, v)):
         return False

@@ -27,7 +27,8 @@ from tfla.ops.common.chunk_dqkw import chunk_dqkw_bwd
 from tfla.ops.common.chunk_state import chunk_state_fwd
 from tfla.ops.common.chunk_state_bwd import chunk_state_bwd
 from tfla.ops.common.cumsum import chunk_local_cumsum
-from tfla.ops.common.fused_delta_fwd import SAVE_NONE, SAVE_STATES, SAVE_V_NEW, Split, fused_delta_fwd, segment_scan
+from tfla.ops.common.fused_delta_fwd import (PIECE_WS, SAVE_NONE, SAVE_STATES, SAVE_V_NEW, Split, fused_delta_fwd,
+                                            segment_scan)
 from tfla.ops.common.gate_act import BETA_2SIGMOID, BETA_SIGMOID, NO_BETA, GateAct, gate_epilogue
 from tfla.ops.common.group_sum import group_sum
 from tfla.ops.common.l2norm import l2norm, l2norm_bwd, l2norm_fwd
@@ -220,6 +221,10 @@ def _state_grad_in_pieces(q, k, w, do, g_cum, scale, dht, need_dh0, split: Split
     B, T = q.shape[:2]
     HV, K, V = do.shape[2], q.shape[3], do.shape[3]
     flat = [x.reshape(1, B * T, *x.shape[2:]) if x is not None else None for x in (q, k, w, do, g_cum)]
+    # the Gluon recurrence (Hopper) at two 64-column consumers per CTA for pieces, as the forward's pass
+    # (state_bwd_ws.STATE_BWD_WS_DEFAULTS), unless the config sets its launch
+    if (config or {}).get("ws", True) is True:
+        config = {**(config or {}), "ws": PIECE_WS}
     kw = dict(cu_seqlens=split.cu_seqlens, sub_offsets=split.sub_offsets, num_sub_chunks=split.num_chunks,
               config=config)
     _, _, dn = chunk_state_bwd(*flat[:4], None, flat[4], scale, SUB_CHUNK, need_dh0=True, store=False, **kw)
