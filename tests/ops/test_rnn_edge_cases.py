@@ -1,0 +1,169 @@
+"""Edge cases of tfla.elman / lstm / gru / slstm that issue 27 asks for, fp32 against the float64 step loop
+(``recurrent_rnn_ref``): h, every final state and the gradients of x, R, b and every initial-state tensor, with
+random cotangents for h and the final states (the sLSTM's m excluded: a constant of the backward).
+
+- B = 17 (past one 16-row batch tile, a multiple of no BB) with head dims that are not powers of two: 48 on both
+  paths, 96 on the fused path forced (BD = 128, beyond its default D <= 64), 192 on the alternating path (the fused
+  path takes D <= 128).
+- Pre-activations near +-30: saturated sigmoids and tanhs, the sLSTM's exponential gates at the ends of the m
+  stabilizer's range.
+- Determinism: two forward + backward runs bitwise equal, the second with every ``torch.empty`` NaN-filled.
+
+Tolerances (rel-L2 per tensor): forward ``tolerance(float32)`` (1e-5 on the interpreter, 3e-5 on CUDA), gradients
+1e-4 (the issue's bound).
+"""
+import functools
+
+import pytest
+import torch
+
+import tfla
+from tfla.ops.rnn.reference import CELL_GATES, CELL_STATES, recurrent_rnn_ref
+from tfla.utils.testing import assert_rel_close, tolerance
+
+CELLS = ("elman", "lstm", "gru", "slstm")
+FWD_TOL = tolerance(torch.float32)
+GRAD_TOL = 1e-4
+B, T, NH = 17, 4, 2
+# (path, D): the fused path's default D (48), its largest tile forced (96 -> BD = 128), the alternating path's
+# default D (192) and the alternating path at 48
+PATH_D = [("fused", 48), ("fused", 96), ("alternating", 48), ("alternating", 192)]
+
+
+def _inputs(cell, D, seed, saturate=None):
+    """fp32 x ``[B, T, G, NH, D]``, R, b and an initial state (the sLSTM's n > 0 but in row 0, where n = c = 0
+    makes m_t = g^i). saturate: None (x ~ N(0, 1)), ``"half"`` (a random half of x's elements, every gate, at
+    +-30 + N(0, 0.1^2)) or ``"all"`` (every element so)."""
+    gen = torch.Generator().manual_seed(seed)
+    G, S = len(CELL_GATES[cell]), len(CELL_STATES[cell])
+    x = torch.randn(B, T, G, NH, D, generator=gen)
+    if saturate is not None:
+        sat = 30.0 * torch.randn(x.shape, generator=gen).sign() + 0.1 * torch.randn(x.shape, generator=gen)
+        frac = {"half": 0.5, "all": 1.0}[saturate]
+        x = torch.where(torch.rand(x.shape, generator=gen) < frac, sat, x)
+    R = torch.randn(G, NH, D, D, generator=gen) / D ** 0.5
+    b = torch.randn(G, NH, D, generator=gen) * 0.5
+    state = [torch.randn(B, NH, D, generator=gen) * 0.5 for _ in range(S)]
+    if cell == "slstm":
+        state[2] = state[2].abs() + 0.3
+        state[2][0], state[1][0] = 0.0, 0.0
+    return x, R, b, tuple(state)
+
+
+def _run(fn, cell, x, R, b, state, device):
+    """``(h, final state tuple, (dx, dR, db, *dstate0))`` of ``fn`` (a cell's signature) on copies of the inputs
+    on ``device`` in their dtype, the same float64 cotangents (cast) for every dtype."""
+    leaves = [t.detach().to(device).clone().requires_grad_() for t in (x, R, b, *state)]
+    h, fin = fn(*leaves[:3], tuple(leaves[3:]), True)
+    gen = torch.Generator().manual_seed(1)
+    outs, cts = [h], [torch.randn(h.shape, generator=gen, dtype=torch.float64)]
+    for k, f in enumerate(fin):
+        if cell == "slstm" and k == 3:  # m: a constant of the backward
+            continue
+        outs.append(f)
+        cts.append(torch.randn(f.shape, generator=gen, dtype=torch.float64))
+    grads = torch.autograd.grad(outs, leaves, [c.to(o.dtype).to(o.device) for c, o in zip(cts, outs)],
+                                allow_unused=True)
+    return h, fin, grads
+
+
+def _tfla(cell, path):
+    return functools.partial(getattr(tfla, cell), config={"path": path})
+
+
+def _reference(cell, x, R, b, state):
+    fn = lambda *a: recurrent_rnn_ref(cell, *a)  # noqa: E731
+    return _run(fn, cell, x.double(), R.double(), b.double(), tuple(s.double() for s in state), "cpu")
+
+
+def _grad_names(cell):
+    return ["dx", "dR", "db"] + [f"d{s}0" for s in CELL_STATES[cell]]
+
+
+def _check_forward(cell, got, ref):
+    assert got[0].dtype == torch.float32 and got[0].shape == ref[0].shape
+    assert_rel_close("h", got[0], ref[0], FWD_TOL)
+    for name, f, fr in zip(CELL_STATES[cell], got[1], ref[1]):
+        assert_rel_close(f"final {name}", f, fr, FWD_TOL)
+
+
+def _check_m0_grad(g):
+    """The sLSTM's initial m: no gradient (None, or zeros from the kernels)."""
+    assert g is None or (torch.isfinite(g).all() and torch.count_nonzero(g) == 0)
+
+
+def _check(cell, got, ref):
+    _check_forward(cell, got, ref)
+    for name, g, gr in zip(_grad_names(cell), got[2], ref[2]):
+        if gr is None:
+            _check_m0_grad(g)
+            continue
+        assert_rel_close(name, g, gr, GRAD_TOL)
+
+
+@pytest.mark.parametrize("path,D", PATH_D)
+@pytest.mark.parametrize("cell", CELLS)
+def test_batch17_odd_head_dim(cell, path, D, device, poison_empty):
+    """B = 17 over two batch tiles (fused: 16 rows + 1), 2 heads, 4 steps, D not a power of two, with initial and
+    final states; outputs NaN-poisoned so an unwritten row or column shows."""
+    x, R, b, s = _inputs(cell, D, seed=1000 + D)
+    got = _run(_tfla(cell, path), cell, x, R, b, s, device)
+    _check(cell, got, _reference(cell, x, R, b, s))
+
+
+@pytest.mark.parametrize("path,D", [("fused", 48), ("alternating", 192)])
+@pytest.mark.parametrize("cell", CELLS)
+def test_half_saturated_preactivations(cell, path, D, device):
+    """Half of every gate's pre-activations near +-30 (x = +-30 + noise, R h + b adds about +-2), the other half
+    moderate, so the gradients have a part that does not vanish: every output and gradient finite and within
+    tolerance of the reference (sLSTM: exp(g^i - m_t) with g^i = +-30, logsigmoid(-30) in the forget gate)."""
+    x, R, b, s = _inputs(cell, D, seed=2000 + D, saturate="half")
+    got = _run(_tfla(cell, path), cell, x, R, b, s, device)
+    _check(cell, got, _reference(cell, x, R, b, s))
+
+
+# gradients that stay O(1) when every pre-activation is near +-30; the rest vanish (|.| ~ 1e-13 or 0)
+_LIVE_WHEN_SATURATED = {"elman": set(), "lstm": {"dc0"}, "gru": {"dh0"}, "slstm": {"dx", "dR", "db", "dh0", "dc0",
+                                                                                  "dn0"}}
+_VANISHED = 1e-9
+
+
+@pytest.mark.parametrize("path,D", [("fused", 48), ("alternating", 192)])
+@pytest.mark.parametrize("cell", CELLS)
+def test_saturated_preactivations(cell, path, D, device):
+    """Every pre-activation near +-30. Outputs and final states within tolerance. Gradients: those that stay O(1)
+    (the LSTM's c0 through f = sigmoid(+-30), the GRU's h0 through z, all of the sLSTM's, whose input gate's
+    derivative is exp(g^i - m_t) itself) within tolerance; the others vanish in the float64 reference (sigmoid'(30)
+    ~ 1e-13) and must vanish here too (below 1e-9), not be compared by rel-L2: fp32 rounds 1 - sigmoid(30) to 0,
+    as torch's fp32 autograd does, so their rel-L2 is ~0.7 and measures that rounding only."""
+    x, R, b, s = _inputs(cell, D, seed=3000 + D, saturate="all")
+    got = _run(_tfla(cell, path), cell, x, R, b, s, device)
+    ref = _reference(cell, x, R, b, s)
+    _check_forward(cell, got, ref)
+    for name, g, gr in zip(_grad_names(cell), got[2], ref[2]):
+        if gr is None:
+            _check_m0_grad(g)
+            continue
+        live = name in _LIVE_WHEN_SATURATED[cell]
+        assert (gr.abs().max() > _VANISHED) == live, f"{name}: reference max {gr.abs().max():.2e}"
+        if live:
+            assert_rel_close(name, g, gr, GRAD_TOL)
+        else:
+            assert torch.isfinite(g).all(), name
+            assert g.abs().max() <= _VANISHED, f"{name}: max {g.abs().max():.2e}, reference {gr.abs().max():.2e}"
+
+
+@pytest.mark.parametrize("path,D", [("fused", 48), ("alternating", 192)])
+@pytest.mark.parametrize("cell", CELLS)
+def test_deterministic(cell, path, D, device, request):
+    """Two forward + backward runs on identical inputs give bitwise-equal h, final states and gradients; the second
+    runs with every ``torch.empty`` / ``empty_like`` NaN-filled, so a result that reads memory no kernel wrote
+    differs (NaN is unequal to itself)."""
+    x, R, b, s = _inputs(cell, D, seed=4000 + D, saturate="half")
+    first = _run(_tfla(cell, path), cell, x, R, b, s, device)
+    request.getfixturevalue("poison_empty")  # from here on
+    second = _run(_tfla(cell, path), cell, x, R, b, s, device)
+    names = ["h"] + [f"final {n}" for n in CELL_STATES[cell]] + _grad_names(cell)
+    for name, a, c in zip(names, [first[0], *first[1], *first[2]], [second[0], *second[1], *second[2]]):
+        assert (a is None) == (c is None), name
+        assert a is None or torch.equal(a, c), f"{name}: runs differ, max {(a - c).abs().max():.2e}"
