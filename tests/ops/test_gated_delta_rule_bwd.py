@@ -141,6 +141,10 @@ def test_state_grad_summary_pass(device):
         chunk_state_bwd(q, k, w, do, do, g, 0.5, 64)
     with pytest.raises(ValueError, match="delta rule"):
         chunk_state_bwd(q, k, w, do, None, g, 0.5, 128)
+    # linear attention's vector-gate kernel (GLA) takes no scalar gate beside it
+    gv = g[..., None].expand(B, T, HV, K).contiguous()
+    with pytest.raises(ValueError, match="gv_cum"):
+        chunk_state_bwd(q, k, None, do, do, g, 0.5, 64, gv_cum=gv)
 
 
 @pytest.mark.parametrize("segments,varlen,h0,final,gate", [(2, False, True, True, "weak"), (4, False, False, True, "zero"),

@@ -26,7 +26,7 @@ import triton.language as tl
 
 from tfla.ops.common.chunk_state import _sequence_slots, _tile_of
 from tfla.ops.common.grid import check_varlen_batch, program_tile, tile_grid
-from tfla.ops.common.utils import SUB_CHUNK, acc_dtype, cdiv, dot_precision, dot_tile, next_pow2
+from tfla.ops.common.utils import SUB_CHUNK, acc_dtype, cdiv, dot_precision, dot_tile
 
 
 @triton.jit

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from tfla.ops.common.grid import needs_int64, program_pair, tile_grid
-from tfla.ops.common.utils import SUB_CHUNK, acc_dtype, cdiv, dot_precision, dot_tile, next_pow2
+from tfla.ops.common.utils import SUB_CHUNK, acc_dtype, cdiv, dot_precision, dot_tile
 
 
 @triton.jit

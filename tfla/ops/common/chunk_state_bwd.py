@@ -11,7 +11,7 @@ from tfla.ops.common.chunk_state import (_idx64, _row_split, _sequence_slots, _s
                                          _vec_decays, intra_supported)
 from tfla.ops.common.grid import program_pair, tile_grid
 from tfla.ops.common.state_bwd_ws import delta_state_bwd_ws, state_bwd_ws_supported
-from tfla.ops.common.utils import SUB_CHUNK, acc_dtype, cdiv, dot_precision, dot_tile, next_pow2
+from tfla.ops.common.utils import SUB_CHUNK, acc_dtype, cdiv, dot_precision, dot_tile
 
 @triton.jit
 def _rowscaled_qdot(b_q, b_x, b_sr, dt: tl.constexpr, ACC: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -122,48 +122,13 @@ def _state_bwd_sub_chunk(q, k, w, do, dvo, g, du, dh, gk, gb, sds, rl, gv, scale
 
 
 @triton.jit
-def _chunk_state_bwd_kernel(
-    q,
-    k,
-    do,
-    dvo,
-    g,
-    du,
-    dh,
-    dht,
-    dh0,
-    gk,
-    gb,
-    cu_seqlens,
-    sub_offsets,
-    scale,
-    T,
-    H: tl.constexpr,
-    HV: tl.constexpr,
-    K: tl.constexpr,
-    V: tl.constexpr,
-    BT: tl.constexpr,
-    BK: tl.constexpr,
-    BV: tl.constexpr,
-    USE_G: tl.constexpr,
-    SPLIT_G: tl.constexpr,
-    HAS_GB: tl.constexpr,
-    USE_FINAL_STATE_GRADIENT: tl.constexpr,
-    STORE_INITIAL_STATE_GRADIENT: tl.constexpr,
-    IS_VARLEN: tl.constexpr,
-    DOT_PREC: tl.constexpr,
-    ACC: tl.constexpr,
-    gv=None,
-    VEC_G: tl.constexpr = False,
-    INTRA: tl.constexpr = False,
-    sds=None,
-    SDS: tl.constexpr = False,
-    QSPLIT: tl.constexpr = True,
-    rl=None,
-    ROWLOG: tl.constexpr = False,
-    IDX64: tl.constexpr = False,
-    FLAT: tl.constexpr = False,
-):
+def _linear_state_bwd(q, k, do, dvo, g, du, dh, dht, dh0, gk, gb, sds, rl, gv, cu_seqlens, sub_offsets, scale, T,
+                      H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                      BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, SPLIT_G: tl.constexpr,
+                      HAS_GB: tl.constexpr, USE_FINAL_STATE_GRADIENT: tl.constexpr,
+                      STORE_INITIAL_STATE_GRADIENT: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
+                      ACC: tl.constexpr, VEC_G: tl.constexpr, INTRA: tl.constexpr, SDS: tl.constexpr,
+                      QSPLIT: tl.constexpr, ROWLOG: tl.constexpr, IDX64: tl.constexpr, FLAT: tl.constexpr):
     """Reverse state-gradient recurrence of linear attention (the delta rule's: ``_delta_state_bwd_kernel``, the same
     step helper with the W^T dU term). ``b_dh`` is the gradient of the state after the current sub-chunk; per
     sub-chunk (reverse): dU = dvo + 2^(G_n - G) (K dS) (the whole gradient of V), dS <- 2^(G_n - G_c) dS; at each
@@ -216,6 +181,37 @@ def _chunk_state_bwd_kernel(
             b_dh += b_dhi
     if STORE_INITIAL_STATE_GRADIENT:
         tl.store(dh0 + i_nh * K * V + o_kv, b_dh, mask=m_kv)
+
+
+@triton.jit
+def _chunk_state_bwd_kernel(q, k, do, dvo, g, du, dh, dht, dh0, gk, gb, sds, rl, cu_seqlens, sub_offsets, scale, T,
+                            H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                            BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, SPLIT_G: tl.constexpr,
+                            HAS_GB: tl.constexpr, USE_FINAL_STATE_GRADIENT: tl.constexpr,
+                            STORE_INITIAL_STATE_GRADIENT: tl.constexpr, IS_VARLEN: tl.constexpr,
+                            DOT_PREC: tl.constexpr, ACC: tl.constexpr, INTRA: tl.constexpr, SDS: tl.constexpr,
+                            QSPLIT: tl.constexpr, ROWLOG: tl.constexpr, IDX64: tl.constexpr = False,
+                            FLAT: tl.constexpr = False):
+    """``_linear_state_bwd`` with a scalar gate, split gates (``gk``, ``gb``: the mLSTM) or none: simple GLA,
+    linear attention and the mLSTM."""
+    _linear_state_bwd(q, k, do, dvo, g, du, dh, dht, dh0, gk, gb, sds, rl, None, cu_seqlens, sub_offsets, scale, T,
+                      H, HV, K, V, BT, BK, BV, USE_G, SPLIT_G, HAS_GB, USE_FINAL_STATE_GRADIENT,
+                      STORE_INITIAL_STATE_GRADIENT, IS_VARLEN, DOT_PREC, ACC, False, INTRA, SDS, QSPLIT, ROWLOG,
+                      IDX64, FLAT)
+
+
+@triton.jit
+def _vec_state_bwd_kernel(q, k, do, dvo, du, dh, dht, dh0, gv, sds, cu_seqlens, sub_offsets, scale, T,
+                          H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                          BK: tl.constexpr, BV: tl.constexpr, USE_FINAL_STATE_GRADIENT: tl.constexpr,
+                          STORE_INITIAL_STATE_GRADIENT: tl.constexpr, IS_VARLEN: tl.constexpr,
+                          DOT_PREC: tl.constexpr, ACC: tl.constexpr, SDS: tl.constexpr, QSPLIT: tl.constexpr,
+                          IDX64: tl.constexpr = False, FLAT: tl.constexpr = False):
+    """``_linear_state_bwd`` with a vector gate ``gv [B, T, HV, K]`` (GLA; dvo from its own launch)."""
+    _linear_state_bwd(q, k, do, dvo, None, du, dh, dht, dh0, None, None, sds, None, gv, cu_seqlens, sub_offsets, scale,
+                      T, H, HV, K, V, BT, BK, BV, False, False, False, USE_FINAL_STATE_GRADIENT,
+                      STORE_INITIAL_STATE_GRADIENT, IS_VARLEN, DOT_PREC, ACC, True, False, SDS, QSPLIT, False,
+                      IDX64, FLAT)
 
 
 @triton.jit
@@ -413,6 +409,8 @@ def chunk_state_bwd(
     dh0 = torch.empty(N, HV, K, V, dtype=_state_acc(k.dtype), device=k.device) if need_dh0 else None
     n_state = dden is not None
     intra = dvo is None
+    if gv_cum is not None and (g_cum is not None or gk_cum is not None or gb is not None or do_row_log2 is not None):
+        raise ValueError("gv_cum (a vector gate) runs alone: no g_cum, gk_cum, gb or do_row_log2 with it")
     if intra and not intra_supported(chunk_size, gv_cum):
         raise ValueError("dvo=None (formed in the kernel) needs chunk_size 64 and no vector gate")
     if do_row_log2 is not None and (not intra or g_cum is None
@@ -443,17 +441,19 @@ def chunk_state_bwd(
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
     else:
-        _chunk_state_bwd_kernel[grid](
-            q, k, do, dvo, g_cum, du, dh, dht, dh0, gk_cum, gb, cu_seqlens, sub_offsets, scale, T,
-            H=H, HV=HV, K=K, V=V, BT=chunk_size, BK=BK, BV=BV, USE_G=g_cum is not None,
-            SPLIT_G=gk_cum is not None, HAS_GB=gb is not None,
-            USE_FINAL_STATE_GRADIENT=dht is not None, STORE_INITIAL_STATE_GRADIENT=need_dh0,
-            IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(k.dtype), ACC=acc_dtype(k.dtype),
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-            gv=gv_cum, VEC_G=gv_cum is not None, INTRA=intra, sds=sds_t, SDS=sds_on,
-            QSPLIT=cfg.get("qsplit", True), rl=do_row_log2,
-            ROWLOG=do_row_log2 is not None, IDX64=idx64, FLAT=flat,
-        )
+        common = dict(H=H, HV=HV, K=K, V=V, BT=chunk_size, BK=BK, BV=BV, USE_FINAL_STATE_GRADIENT=dht is not None,
+                      STORE_INITIAL_STATE_GRADIENT=need_dh0, IS_VARLEN=cu_seqlens is not None,
+                      DOT_PREC=dot_precision(k.dtype), ACC=acc_dtype(k.dtype), SDS=sds_on,
+                      QSPLIT=cfg.get("qsplit", True), IDX64=idx64, FLAT=flat, num_warps=cfg["num_warps"],
+                      num_stages=cfg["num_stages"])
+        if gv_cum is not None:  # GLA's vector gate (no scalar or split gate with it; dvo given)
+            _vec_state_bwd_kernel[grid](q, k, do, dvo, du, dh, dht, dh0, gv_cum, sds_t, cu_seqlens, sub_offsets, scale,
+                                        T, **common)
+        else:
+            _chunk_state_bwd_kernel[grid](
+                q, k, do, dvo, g_cum, du, dh, dht, dh0, gk_cum, gb, sds_t, do_row_log2, cu_seqlens, sub_offsets,
+                scale, T, USE_G=g_cum is not None, SPLIT_G=gk_cum is not None, HAS_GB=gb is not None, INTRA=intra,
+                ROWLOG=do_row_log2 is not None, **common)
     if n_state:
         # its own launch config (config keys n_bk, n_warps, n_stages; H100, B=8 T=8192 H=16 K=128, scripts/tune.py:
         # 32-wide key tiles on one warp ~0.15 ms, two warps 0.21, 16 / 64-wide 0.16-0.28, stages no matter)

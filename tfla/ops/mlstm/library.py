@@ -4,8 +4,6 @@ joined by ``register_autograd``. Under compilation ``save_states`` is ignored (t
 """
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from tfla.ops.common.custom_ops import absent, varlen_index
