@@ -223,7 +223,7 @@ def _state_grad_in_pieces(q, k, w, do, g_cum, scale, dht, need_dh0, split: Split
     flat = [x.reshape(1, B * T, *x.shape[2:]) if x is not None else None for x in (q, k, w, do, g_cum)]
     # the Gluon recurrence (Hopper) at two 64-column consumers per CTA for pieces, as the forward's pass
     # (state_bwd_ws.STATE_BWD_WS_DEFAULTS), unless the config sets its launch
-    if (config or {}).get("ws", True) is True:
+    if (config or {}).get("ws", True) is True and V % (PIECE_WS["BV"] * PIECE_WS["NCONS"]) == 0:
         config = {**(config or {}), "ws": PIECE_WS}
     kw = dict(cu_seqlens=split.cu_seqlens, sub_offsets=split.sub_offsets, num_sub_chunks=split.num_chunks,
               config=config)
