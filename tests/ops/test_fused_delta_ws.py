@@ -10,7 +10,7 @@ from tfla.bench.inputs import gdn_inputs
 from tfla.ops.common.fused_delta_fwd import SAVE_STATES, SAVE_V_NEW, fused_delta_fwd
 from tfla.ops.common.fused_delta_ws import HAVE_GLUON, ws_supported
 from tfla.ops.gated_delta_rule.reference import recurrent_gated_delta_rule_ref
-from tfla.utils.testing import rel_l2
+from tfla.utils.testing import GDN_OP_NAMES, gdn_op_grads, rel_l2
 
 SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) and HAVE_GLUON
 needs_sm90 = pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU and Triton's Gluon")
@@ -94,24 +94,8 @@ def test_op_with_ws_pass_matches_tl_pass_forward_and_backward(varlen, segments):
     """``chunk_gated_delta_rule`` forward + backward with the Gluon pass against the same op on the tl pass
     (``config={"fused": {"ws": False}}``): bf16, grouped value heads, initial and final state; whole sequences and
     sequences cut in pieces (the Gluon transitions, per-chunk states kept for the backward)."""
-    import tfla
-
-    cu = torch.tensor([0, 1, 300, 300, 1100], device="cuda") if varlen else None
-    B, T = (1, 1100) if varlen else (2, 550)
-    x = gdn_inputs(B, T, 2, 128, 128, HV=4, dtype=torch.bfloat16, device="cuda", initial_state=True,
-                   num_seqs=4 if varlen else B, seed=7)
-    names = ("q", "k", "v", "g", "beta", "initial_state")
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    do = torch.randn(B, T, 4, 128, device="cuda", generator=gen).bfloat16()
-    dht = torch.randn_like(x["initial_state"])
-    res = []
-    for ws in (True, False):
-        leaves = [x[n].clone().requires_grad_() for n in names]
-        o, s = tfla.chunk_gated_delta_rule(*leaves[:5], initial_state=leaves[5], output_final_state=True,
-                                           cu_seqlens=cu, segments=segments, config={"fused": {"ws": ws}})
-        grads = torch.autograd.grad((o * do).sum() + (s * dht).sum(), leaves)
-        res.append((o, s) + grads)
-    for name, a_, b_ in zip(("o", "final_state") + names, *res):
+    res = gdn_op_grads([{"fused": {"ws": ws}} for ws in (True, False)], varlen, segments, seed=7)
+    for name, a_, b_ in zip(("o", "final_state") + GDN_OP_NAMES, *res):
         assert torch.isfinite(a_).all(), name
         assert rel_l2(a_.float(), b_.float()) < 2e-2, name
 

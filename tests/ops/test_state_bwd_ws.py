@@ -7,13 +7,11 @@ the op on the ``tl`` kernel and the float64 recurrence. Where it does not apply 
 import pytest
 import torch
 
-from tfla.bench.inputs import gdn_inputs
 from tfla.ops.common.chunk_state_bwd import chunk_state_bwd
 from tfla.ops.common.cumsum import chunk_local_cumsum
 from tfla.ops.common.fused_delta_ws import HAVE_GLUON
 from tfla.ops.common.state_bwd_ws import state_bwd_ws_supported
-from tfla.ops.gated_delta_rule.reference import recurrent_gated_delta_rule_ref
-from tfla.utils.testing import rel_l2
+from tfla.utils.testing import GDN_OP_NAMES, gdn_op_grads, rel_l2
 
 SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) and HAVE_GLUON
 needs_sm90 = pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU and Triton's Gluon")
@@ -91,28 +89,9 @@ def test_op_with_ws_state_bwd(varlen, segments):
     """``chunk_gated_delta_rule`` forward + backward with the Gluon state-gradient recurrence against the op on the
     ``tl`` kernel (``config={"state_bwd": {"ws": False}}``) and the float64 recurrence's gradients: bf16, grouped
     value heads, initial and final state, whole sequences and pieces."""
-    import tfla
-
-    cu = torch.tensor([0, 1, 300, 300, 1100], device="cuda") if varlen else None
-    B, T = (1, 1100) if varlen else (2, 550)
-    x = gdn_inputs(B, T, 2, 128, 128, HV=4, dtype=torch.bfloat16, device="cuda", initial_state=True,
-                   num_seqs=4 if varlen else B, seed=11)
-    names = ("q", "k", "v", "g", "beta", "initial_state")
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    do = torch.randn(B, T, 4, 128, device="cuda", generator=gen).bfloat16()
-    dht = torch.randn_like(x["initial_state"])
-    res = []
-    for ws in (True, False):
-        leaves = [x[n].clone().requires_grad_() for n in names]
-        o, s = tfla.chunk_gated_delta_rule(*leaves[:5], initial_state=leaves[5], output_final_state=True,
-                                           cu_seqlens=cu, segments=segments, config={"state_bwd": {"ws": ws}})
-        grads = torch.autograd.grad((o * do).sum() + (s * dht).sum(), leaves)
-        res.append(grads)
-    r = [x[n].double().cpu().requires_grad_() for n in names]
-    ro, rs = recurrent_gated_delta_rule_ref(*r[:5], scale=128 ** -0.5, initial_state=r[5], output_final_state=True,
-                                            cu_seqlens=cu.cpu() if cu is not None else None)
-    ref = torch.autograd.grad((ro * do.double().cpu()).sum() + (rs * dht.double().cpu()).sum(), r)
-    for name, a_, b_, rf in zip(names, *res, ref):
+    *res, ref = gdn_op_grads([{"state_bwd": {"ws": ws}} for ws in (True, False)], varlen, segments, seed=11,
+                             reference=True)
+    for name, a_, b_, rf in zip(GDN_OP_NAMES, res[0][2:], res[1][2:], ref):
         assert torch.isfinite(a_).all(), name
         e_ws, e_tl = rel_l2(a_.double().cpu(), rf), rel_l2(b_.double().cpu(), rf)
         assert e_ws <= 1.15 * e_tl + 1e-4, f"{name}: ws {e_ws:.3e} vs tl {e_tl:.3e}"
