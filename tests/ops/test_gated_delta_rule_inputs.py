@@ -89,3 +89,25 @@ def test_zero_length_sequence_in_varlen(device):
                                        output_final_state=True, cu_seqlens=cu)
     assert torch.equal(s[1], y["initial_state"][1].float())  # an empty sequence keeps its state
     assert torch.isfinite(o).all()
+
+
+def test_bfloat16_on_the_interpreter_raises(device):
+    """bfloat16 CPU tensors raise ValueError under Triton's interpreter (its bfloat16 products come out overflowed),
+    for the chunked ops, the decode op and the RNN cells alike; on CUDA they run."""
+    if device != "cpu":
+        pytest.skip("the interpreter runs on the CPU")
+    q = torch.randn(1, 10, 1, 16).bfloat16()
+    g = torch.zeros(1, 10, 1)
+    beta = torch.rand(1, 10, 1).bfloat16()
+    with pytest.raises(ValueError, match="bfloat16 on the CPU"):
+        tfla.chunk_gated_delta_rule(q, q, q, g, beta)
+    with pytest.raises(ValueError, match="bfloat16 on the CPU"):
+        tfla.fused_recurrent_gated_delta_rule(q, q, q, g=g, beta=beta)
+    with pytest.raises(ValueError, match="bfloat16 on the CPU"):
+        tfla.chunk_simple_gla(q, q, q, g=g)
+    x = torch.randn(2, 5, 4, 1, 16).bfloat16()
+    with pytest.raises(ValueError, match="bfloat16 on the CPU"):
+        tfla.lstm(x, torch.randn(4, 1, 16, 16).bfloat16(), torch.zeros(4, 1, 16).bfloat16())
+    # float16 runs there
+    o, _ = tfla.chunk_simple_gla(q.half(), q.half(), q.half(), g=g)
+    assert o.dtype == torch.float16 and torch.isfinite(o).all()

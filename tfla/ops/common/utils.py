@@ -70,10 +70,16 @@ def acc_dtype(dtype: torch.dtype):
 
 
 def check_device(name: str, t: torch.Tensor) -> None:
-    """Kernels run on CUDA devices, or on the CPU through the Triton interpreter."""
+    """Kernels run on CUDA devices, or on the CPU through the Triton interpreter, there in float32 / float16 /
+    float64 only: bfloat16 products come out overflowed there (Triton 3.9's interpreter, 2026-11-25: GDN, simple GLA
+    and the LSTM against the same inputs in float32, rel-L2 4 to 1e11; float16 5e-4), so bfloat16 CPU tensors raise
+    ValueError instead of returning such values."""
     if t.device.type == "cuda":
         return
     if t.device.type == "cpu" and interpret_mode():
+        if t.dtype == torch.bfloat16:
+            raise ValueError(f"`{name}` is bfloat16 on the CPU: Triton's interpreter computes bfloat16 products "
+                             "wrongly; use float32 or float16 there (bfloat16 runs on CUDA)")
         return
     raise ValueError(
         f"`{name}` is on device '{t.device}', but tfla's Triton kernels run on CUDA devices "
