@@ -31,9 +31,10 @@ the state update, so the states equal the ``tl`` pass's to rounding, not bitwise
 
 The same kernel runs the pieces' transition pass (``TRANSITION``: ``[M | N]`` over K + V state columns, no q, no
 output, 98 KB of shared memory) and keeps the per-chunk states for the backward (``SAVE`` 2: TMA stores of the
-16-bit state operand already in shared memory). One sequence cut in pieces (B = 1, T = 65536, H = 16, forward
-without grad; 2026-11-25): 1.62 ms with the ``tl`` transitions, 1.59 with these, 1.24 with two 64-column consumer
-warpgroups per CTA (``fused_delta_fwd`` takes that launch for pieces).
+16-bit state operand already in shared memory). One sequence cut in pieces (H100, torch 2.11, Triton 3.6, bf16,
+B = 1, T = 65536, H = 16, K = V = 128, forward without grad, median do_bench, tfla alone; 2026-11-25): 1.62 ms with
+the ``tl`` transitions, 1.59 with these, 1.24 with two 64-column consumer warpgroups per CTA (``fused_delta_fwd``
+takes that launch for pieces).
 """
 from __future__ import annotations
 
