@@ -47,7 +47,7 @@ def _record(self, *args, grid, warmup, **kwargs):
 
 def compile_launch(fn, args, kwargs, arch=90):
     kwargs = dict(kwargs)
-    opts = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+    opts = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in kwargs}
     vals = {**dict(zip(fn.arg_names, args)), **kwargs}
     sig, const, attrs = {}, {}, {}
     for p in fn.params:
@@ -146,12 +146,33 @@ def _record_state_bwd_ws(dtype, T, K, V):
                                   int(offs[-1]), store, config={"NCONS": ncons, "BV": bv})
 
 
+def _record_dqkw_ws(dtype, T, K, V):
+    """The Gluon dq / dk / dW kernel's launches (``chunk_dqkw_ws``): dense (T not a multiple of 64) and varlen."""
+    from tfla.ops.common import chunk_dqkw_ws as dw
+
+    H, HV = 2, 4
+    q, k = torch.randn(1, T, H, K, dtype=dtype), torch.randn(1, T, H, K, dtype=dtype)
+    vn, do, du = (torch.randn(1, T, HV, V, dtype=dtype) for _ in range(3))
+    g = torch.randn(1, T, HV)
+    cu = torch.tensor([0, T // 3, T], dtype=torch.int32)
+    ns = (T // 3 + 63) // 64 + (T - T // 3 + 63) // 64
+    tiles = torch.zeros(ns, 2, dtype=torch.int32)
+    offs = torch.tensor([0, (T // 3 + 63) // 64])
+    for varlen in (False, True):
+        nt = ns if varlen else (T + 63) // 64
+        h = torch.randn(1, nt, HV, K, V, dtype=dtype)
+        outs = [torch.empty(1, T, HV, K, dtype=dtype) for _ in range(3)]
+        rows = [torch.empty(1, T, HV) for _ in range(2)]
+        dw.chunk_dqkw_ws(q, k, vn, do, du, h, h, g, 0.1, *outs, *rows, torch.empty(nt, HV),
+                         cu if varlen else None, tiles if varlen else None, offs if varlen else None, nt)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--op", choices=["gla", "simple_gla", "mlstm", "gdn", "gdn_ws", "rnn"], default="gla",
                    help="rnn: the four FlashRNN cells' kernels, forward and backward: the alternating path's "
                         "pointwise kernels (D = 32) and the fused path's (D = --rnn-D); gdn_ws: the "
-                        "warp-specialized Gluon kernels (fused_delta_ws.py, bf16 / fp16, and state_bwd_ws.py, bf16; "
+                        "warp-specialized Gluon kernels (fused_delta_ws.py, bf16 / fp16, state_bwd_ws.py, bf16, and chunk_dqkw_ws.py; "
                         "K = 128) at each of their flag sets")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
     p.add_argument("--K", type=int, default=128)
@@ -186,6 +207,7 @@ def main(argv=None):
         _record_ws(dtype, T, K, V)
         if dtype == torch.bfloat16:
             _record_state_bwd_ws(dtype, T, K, V)
+        _record_dqkw_ws(dtype, T, K, V)
     elif args.op == "gla":
         from tfla.ops.gla.chunk import chunk_gla_bwd, chunk_gla_fwd
 
