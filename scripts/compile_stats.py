@@ -147,7 +147,8 @@ def _record_state_bwd_ws(dtype, T, K, V):
 
 
 def _record_dqkw_ws(dtype, T, K, V):
-    """The Gluon dq / dk / dW kernel's launches (``chunk_dqkw_ws``): dense (T not a multiple of 64) and varlen."""
+    """The Gluon dq / dk / dW kernel's launches (``chunk_dqkw_ws``, alone and with the UT / WY backward): dense (T not a
+    multiple of 64) and varlen."""
     from tfla.ops.common import chunk_dqkw_ws as dw
 
     H, HV = 2, 4
@@ -165,6 +166,10 @@ def _record_dqkw_ws(dtype, T, K, V):
         rows = [torch.empty(1, T, HV) for _ in range(2)]
         dw.chunk_dqkw_ws(q, k, vn, do, du, h, h, g, 0.1, *outs, *rows, torch.empty(nt, HV),
                          cu if varlen else None, tiles if varlen else None, offs if varlen else None, nt)
+        # with the UT / WY backward (gdn_bwd_chunk_ws)
+        dw.gdn_bwd_chunk_ws(q, k, vn, torch.rand(1, T, HV, dtype=dtype), torch.randn(1, T, HV, 64, dtype=dtype), vn,
+                            do, du, h, h, g, 0.1, cu if varlen else None, tiles if varlen else None,
+                            offs if varlen else None)
 
 
 def main(argv=None):

@@ -1,5 +1,6 @@
 """The Hopper dq / dk / dW kernel of the delta rule's backward (``tfla/ops/common/chunk_dqkw_ws.py``, Gluon, sm_90
-only) against the ``tl`` kernel (``_gdn_dqkw_kernel``, the same math): dense and varlen with sequences of length 0,
+only), alone and with the UT / WY backward, against the ``tl`` kernels (``_gdn_dqkw_kernel``, ``_wy_bwd_kernel``,
+the same math): dense and varlen with sequences of length 0,
 1 and not a multiple of 64, grouped value heads, value head dims 64 / 128 / 256, fp16 and bf16; and through the op
 (forward + backward, whole and cut in pieces) against the op on the ``tl`` kernel and the float64 recurrence. Where
 it does not apply (CPU, fp32, K != 128, no gate) the ``tl`` kernel runs."""
@@ -7,9 +8,10 @@ import pytest
 import torch
 
 from tfla.ops.common.chunk_dqkw import chunk_dqkw_bwd
-from tfla.ops.common.chunk_dqkw_ws import dqkw_ws_supported
+from tfla.ops.common.chunk_dqkw_ws import dqkw_ws_supported, gdn_bwd_chunk_ws, gdn_bwd_ws_supported
 from tfla.ops.common.cumsum import chunk_local_cumsum
 from tfla.ops.common.fused_delta_ws import HAVE_GLUON
+from tfla.ops.common.wy_bwd import wy_bwd
 from tfla.utils.testing import GDN_OP_NAMES, gdn_op_grads, rel_l2
 
 SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) and HAVE_GLUON
@@ -114,9 +116,56 @@ def test_op_with_ws_dqkw(varlen, segments):
     """``chunk_gated_delta_rule`` forward + backward with the Hopper dq / dk / dW kernel against the op on the ``tl``
     kernel (``config={"dqkw": {"ws": False}}``) and the float64 recurrence's gradients: bf16, grouped value heads,
     initial and final state, whole sequences and pieces."""
-    *res, ref = gdn_op_grads([{"dqkw": {"ws": ws}} for ws in (True, False)], varlen, segments, seed=13,
+    *res, ref = gdn_op_grads([{"dqkw": {"ws": ws}} for ws in ({"WY": False}, False)], varlen, segments, seed=13,
                              reference=True)
     for name, a_, b_, rf in zip(GDN_OP_NAMES, res[0][2:], res[1][2:], ref):
         assert torch.isfinite(a_).all(), name
         e_ws, e_tl = rel_l2(a_.double().cpu(), rf), rel_l2(b_.double().cpu(), rf)
         assert e_ws <= 1.15 * e_tl + 1e-4, f"{name}: ws {e_ws:.3e} vs tl {e_tl:.3e}"
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("B,T,H,HV,V,lens,dtype", [
+    (1, 1, 1, 1, 128, None, torch.bfloat16),
+    (2, 300, 2, 4, 128, None, torch.bfloat16),
+    (1, 1171, 2, 4, 128, [0, 1, 64, 130, 5, 971], torch.bfloat16),
+    (3, 257, 1, 2, 64, None, torch.float16),
+    (1, 1171, 1, 2, 256, [0, 1, 64, 130, 5, 971], torch.bfloat16),
+])
+def test_ws_dqkw_wy_matches_tl(B, T, H, HV, V, lens, dtype):
+    """``gdn_bwd_chunk_ws`` (one kernel) against ``chunk_dqkw_bwd`` + ``wy_bwd`` on the ``tl`` kernels."""
+    args, kw = _inputs(B, T, H, HV, V, lens, dtype, seed=T + V + 1)
+    q, k, vn, do, du, h, dh, g_cum = args
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    v = torch.randn(vn.shape, device="cuda", generator=gen).to(dtype)
+    beta = torch.rand(B, T, HV, device="cuda", generator=gen).to(dtype)
+    ai = (torch.randn(B, T, HV, 64, device="cuda", generator=gen) * 0.2).to(dtype)
+    assert gdn_bwd_ws_supported(q, k, v, beta, ai, vn, do, du, h, g_cum)
+    got = gdn_bwd_chunk_ws(q, k, v, beta, ai, vn, do, du, h, dh, g_cum, 128 ** -0.5, kw.get("cu_seqlens"),
+                           kw.get("tile_indices"), kw.get("sub_offsets"))
+    w = torch.empty(B, T, HV, 128, device="cuda", dtype=dtype)
+    dq, dko, dw, dgd, pst, sds = chunk_dqkw_bwd(*args, 128 ** -0.5, dq_dtype=dtype, dk_dtype=dtype, dw=w,
+                                                config={"ws": False}, **kw)
+    dk, dv, dbeta, dgam = wy_bwd(k, v, beta, g_cum, ai, vn, du, None, None, 64, cu_seqlens=kw.get("cu_seqlens"),
+                                 sub_indices=kw.get("tile_indices"), dk_add=dko, dk_dtype=dtype, dw=dw, pst=pst,
+                                 sdst=sds)
+    for name, a, b in zip(("dq", "dk", "dv", "dbeta", "dgd", "dgam"), got, (dq, dk, dv, dbeta, dgd, dgam)):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        assert torch.isfinite(a).all(), name
+        assert rel_l2(a.float(), b.float()) < 1e-2, f"{name}: {rel_l2(a.float(), b.float()):.3e}"
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("varlen", [False, True])
+@pytest.mark.parametrize("segments", [1, 3])
+def test_op_with_ws_dqkw_wy(varlen, segments):
+    """The op with the one-kernel dq / dk / WY stage (default on Hopper) against the op with the Gluon dq / dk / dW
+    kernel and the ``tl`` WY kernel, and the ``tl`` kernels alone, and the float64 recurrence's gradients."""
+    cfgs = [{"dqkw": {"ws": ws}} for ws in (True, {"WY": False}, False)]
+    *res, ref = gdn_op_grads(cfgs, varlen, segments, seed=17, reference=True)
+    for i, name in enumerate(GDN_OP_NAMES):
+        errs = [rel_l2(r[2 + i].double().cpu(), ref[i]) for r in res]
+        assert torch.isfinite(res[0][2 + i]).all(), name
+        assert errs[0] <= 1.15 * min(errs[1:]) + 1e-4, f"{name}: fused {errs[0]:.3e} vs {errs[1]:.3e} / {errs[2]:.3e}"

@@ -24,6 +24,7 @@ import dataclasses
 import torch
 
 from tfla.ops.common.chunk_dqkw import chunk_dqkw_bwd
+from tfla.ops.common.chunk_dqkw_ws import gdn_bwd_chunk_ws, gdn_bwd_ws_supported
 from tfla.ops.common.chunk_state import chunk_state_fwd
 from tfla.ops.common.chunk_state_bwd import chunk_state_bwd
 from tfla.ops.common.cumsum import chunk_local_cumsum
@@ -182,17 +183,29 @@ def chunk_gated_delta_rule_bwd(
     # their writes and reads (with grouped value heads too: H100, the Qwen3-Next-style layer, fwd+bwd 8.00 -> 7.28
     # ms, peak -512 MiB; bf16 dq / dk with Qwen3-Next gates 1.01-1.03x FlashQLA's error, below FLA's; 0.92-0.93x
     # FlashQLA's with fp32 per-head parts; docs/performance.md)
-    dq, dko, dw, dgq, pst, sdst = chunk_dqkw_bwd(
-        q, k, v_new, do, du, h_sub, dh_sub, g_cum, scale, cu_seqlens=cu,
-        tile_indices=varlen.sub_indices if varlen is not None else None,
-        sub_offsets=varlen.sub_offsets if varlen is not None else None, dq_dtype=q.dtype,
-        dk_dtype=q.dtype, dw=w, config=config.get("dqkw"))
-    del w, h_sub, dh_sub  # wy_bwd reads neither state tensor (freed here unless kept by the forward)
-    # dk = the tiled product's part (dko) + the state and WY parts, added in wy_bwd's kernel and rounded once; dgq
-    # is q . dq - k . dk of the output's part already
-    dk, dv, dbeta, dgam = wy_bwd(k, v, beta, g_cum, ai, v_new, du, None, None, L, cu_seqlens=cu, sub_indices=sub,
-                                 config=config.get("wy_bwd"), dk_add=dko, dk_dtype=q.dtype, dw=dw, pst=pst, sdst=sdst)
-    del du, dko, dw, pst, sdst
+    ws = (config.get("dqkw") or {}).get("ws", True)
+    if ws is not False and (not isinstance(ws, dict) or ws.get("WY", True)) and gdn_bwd_ws_supported(
+            q, k, v, beta, ai, v_new, do, du, h_sub, g_cum):
+        # on Hopper: the stage below and the UT / WY backward in one kernel (chunk_dqkw_ws.py): dW, dk's parts and
+        # the state terms of the gate gradient stay on chip
+        dq, dk, dv, dbeta, dgq, dgam = gdn_bwd_chunk_ws(
+            q, k, v, beta, ai, v_new, do, du, h_sub, dh_sub, g_cum, scale, cu_seqlens=cu,
+            tile_indices=sub, sub_offsets=varlen.sub_offsets if varlen is not None else None,
+            config=ws if isinstance(ws, dict) else None)
+        del w, h_sub, dh_sub, du
+    else:
+        dq, dko, dw, dgq, pst, sdst = chunk_dqkw_bwd(
+            q, k, v_new, do, du, h_sub, dh_sub, g_cum, scale, cu_seqlens=cu,
+            tile_indices=varlen.sub_indices if varlen is not None else None,
+            sub_offsets=varlen.sub_offsets if varlen is not None else None, dq_dtype=q.dtype,
+            dk_dtype=q.dtype, dw=w, config=config.get("dqkw"))
+        del w, h_sub, dh_sub  # wy_bwd reads neither state tensor (freed here unless kept by the forward)
+        # dk = the tiled product's part (dko) + the state and WY parts, added in wy_bwd's kernel and rounded once;
+        # dgq is q . dq - k . dk of the output's part already
+        dk, dv, dbeta, dgam = wy_bwd(k, v, beta, g_cum, ai, v_new, du, None, None, L, cu_seqlens=cu,
+                                     sub_indices=sub, config=config.get("wy_bwd"), dk_add=dko, dk_dtype=q.dtype,
+                                     dw=dw, pst=pst, sdst=sdst)
+        del du, dko, dw, pst, sdst
     # + the delta part's gradient of g (its reverse cumsum over the chunk done in wy_bwd), in the same pass, and the
     # activations' backward there too
     dA_log = ddt = None
