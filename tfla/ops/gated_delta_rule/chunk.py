@@ -382,9 +382,9 @@ def chunk_gated_delta_rule(
         config: launch overrides per stage (keyword-only, for tuning; results do not depend on it): a dict whose keys
             are stages of ``CONFIG_STAGES`` and whose values are that stage's launch config (``BK``, ``BV``,
             ``num_warps``, ``num_stages``, ...: the keys each stage function in ``tfla/ops/common`` documents;
-            ``flat`` / ``idx64`` force the large-input indexing, for tests; on Hopper ``fused`` and ``state_bwd``
-            take ``ws``: False for the ``tl`` kernels instead of the warp-specialized Gluon ones, or a dict of their
-            launch). ``scripts/tune.py`` searches them.
+            ``flat`` / ``idx64`` force the large-input indexing, for tests; on Hopper ``fused``, ``state_bwd`` and
+            ``dqkw`` take ``ws``: False for the ``tl`` kernels instead of the Gluon ones, or a dict of their launch;
+            ``dqkw``'s Gluon kernel also runs the ``wy_bwd`` stage). ``scripts/tune.py`` searches them.
         use_beta_sigmoid_in_kernel: beta holds pre-activations; ``sigmoid(beta)`` is used (FLA 0.6.0's
             option; applied in fp32 by the gate's chunk-cumsum kernel, its gradient by the backward's last one:
             ``tfla/ops/common/gate_act.py``).
