@@ -146,28 +146,21 @@ def _record_state_bwd_ws(dtype, T, K, V):
                                   int(offs[-1]), store, config={"NCONS": ncons, "BV": bv})
 
 
-def _record_dqkw_ws(dtype, T, K, V):
-    """The Gluon dq / dk / dW kernel's launches (``chunk_dqkw_ws``, alone and with the UT / WY backward): dense (T not a
-    multiple of 64) and varlen."""
-    from tfla.ops.common import chunk_dqkw_ws as dw
+def _record_gdn_bwd_ws(dtype, T, K, V):
+    """The Gluon chunk-gradient kernel's launches (``gdn_bwd_chunk_ws``): dense (T not a multiple of 64) and varlen."""
+    from tfla.ops.common import chunk_dqkw_ws as cw
 
     H, HV = 2, 4
     q, k = torch.randn(1, T, H, K, dtype=dtype), torch.randn(1, T, H, K, dtype=dtype)
-    vn, do, du = (torch.randn(1, T, HV, V, dtype=dtype) for _ in range(3))
+    v, vn, do, du = (torch.randn(1, T, HV, V, dtype=dtype) for _ in range(4))
     g = torch.randn(1, T, HV)
     cu = torch.tensor([0, T // 3, T], dtype=torch.int32)
     ns = (T // 3 + 63) // 64 + (T - T // 3 + 63) // 64
     tiles = torch.zeros(ns, 2, dtype=torch.int32)
     offs = torch.tensor([0, (T // 3 + 63) // 64])
     for varlen in (False, True):
-        nt = ns if varlen else (T + 63) // 64
-        h = torch.randn(1, nt, HV, K, V, dtype=dtype)
-        outs = [torch.empty(1, T, HV, K, dtype=dtype) for _ in range(3)]
-        rows = [torch.empty(1, T, HV) for _ in range(2)]
-        dw.chunk_dqkw_ws(q, k, vn, do, du, h, h, g, 0.1, *outs, *rows, torch.empty(nt, HV),
-                         cu if varlen else None, tiles if varlen else None, offs if varlen else None, nt)
-        # with the UT / WY backward (gdn_bwd_chunk_ws)
-        dw.gdn_bwd_chunk_ws(q, k, vn, torch.rand(1, T, HV, dtype=dtype), torch.randn(1, T, HV, 64, dtype=dtype), vn,
+        h = torch.randn(1, ns if varlen else (T + 63) // 64, HV, K, V, dtype=dtype)
+        cw.gdn_bwd_chunk_ws(q, k, v, torch.rand(1, T, HV, dtype=dtype), torch.randn(1, T, HV, 64, dtype=dtype), vn,
                             do, du, h, h, g, 0.1, cu if varlen else None, tiles if varlen else None,
                             offs if varlen else None)
 
@@ -212,7 +205,7 @@ def main(argv=None):
         _record_ws(dtype, T, K, V)
         if dtype == torch.bfloat16:
             _record_state_bwd_ws(dtype, T, K, V)
-        _record_dqkw_ws(dtype, T, K, V)
+        _record_gdn_bwd_ws(dtype, T, K, V)
     elif args.op == "gla":
         from tfla.ops.gla.chunk import chunk_gla_bwd, chunk_gla_fwd
 

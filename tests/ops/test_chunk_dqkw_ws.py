@@ -1,14 +1,14 @@
-"""The Hopper dq / dk / dW kernel of the delta rule's backward (``tfla/ops/common/chunk_dqkw_ws.py``, Gluon, sm_90
-only), alone and with the UT / WY backward, against the ``tl`` kernels (``_gdn_dqkw_kernel``, ``_wy_bwd_kernel``,
-the same math): dense and varlen with sequences of length 0,
-1 and not a multiple of 64, grouped value heads, value head dims 64 / 128 / 256, fp16 and bf16; and through the op
-(forward + backward, whole and cut in pieces) against the op on the ``tl`` kernel and the float64 recurrence. Where
-it does not apply (CPU, fp32, K != 128, no gate) the ``tl`` kernel runs."""
+"""The delta rule's chunk gradients on Hopper in one Gluon kernel (``tfla/ops/common/chunk_dqkw_ws.py``, sm_90 only)
+against the ``tl`` kernels it replaces there (``_gdn_dqkw_kernel`` + ``_wy_bwd_kernel``, the same math): dense and
+varlen with sequences of length 0, 1 and not a multiple of 64, grouped value heads, value head dims 64 and 128, fp16
+and bf16; and through the op (forward + backward, whole and cut in pieces) against the op on the ``tl`` kernels and
+the float64 recurrence. Where it does not apply (CPU, fp32, K != 128, V other than 64 / 128, no gate) the ``tl``
+kernels run."""
 import pytest
 import torch
 
 from tfla.ops.common.chunk_dqkw import chunk_dqkw_bwd
-from tfla.ops.common.chunk_dqkw_ws import dqkw_ws_supported, gdn_bwd_chunk_ws, gdn_bwd_ws_supported
+from tfla.ops.common.chunk_dqkw_ws import gdn_bwd_chunk_ws, gdn_bwd_ws_supported
 from tfla.ops.common.cumsum import chunk_local_cumsum
 from tfla.ops.common.fused_delta_ws import HAVE_GLUON
 from tfla.ops.common.wy_bwd import wy_bwd
@@ -17,7 +17,6 @@ from tfla.utils.testing import GDN_OP_NAMES, gdn_op_grads, rel_l2
 SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) and HAVE_GLUON
 needs_sm90 = pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU and Triton's Gluon")
 RCP_LN2 = 1.4426950408889634
-OUT_NAMES = ("dq", "dk", "dw", "dgd", "pst", "sds")
 
 
 def _inputs(B, T, H, HV, V, lens, dtype, seed):
@@ -45,84 +44,6 @@ def _inputs(B, T, H, HV, V, lens, dtype, seed):
     return (q, k, vn, do, du, h, dh, g_cum), kw
 
 
-@pytest.mark.gpu
-@needs_sm90
-@pytest.mark.parametrize("B,T,H,HV,V,lens,dtype", [
-    (1, 1, 1, 1, 128, None, torch.bfloat16),
-    (2, 300, 2, 4, 128, None, torch.bfloat16),
-    (1, 1171, 2, 4, 128, [0, 1, 64, 130, 5, 971], torch.bfloat16),
-    (3, 257, 1, 2, 64, None, torch.float16),
-    (1, 1171, 1, 2, 256, [0, 1, 64, 130, 5, 971], torch.bfloat16),
-    (2, 128, 2, 2, 128, None, torch.float16),
-])
-def test_ws_dqkw_matches_tl(B, T, H, HV, V, lens, dtype):
-    args, kw = _inputs(B, T, H, HV, V, lens, dtype, seed=T + V)
-    q, k, vn, do, du, h, dh, g_cum = args
-    assert dqkw_ws_supported(q, k, vn, do, du, h, g_cum, None, None, None)
-    res = [chunk_dqkw_bwd(*args, 128 ** -0.5, config={"ws": ws}, **kw) for ws in (True, False)]
-    for name, a, b in zip(OUT_NAMES, *res):
-        assert a.shape == b.shape and a.dtype == b.dtype, name
-        assert torch.isfinite(a).all(), name
-        tol = 1e-2 if a.dtype in (torch.float16, torch.bfloat16) else 1e-4
-        assert rel_l2(a.float(), b.float()) < tol, f"{name}: {rel_l2(a.float(), b.float()):.3e}"
-
-
-@pytest.mark.gpu
-@needs_sm90
-def test_ws_dqkw_writes_only_its_rows():
-    """A varlen chunk cut by its sequence's end stores only the sequence's rows: the next sequence's rows (and a
-    padding row at the end) keep what the outputs held before."""
-    args, kw = _inputs(1, 200, 1, 2, 128, [70, 1, 129], torch.bfloat16, seed=3)
-    q, k, vn, do, du, h, dh, g_cum = args
-    sentinel = 7.0
-    dw = torch.full((1, 200, 2, 128), sentinel, device="cuda", dtype=torch.bfloat16)
-    kw["cu_seqlens"] = torch.tensor([0, 70, 71, 199], device="cuda")
-    from tfla.ops.common.varlen import chunk_tables
-    idx, offs = chunk_tables([0, 70, 71, 199], 64, "cuda")
-    kw.update(tile_indices=idx, sub_offsets=offs)
-    dq, dk, dw_, dgd, pst, sds = chunk_dqkw_bwd(q, k, vn, do, du, h[:, :idx.shape[0]], dh[:, :idx.shape[0]], g_cum,
-                                               0.1, dw=dw, **kw)
-    assert dw_.data_ptr() == dw.data_ptr()
-    assert (dw[0, 199] == sentinel).all()  # past the last sequence
-    ref = chunk_dqkw_bwd(q, k, vn, do, du, h[:, :idx.shape[0]], dh[:, :idx.shape[0]], g_cum, 0.1,
-                         config={"ws": False}, **kw)
-    assert rel_l2(dw[:, :199].float(), ref[2][:, :199].float()) < 1e-2
-
-
-def test_ws_dqkw_not_taken_where_it_does_not_apply(device):
-    q, k = (torch.randn(1, 70, 1, 128, device=device, dtype=torch.bfloat16) for _ in range(2))
-    vn, do, du = (torch.randn(1, 70, 1, 128, device=device, dtype=torch.bfloat16) for _ in range(3))
-    h = torch.randn(1, 2, 1, 128, 128, device=device, dtype=torch.bfloat16)
-    g = torch.zeros(1, 70, 1, device=device)
-    if device == "cuda" and SM90:
-        assert dqkw_ws_supported(q, k, vn, do, du, h, g, None, None, None)
-        assert not dqkw_ws_supported(q, k, vn, do, du, h, g, torch.float32, None, None)  # fp32 dq asked for
-    assert not dqkw_ws_supported(q, k, vn, do, du, h, None, None, None, None)  # no gate
-    f = [x.float() for x in (q, k, vn, do, du, h)]
-    assert not dqkw_ws_supported(*f, g, None, None, None)
-    q64 = torch.randn(1, 70, 1, 64, device=device, dtype=torch.bfloat16)
-    assert not dqkw_ws_supported(q64, q64, vn, do, du, h, g, None, None, None)
-    v96 = torch.randn(1, 70, 1, 96, device=device, dtype=torch.bfloat16)
-    assert not dqkw_ws_supported(q, k, v96, v96, v96, h, g, None, None, None)
-    if device == "cpu":
-        assert not dqkw_ws_supported(q, k, vn, do, du, h, g, None, None, None)
-
-
-@pytest.mark.gpu
-@needs_sm90
-@pytest.mark.parametrize("varlen", [False, True])
-@pytest.mark.parametrize("segments", [1, 3])
-def test_op_with_ws_dqkw(varlen, segments):
-    """``chunk_gated_delta_rule`` forward + backward with the Hopper dq / dk / dW kernel against the op on the ``tl``
-    kernel (``config={"dqkw": {"ws": False}}``) and the float64 recurrence's gradients: bf16, grouped value heads,
-    initial and final state, whole sequences and pieces."""
-    *res, ref = gdn_op_grads([{"dqkw": {"ws": ws}} for ws in ({"WY": False}, False)], varlen, segments, seed=13,
-                             reference=True)
-    for name, a_, b_, rf in zip(GDN_OP_NAMES, res[0][2:], res[1][2:], ref):
-        assert torch.isfinite(a_).all(), name
-        e_ws, e_tl = rel_l2(a_.double().cpu(), rf), rel_l2(b_.double().cpu(), rf)
-        assert e_ws <= 1.15 * e_tl + 1e-4, f"{name}: ws {e_ws:.3e} vs tl {e_tl:.3e}"
-
 
 @pytest.mark.gpu
 @needs_sm90
@@ -131,9 +52,10 @@ def test_op_with_ws_dqkw(varlen, segments):
     (2, 300, 2, 4, 128, None, torch.bfloat16),
     (1, 1171, 2, 4, 128, [0, 1, 64, 130, 5, 971], torch.bfloat16),
     (3, 257, 1, 2, 64, None, torch.float16),
-    (1, 1171, 1, 2, 256, [0, 1, 64, 130, 5, 971], torch.bfloat16),
+    (1, 1171, 1, 2, 64, [0, 1, 64, 130, 5, 971], torch.bfloat16),
+    (2, 2000, 2, 8, 128, None, torch.bfloat16),
 ])
-def test_ws_dqkw_wy_matches_tl(B, T, H, HV, V, lens, dtype):
+def test_ws_bwd_matches_tl(B, T, H, HV, V, lens, dtype):
     """``gdn_bwd_chunk_ws`` (one kernel) against ``chunk_dqkw_bwd`` + ``wy_bwd`` on the ``tl`` kernels."""
     args, kw = _inputs(B, T, H, HV, V, lens, dtype, seed=T + V + 1)
     q, k, vn, do, du, h, dh, g_cum = args
@@ -145,8 +67,7 @@ def test_ws_dqkw_wy_matches_tl(B, T, H, HV, V, lens, dtype):
     got = gdn_bwd_chunk_ws(q, k, v, beta, ai, vn, do, du, h, dh, g_cum, 128 ** -0.5, kw.get("cu_seqlens"),
                            kw.get("tile_indices"), kw.get("sub_offsets"))
     w = torch.empty(B, T, HV, 128, device="cuda", dtype=dtype)
-    dq, dko, dw, dgd, pst, sds = chunk_dqkw_bwd(*args, 128 ** -0.5, dq_dtype=dtype, dk_dtype=dtype, dw=w,
-                                                config={"ws": False}, **kw)
+    dq, dko, dw, dgd, pst, sds = chunk_dqkw_bwd(*args, 128 ** -0.5, dq_dtype=dtype, dk_dtype=dtype, dw=w, **kw)
     dk, dv, dbeta, dgam = wy_bwd(k, v, beta, g_cum, ai, vn, du, None, None, 64, cu_seqlens=kw.get("cu_seqlens"),
                                  sub_indices=kw.get("tile_indices"), dk_add=dko, dk_dtype=dtype, dw=dw, pst=pst,
                                  sdst=sds)
@@ -156,16 +77,38 @@ def test_ws_dqkw_wy_matches_tl(B, T, H, HV, V, lens, dtype):
         assert rel_l2(a.float(), b.float()) < 1e-2, f"{name}: {rel_l2(a.float(), b.float()):.3e}"
 
 
+def test_ws_bwd_not_taken_where_it_does_not_apply(device):
+    def args(K=128, V=128, dtype=torch.bfloat16):
+        q, k = (torch.randn(1, 70, 1, K, device=device, dtype=dtype) for _ in range(2))
+        v, vn, do, du = (torch.randn(1, 70, 1, V, device=device, dtype=dtype) for _ in range(4))
+        beta = torch.rand(1, 70, 1, device=device)
+        ai = torch.randn(1, 70, 1, 64, device=device, dtype=dtype)
+        h = torch.randn(1, 2, 1, K, V, device=device, dtype=dtype)
+        return q, k, v, beta, ai, vn, do, du, h, torch.zeros(1, 70, 1, device=device)
+
+    if device == "cuda" and SM90:
+        assert gdn_bwd_ws_supported(*args())
+        assert gdn_bwd_ws_supported(*args(V=64))
+    assert not gdn_bwd_ws_supported(*args()[:-1], None)  # no gate
+    assert not gdn_bwd_ws_supported(*args(dtype=torch.float32))
+    assert not gdn_bwd_ws_supported(*args(K=64))
+    assert not gdn_bwd_ws_supported(*args(V=256))
+    assert not gdn_bwd_ws_supported(*args(V=96))
+    if device == "cpu":
+        assert not gdn_bwd_ws_supported(*args())
+
+
 @pytest.mark.gpu
 @needs_sm90
 @pytest.mark.parametrize("varlen", [False, True])
 @pytest.mark.parametrize("segments", [1, 3])
-def test_op_with_ws_dqkw_wy(varlen, segments):
-    """The op with the one-kernel dq / dk / WY stage (default on Hopper) against the op with the Gluon dq / dk / dW
-    kernel and the ``tl`` WY kernel, and the ``tl`` kernels alone, and the float64 recurrence's gradients."""
-    cfgs = [{"dqkw": {"ws": ws}} for ws in (True, {"WY": False}, False)]
-    *res, ref = gdn_op_grads(cfgs, varlen, segments, seed=17, reference=True)
-    for i, name in enumerate(GDN_OP_NAMES):
-        errs = [rel_l2(r[2 + i].double().cpu(), ref[i]) for r in res]
-        assert torch.isfinite(res[0][2 + i]).all(), name
-        assert errs[0] <= 1.15 * min(errs[1:]) + 1e-4, f"{name}: fused {errs[0]:.3e} vs {errs[1]:.3e} / {errs[2]:.3e}"
+def test_op_with_ws_bwd(varlen, segments):
+    """The op with the one-kernel chunk gradients (default on Hopper) against the op on the ``tl`` kernels
+    (``config={"dqkw": {"ws": False}}``) and the float64 recurrence's gradients: bf16, grouped value heads, initial
+    and final state, whole sequences and pieces."""
+    *res, ref = gdn_op_grads([{"dqkw": {"ws": ws}} for ws in (True, False)], varlen, segments, seed=17,
+                             reference=True)
+    for name, a_, b_, rf in zip(GDN_OP_NAMES, res[0][2:], res[1][2:], ref):
+        assert torch.isfinite(a_).all(), name
+        e_ws, e_tl = rel_l2(a_.double().cpu(), rf), rel_l2(b_.double().cpu(), rf)
+        assert e_ws <= 1.15 * e_tl + 1e-4, f"{name}: ws {e_ws:.3e} vs tl {e_tl:.3e}"

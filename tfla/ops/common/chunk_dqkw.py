@@ -24,7 +24,6 @@ import torch
 import triton
 import triton.language as tl
 
-from tfla.ops.common.chunk_dqkw_ws import chunk_dqkw_ws, dqkw_ws_supported
 from tfla.ops.common.chunk_state import _sequence_slots, _tile_of
 from tfla.ops.common.grid import check_varlen_batch, program_tile, tile_grid
 from tfla.ops.common.utils import SUB_CHUNK, acc_dtype, cdiv, dot_precision, dot_tile
@@ -180,9 +179,8 @@ def chunk_dqkw_bwd(
             chunk of each sequence.
         dq_dtype / dk_dtype: of dq and dk (default q's dtype); dw: ``[B, T, HV, K]`` to write dW into (e.g. W's
             buffer, dead by now), else a new tensor of k's dtype.
-        config: ``BK``, ``BV``, ``num_warps``, ``num_stages`` of the ``tl`` kernel; ``flat`` forces its 1-D grid
-            (``grid.py``; for tests); ``ws``: False keeps the ``tl`` kernel where the Hopper kernel
-            (``chunk_dqkw_ws``) would run, a dict its launch keys (``num_warps``).
+        config: ``BK``, ``BV``, ``num_warps``, ``num_stages``; ``flat`` forces the 1-D grid (``grid.py``; for tests).
+            (On Hopper the GDN backward runs this stage and ``wy_bwd`` as one kernel, ``chunk_dqkw_ws.py``.)
     Returns:
         ``dq [B, T, HV, K]``, ``dk [B, T, HV, K]`` (per value head: tiled and state parts), ``dw [B, T, HV, K]``,
         ``dgd [B, T, HV]`` fp32 (q . dq - k . dk of the tiled product without the r = s terms), ``pst [B, T, HV]``
@@ -196,12 +194,6 @@ def chunk_dqkw_bwd(
     # and value tiles, 4 warps, 3 stages: 0.696 ms (2 stages 0.720, 8 warps 0.999, BV 32 / 128 0.876 / 0.769, BK 32
     # 0.961); local sm_90 compile at 2 stages: 246 registers, no spills, 64 KiB shared memory
     cfg = {"BK": 64, "BV": 64, "num_warps": 4, "num_stages": 3, **(config or {})}
-    ws = cfg.get("ws", True)
-    if ws is not False and dqkw_ws_supported(q, k, v_new, do, du, h_sub, g_cum, dq_dtype, dk_dtype, dw,
-                                             ws if isinstance(ws, dict) else None):
-        cfg["BK"] = K  # one CTA over all key columns
-    else:
-        ws = False
     BK = dot_tile(K, cfg["BK"], q.dtype)
     BV = dot_tile(V, cfg["BV"], q.dtype)
     NK = cdiv(K, BK)
@@ -217,11 +209,7 @@ def chunk_dqkw_bwd(
     pst = torch.empty(NK, B, T, HV, dtype=acc, device=q.device)
     sds = torch.empty(NK, nslot, HV, dtype=acc, device=q.device)
     NT = cdiv(T, SUB_CHUNK) if cu_seqlens is None else tile_indices.shape[0]
-    if NT > 0 and B * HV > 0 and ws is not False:
-        check_varlen_batch(B, cu_seqlens)
-        chunk_dqkw_ws(q, k, v_new, do, du, h_sub, dh_sub, g_cum, scale, dq, dk, dw, dgd, pst, sds, cu_seqlens,
-                      tile_indices, sub_offsets, NT, ws if isinstance(ws, dict) else None)
-    elif NT > 0 and B * HV > 0:
+    if NT > 0 and B * HV > 0:
         check_varlen_batch(B, cu_seqlens)
         grid, flat = tile_grid(NK, NT, B * HV, force_flat=cfg.get("flat", False))
         _gdn_dqkw_kernel[grid](

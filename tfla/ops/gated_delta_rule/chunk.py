@@ -184,8 +184,7 @@ def chunk_gated_delta_rule_bwd(
     # ms, peak -512 MiB; bf16 dq / dk with Qwen3-Next gates 1.01-1.03x FlashQLA's error, below FLA's; 0.92-0.93x
     # FlashQLA's with fp32 per-head parts; docs/performance.md)
     ws = (config.get("dqkw") or {}).get("ws", True)
-    if ws is not False and (not isinstance(ws, dict) or ws.get("WY", True)) and gdn_bwd_ws_supported(
-            q, k, v, beta, ai, v_new, do, du, h_sub, g_cum):
+    if ws is not False and gdn_bwd_ws_supported(q, k, v, beta, ai, v_new, do, du, h_sub, g_cum):
         # on Hopper: the stage below and the UT / WY backward in one kernel (chunk_dqkw_ws.py): dW, dk's parts and
         # the state terms of the gate gradient stay on chip
         dq, dk, dv, dbeta, dgq, dgam = gdn_bwd_chunk_ws(
