@@ -134,7 +134,8 @@ def _record_state_bwd_ws(dtype, T, K, V):
 
     H, HV = 2, 4
     q, k = torch.randn(1, T, H, K, dtype=dtype), torch.randn(1, T, H, K, dtype=dtype)
-    w = torch.randn(1, T, HV, K, dtype=dtype)
+    ai = torch.randn(1, T, HV, 64, dtype=dtype)
+    beta = torch.rand(1, T, HV, dtype=dtype)
     do = torch.randn(1, T, HV, V, dtype=dtype)
     g = torch.randn(1, T, HV)
     cu = torch.tensor([0, T // 3, T], dtype=torch.int32)
@@ -142,7 +143,7 @@ def _record_state_bwd_ws(dtype, T, K, V):
     for ncons, bv in ((1, 64), (2, 32), (2, 64)):
         for varlen, dht, store in ((False, False, True), (True, True, True), (True, False, False)):
             ct = torch.randn(2 if varlen else 1, HV, K, V) if dht else None
-            sb.delta_state_bwd_ws(q, k, w, do, g, 0.1, ct, True, cu if varlen else None, offs if varlen else None,
+            sb.delta_state_bwd_ws(q, k, ai, beta, do, g, 0.1, ct, True, cu if varlen else None, offs if varlen else None,
                                   int(offs[-1]), store, config={"NCONS": ncons, "BV": bv})
 
 

@@ -328,6 +328,8 @@ def chunk_state_bwd(
     sds: bool = False,
     do_row_log2: torch.Tensor | None = None,
     store: bool = True,
+    ai: torch.Tensor | None = None,
+    beta: torch.Tensor | None = None,
 ):
     """State-gradient recurrence of the gated delta rule (reverse, 64-row sub-chunks, outer chunk L).
 
@@ -351,10 +353,14 @@ def chunk_state_bwd(
             row, applied through the query rows' gate (needs ``g_cum`` and dvo None: formed here).
         store: False writes neither dh nor du (returned as None): the recurrence runs for ``dh0`` alone (a
             segment's state-gradient summary, ``need_dh0`` True); not with ``dden``, ``sds`` or ``h_sub``.
+        ai, beta: Tm ``[B, T, HV, 64]`` and beta ``[B, T, HV]`` (the delta rule, both or neither): the recurrence
+            runs on the warp-specialized Gluon kernel (``state_bwd_ws.py``) from them, without W, where
+            ``state_bwd_ws.state_bwd_ws_supported`` holds and ``config`` does not set ``ws`` False; elsewhere the
+            ``tl`` kernel runs from w, which must then be given.
         config: launch keys of the ``tl`` kernels (``BV``, ``num_warps``, ``num_stages``, ``qsplit``, ``flat``,
-            ``idx64``, ``n_bk``, ``n_warps``, ``n_stages``) and ``ws``: True (default: the delta rule on the
-            warp-specialized Gluon kernel where ``state_bwd_ws.state_bwd_ws_supported`` holds), False (the ``tl``
-            kernel always) or a dict of that kernel's keys (``STATE_BWD_WS_DEFAULTS``).
+            ``idx64``, ``n_bk``, ``n_warps``, ``n_stages``) and ``ws``: True (default: the Gluon kernel where it
+            applies, above), False (the ``tl`` kernel always) or a dict of that kernel's keys
+            (``STATE_BWD_WS_DEFAULTS``).
     Returns:
         ``dh [B, NS, HV, K, V]`` (gradient of the state after each 64-row sub-chunk, k's dtype),
         ``du [B, T, HV, V]`` (total gradient of U = Vnew's gradient, k's dtype), ``dh0 [N, HV, K, V]``
@@ -365,22 +371,27 @@ def chunk_state_bwd(
     HV, V = do.shape[2], do.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     NS = cdiv(T, SUB_CHUNK) if cu_seqlens is None else num_sub_chunks
-    if w is not None and not (dvo is None and chunk_size == SUB_CHUNK and gk_cum is None and gb is None
-                              and gv_cum is None and dden is None and do_row_log2 is None):
+    if (ai is None) != (beta is None):
+        raise ValueError("ai (Tm) and beta come together (the delta rule's recurrence from Tm)")
+    delta = w is not None or ai is not None
+    if delta and not (dvo is None and chunk_size == SUB_CHUNK and gk_cum is None and gb is None
+                      and gv_cum is None and dden is None and do_row_log2 is None):
         raise ValueError("the delta rule's state gradient (w given) runs at 64-row chunks with dvo=None (formed in the "
                          "kernel) and a scalar gate or none: no gk_cum, gb, gv_cum, dden or do_row_log2")
-    if not store and (w is None or not need_dh0 or sds or h_sub is not None):
+    if not store and (not delta or not need_dh0 or sds or h_sub is not None):
         raise ValueError("store=False (the delta rule's segment summary) runs the recurrence for dh0 alone: needs w "
                          "and need_dh0, no sds or h_sub")
-    if sds and (h_sub is None or w is not None):
+    if sds and (h_sub is None or delta):
         raise ValueError("sds (the rows of <S, dS>) needs h_sub and serves linear attention (w None)")
-    # the delta rule on Hopper: the warp-specialized Gluon kernel (state_bwd_ws.py) where it applies; config key "ws":
-    # True (default), False (the tl kernel always) or a dict of that kernel's launch keys
+    # the delta rule on Hopper: the warp-specialized Gluon kernel (state_bwd_ws.py), from Tm and beta, where it
+    # applies; config key "ws": True (default), False (the tl kernel always) or a dict of that kernel's launch keys
     ws = (config or {}).get("ws", True)
-    if w is not None and ws is not False and h_sub is None and state_bwd_ws_supported(
-            q, k, w, do, g_cum, dht, cu_seqlens, ws if isinstance(ws, dict) else None):
-        return delta_state_bwd_ws(q, k, w, do, g_cum, scale, dht, need_dh0, cu_seqlens, sub_offsets, num_sub_chunks,
-                                  store, ws if isinstance(ws, dict) else None)
+    if ai is not None and ws is not False and h_sub is None and state_bwd_ws_supported(
+            q, k, ai, beta, do, g_cum, dht, cu_seqlens, ws if isinstance(ws, dict) else None):
+        return delta_state_bwd_ws(q, k, ai, beta, do, g_cum, scale, dht, need_dh0, cu_seqlens, sub_offsets,
+                                  num_sub_chunks, store, ws if isinstance(ws, dict) else None)
+    if ai is not None and w is None:
+        raise ValueError("w is needed where the Gluon recurrence from Tm does not run (state_bwd_ws_supported)")
     # measured (docs/performance.md): the delta rule at K <= 128 runs best on 64-column value tiles with 8 warps
     # (H100: 0.53 vs 0.73 ms at 32 columns / 4 warps); linear attention keeps 32 columns and 4 warps (H100:
     # simple GLA 0.53 ms, other tiles 0.51-0.59; the mLSTM's V = 256 state backward 2.41 ms, others 2.50-3.95).

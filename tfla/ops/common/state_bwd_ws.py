@@ -8,10 +8,12 @@ Notation as ``fused_delta_ws.py``: 64-row chunks, BV value columns per consumer 
 - ``A = causal(k q^T) o 2^(G_r - G_s)`` (keys s in rows, queries r in columns) and ``dvo = scale A dO``;
 - ``dU = dvo + 2^(G_n - G) (k dS)`` (stored, 16-bit), dS stored before the chunk's update (16-bit);
 - ``dS <- 2^(G_n) dS - W^T dU + q^T (scale 2^G dO)``, the last product as two 16-bit products of dO's rows
-  scaled in fp32 and split into a high and a low bf16 part (the ``tl`` kernel's ``_rowscaled_qdot``).
+  scaled in fp32 and split into a high and a low bf16 part (the ``tl`` kernel's ``_rowscaled_qdot``). W is not
+  read: with ``W = Tm X_k`` (``X_k = beta 2^G k``, ``ut_transform.py``), ``W^T dU = k^T (beta 2^G o (Tm^T dU))``,
+  one ``[64, 64] x [64, BV]`` product more per chunk on the chain and no W recomputed before the recurrence.
 
-One CTA per (sequence, value head, NCONS x BV value columns): a one-warp producer streams k, q, W (``[64, K]``) and
-dO (``[64, BV]`` per consumer) of each chunk, last chunk first, into a STAGES-deep ring with TMA; NCONS consumer
+One CTA per (sequence, value head, NCONS x BV value columns): a one-warp producer streams k, q, Tm (``[64, 64]``)
+and dO (``[64, BV]`` per consumer) of each chunk, last chunk first, into a STAGES-deep ring with TMA; NCONS consumer
 warpgroups keep their ``[K, BV]`` fp32 dS in registers, run the products on asynchronous wgmma and send dS and dU
 out with TMA stores from the shared memory the products read them from (a chunk cut by the sequence's end: masked
 register stores of dU).
@@ -41,10 +43,10 @@ STATE_BWD_WS_DEFAULTS = {"BV": 32, "NCONS": 2, "STAGES": 2}
 if HAVE_GLUON:
 
     @gluon.jit
-    def _sbw_producer(k_desc, q_desc, w_desc, do_desc, k_s, q_s, w_s, do_s, ready, empty, row0, col_k, col_w, col_v,
-                      n_chunks, BV: gl.constexpr, NCONS: gl.constexpr, STAGES: gl.constexpr):
+    def _sbw_producer(k_desc, q_desc, tm_desc, do_desc, k_s, q_s, tm_s, do_s, ready, empty, row0, col_k, col_t,
+                      col_v, n_chunks, BV: gl.constexpr, NCONS: gl.constexpr, STAGES: gl.constexpr):
         """One warp: chunk ``n_chunks - 1 - j``'s tiles into ring slot j % STAGES once the consumers released it."""
-        nbytes: gl.constexpr = (k_desc.block_type.nbytes + q_desc.block_type.nbytes + w_desc.block_type.nbytes
+        nbytes: gl.constexpr = (k_desc.block_type.nbytes + q_desc.block_type.nbytes + tm_desc.block_type.nbytes
                                 + NCONS * do_desc.block_type.nbytes)
         for j in range(n_chunks):
             s = j % STAGES
@@ -53,13 +55,13 @@ if HAVE_GLUON:
             r = row0 + (n_chunks - 1 - j) * 64
             _tma_load(k_desc, [r, col_k], ready.index(s), k_s.index(s))
             _tma_load(q_desc, [r, col_k], ready.index(s), q_s.index(s))
-            _tma_load(w_desc, [r, col_w], ready.index(s), w_s.index(s))
+            _tma_load(tm_desc, [r, col_t], ready.index(s), tm_s.index(s))
             for c in gl.static_range(NCONS):
                 _tma_load(do_desc, [r, col_v + c * BV], ready.index(s), do_s.index(NCONS * s + c))
 
     @gluon.jit
-    def _sbw_consumer(k_s, q_s, w_s, do_s, ready, empty, st_s, du_s, nd_s, hi_s, lo_s, dh_desc, du_desc,
-                      g, du, dht, dh0, row0, boh, i_nh, i_hv, col_v, col_h, n_chunks, T, scale,
+    def _sbw_consumer(k_s, q_s, tm_s, do_s, ready, empty, st_s, du_s, nd_s, hi_s, lo_s, dh_desc, du_desc,
+                      g, beta, du, dht, dh0, row0, boh, i_nh, i_hv, col_v, col_h, n_chunks, T, scale,
                       CID: gl.constexpr, NCONS: gl.constexpr, HV: gl.constexpr, V: gl.constexpr, K: gl.constexpr,
                       BV: gl.constexpr, STAGES: gl.constexpr, USE_DHT: gl.constexpr, STORE_DH0: gl.constexpr,
                       STORE: gl.constexpr):
@@ -98,6 +100,8 @@ if HAVE_GLUON:
             m_r = (c * 64 + o_r) < T  # rows past the sequence: no part in dU, dS or the stores
             full = (c + 1) * 64 <= T
             b_g, b_gn, b_gr, b_gc = _chunk_gates(g, r, c * 64, T, i_hv, HV, LR, LSR, LSC)  # (A's rows, columns)
+            b_sk = gl.load(beta + (r + o_r) * HV + i_hv, mask=m_r, other=0.0).to(gl.float32) * gl.exp2(
+                gl.where(m_r, b_g, float("-inf")))  # X_k's row factors beta 2^G
             mbarrier.wait(ready.index(s), (j // STAGES) & 1)
             # A = k q^T of the chunk: off dS's chain, issued first
             b_a = warpgroup_mma(k_s.index(s), q_s.index(s).permute((1, 0)), zs, use_acc=False, is_async=True)
@@ -131,8 +135,12 @@ if HAVE_GLUON:
                 dus.store(b_dud)
             nds.store(-b_dud)
             fence_async_shared()
+            # -W^T dU = k^T (beta 2^G o (Tm^T (-dU))): Tm^T (-dU) first, its rows scaled, back into nds
+            b_y = warpgroup_mma(tm_s.index(s).permute((1, 0)), nds, zc, use_acc=False)
+            nds.store((b_y * b_sk[:, None]).to(dt))
+            fence_async_shared()
             # dS <- 2^(G_n) dS - W^T dU + q^T (hi + lo)
-            b_dh = warpgroup_mma(w_s.index(s).permute((1, 0)), nds, b_dh * gl.exp2(b_gn), is_async=True)
+            b_dh = warpgroup_mma(k_s.index(s).permute((1, 0)), nds, b_dh * gl.exp2(b_gn), is_async=True)
             b_dh = warpgroup_mma(q_s.index(s).permute((1, 0)), his, b_dh, is_async=True)
             b_dh = warpgroup_mma(q_s.index(s).permute((1, 0)), los, b_dh, is_async=True)
             if STORE:
@@ -147,8 +155,8 @@ if HAVE_GLUON:
             gl.store(dh0 + p_h, b_dh)
 
     @gluon.jit
-    def _delta_state_bwd_ws_kernel(k_desc, q_desc, w_desc, do_desc, dh_desc, du_desc, g, du, dht, dh0, cu_seqlens,
-                                   sub_offsets, T, scale, H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr,
+    def _delta_state_bwd_ws_kernel(k_desc, q_desc, tm_desc, do_desc, dh_desc, du_desc, g, beta, du, dht, dh0,
+                                   cu_seqlens, sub_offsets, T, scale, H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr,
                                    V: gl.constexpr, BV: gl.constexpr, NCONS: gl.constexpr, STAGES: gl.constexpr,
                                    IS_VARLEN: gl.constexpr, USE_DHT: gl.constexpr, STORE_DH0: gl.constexpr,
                                    STORE: gl.constexpr):
@@ -163,7 +171,7 @@ if HAVE_GLUON:
         dt: gl.constexpr = k_desc.dtype
         k_s = gl.allocate_shared_memory(dt, [STAGES] + k_desc.block_type.shape, k_desc.layout)
         q_s = gl.allocate_shared_memory(dt, [STAGES] + q_desc.block_type.shape, q_desc.layout)
-        w_s = gl.allocate_shared_memory(dt, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+        tm_s = gl.allocate_shared_memory(dt, [STAGES] + tm_desc.block_type.shape, tm_desc.layout)
         do_s = gl.allocate_shared_memory(dt, [NCONS * STAGES] + do_desc.block_type.shape, do_desc.layout)
         st_s = gl.allocate_shared_memory(dt, [NCONS, K, BV], gl.NVMMASharedLayout.get_default_for([K, BV], dt))
         tile: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, BV], dt)
@@ -182,55 +190,58 @@ if HAVE_GLUON:
         C1: gl.constexpr = 1
         if NCONS == 2:
             gl.warp_specialize([
-                (_sbw_consumer, (k_s, q_s, w_s, do_s, ready, empty, st_s, du_s, nd_s, hi_s, lo_s, dh_desc, du_desc,
-                                 g, du, dht, dh0, row0, boh, i_nh, i_hv, col_v, col_h, n_chunks, T, scale, C0, NCONS,
+                (_sbw_consumer, (k_s, q_s, tm_s, do_s, ready, empty, st_s, du_s, nd_s, hi_s, lo_s, dh_desc, du_desc,
+                                 g, beta, du, dht, dh0, row0, boh, i_nh, i_hv, col_v, col_h, n_chunks, T, scale, C0, NCONS,
                                  HV, V, K, BV, STAGES, USE_DHT, STORE_DH0, STORE)),
-                (_sbw_consumer, (k_s, q_s, w_s, do_s, ready, empty, st_s, du_s, nd_s, hi_s, lo_s, dh_desc, du_desc,
-                                 g, du, dht, dh0, row0, boh, i_nh, i_hv, col_v, col_h, n_chunks, T, scale, C1, NCONS,
+                (_sbw_consumer, (k_s, q_s, tm_s, do_s, ready, empty, st_s, du_s, nd_s, hi_s, lo_s, dh_desc, du_desc,
+                                 g, beta, du, dht, dh0, row0, boh, i_nh, i_hv, col_v, col_h, n_chunks, T, scale, C1, NCONS,
                                  HV, V, K, BV, STAGES, USE_DHT, STORE_DH0, STORE)),
-                (_sbw_producer, (k_desc, q_desc, w_desc, do_desc, k_s, q_s, w_s, do_s, ready, empty, row0, i_h * K,
-                                 i_hv * K, col_v, n_chunks, BV, NCONS, STAGES)),
+                (_sbw_producer, (k_desc, q_desc, tm_desc, do_desc, k_s, q_s, tm_s, do_s, ready, empty, row0, i_h * K,
+                                 i_hv * 64, col_v, n_chunks, BV, NCONS, STAGES)),
             ], [4, 1], [232, 40])
         else:
             gl.warp_specialize([
-                (_sbw_consumer, (k_s, q_s, w_s, do_s, ready, empty, st_s, du_s, nd_s, hi_s, lo_s, dh_desc, du_desc,
-                                 g, du, dht, dh0, row0, boh, i_nh, i_hv, col_v, col_h, n_chunks, T, scale, C0, NCONS,
+                (_sbw_consumer, (k_s, q_s, tm_s, do_s, ready, empty, st_s, du_s, nd_s, hi_s, lo_s, dh_desc, du_desc,
+                                 g, beta, du, dht, dh0, row0, boh, i_nh, i_hv, col_v, col_h, n_chunks, T, scale, C0, NCONS,
                                  HV, V, K, BV, STAGES, USE_DHT, STORE_DH0, STORE)),
-                (_sbw_producer, (k_desc, q_desc, w_desc, do_desc, k_s, q_s, w_s, do_s, ready, empty, row0, i_h * K,
-                                 i_hv * K, col_v, n_chunks, BV, NCONS, STAGES)),
+                (_sbw_producer, (k_desc, q_desc, tm_desc, do_desc, k_s, q_s, tm_s, do_s, ready, empty, row0, i_h * K,
+                                 i_hv * 64, col_v, n_chunks, BV, NCONS, STAGES)),
             ], [1], [40])
 
 
-def state_bwd_ws_supported(q, k, w, do, g_cum, dht, cu_seqlens, config: dict | None = None) -> bool:
+def state_bwd_ws_supported(q, k, ai, beta, do, g_cum, dht, cu_seqlens, config: dict | None = None) -> bool:
     """Whether the warp-specialized kernel takes the delta rule's state-gradient recurrence: an sm_90 GPU, Gluon, bf16
-    q, k, W and dO (fp16 keeps the ``tl`` kernel: its fp32 q-term product there has no 16-bit split), K = 128, V a
-    multiple of the launch's columns, a gate, contiguous tensors whose row offsets fit int32, 1 to 65,535 (sequence,
-    head) pairs, an fp32 final-state cotangent if any. ``config``: the launch keys (``STATE_BWD_WS_DEFAULTS``)."""
+    q, k, Tm (``ai [B, T, HV, 64]``) and dO (fp16 keeps the ``tl`` kernel: its fp32 q-term product there has no
+    16-bit split), beta ``[B, T, HV]``, K = 128, V a multiple of the launch's columns, a gate, contiguous tensors
+    whose row offsets fit int32, 1 to 65,535 (sequence, head) pairs, an fp32 final-state cotangent if any.
+    ``config``: the launch keys (``STATE_BWD_WS_DEFAULTS``)."""
     cfg = {**STATE_BWD_WS_DEFAULTS, **(config or {})}
-    if not HAVE_GLUON or g_cum is None or w is None:
+    if not HAVE_GLUON or g_cum is None or ai is None or beta is None:
         return False
     if not (q.is_cuda and _is_sm90(q.device.index or 0)):
         return False
-    if any(x.dtype != torch.bfloat16 for x in (q, k, w, do)):
+    if any(x.dtype != torch.bfloat16 for x in (q, k, ai, do)):
         return False
     B, T, H, K = k.shape
     HV, V = do.shape[2], do.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     if K != 128 or V % (cfg["BV"] * cfg["NCONS"]) != 0 or N * HV > 65535 or N * HV == 0:
         return False
-    if not all(x.is_contiguous() for x in (q, k, w, do, g_cum)):
+    if tuple(ai.shape) != (B, T, HV, 64) or tuple(beta.shape) != (B, T, HV):
+        return False
+    if not all(x.is_contiguous() for x in (q, k, ai, beta, do, g_cum)):
         return False
     if dht is not None and (dht.dtype != torch.float32 or not dht.is_contiguous()):
         return False
     return B * T * max(H * K, HV * K, HV * V) < 2 ** 31 and N * HV * K * V < 2 ** 31
 
 
-def delta_state_bwd_ws(q, k, w, do, g_cum, scale, dht=None, need_dh0=False, cu_seqlens=None, sub_offsets=None,
+def delta_state_bwd_ws(q, k, ai, beta, do, g_cum, scale, dht=None, need_dh0=False, cu_seqlens=None, sub_offsets=None,
                        num_sub_chunks=None, store=True, config: dict | None = None):
-    """``chunk_state_bwd`` for the delta rule (w given, 64-row chunks, dvo formed in the kernel) on the
-    warp-specialized kernel. Call only where ``state_bwd_ws_supported`` holds. Returns ``(dh, du, dh0)`` as that
-    function does: dh ``[B, NS, HV, K, V]`` and du ``[B, T, HV, V]`` in k's dtype (None with ``store`` False), dh0
-    ``[N, HV, K, V]`` fp32 or None."""
+    """``chunk_state_bwd`` for the delta rule (64-row chunks, dvo formed in the kernel) on the warp-specialized
+    kernel, from Tm (``ai``) and beta instead of W. Call only where ``state_bwd_ws_supported`` holds. Returns
+    ``(dh, du, dh0)`` as that function does: dh ``[B, NS, HV, K, V]`` and du ``[B, T, HV, V]`` in k's dtype (None
+    with ``store`` False), dh0 ``[N, HV, K, V]`` fp32 or None."""
     cfg = {**STATE_BWD_WS_DEFAULTS, **(config or {})}
     BV, NCONS = cfg["BV"], cfg["NCONS"]
     B, T, H, K = k.shape
@@ -249,8 +260,8 @@ def delta_state_bwd_ws(q, k, w, do, g_cum, scale, dht=None, need_dh0=False, cu_s
     du_desc = desc(du, B * T, HV * V, [BS, BV]) if store else do_desc  # (store False: never stored to)
     dh_desc = desc(dh, B * NS * HV * K, V, [K, BV]) if store else do_desc
     _delta_state_bwd_ws_kernel[(V // (NCONS * BV), N * HV)](
-        desc(k, B * T, H * K, [BS, K]), desc(q, B * T, H * K, [BS, K]), desc(w, B * T, HV * K, [BS, K]), do_desc,
-        dh_desc, du_desc, g_cum, du if store else do, dht if dht is not None else do,
+        desc(k, B * T, H * K, [BS, K]), desc(q, B * T, H * K, [BS, K]), desc(ai, B * T, HV * 64, [BS, 64]), do_desc,
+        dh_desc, du_desc, g_cum, beta, du if store else do, dht if dht is not None else do,
         dh0 if dh0 is not None else do, cu_seqlens if cu_seqlens is not None else do,
         sub_offsets if sub_offsets is not None else do, T, scale, H=H, HV=HV, K=K, V=V, BV=BV, NCONS=NCONS,
         STAGES=cfg["STAGES"], IS_VARLEN=cu_seqlens is not None, USE_DHT=dht is not None, STORE_DH0=need_dh0,

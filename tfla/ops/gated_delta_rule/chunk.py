@@ -33,6 +33,7 @@ from tfla.ops.common.fused_delta_fwd import (PIECE_WS, SAVE_NONE, SAVE_STATES, S
 from tfla.ops.common.gate_act import BETA_2SIGMOID, BETA_SIGMOID, NO_BETA, GateAct, gate_epilogue
 from tfla.ops.common.group_sum import group_sum
 from tfla.ops.common.l2norm import l2norm, l2norm_bwd, l2norm_fwd
+from tfla.ops.common.state_bwd_ws import state_bwd_ws_supported
 from tfla.ops.common.utils import SUB_CHUNK
 from tfla.ops.common.ut_transform import ut_transform_fwd, w_from_tm
 from tfla.ops.common.wy_bwd import wy_bwd
@@ -148,11 +149,22 @@ def chunk_gated_delta_rule_bwd(
     L = SUB_CHUNK
     cu = varlen.cu_seqlens if varlen is not None else None
     sub = varlen.sub_indices if varlen is not None else None
+    # the state-gradient recurrence on Hopper runs from Tm and beta (state_bwd_ws.py): no W to recompute for it
+    in_pieces = split is not None and saved is not None
+    sb_ws = (config.get("state_bwd") or {}).get("ws", True)
+    if in_pieces and sb_ws is True and v.shape[3] % (PIECE_WS["BV"] * PIECE_WS["NCONS"]) == 0:
+        sb_ws = PIECE_WS
+    from_tm = sb_ws is not False and state_bwd_ws_supported(
+        q, k, ai, beta, do, g_cum, None if in_pieces else dht, split.cu_seqlens if in_pieces else cu,
+        sb_ws if isinstance(sb_ws, dict) else None)
+    tm_kw = dict(ai=ai, beta=beta) if from_tm else {}
     if saved is not None:
         v_new, h_sub = saved
-        w = w_from_tm(k, g_cum, beta, ai, L, cu_seqlens=cu, sub_indices=sub, config=config.get("ut"))
+        w = None if from_tm else w_from_tm(k, g_cum, beta, ai, L, cu_seqlens=cu, sub_indices=sub,
+                                           config=config.get("ut"))
     elif v_new is not None:  # the forward's Vnew: W alone, and the states without the delta rule's W S product
-        w = w_from_tm(k, g_cum, beta, ai, L, cu_seqlens=cu, sub_indices=sub, config=config.get("ut"))
+        w = None if from_tm else w_from_tm(k, g_cum, beta, ai, L, cu_seqlens=cu, sub_indices=sub,
+                                           config=config.get("ut"))
         h_sub, _, _ = chunk_state_fwd(
             k, v_new, g_cum, L, initial_state=initial_state, cu_seqlens=cu,
             chunk_offsets=varlen.sub_offsets if varlen is not None else None,
@@ -168,15 +180,15 @@ def chunk_gated_delta_rule_bwd(
             config=config.get("state"), store_every_sub_chunk=True, key_weights=True)
         del u
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    if split is not None and saved is not None:
+    if in_pieces:
         dh_sub, du, dh0 = _state_grad_in_pieces(q, k, w, do, g_cum, scale, dht, initial_state is not None, split,
-                                                config.get("state_bwd"))
+                                                config.get("state_bwd"), **tm_kw)
     else:
         dh_sub, du, dh0 = chunk_state_bwd(
             q, k, w, do, None, g_cum, scale, L, dht=dht, need_dh0=initial_state is not None, cu_seqlens=cu,
             sub_offsets=varlen.sub_offsets if varlen is not None else None,
             num_sub_chunks=varlen.sub_indices.shape[0] if varlen is not None else None,
-            config=config.get("state_bwd"))
+            config=config.get("state_bwd"), **tm_kw)
     # dq, dk and the WY backward's state terms from one read of S and dS (after the recurrence); dW goes into W's
     # buffer (recomputed here, dead after the recurrence). dq, dk and dk's tiled part (added to
     # the state / WY part in wy_bwd) per value head in the input dtype, as FLA's chunk_bwd_dqkwg: half the bytes of
@@ -222,7 +234,7 @@ def chunk_gated_delta_rule_bwd(
     return dq, dk, dv, dg, dbeta, dh0, dA_log, ddt
 
 
-def _state_grad_in_pieces(q, k, w, do, g_cum, scale, dht, need_dh0, split: Split, config):
+def _state_grad_in_pieces(q, k, w, do, g_cum, scale, dht, need_dh0, split: Split, config, ai=None, beta=None):
     """The state-gradient recurrence (L = 64) over the forward's pieces in parallel, exactly (``docs/gdn-math.md``
     section 6, backward): the adjoint is affine in the state gradient, ``dS_start = M^T dS_end + dN`` per piece.
     Pass 1 runs every piece from a zero gradient at its end for ``dN`` alone (``store=False``: no dS or dU); the
@@ -232,17 +244,19 @@ def _state_grad_in_pieces(q, k, w, do, g_cum, scale, dht, need_dh0, split: Split
     ``(dh, du, dh0)`` in the unsplit layout."""
     B, T = q.shape[:2]
     HV, K, V = do.shape[2], q.shape[3], do.shape[3]
-    flat = [x.reshape(1, B * T, *x.shape[2:]) if x is not None else None for x in (q, k, w, do, g_cum)]
+    flat = [x.reshape(1, B * T, *x.shape[2:]) if x is not None else None for x in (q, k, w, do, g_cum, ai, beta)]
+    tm_kw = dict(ai=flat[5], beta=flat[6]) if ai is not None else {}
     # the Gluon recurrence (Hopper) at two 64-column consumers per CTA for pieces, as the forward's pass
     # (state_bwd_ws.STATE_BWD_WS_DEFAULTS), unless the config sets its launch
     if (config or {}).get("ws", True) is True and V % (PIECE_WS["BV"] * PIECE_WS["NCONS"]) == 0:
         config = {**(config or {}), "ws": PIECE_WS}
     kw = dict(cu_seqlens=split.cu_seqlens, sub_offsets=split.sub_offsets, num_sub_chunks=split.num_chunks,
               config=config)
-    _, _, dn = chunk_state_bwd(*flat[:4], None, flat[4], scale, SUB_CHUNK, need_dh0=True, store=False, **kw)
+    _, _, dn = chunk_state_bwd(*flat[:4], None, flat[4], scale, SUB_CHUNK, need_dh0=True, store=False, **kw,
+                               **tm_kw)
     ends, dh0 = segment_scan(split.mn, dht, split.first, V, need_dh0, config, dn=dn)
     del dn
-    dh, du, _ = chunk_state_bwd(*flat[:4], None, flat[4], scale, SUB_CHUNK, dht=ends, **kw)
+    dh, du, _ = chunk_state_bwd(*flat[:4], None, flat[4], scale, SUB_CHUNK, dht=ends, **kw, **tm_kw)
     return dh.view(B, -1, HV, K, V), du.view(B, T, HV, V), dh0
 
 
