@@ -1,12 +1,12 @@
 """The delta rule's chunk gradients after the state-gradient recurrence on Hopper (sm_90, fp16 / bf16, K = 128,
 V = 64 or 128): ``chunk_dqkw._gdn_dqkw_kernel`` (dq, dk's tiled and state parts, dW, the state terms of the gate
 gradient) and ``wy_bwd._wy_bwd_kernel``'s delta rule (the UT / WY backward: dk's WY part, dv, dbeta, the gate
-gradient's WY part) in one persistent Gluon kernel, chosen by ``chunk.chunk_gated_delta_rule_bwd`` where
+gradient's WY part) in one Gluon kernel, chosen by ``chunk.chunk_gated_delta_rule_bwd`` where
 ``gdn_bwd_ws_supported`` holds; the same results up to the order of fp32 additions and where 16-bit roundings fall
 (dk's WY part is rounded once before it joins the rest; dW, dk's parts and the state terms never reach HBM).
 
 One CTA of two warpgroups (8 warps; the key columns split between them: ``[64, 128]`` fp32 accumulators of 32
-registers per thread) per SM loops over (64-row chunk, batch x value head) tiles. Per tile, with S the state at the
+registers per thread) per (64-row chunk, batch x value head) tile, one CTA per SM. Per tile, with S the state at the
 chunk's start, dS the gradient of the state after it, G the cumulative gate (log2, restarting every 64 rows), n the
 last row, Tm = (I + A)^-1 (``ut_transform.py``), X_k = beta 2^G k, X_v = beta v (notation of ``chunk_dqkw``,
 ``wy_bwd``):
@@ -19,9 +19,9 @@ last row, Tm = (I + A)^-1 (``ut_transform.py``), X_k = beta 2^G k, X_v = beta v 
 4. ``q k^T``, the scores ``P = s o 2^(G_r - G_s)`` (strictly lower), ``dq = scale (2^G dq_state + P k + diag(s) k)``,
    ``dk = scale (P^T q + diag(s) q) + 2^(G_n - G) dk_state +`` the WY part, the gate gradient's row sums.
 
-Every input tile of a chunk stays in shared memory (200 KB at V = 128): all of a tile's loads are issued at once,
-and the next tile's during this one's last steps (its q and k after this tile's last product that reads them). Whole
-chunks leave through TMA stores, a chunk cut by its sequence's end through masked stores; Tm's rows past the
+Every input tile of a chunk stays in shared memory (200 KB at V = 128): all of a tile's loads are issued at its
+start, so no pass waits on a load after the first (a persistent form that issued the next tile's loads early spilled
+and was slower: docs/performance.md). Whole chunks leave through TMA stores, a chunk cut by its sequence's end through masked stores; Tm's rows past the
 sequence's end (the next sequence's) are zeroed in shared memory before they enter a product.
 """
 from __future__ import annotations
@@ -92,8 +92,7 @@ if HAVE_GLUON:
         LR: gl.constexpr = gl.SliceLayout(1, L)
         LSR: gl.constexpr = gl.SliceLayout(1, LS)
         LSC: gl.constexpr = gl.SliceLayout(0, LS)
-        # row indices in the sequence (t0 + ..): masks built from them stay inside a caller's tile loop (a [64, 64]
-        # mask of the chunk-local indices alone is loop-invariant, and hoisting it costs registers)
+        # row indices in the sequence (t0 + ..)
         o_r = t0 + gl.arange(0, 64, layout=LR)
         o_sr = t0 + gl.arange(0, 64, layout=LSR)
         o_sc = t0 + gl.arange(0, 64, layout=LSC)
@@ -220,13 +219,13 @@ if HAVE_GLUON:
             mbarrier.init(bar_v.index(iv), count=1)
 
         tile = gl.program_id(1) * NT + gl.program_id(0)
-        ph = 0
+        ph = 0  # (each barrier completes once per CTA)
         r, t0, Tn, slot, i_hv, i_h = _tile_rows(tile, NT, T, cu_seqlens, tile_indices, sub_offsets, H, HV, IS_VARLEN)
         _issue_tile_loads(v_desc, du_desc, h_desc, dh_desc, tm_desc, do_desc, vn_desc, v_s, du_s, h_s, dh_s, tm_s,
                           do_s, vn_s, bar_w, bar_v, r, slot, i_hv, K, V)
         _issue_qk_loads(q_desc, k_desc, q_s, k_s, bar_qk, r, i_h, K)
         full = t0 + 64 <= Tn
-        # row indices in the sequence: the [64, 64] masks below depend on the tile (not hoisted out of the loop)
+        # row indices in the sequence
         o_r = t0 + gl.arange(0, 64, layout=LR)
         o_sr = t0 + gl.arange(0, 64, layout=LSR)
         o_sc = t0 + gl.arange(0, 64, layout=LSC)
