@@ -9,7 +9,7 @@ import torch
 import tfla
 from tfla.ops.rnn.cells import fused_launch, rnn_state_sequence
 from tfla.ops.rnn.reference import CELL_GATES, CELL_STATES, recurrent_rnn_ref
-from tfla.utils.testing import assert_rel_close, tolerance
+from tfla.utils.testing import assert_rel_close, rnn_grads, tolerance
 
 CELLS = ("elman", "lstm", "gru", "slstm")
 PATHS = ("fused", "alternating")
@@ -39,24 +39,6 @@ def _inputs(cell, B, T, NH, D, dtype, device, seed, init=True, N=None):
             state[2][0], state[1][0] = 0.0, 0.0
     cast = lambda t: t.to(dtype).to(device)  # noqa: E731
     return cast(x), cast(R), cast(b), (tuple(cast(s) for s in state) if init else None)
-
-
-def _grads(fn, cell, x, R, b, state, final, cu=None, seed=1):
-    """Output, final state and gradients of x, R, b, state from fn; ref-style float64 cotangents, m's dropped."""
-    leaves = [t.detach().clone().requires_grad_() for t in (x, R, b, *(state or ()))]
-    kw = {"cu_seqlens": cu} if cu is not None else {}
-    h, fin = fn(*leaves[:3], tuple(leaves[3:]) if state is not None else None, final, **kw)
-    gen = torch.Generator().manual_seed(seed)
-    outs, cts = [h], [torch.randn(h.shape, generator=gen, dtype=torch.float64)]
-    if final:
-        for k, f in enumerate(fin):
-            if cell == "slstm" and k == 3:  # m: a constant of the backward
-                continue
-            outs.append(f)
-            cts.append(torch.randn(f.shape, generator=gen, dtype=torch.float64))
-    grads = torch.autograd.grad(outs, leaves, [c.to(o.dtype).to(o.device) for c, o in zip(cts, outs)],
-                                allow_unused=True)
-    return h, fin, grads
 
 
 def _ref_fn(cell):
@@ -94,9 +76,9 @@ CASES = [  # B, T, NH, D, initial state, final state
 @pytest.mark.parametrize("B,T,NH,D,init,final", CASES)
 def test_cell_vs_reference(cell, path, B, T, NH, D, init, final, device, poison_empty):
     x, R, b, s = _inputs(cell, B, T, NH, D, torch.float32, device, seed=B * 100 + T * 10 + D)
-    got = _grads(_op(cell, path), cell, x, R, b, s, final)
+    got = rnn_grads(_op(cell, path), cell, x, R, b, s, final)
     d = lambda t: t.double()  # noqa: E731
-    ref = _grads(_ref_fn(cell), cell, d(x), d(R), d(b), tuple(map(d, s)) if s else None, final)
+    ref = rnn_grads(_ref_fn(cell), cell, d(x), d(R), d(b), tuple(map(d, s)) if s else None, final)
     assert got[0].dtype == torch.float32 and got[0].shape == (B, T, NH, D)
     _check_all(cell, got, ref, FP32_TOL, final, init)
 
@@ -107,9 +89,9 @@ def test_noncontiguous_and_float64(cell, dtype, device):
     x, R, b, s = _inputs(cell, 2, 4, 2, 8, dtype, device, seed=7)
     x_nc = x.transpose(0, 1).contiguous().transpose(0, 1)  # [B, T, ...] view with T-major strides
     assert not x_nc.is_contiguous()
-    got = _grads(getattr(tfla, cell), cell, x_nc, R, b, s, True)
+    got = rnn_grads(getattr(tfla, cell), cell, x_nc, R, b, s, True)
     d = lambda t: t.double()  # noqa: E731
-    ref = _grads(_ref_fn(cell), cell, d(x), d(R), d(b), tuple(map(d, s)), True)
+    ref = rnn_grads(_ref_fn(cell), cell, d(x), d(R), d(b), tuple(map(d, s)), True)
     tol = tolerance(torch.float64, "interpreter") * 100 if dtype == torch.float64 else FP32_TOL
     _check_all(cell, got, ref, tol, True, True)
 
@@ -119,9 +101,9 @@ def test_noncontiguous_and_float64(cell, dtype, device):
 def test_fp16(cell, path, device):
     """fp16 x, R, b (the fused path's dots in fp16), forward and gradients."""
     x, R, b, s = _inputs(cell, 3, 6, 2, 12, torch.float16, device, seed=11)
-    got = _grads(_op(cell, path), cell, x, R, b, s, True)
+    got = rnn_grads(_op(cell, path), cell, x, R, b, s, True)
     d = lambda t: t.double()  # noqa: E731
-    ref = _grads(_ref_fn(cell), cell, d(x), d(R), d(b), tuple(map(d, s)), True)
+    ref = rnn_grads(_ref_fn(cell), cell, d(x), d(R), d(b), tuple(map(d, s)), True)
     assert got[0].dtype == torch.float16 and got[1][0].dtype == torch.float32
     _check_all(cell, got, ref, tolerance(torch.float16), True, True)
 
@@ -133,7 +115,7 @@ def test_varlen_vs_per_sequence(cell, path, device, poison_empty):
     N, T = len(bounds) - 1, bounds[-1]
     x, R, b, s = _inputs(cell, 1, T, 2, 6, torch.float32, device, seed=5, N=N)
     cu = torch.tensor(bounds, dtype=torch.int32, device=device)
-    got = _grads(_op(cell, path), cell, x, R, b, s, True, cu=cu)
+    got = rnn_grads(_op(cell, path), cell, x, R, b, s, True, cu=cu)
 
     def loop_ref(x, R, b, s, final, cu_seqlens=None):
         hs, fins = [], []
@@ -145,7 +127,7 @@ def test_varlen_vs_per_sequence(cell, path, device, poison_empty):
         return torch.cat(hs, 1), tuple(torch.cat([f[k] for f in fins]) for k in range(len(s)))
 
     d = lambda t: t.double()  # noqa: E731
-    ref = _grads(loop_ref, cell, d(x), d(R), d(b), tuple(map(d, s)), True)
+    ref = rnn_grads(loop_ref, cell, d(x), d(R), d(b), tuple(map(d, s)), True)
     _check_all(cell, got, ref, FP32_TOL, True, True)
 
 
@@ -252,9 +234,9 @@ def test_bad_gate_counts_and_varlen(device):
 @pytest.mark.parametrize("cell", CELLS)
 def test_bf16_forward_backward_gpu(cell, path):
     x, R, b, s = _inputs(cell, 4, 64, 3, 48, torch.bfloat16, "cuda", seed=13)
-    got = _grads(_op(cell, path), cell, x, R, b, s, True)
+    got = rnn_grads(_op(cell, path), cell, x, R, b, s, True)
     d = lambda t: t.double()  # noqa: E731
-    ref = _grads(_ref_fn(cell), cell, d(x), d(R), d(b), tuple(map(d, s)), True)
+    ref = rnn_grads(_ref_fn(cell), cell, d(x), d(R), d(b), tuple(map(d, s)), True)
     _check_all(cell, got, ref, 3e-2, True, True)
 
 
@@ -266,9 +248,9 @@ def test_fused_gpu(cell, D, dtype):
     """The fused path compiled (the CPU tests run the interpreter): B = 17 over two batch tiles, 128 steps, 3 heads,
     against the float64 step loop."""
     x, R, b, s = _inputs(cell, 17, 128, 3, D, dtype, "cuda", seed=D)
-    got = _grads(_op(cell, "fused"), cell, x, R, b, s, True)
+    got = rnn_grads(_op(cell, "fused"), cell, x, R, b, s, True)
     d = lambda t: t.double()  # noqa: E731
-    ref = _grads(_ref_fn(cell), cell, d(x), d(R), d(b), tuple(map(d, s)), True)
+    ref = rnn_grads(_ref_fn(cell), cell, d(x), d(R), d(b), tuple(map(d, s)), True)
     _check_all(cell, got, ref, FP32_TOL if dtype == torch.float32 else 3e-2, True, True)
 
 
@@ -279,11 +261,11 @@ def test_large_preactivations_wide_head_and_determinism(cell, D, device):
     equal."""
     x, R, b, s = _inputs(cell, 17, 2, 1, D, torch.float32, device, seed=21)
     x = x * 30.0 / x.abs().amax()  # pre-activations in about [-31, 31]
-    runs = [_grads(getattr(tfla, cell), cell, x, R, b, s, True) for _ in range(2)]
+    runs = [rnn_grads(getattr(tfla, cell), cell, x, R, b, s, True) for _ in range(2)]
     for a, c in zip([runs[0][0], *runs[0][1], *runs[0][2]], [runs[1][0], *runs[1][1], *runs[1][2]]):
         assert torch.equal(a, c)
     d = lambda t: t.double()  # noqa: E731
-    ref = _grads(_ref_fn(cell), cell, d(x), d(R), d(b), tuple(map(d, s)), True)
+    ref = rnn_grads(_ref_fn(cell), cell, d(x), d(R), d(b), tuple(map(d, s)), True)
     _check_all(cell, runs[0], ref, FP32_TOL, True, True)
 
 
@@ -293,8 +275,8 @@ def test_fused_equals_alternating(cell, config, device):
     """The two paths (and the fused path's launch settings) agree: B = 19 over one, two or three batch tiles, 3
     heads, D = 20 (masked columns), initial and final states, 7 steps."""
     x, R, b, s = _inputs(cell, 19, 7, 3, 20, torch.float32, device, seed=31)
-    fused = _grads(functools.partial(getattr(tfla, cell), config={"path": "fused", **config}), cell, x, R, b, s, True)
-    alt = _grads(_op(cell, "alternating"), cell, x, R, b, s, True)
+    fused = rnn_grads(functools.partial(getattr(tfla, cell), config={"path": "fused", **config}), cell, x, R, b, s, True)
+    alt = rnn_grads(_op(cell, "alternating"), cell, x, R, b, s, True)
     _check_all(cell, fused, alt, FP32_TOL, True, True)
 
 

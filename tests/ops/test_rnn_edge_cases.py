@@ -19,7 +19,7 @@ import torch
 
 import tfla
 from tfla.ops.rnn.reference import CELL_GATES, CELL_STATES, recurrent_rnn_ref
-from tfla.utils.testing import assert_rel_close, tolerance
+from tfla.utils.testing import assert_rel_close, rnn_grads, tolerance
 
 CELLS = ("elman", "lstm", "gru", "slstm")
 FWD_TOL = tolerance(torch.float32)
@@ -52,19 +52,8 @@ def _inputs(cell, D, seed, saturate=None):
 
 def _run(fn, cell, x, R, b, state, device):
     """``(h, final state tuple, (dx, dR, db, *dstate0))`` of ``fn`` (a cell's signature) on copies of the inputs
-    on ``device`` in their dtype, the same float64 cotangents (cast) for every dtype."""
-    leaves = [t.detach().to(device).clone().requires_grad_() for t in (x, R, b, *state)]
-    h, fin = fn(*leaves[:3], tuple(leaves[3:]), True)
-    gen = torch.Generator().manual_seed(1)
-    outs, cts = [h], [torch.randn(h.shape, generator=gen, dtype=torch.float64)]
-    for k, f in enumerate(fin):
-        if cell == "slstm" and k == 3:  # m: a constant of the backward
-            continue
-        outs.append(f)
-        cts.append(torch.randn(f.shape, generator=gen, dtype=torch.float64))
-    grads = torch.autograd.grad(outs, leaves, [c.to(o.dtype).to(o.device) for c, o in zip(cts, outs)],
-                                allow_unused=True)
-    return h, fin, grads
+    on ``device`` in their dtype, the same float64 cotangents (cast) for every dtype (``rnn_grads``)."""
+    return rnn_grads(fn, cell, *(t.to(device) for t in (x, R, b)), tuple(t.to(device) for t in state))
 
 
 def _tfla(cell, path):

@@ -87,3 +87,24 @@ def gdn_op_grads(configs: list[dict], varlen: bool, segments: int = 1, seed: int
                                                 output_final_state=True, cu_seqlens=cu.cpu() if varlen else None)
         res.append(torch.autograd.grad((ro * do.double().cpu()).sum() + (rs * dht.double().cpu()).sum(), r))
     return res
+
+
+def rnn_grads(fn, cell: str, x, R, b, state, final: bool = True, cu=None, seed: int = 1):
+    """``(h, final state tuple, (dx, dR, db, *dstate0))`` of an RNN cell op ``fn`` (``tfla.lstm``'s signature, or a
+    reference with it) on copies of x, R, b and the initial state ``state`` (a tuple, or None for zeros): float64
+    cotangents from a generator seeded with ``seed``, cast to each output's dtype, for h and (``final``) every final
+    state but the sLSTM's m (a constant of the backward); ``cu`` is passed as ``cu_seqlens``."""
+    leaves = [t.detach().clone().requires_grad_() for t in (x, R, b, *(state or ()))]
+    kw = {"cu_seqlens": cu} if cu is not None else {}
+    h, fin = fn(*leaves[:3], tuple(leaves[3:]) if state is not None else None, final, **kw)
+    gen = torch.Generator().manual_seed(seed)
+    outs, cts = [h], [torch.randn(h.shape, generator=gen, dtype=torch.float64)]
+    if final:
+        for k, f in enumerate(fin):
+            if cell == "slstm" and k == 3:  # m: a constant of the backward
+                continue
+            outs.append(f)
+            cts.append(torch.randn(f.shape, generator=gen, dtype=torch.float64))
+    grads = torch.autograd.grad(outs, leaves, [c.to(o.dtype).to(o.device) for c, o in zip(cts, outs)],
+                                allow_unused=True)
+    return h, fin, grads
