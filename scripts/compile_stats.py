@@ -148,22 +148,25 @@ def _record_state_bwd_ws(dtype, T, K, V):
 
 
 def _record_gdn_bwd_ws(dtype, T, K, V):
-    """The Gluon chunk-gradient kernel's launches (``gdn_bwd_chunk_ws``): dense (T not a multiple of 64) and varlen."""
+    """The Gluon chunk-gradient kernel's launches (``gdn_bwd_chunk_ws``): grouped value heads (2 per key head) dense
+    (T not a multiple of 64) and varlen; one value head per key head with l2norm's backward (dense) and without
+    (varlen)."""
     from tfla.ops.common import chunk_dqkw_ws as cw
 
-    H, HV = 2, 4
-    q, k = torch.randn(1, T, H, K, dtype=dtype), torch.randn(1, T, H, K, dtype=dtype)
-    v, vn, do, du = (torch.randn(1, T, HV, V, dtype=dtype) for _ in range(4))
-    g = torch.randn(1, T, HV)
     cu = torch.tensor([0, T // 3, T], dtype=torch.int32)
     ns = (T // 3 + 63) // 64 + (T - T // 3 + 63) // 64
     tiles = torch.zeros(ns, 2, dtype=torch.int32)
     offs = torch.tensor([0, (T // 3 + 63) // 64])
-    for varlen in (False, True):
+    for HV, varlen, l2 in ((4, False, False), (4, True, False), (2, False, True), (2, True, False)):
+        H = 2
+        q, k = torch.randn(1, T, H, K, dtype=dtype), torch.randn(1, T, H, K, dtype=dtype)
+        v, vn, do, du = (torch.randn(1, T, HV, V, dtype=dtype) for _ in range(4))
+        g = torch.randn(1, T, HV)
         h = torch.randn(1, ns if varlen else (T + 63) // 64, HV, K, V, dtype=dtype)
+        rstd = torch.rand(1, T, H)
         cw.gdn_bwd_chunk_ws(q, k, v, torch.rand(1, T, HV, dtype=dtype), torch.randn(1, T, HV, 64, dtype=dtype), vn,
                             do, du, h, h, g, 0.1, cu if varlen else None, tiles if varlen else None,
-                            offs if varlen else None)
+                            offs if varlen else None, l2=(rstd, rstd) if l2 else None)
 
 
 def main(argv=None):
@@ -261,7 +264,7 @@ def main(argv=None):
         chunk_simple_gla_bwd(q, k, v, gc, 0.1, h0, do, dht, L)
     over = False
     flags = ("VEC_G", "VEC_ROWDOT", "ROWDOT", "REVERSE", "HAS_STATE", "STORE_SUB", "N_STATE", "NORM", "ROWADD", "NCONS",
-             "IS_VARLEN", "USE_H0", "SAVE", "TRANSITION", "USE_DHT", "STORE", "BV",
+             "IS_VARLEN", "USE_H0", "SAVE", "TRANSITION", "USE_DHT", "STORE", "BV", "HV", "L2",
              "VEC_SPAN", "CELL", "BB", "BD")
     print(f"{args.op} {args.dtype} T={T} K={K} V={V} L={L}, sm_90, Triton {triton.__version__}")
     for fn, a, kw in launches:

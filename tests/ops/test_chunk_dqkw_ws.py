@@ -1,8 +1,9 @@
 """The delta rule's chunk gradients on Hopper in one Gluon kernel (``tfla/ops/common/chunk_dqkw_ws.py``, sm_90 only)
-against the ``tl`` kernels it replaces there (``_gdn_dqkw_kernel`` + ``_wy_bwd_kernel``, the same math): dense and
-varlen with sequences of length 0, 1 and not a multiple of 64, grouped value heads, value head dims 64 and 128, fp16
-and bf16; and through the op (forward + backward, whole and cut in pieces) against the op on the ``tl`` kernels and
-the float64 recurrence. Where it does not apply (CPU, fp32, K != 128, V other than 64 / 128, no gate) the ``tl``
+against the ``tl`` kernels it replaces there (``_gdn_dqkw_kernel`` + ``_wy_bwd_kernel``, the same math, then
+``l2norm_bwd``): dense and varlen with sequences of length 0, 1 and not a multiple of 64, grouped value heads,
+l2norm's backward (one value head per key head: in the kernel), value head dims 64 and 128, fp16 and bf16; and
+through the op (forward + backward, whole and cut in pieces) against the op on the ``tl`` kernels and the float64
+recurrence. Where it does not apply (CPU, fp32, K != 128, V other than 64 / 128, no gate) the ``tl``
 kernels run."""
 import pytest
 import torch
@@ -11,6 +12,7 @@ from tfla.ops.common.chunk_dqkw import chunk_dqkw_bwd
 from tfla.ops.common.chunk_dqkw_ws import gdn_bwd_chunk_ws, gdn_bwd_ws_supported
 from tfla.ops.common.cumsum import chunk_local_cumsum
 from tfla.ops.common.fused_delta_ws import HAVE_GLUON
+from tfla.ops.common.l2norm import l2norm_bwd
 from tfla.ops.common.wy_bwd import wy_bwd
 from tfla.utils.testing import GDN_OP_NAMES, gdn_op_grads, rel_l2
 
@@ -47,34 +49,46 @@ def _inputs(B, T, H, HV, V, lens, dtype, seed):
 
 @pytest.mark.gpu
 @needs_sm90
-@pytest.mark.parametrize("B,T,H,HV,V,lens,dtype", [
-    (1, 1, 1, 1, 128, None, torch.bfloat16),
-    (2, 300, 2, 4, 128, None, torch.bfloat16),
-    (1, 1171, 2, 4, 128, [0, 1, 64, 130, 5, 971], torch.bfloat16),
-    (3, 257, 1, 2, 64, None, torch.float16),
-    (1, 1171, 1, 2, 64, [0, 1, 64, 130, 5, 971], torch.bfloat16),
-    (2, 2000, 2, 8, 128, None, torch.bfloat16),
+@pytest.mark.parametrize("B,T,H,HV,V,lens,dtype,l2", [
+    (1, 1, 1, 1, 128, None, torch.bfloat16, False),
+    (2, 300, 2, 4, 128, None, torch.bfloat16, False),
+    (1, 1171, 2, 2, 128, [0, 1, 64, 130, 5, 971], torch.bfloat16, True),
+    (3, 257, 1, 2, 64, None, torch.float16, False),
+    (1, 1171, 1, 2, 64, [0, 1, 64, 130, 5, 971], torch.bfloat16, False),
+    (2, 2000, 2, 8, 128, None, torch.bfloat16, False),
+    (2, 700, 3, 3, 128, None, torch.bfloat16, True),
 ])
-def test_ws_bwd_matches_tl(B, T, H, HV, V, lens, dtype):
-    """``gdn_bwd_chunk_ws`` (one kernel) against ``chunk_dqkw_bwd`` + ``wy_bwd`` on the ``tl`` kernels."""
+def test_ws_bwd_matches_tl(B, T, H, HV, V, lens, dtype, l2):
+    """``gdn_bwd_chunk_ws`` (one kernel; with ``l2``, one value head per key head, dq and dk taken through l2norm's
+    backward) against ``chunk_dqkw_bwd`` + ``wy_bwd`` on the ``tl`` kernels (and ``l2norm_bwd``); bitwise equal
+    across calls."""
     args, kw = _inputs(B, T, H, HV, V, lens, dtype, seed=T + V + 1)
     q, k, vn, do, du, h, dh, g_cum = args
     gen = torch.Generator(device="cuda").manual_seed(5)
     v = torch.randn(vn.shape, device="cuda", generator=gen).to(dtype)
     beta = torch.rand(B, T, HV, device="cuda", generator=gen).to(dtype)
     ai = (torch.randn(B, T, HV, 64, device="cuda", generator=gen) * 0.2).to(dtype)
+    rq, rk = (torch.rand(B, T, H, device="cuda", generator=gen) + 0.5 for _ in range(2))
     assert gdn_bwd_ws_supported(q, k, v, beta, ai, vn, do, du, h, g_cum)
     got = gdn_bwd_chunk_ws(q, k, v, beta, ai, vn, do, du, h, dh, g_cum, 128 ** -0.5, kw.get("cu_seqlens"),
-                           kw.get("tile_indices"), kw.get("sub_offsets"))
+                           kw.get("tile_indices"), kw.get("sub_offsets"), l2=(rq, rk) if l2 else None)
     w = torch.empty(B, T, HV, 128, device="cuda", dtype=dtype)
     dq, dko, dw, dgd, pst, sds = chunk_dqkw_bwd(*args, 128 ** -0.5, dq_dtype=dtype, dk_dtype=dtype, dw=w, **kw)
     dk, dv, dbeta, dgam = wy_bwd(k, v, beta, g_cum, ai, vn, du, None, None, 64, cu_seqlens=kw.get("cu_seqlens"),
                                  sub_indices=kw.get("tile_indices"), dk_add=dko, dk_dtype=dtype, dw=dw, pst=pst,
                                  sdst=sds)
+    if l2:  # the l2norm inputs whose normalized rows are q and k: x0 = q / r (fp32), so that x0 r = q
+        dq = l2norm_bwd(q.float() / rq[..., None], rq, dq).to(dtype)
+        dk = l2norm_bwd(k.float() / rk[..., None], rk, dk).to(dtype)
     for name, a, b in zip(("dq", "dk", "dv", "dbeta", "dgd", "dgam"), got, (dq, dk, dv, dbeta, dgd, dgam)):
         assert a.shape == b.shape and a.dtype == b.dtype, name
         assert torch.isfinite(a).all(), name
         assert rel_l2(a.float(), b.float()) < 1e-2, f"{name}: {rel_l2(a.float(), b.float()):.3e}"
+    for _ in range(2):  # deterministic
+        again = gdn_bwd_chunk_ws(q, k, v, beta, ai, vn, do, du, h, dh, g_cum, 128 ** -0.5, kw.get("cu_seqlens"),
+                                 kw.get("tile_indices"), kw.get("sub_offsets"), l2=(rq, rk) if l2 else None)
+        for name, a, b in zip(("dq", "dk", "dv", "dbeta", "dgd", "dgam"), again, got):
+            assert torch.equal(a, b), name
 
 
 def test_ws_bwd_not_taken_where_it_does_not_apply(device):
@@ -100,14 +114,16 @@ def test_ws_bwd_not_taken_where_it_does_not_apply(device):
 
 @pytest.mark.gpu
 @needs_sm90
-@pytest.mark.parametrize("varlen", [False, True])
-@pytest.mark.parametrize("segments", [1, 3])
-def test_op_with_ws_bwd(varlen, segments):
+@pytest.mark.parametrize("varlen,segments,l2norm,HV", [(False, 1, False, 4), (True, 1, False, 4), (False, 3, False, 4),
+                                                        (True, 3, False, 4), (True, 1, True, 4), (False, 3, True, 2),
+                                                        (True, 1, True, 2)])
+def test_op_with_ws_bwd(varlen, segments, l2norm, HV):
     """The op with the one-kernel chunk gradients (default on Hopper) against the op on the ``tl`` kernels
-    (``config={"dqkw": {"ws": False}}``) and the float64 recurrence's gradients: bf16, grouped value heads, initial
-    and final state, whole sequences and pieces."""
+    (``config={"dqkw": {"ws": False}}``) and the float64 recurrence's gradients: bf16, grouped value heads (HV = 4,
+    H = 2) and not, initial and final state, whole sequences and pieces, with and without
+    ``use_qk_l2norm_in_kernel`` (without grouped heads its backward runs in the kernel)."""
     *res, ref = gdn_op_grads([{"dqkw": {"ws": ws}} for ws in (True, False)], varlen, segments, seed=17,
-                             reference=True)
+                             reference=True, l2norm=l2norm, HV=HV)
     for name, a_, b_, rf in zip(GDN_OP_NAMES, res[0][2:], res[1][2:], ref):
         assert torch.isfinite(a_).all(), name
         e_ws, e_tl = rel_l2(a_.double().cpu(), rf), rel_l2(b_.double().cpu(), rf)

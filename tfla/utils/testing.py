@@ -58,11 +58,11 @@ GDN_OP_NAMES = ("q", "k", "v", "g", "beta", "initial_state")
 
 
 def gdn_op_grads(configs: list[dict], varlen: bool, segments: int = 1, seed: int = 7, reference: bool = False,
-                 device: str = "cuda"):
+                 device: str = "cuda", l2norm: bool = False, HV: int = 4):
     """Forward + backward of ``tfla.chunk_gated_delta_rule`` on one bf16 input on ``device`` under each of
     ``configs`` (the op's ``config``): B = 2 x T = 550, or 4 packed sequences of 1, 299, 0 and 800 tokens
-    (``varlen``); H = 2, HV = 4, K = V = 128; an initial state; random cotangents for o and the final state;
-    ``segments`` as the op takes it. Returns one tuple per config, ``(o, final_state, *gradients of
+    (``varlen``); H = 2, HV value heads (4: grouped), K = V = 128; an initial state; random cotangents for o and the final state;
+    ``segments`` as the op takes it; ``l2norm``: ``use_qk_l2norm_in_kernel``. Returns one tuple per config, ``(o, final_state, *gradients of
     GDN_OP_NAMES)``, and with ``reference`` also the gradients of the float64 recurrence (CPU) as the last item."""
     import tfla
     from tfla.bench.inputs import gdn_inputs
@@ -70,21 +70,23 @@ def gdn_op_grads(configs: list[dict], varlen: bool, segments: int = 1, seed: int
 
     cu = torch.tensor([0, 1, 300, 300, 1100], device=device) if varlen else None
     B, T = (1, 1100) if varlen else (2, 550)
-    x = gdn_inputs(B, T, 2, 128, 128, HV=4, dtype=torch.bfloat16, device=device, initial_state=True,
+    x = gdn_inputs(B, T, 2, 128, 128, HV=HV, dtype=torch.bfloat16, device=device, initial_state=True,
                    num_seqs=4 if varlen else B, seed=seed)
     gen = torch.Generator(device=device).manual_seed(0)
-    do = torch.randn(B, T, 4, 128, device=device, generator=gen).bfloat16()
+    do = torch.randn(B, T, HV, 128, device=device, generator=gen).bfloat16()
     dht = torch.randn(x["initial_state"].shape, device=device, generator=gen)
     res = []
     for cfg in configs:
         leaves = [x[n].clone().requires_grad_() for n in GDN_OP_NAMES]
         o, s = tfla.chunk_gated_delta_rule(*leaves[:5], initial_state=leaves[5], output_final_state=True,
-                                           cu_seqlens=cu, segments=segments, config=cfg)
+                                           cu_seqlens=cu, segments=segments, config=cfg,
+                                           use_qk_l2norm_in_kernel=l2norm)
         res.append((o, s) + torch.autograd.grad((o * do).sum() + (s * dht).sum(), leaves))
     if reference:
         r = [x[n].double().cpu().requires_grad_() for n in GDN_OP_NAMES]
         ro, rs = recurrent_gated_delta_rule_ref(*r[:5], scale=128 ** -0.5, initial_state=r[5],
-                                                output_final_state=True, cu_seqlens=cu.cpu() if varlen else None)
+                                                output_final_state=True, use_qk_l2norm_in_kernel=l2norm,
+                                                cu_seqlens=cu.cpu() if varlen else None)
         res.append(torch.autograd.grad((ro * do.double().cpu()).sum() + (rs * dht.double().cpu()).sum(), r))
     return res
 

@@ -81,14 +81,14 @@ if HAVE_GLUON:
         _cta_barrier()
 
     @gluon.jit
-    def _wy_stage(q_s, k_s, tm_s, tmp_s, out_s, b_dw, b_duv, b_db, b_g, b_gr, b_gc, beta, r, t0, T, i_hv,
-                  HV: gl.constexpr, K: gl.constexpr, L: gl.constexpr, LS: gl.constexpr):
+    def _wy_stage(q_s, k_s, tm_s, tmp_s, out_s, b_dw, b_duv, b_db, b_g, b_gr, b_gc, b_br, t0, T, K: gl.constexpr,
+                  L: gl.constexpr, LS: gl.constexpr):
         """The UT / WY backward of one chunk (``wy_bwd._wy_bwd_kernel``'s delta rule, module docstring) from dW
         (``b_dw = dU S^T``, dW = -b_dw) and ``b_duv = dU V^T``: ``dTm = dW X_k^T + dU X_v^T`` (X_k = beta 2^G k,
         X_v = beta v: the row factors taken as column scales of ``dW K^T`` and ``dU V^T``), ``dA = -Tm^T dTm Tm^T``
         (strictly lower), ``M = dA o E o beta``, dk's WY part ``beta 2^G (Tm^T dW) + M K + M^T K`` (left in out_s,
         16-bit), dbeta's rows (returned with ``b_db``'s) and ``dgr`` (the rows' gate-gradient terms whose reverse
-        sums enter dg). tm_s: Tm, tmp_s: a free ``[64, 64]`` buffer."""
+        sums enter dg). tm_s: Tm, tmp_s: a free ``[64, 64]`` buffer, b_br: beta's rows (0 past the end)."""
         LR: gl.constexpr = gl.SliceLayout(1, L)
         LSR: gl.constexpr = gl.SliceLayout(1, LS)
         LSC: gl.constexpr = gl.SliceLayout(0, LS)
@@ -99,9 +99,8 @@ if HAVE_GLUON:
         m_r = o_r < T
         m_sr = o_sr < T
         m_sc = o_sc < T
-        b_b = gl.load(beta + (r - t0 + o_r) * HV + i_hv, mask=m_r, other=0.0).to(gl.float32)
-        b_br = gl.load(beta + (r - t0 + o_sr) * HV + i_hv, mask=m_sr, other=0.0).to(gl.float32)
-        b_bc = gl.load(beta + (r - t0 + o_sc) * HV + i_hv, mask=m_sc, other=0.0).to(gl.float32)
+        b_b = gl.convert_layout(b_br, LR)
+        b_bc = gl.convert_layout(b_br, LSC)
         b_sk = b_b * gl.exp2(gl.where(m_r, b_g, float("-inf")))  # beta 2^G per row
         b_skc = b_bc * gl.exp2(gl.where(m_sc, b_gc, float("-inf")))
         zs = gl.zeros([64, 64], dtype=gl.float32, layout=LS)
@@ -181,14 +180,25 @@ if HAVE_GLUON:
         _tma_load(k_desc, [r, i_h * K], bar_qk, k_s)
 
     @gluon.jit
+    def _l2norm_rows(b_x, y_s, rstd, r, t0, T, i_h, H: gl.constexpr, L: gl.constexpr):
+        """l2norm's backward of ``[64, K]`` rows (layout L): ``r (dx - y (y . dx))``, y the normalized rows in y_s
+        (the forward's output, 16-bit), r = rstd ``[B T, H]`` fp32 (``l2norm.py``)."""
+        o_r = t0 + gl.arange(0, 64, layout=gl.SliceLayout(1, L))
+        b_r = gl.load(rstd + (r - t0 + o_r) * H + i_h, mask=o_r < T, other=0.0)
+        b_y = y_s.load(L).to(gl.float32)
+        return b_r[:, None] * (b_x - b_y * gl.sum(b_y * b_x, 1)[:, None])
+
+    @gluon.jit
     def _gdn_bwd_ws_kernel(q_desc, k_desc, vn_desc, do_desc, du_desc, h_desc, dh_desc, dq_desc, dk_desc, v_desc,
-                           tm_desc, dv_desc, g, beta, dq, dk, dv, dgd, dbeta, dgam, cu_seqlens, tile_indices,
-                           sub_offsets, scale, T, NT, H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr,
-                           V: gl.constexpr, IS_VARLEN: gl.constexpr):
+                           tm_desc, dv_desc, g, beta, dq, dk, dv, dgd, dbeta, dgam, rstd_q, rstd_k, cu_seqlens,
+                           tile_indices, sub_offsets, scale, T, NT, H: gl.constexpr,
+                           HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, IS_VARLEN: gl.constexpr,
+                           L2: gl.constexpr):
         """Grid ``(NT, B HV)``: one CTA per (64-row chunk, batch x value head) (varlen: NT chunks from
-        ``tile_indices``, B = 1); 8 warps. Writes dq, dk ``[B T, HV K]`` (per value head), dv ``[B T, HV V]``, and
-        fp32 ``[B T, HV]`` rows: dgd (``q . dq - k . dk`` of the tiled product, r = s terms out), dbeta and dgam
-        (the state and WY parts of the gate gradient, the chunk's reverse sum included)."""
+        ``tile_indices``, B = 1); 8 warps. Writes dq, dk ``[B T, HV K]`` (per value head; with L2, HV = H, the
+        gradients of l2norm's inputs), dv ``[B T, HV V]``, and fp32 ``[B T, HV]`` rows: dgd (``q . dq - k . dk`` of
+        the tiled product, r = s terms out), dbeta and dgam (the state and WY parts of the gate gradient, the
+        chunk's reverse sum included)."""
         L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 64, 16])
         LS: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16])
         LR: gl.constexpr = gl.SliceLayout(1, L)
@@ -262,8 +272,8 @@ if HAVE_GLUON:
 
         # 2. the UT / WY backward (dk's WY part left in out_s)
         mbarrier.wait(bar_qk, ph)
-        b_db, b_dgr = _wy_stage(q_s, k_s, tm_s, du_s.index(0), out_s, b_dw, b_duv, b_db, b_g, b_gr, b_gc, beta,
-                                r, t0, Tn, i_hv, HV, K, L, LS)
+        b_db, b_dgr = _wy_stage(q_s, k_s, tm_s, du_s.index(0), out_s, b_dw, b_duv, b_db, b_g, b_gr, b_gc, b_bv,
+                                t0, Tn, K, L, LS)
         gl.store(dbeta + (r - t0 + o_r) * HV + i_hv, b_db, mask=m_r)
 
         # 3. pass 2: dO Vnew^T, dO S^T, Vnew dS^T
@@ -303,10 +313,14 @@ if HAVE_GLUON:
         _cta_barrier()  # out_s read by every warp before dq's store writes it
         b_dq = warpgroup_mma(p_s, k_s, b_dq)
         b_dq = b_dq * scale + b_sd[:, None] * k_s.load(L).to(gl.float32)
+        if L2:  # (one value head per key head)
+            b_dq = _l2norm_rows(b_dq, q_s, rstd_q, r, t0, Tn, i_h, H, L)
         _store_tile(dq_desc, out_s, dq, b_dq, r, i_hv * K, m_r, full, HV * K, L)
         b_dk = warpgroup_mma(p_s.permute((1, 0)), q_s, gl.zeros([64, K], dtype=gl.float32, layout=L),
                              use_acc=False)
         b_dk = b_dk * scale + b_sd[:, None] * q_s.load(L).to(gl.float32) + b_dks  # (q loaded again: registers)
+        if L2:
+            b_dk = _l2norm_rows(b_dk, k_s, rstd_k, r, t0, Tn, i_h, H, L)
         _wait_store(full)
         _store_tile(dk_desc, out_s, dk, b_dk, r, i_hv * K, m_r, full, HV * K, L)
         _wait_store(full)
@@ -335,7 +349,7 @@ def gdn_bwd_ws_supported(q, k, v, beta, ai, v_new, do, du, h_sub, g_cum) -> bool
 
 
 def gdn_bwd_chunk_ws(q, k, v, beta, ai, v_new, do, du, h_sub, dh_sub, g_cum, scale, cu_seqlens=None,
-                     tile_indices=None, sub_offsets=None, config: dict | None = None):
+                     tile_indices=None, sub_offsets=None, l2=None, config: dict | None = None):
     """The delta rule's gradients after the state-gradient recurrence in one launch (module docstring), for
     ``chunk.chunk_gated_delta_rule_bwd``. Call only where ``gdn_bwd_ws_supported`` holds.
 
@@ -343,14 +357,19 @@ def gdn_bwd_chunk_ws(q, k, v, beta, ai, v_new, do, du, h_sub, dh_sub, g_cum, sca
     beta, g_cum (log2 cumulative gate restarting every 64 rows) ``[B, T, HV]``; ai (Tm) ``[B, T, HV, 64]``;
     h_sub / dh_sub: the state at / the state gradient after every 64-row chunk ``[B, NS, HV, K, V]``
     (``[1, NS_total, HV, K, V]`` varlen); cu_seqlens, tile_indices, sub_offsets: varlen (B = 1), the (sequence,
-    64-row chunk) table and each sequence's first chunk; config: ``num_warps``.
+    64-row chunk) table and each sequence's first chunk; l2: ``(rstd_q, rstd_k)`` (``[B, T, H]`` fp32, from
+    ``l2norm_fwd``) when q and k are l2norm's outputs: dq and dk are then the gradients of its inputs;
+    config: ``num_warps``.
     Returns ``(dq, dk, dv, dbeta, dgd, dgam)``: dq, dk ``[B, T, HV, K]`` per value head in q's dtype, dv like v,
     dbeta ``[B, T, HV]`` fp32, dgd (``q . dq - k . dk`` of the tiled product, ``chunk_dqkw_bwd``'s) and dgam (the
-    state and WY parts of the gate gradient, the chunk's reverse sum included, ``wy_bwd``'s) ``[B, T, HV]`` fp32."""
+    state and WY parts of the gate gradient, the chunk's reverse sum included, ``wy_bwd``'s) ``[B, T, HV]`` fp32.
+    Raises ValueError for ``l2`` with HV != H (the grouped heads' sum comes first: ``group_sum``)."""
     cfg = {**GDN_BWD_WS_DEFAULTS, **(config or {})}
     B, T, H, K = q.shape
     HV, V = do.shape[2], do.shape[3]
     NT = (T + BS - 1) // BS if cu_seqlens is None else tile_indices.shape[0]
+    if l2 is not None and HV != H:
+        raise ValueError(f"l2 needs one value head per key head, got H = {H}, HV = {HV}")
     dq = torch.empty(B, T, HV, K, dtype=q.dtype, device=q.device)
     dk = torch.empty_like(dq)
     dv = torch.empty_like(v)
@@ -368,7 +387,9 @@ def gdn_bwd_chunk_ws(q, k, v, beta, ai, v_new, do, du, h_sub, dh_sub, g_cum, sca
         desc(do, B * T, HV * V, [BS, BVC]), desc(du, B * T, HV * V, [BS, BVC]), desc(h_sub, nrow, V, [K, BVC]),
         desc(dh_sub, nrow, V, [K, BVC]), desc(dq, B * T, HV * K, [BS, K]), desc(dk, B * T, HV * K, [BS, K]),
         desc(v, B * T, HV * V, [BS, BVC]), desc(ai, B * T, HV * 64, [BS, 64]), desc(dv, B * T, HV * V, [BS, BVC]),
-        g_cum, beta, dq, dk, dv, dgd, dbeta, dgam, cu_seqlens if cu_seqlens is not None else g_cum,
+        g_cum, beta, dq, dk, dv, dgd, dbeta, dgam, l2[0] if l2 is not None else g_cum,
+        l2[1] if l2 is not None else g_cum, cu_seqlens if cu_seqlens is not None else g_cum,
         tile_indices if tile_indices is not None else g_cum, sub_offsets if sub_offsets is not None else g_cum,
-        scale, T, NT, H=H, HV=HV, K=K, V=V, IS_VARLEN=cu_seqlens is not None, num_warps=cfg["num_warps"])
+        scale, T, NT, H=H, HV=HV, K=K, V=V, IS_VARLEN=cu_seqlens is not None, L2=l2 is not None,
+        num_warps=cfg["num_warps"])
     return dq, dk, dv, dbeta, dgd, dgam

@@ -198,12 +198,14 @@ def chunk_gated_delta_rule_bwd(
     ws = (config.get("dqkw") or {}).get("ws", True)
     if ws is not False and gdn_bwd_ws_supported(q, k, v, beta, ai, v_new, do, du, h_sub, g_cum):
         # on Hopper: the stage below and the UT / WY backward in one kernel (chunk_dqkw_ws.py): dW, dk's parts and
-        # the state terms of the gate gradient stay on chip
+        # the state terms of the gate gradient stay on chip; without grouped value heads l2norm's backward too
         dq, dk, dv, dbeta, dgq, dgam = gdn_bwd_chunk_ws(
             q, k, v, beta, ai, v_new, do, du, h_sub, dh_sub, g_cum, scale, cu_seqlens=cu,
             tile_indices=sub, sub_offsets=varlen.sub_offsets if varlen is not None else None,
-            config=ws if isinstance(ws, dict) else None)
+            l2=(l2[1], l2[3]) if l2 is not None and HV == H else None, config=ws if isinstance(ws, dict) else None)
         del w, h_sub, dh_sub, du
+        if HV == H:
+            l2 = None  # (done)
     else:
         dq, dko, dw, dgq, pst, sdst = chunk_dqkw_bwd(
             q, k, v_new, do, du, h_sub, dh_sub, g_cum, scale, cu_seqlens=cu,
