@@ -151,10 +151,12 @@ def _la_ops(device):
         "linear_attn": lambda q, k, v, g, h0, cu: tfla.chunk_linear_attn(q, k, v, initial_state=h0,
                                                                          output_final_state=True, normalize=False,
                                                                          cu_seqlens=cu),
+        "lightning_attn": lambda q, k, v, g, h0, cu: tfla.chunk_lightning_attn(
+            q, k, v, 1, 4, initial_state=h0, output_final_state=True, cu_seqlens=cu),
     }
 
 
-@pytest.mark.parametrize("name", ["simple_gla", "simple_gla_g_gamma", "retention", "linear_attn"])
+@pytest.mark.parametrize("name", ["simple_gla", "simple_gla_g_gamma", "retention", "linear_attn", "lightning_attn"])
 @pytest.mark.parametrize("varlen", [False, True])
 def test_linear_attention_fullgraph_equals_eager(device, name, varlen):
     """The linear-attention family (one pair of custom ops under them all) compiles without graph breaks; outputs,
@@ -254,6 +256,27 @@ def test_mlstm_fullgraph_equals_eager(device, input_gate, varlen, detach):
         return (h, *fin) + torch.autograd.grad(loss, leaves)
 
     _check_compiled(device, fn, run, "mlstm")
+
+
+@pytest.mark.parametrize("input_gate", ["exp", "sigmoid"])
+def test_mlstm_step_fullgraph_equals_eager(device, input_gate):
+    """``mlstm_step`` (PyTorch ops, no custom op) traces whole: one frame, h and the new state equal eager's, from a
+    given state and from none."""
+    B, H, K, V = 3, 2, 16, 32
+    gen = torch.Generator().manual_seed(13)
+    q, k = (torch.randn(B, H, K, generator=gen).to(device) for _ in range(2))
+    v = torch.randn(B, H, V, generator=gen).to(device)
+    i, f = torch.randn(B, H, generator=gen).to(device), (torch.randn(B, H, generator=gen) + 2).to(device)
+    state = [torch.randn(B, H, K, V, generator=gen).to(device), torch.rand(B, H, K, generator=gen).to(device)]
+    if input_gate == "exp":
+        state.append(torch.randn(B, H, generator=gen).to(device))
+
+    def fn(q, k, v, i, f, *st):
+        h, new = tfla.mlstm_step(q, k, v, i, f, tuple(st) if st else None, input_gate=input_gate)
+        return (h, *new)
+
+    for st in (state, []):
+        _check_compiled(device, fn, lambda f_: f_(q, k, v, i, f, *st), f"mlstm_step_{input_gate}")
 
 
 def _opcheck_cases(device):
