@@ -79,6 +79,62 @@ def test_gdn_compiled_with_dynamic_length_does_not_recompile(device):
     assert counter.frame_count == 1
 
 
+# the other families with a length marked dynamic: (op over q, k, v, g, gk, i, f, beta of one length, trained)
+_DYNAMIC_LENGTH = {
+    "simple_gla": (lambda q, k, v, g, gk, i, f, beta: tfla.chunk_simple_gla(q, k, v, g, output_final_state=True), True),
+    "linear_attn": (lambda q, k, v, g, gk, i, f, beta: tfla.chunk_linear_attn(q, k, v, output_final_state=True), True),
+    "gla": (lambda q, k, v, g, gk, i, f, beta: tfla.chunk_gla(q, k, v, gk, output_final_state=True), True),
+    "mlstm": (lambda q, k, v, g, gk, i, f, beta: tfla.chunk_mlstm(q, k, v, i, f, output_final_state=True), True),
+    "gdn_decode": (lambda q, k, v, g, gk, i, f, beta: tfla.fused_recurrent_gated_delta_rule(
+        q, k, v, g, beta=beta, output_final_state=True, use_qk_l2norm_in_kernel=True), False),
+    "simple_gla_decode": (lambda q, k, v, g, gk, i, f, beta: tfla.fused_recurrent_simple_gla(
+        q, k, v, g, output_final_state=True), False),
+}
+
+
+def _flat(out):
+    """The tensors of an op's ``(o, state)`` or ``(o, (state parts))`` in order (None dropped)."""
+    return tuple(t for x in out for t in (x if isinstance(x, tuple) else (x,)) if t is not None)
+
+
+@pytest.mark.parametrize("name", sorted(_DYNAMIC_LENGTH))
+def test_compiled_with_dynamic_length_does_not_recompile_per_family(device, name):
+    """The linear-attention family, GLA, the mLSTM and the decode ops with the length marked dynamic compile once
+    for several lengths (T not a multiple of 64 included); outputs, final states and (chunked ops) every gradient
+    equal eager's."""
+    torch._dynamo.reset()  # what earlier tests in this process compiled must not count
+    fn, trained = _DYNAMIC_LENGTH[name]
+    counter = torch._dynamo.testing.CompileCounter()
+    compiled = torch.compile(fn, fullgraph=True, backend=counter)
+    H, K = 2, 16
+    for T in (70, 129, 200):
+        gen = torch.Generator().manual_seed(T)
+        q, k = ((torch.nn.functional.elu(torch.randn(1, T, H, K, generator=gen)) + 1).to(device) for _ in range(2))
+        v = torch.randn(1, T, H, K, generator=gen).to(device)
+        g, gk = (-torch.rand(1, T, H, generator=gen)).to(device), (-torch.rand(1, T, H, K, generator=gen)).to(device)
+        i, f = torch.randn(1, T, H, generator=gen).to(device), (torch.randn(1, T, H, generator=gen) + 2).to(device)
+        beta = torch.rand(1, T, H, generator=gen).to(device)
+
+        def run(f_, mark):
+            leaves = [t.clone().requires_grad_(trained) for t in (q, k, v, g, gk, i, f, beta)]
+            if mark:  # on the tensors the call gets (a clone does not keep the mark)
+                for t in leaves:
+                    torch._dynamo.mark_dynamic(t, 1)
+            with torch.set_grad_enabled(trained):
+                out = _flat(f_(*leaves))
+            if not trained:
+                return out
+            grads = torch.autograd.grad(sum((o * o).sum() for o in out), leaves, allow_unused=True)
+            return out + tuple(d for d in grads if d is not None)
+
+        got, want = run(compiled, True), run(fn, False)
+        assert len(got) == len(want)
+        for j, (a, b) in enumerate(zip(got, want)):
+            assert_rel_close(f"{name}[{j}] T={T}", a.detach().cpu(), b.detach().cpu().double(),
+                             tolerance(torch.float32))
+    assert counter.frame_count == 1
+
+
 def test_gdn_compiled_forward_without_grad(device):
     """Under no_grad the compiled forward keeps nothing for a backward and matches eager."""
     x = gdn_inputs(1, 100, 1, 16, 16, dtype=torch.float32, device=device, initial_state=True, seed=5)
