@@ -160,6 +160,34 @@ def test_gdn_compiled_bad_input_raises_as_eager(device):
     assert "`beta` must have shape" in str(full.value) and str(eager.value).split(" = ")[0] in str(full.value)
 
 
+@pytest.mark.parametrize("case", ["rows", "columns", "accepted"])
+def test_decode_compiled_bad_shapes_raise_as_eager(device, case):
+    """Index tensors whose shapes the fake implementation could not use raise eager's ValueError through a compiled
+    call (with ``fullgraph=True`` as Dynamo's own error carrying the same message)."""
+    x = gdn_inputs(2, 3, 1, 16, 16, HV=2, dtype=torch.float32, device=device, seed=14)
+    pool = torch.zeros(4, 2, 16, 16, device=device)
+    i32 = dict(dtype=torch.int32, device=device)
+    idx, acc, match = {
+        "rows": (torch.tensor([[0, 1], [2, 3], [1, 2]], **i32), None, "`ssm_state_indices` must have shape"),
+        "columns": (torch.zeros(2, 0, **i32), None, "`ssm_state_indices` must have shape"),
+        "accepted": (torch.tensor([[0, 1], [2, 3]], **i32), torch.tensor([1, 2, 1], **i32),
+                     "`num_accepted_tokens` must have shape"),
+    }[case]
+
+    def decode(q, k, v, g, beta):
+        return tfla.fused_recurrent_gated_delta_rule(q, k, v, g, beta=beta, initial_state=pool, ssm_state_indices=idx,
+                                                     num_accepted_tokens=acc, inplace_final_state=True)
+
+    args = [x[n] for n in ("q", "k", "v", "g", "beta")]
+    with pytest.raises(ValueError, match=match) as eager:
+        decode(*args)
+    with pytest.raises(ValueError, match=match):
+        torch.compile(decode, backend="eager")(*args)
+    with pytest.raises(Exception) as full:
+        torch.compile(decode, fullgraph=True, backend="eager")(*args)
+    assert str(eager.value) in str(full.value)
+
+
 @pytest.mark.parametrize("v_first", [False, True])
 @pytest.mark.parametrize("inplace", [False, True])
 def test_decode_fullgraph_equals_eager(device, v_first, inplace):
