@@ -160,10 +160,13 @@ def test_gdn_compiled_bad_input_raises_as_eager(device):
     assert "`beta` must have shape" in str(full.value) and str(eager.value).split(" = ")[0] in str(full.value)
 
 
-@pytest.mark.parametrize("case", ["rows", "columns", "accepted"])
+@pytest.mark.parametrize("case", ["rows", "columns", "accepted", "slot_value", "accepted_value"])
 def test_decode_compiled_bad_shapes_raise_as_eager(device, case):
-    """Index tensors whose shapes the fake implementation could not use raise eager's ValueError through a compiled
-    call (with ``fullgraph=True`` as Dynamo's own error carrying the same message)."""
+    """Index tensors whose shapes the fake implementation could not use, and host index tensors with values out of
+    range (a slot past the pool, an accepted count outside ``[1, S]``: checked in the custom op's body, which runs on
+    the real tensors), raise eager's ValueError through a compiled call (with ``fullgraph=True`` as Dynamo's own
+    error carrying the same message)."""
+    torch._dynamo.reset()  # a compiled `decode` of an earlier case (same code, other closure) must not be reused
     x = gdn_inputs(2, 3, 1, 16, 16, HV=2, dtype=torch.float32, device=device, seed=14)
     pool = torch.zeros(4, 2, 16, 16, device=device)
     i32 = dict(dtype=torch.int32, device=device)
@@ -172,7 +175,12 @@ def test_decode_compiled_bad_shapes_raise_as_eager(device, case):
         "columns": (torch.zeros(2, 0, **i32), None, "`ssm_state_indices` must have shape"),
         "accepted": (torch.tensor([[0, 1], [2, 3]], **i32), torch.tensor([1, 2, 1], **i32),
                      "`num_accepted_tokens` must have shape"),
+        "slot_value": (torch.tensor([[0, 1], [2, 4]], **i32), None, "`ssm_state_indices` must be < the 4 slots"),
+        "accepted_value": (torch.tensor([[0, 1], [2, 3]], **i32), torch.tensor([1, 3], **i32),
+                           r"`num_accepted_tokens` must lie in \[1, 2\]"),
     }[case]
+    if device != "cpu" and case.endswith("_value"):
+        pytest.skip("values of device index tensors are not read back (documented as unchecked)")
 
     def decode(q, k, v, g, beta):
         return tfla.fused_recurrent_gated_delta_rule(q, k, v, g, beta=beta, initial_state=pool, ssm_state_indices=idx,

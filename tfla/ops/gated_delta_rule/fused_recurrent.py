@@ -261,9 +261,8 @@ def _check_index(name: str, x, q: torch.Tensor, N: int, ndims: tuple[int, ...]) 
 def check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, ssm_state_indices, num_accepted_tokens,
                  inplace_final_state, host_values: bool = True) -> None:
     """Validate a ``fused_recurrent_gated_delta_rule`` call (``initial_state`` in ``[*, HV, K, V]`` index order);
-    raises ValueError/TypeError naming the argument. Values of index tensors and ``cu_seqlens`` are checked only
-    when they are on the host (CPU) and ``host_values`` (off while torch.compile traces): a device tensor is never
-    read back."""
+    raises ValueError/TypeError naming the argument. Values of index tensors and ``cu_seqlens``: ``check_host_values``
+    where ``host_values`` (off while torch.compile traces: the custom op's body checks them then)."""
     B, T, H, HV, K, V = check_qkv(q, k, v, grouped=True)
     named = [("q", q), ("k", k), ("v", v), ("beta", beta)]
     for name, x in (("g", g), ("beta", beta)):
@@ -278,8 +277,6 @@ def check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, ssm_state_i
     # chunk_size is not an argument of this op: the shared check is given a valid one
     check_common(q, named, scale, None, cu_seqlens, SUB_CHUNK, (HV, K, V))
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
-    if cu_seqlens is not None and cu_seqlens.device.type == "cpu" and host_values:
-        check_varlen_bounds(seqlens_to_list(cu_seqlens), T)
     if not isinstance(inplace_final_state, bool):
         raise TypeError(f"`inplace_final_state` must be a bool, got {type(inplace_final_state).__name__}")
     if initial_state is not None:
@@ -301,17 +298,28 @@ def check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, ssm_state_i
         _check_index("ssm_state_indices", ssm_state_indices, q, N, (1, 2))
         if initial_state is None:
             raise ValueError("`ssm_state_indices` index a state pool: pass it as `initial_state` [slots, HV, K, V]")
-        if host_values and ssm_state_indices.device.type == "cpu" and ssm_state_indices.numel() \
-                and int(ssm_state_indices.max()) >= initial_state.shape[0]:
-            raise ValueError(f"`ssm_state_indices` must be < the {initial_state.shape[0]} slots of `initial_state` "
-                             f"(< 0: padding), got max {int(ssm_state_indices.max())}")
     if num_accepted_tokens is not None:
         if ssm_state_indices is None:
             raise ValueError("`num_accepted_tokens` needs `ssm_state_indices` (the slots it selects from)")
         _check_index("num_accepted_tokens", num_accepted_tokens, q, N, (1,))
+    if host_values:
+        check_host_values(T, initial_state, cu_seqlens, ssm_state_indices, num_accepted_tokens)
+
+
+def check_host_values(T: int, pool, cu_seqlens, ssm_state_indices, num_accepted_tokens) -> None:
+    """The values of ``cu_seqlens``, ``ssm_state_indices`` (< the slots of ``pool``, the initial state) and
+    ``num_accepted_tokens`` (in ``[1, S]``, S the index columns), for each of them that is on the host (CPU): device
+    tensors are never read back. Called by ``check_inputs`` in eager calls and by the custom ops' bodies under
+    ``torch.compile`` (which run on the real tensors); raises ValueError naming the argument."""
+    if cu_seqlens is not None and cu_seqlens.device.type == "cpu":
+        check_varlen_bounds(seqlens_to_list(cu_seqlens), T)
+    if ssm_state_indices is not None and ssm_state_indices.device.type == "cpu" and ssm_state_indices.numel() \
+            and int(ssm_state_indices.max()) >= pool.shape[0]:
+        raise ValueError(f"`ssm_state_indices` must be < the {pool.shape[0]} slots of `initial_state` "
+                         f"(< 0: padding), got max {int(ssm_state_indices.max())}")
+    if num_accepted_tokens is not None and num_accepted_tokens.device.type == "cpu" and num_accepted_tokens.numel():
         S = ssm_state_indices.shape[1] if ssm_state_indices.dim() == 2 else 1
-        if host_values and num_accepted_tokens.device.type == "cpu" and num_accepted_tokens.numel() \
-                and (int(num_accepted_tokens.min()) < 1 or int(num_accepted_tokens.max()) > S):
+        if int(num_accepted_tokens.min()) < 1 or int(num_accepted_tokens.max()) > S:
             raise ValueError(f"`num_accepted_tokens` must lie in [1, {S}] (1 + num_speculative, the columns of "
                              f"`ssm_state_indices`), got {num_accepted_tokens.tolist()}")
 

@@ -104,9 +104,11 @@ def fused_recurrent_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
                         scale: float, output_final_state: bool, state_v_first: bool
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(o, final_state)`` (an empty fp32 tensor without ``output_final_state``); ``initial_state`` in tfla's
-    ``[*, HV, K, V]`` index order (a V-first state as its transposed view)."""
-    from tfla.ops.gated_delta_rule.fused_recurrent import fused_recurrent_gated_delta_rule_fwd
+    ``[*, HV, K, V]`` index order (a V-first state as its transposed view). Host (CPU) index tensors' values are
+    checked here (the compiled call skips the eager check's reads)."""
+    from tfla.ops.gated_delta_rule.fused_recurrent import check_host_values, fused_recurrent_gated_delta_rule_fwd
 
+    check_host_values(q.shape[1], initial_state, cu_seqlens, ssm_state_indices, num_accepted_tokens)
     o, final = fused_recurrent_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_final_state,
                                                     cu_seqlens, ssm_state_indices, num_accepted_tokens, False,
                                                     state_v_first)
@@ -130,9 +132,12 @@ def fused_recurrent_inplace(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
                             beta: torch.Tensor, pool: torch.Tensor, cu_seqlens: torch.Tensor | None,
                             ssm_state_indices: torch.Tensor | None, num_accepted_tokens: torch.Tensor | None,
                             scale: float, state_v_first: bool) -> torch.Tensor:
-    """o; the states go into ``pool`` (the user's tensor, ``[slots, HV, V, K]`` with ``state_v_first``) in place."""
-    from tfla.ops.gated_delta_rule.fused_recurrent import fused_recurrent_gated_delta_rule_fwd
+    """o; the states go into ``pool`` (the user's tensor, ``[slots, HV, V, K]`` with ``state_v_first``) in place.
+    Host (CPU) index tensors' values are checked here, before anything is written."""
+    from tfla.ops.gated_delta_rule.fused_recurrent import check_host_values, fused_recurrent_gated_delta_rule_fwd
     from tfla.utils.validation import state_in_kv_layout
+
+    check_host_values(q.shape[1], pool, cu_seqlens, ssm_state_indices, num_accepted_tokens)
 
     o, _ = fused_recurrent_gated_delta_rule_fwd(q, k, v, g, beta, scale, state_in_kv_layout(pool, state_v_first),
                                                 False, cu_seqlens, ssm_state_indices, num_accepted_tokens, True,
