@@ -349,7 +349,7 @@ def gdn_bwd_ws_supported(q, k, v, beta, ai, v_new, do, du, h_sub, g_cum) -> bool
 
 
 def gdn_bwd_chunk_ws(q, k, v, beta, ai, v_new, do, du, h_sub, dh_sub, g_cum, scale, cu_seqlens=None,
-                     tile_indices=None, sub_offsets=None, l2=None, config: dict | None = None):
+                     tile_indices=None, sub_offsets=None, l2=None, dv_into_du: bool = False, config: dict | None = None):
     """The delta rule's gradients after the state-gradient recurrence in one launch (module docstring), for
     ``chunk.chunk_gated_delta_rule_bwd``. Call only where ``gdn_bwd_ws_supported`` holds.
 
@@ -358,8 +358,10 @@ def gdn_bwd_chunk_ws(q, k, v, beta, ai, v_new, do, du, h_sub, dh_sub, g_cum, sca
     h_sub / dh_sub: the state at / the state gradient after every 64-row chunk ``[B, NS, HV, K, V]``
     (``[1, NS_total, HV, K, V]`` varlen); cu_seqlens, tile_indices, sub_offsets: varlen (B = 1), the (sequence,
     64-row chunk) table and each sequence's first chunk; l2: ``(rstd_q, rstd_k)`` (``[B, T, H]`` fp32, from
-    ``l2norm_fwd``) when q and k are l2norm's outputs: dq and dk are then the gradients of its inputs;
-    config: ``num_warps``.
+    ``l2norm_fwd``) when q and k are l2norm's outputs and HV = H: dq and dk are then the gradients of its inputs;
+    dv_into_du: dv is written over du (the caller's dU is dead after this call; one tensor of v's size less at the
+    backward's peak: each CTA stores a dv tile only after its own TMA load of the same dU tile has landed, and no
+    other CTA reads that tile's rows of its sequence); config: ``num_warps``.
     Returns ``(dq, dk, dv, dbeta, dgd, dgam)``: dq, dk ``[B, T, HV, K]`` per value head in q's dtype, dv like v,
     dbeta ``[B, T, HV]`` fp32, dgd (``q . dq - k . dk`` of the tiled product, ``chunk_dqkw_bwd``'s) and dgam (the
     state and WY parts of the gate gradient, the chunk's reverse sum included, ``wy_bwd``'s) ``[B, T, HV]`` fp32.
@@ -372,7 +374,7 @@ def gdn_bwd_chunk_ws(q, k, v, beta, ai, v_new, do, du, h_sub, dh_sub, g_cum, sca
         raise ValueError(f"l2 needs one value head per key head, got H = {H}, HV = {HV}")
     dq = torch.empty(B, T, HV, K, dtype=q.dtype, device=q.device)
     dk = torch.empty_like(dq)
-    dv = torch.empty_like(v)
+    dv = du if dv_into_du else torch.empty_like(v)
     dbeta, dgd, dgam = (torch.empty(B, T, HV, dtype=torch.float32, device=q.device) for _ in range(3))
     if NT == 0:
         return dq, dk, dv, dbeta, dgd, dgam

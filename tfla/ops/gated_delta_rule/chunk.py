@@ -202,7 +202,8 @@ def chunk_gated_delta_rule_bwd(
         dq, dk, dv, dbeta, dgq, dgam = gdn_bwd_chunk_ws(
             q, k, v, beta, ai, v_new, do, du, h_sub, dh_sub, g_cum, scale, cu_seqlens=cu,
             tile_indices=sub, sub_offsets=varlen.sub_offsets if varlen is not None else None,
-            l2=(l2[1], l2[3]) if l2 is not None and HV == H else None, config=ws if isinstance(ws, dict) else None)
+            l2=(l2[1], l2[3]) if l2 is not None and HV == H else None, dv_into_du=True,
+            config=ws if isinstance(ws, dict) else None)
         del w, h_sub, dh_sub, du
         if HV == H:
             l2 = None  # (done)
