@@ -15,7 +15,7 @@ TIMING = ["--warmup", "1", "--rep", "5"] if torch.cuda.is_available() else []
 TINY = ["--B", "1", "--H", "1", "--K", "16", "--V", "16", "--impls", "tfla", "--chunk-sizes", "64",
         "--dtype", "fp32", "--no-progress", *TIMING]
 COLUMNS = {"impl", "version", "kind", "mode", "chunk", "B", "T", "H", "K", "V", "dtype", "op", "ref", "slice_T",
-           "err_o", "slice_err_o", "ms", "tflops", "peak_mib", "status", "speedup_vs_fla"}
+           "err_o", "slice_err_o", "ms", "first_s", "tflops", "peak_mib", "status", "speedup_vs_fla"}
 
 
 def _csv_rows(path):
@@ -39,7 +39,8 @@ def test_bench_linear_attn_small(tmp_path, capsys, mode):
     T = "64" if mode == "fwd" else "100"
     rc = main(["bench", "linear-attn", "--mode", mode, "--T", T, *TINY, "--csv", str(csv_path), "--json", str(json_path)])
     assert rc == 0
-    assert f"Linear attention {mode}" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"Linear attention {mode}" in out and "first call s" in out
     data, rows = _rows(json_path)
     assert data["env"]["torch"] == torch.__version__
     assert [r["kind"] for r in rows] == ["none", "constant", "scalar", "vector", "lightning"]
@@ -50,6 +51,7 @@ def test_bench_linear_attn_small(tmp_path, capsys, mode):
     grads = ("dq", "dk", "dv") if mode == "fwdbwd" else ()
     for r in ran:
         assert r["ms"] > 0 and r["ref"] == "tfla fp32 L=64" and r["slice_T"] == int(T)
+        assert r["first_s"] > 0  # the first call's wall time
         assert r["err_o"] < 1e-5 and r["slice_err_o"] < 1e-5
         for n in grads:
             assert r[f"err_{n}"] < 1e-5 and r[f"slice_err_{n}"] < 1e-5
@@ -67,6 +69,7 @@ def test_bench_linear_attn_small(tmp_path, capsys, mode):
     assert [(w["op"], w["impl"]) for w in written] == [(ops[r["kind"]], r["impl"]) for r in ran]
     assert all(w["mode"] == mode and w["HV"] == w["H"] == "1" and f"kind={r['kind']}" in w["notes"].split()
                for w, r in zip(written, ran))
+    assert all(f"first_s={r['first_s']:.2f}" in w["notes"].split() for w, r in zip(written, ran))
 
 
 def test_bench_linear_attn_refuses_wrong_kernel(monkeypatch, capsys, tmp_path):
@@ -89,6 +92,7 @@ def test_bench_linear_attn_refuses_wrong_kernel(monkeypatch, capsys, tmp_path):
     assert "WRONG" in capsys.readouterr().out
     (row,) = _rows(json_path)[1]
     assert row["status"].startswith("WRONG (slice o") and "ms" not in row and row["err_o"] < 1e-6
+    assert row["first_s"] > 0  # the first call is timed before the check, as on a correct row
 
 
 def test_bench_mlstm_small(tmp_path, capsys):
@@ -99,11 +103,12 @@ def test_bench_mlstm_small(tmp_path, capsys):
     csv_path, json_path = tmp_path / "r.csv", tmp_path / "r.json"
     rc = main(["bench", "mlstm", "--mode", "fwdbwd", "--T", "64", *TINY, "--csv", str(csv_path), "--json", str(json_path)])
     assert rc == 0
-    assert "mLSTM fwdbwd" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "mLSTM fwdbwd" in out and "first call s" in out
     rows = _rows(json_path)[1]
     assert [r["input_gate"] for r in rows] == ["exp", "sigmoid"]
     for r in rows:
-        assert r["status"] == "ok" and r["ms"] > 0 and r["grad_convention"] == "exact"
+        assert r["status"] == "ok" and r["ms"] > 0 and r["first_s"] > 0 and r["grad_convention"] == "exact"
         for n in ("o", "dq", "dk", "dv", "di", "df"):
             assert r[f"err_{n}"] < 1e-5 and r[f"slice_err_{n}"] < 1e-5
     data = _rows(json_path)[0]
@@ -113,6 +118,7 @@ def test_bench_mlstm_small(tmp_path, capsys):
     written = _csv_rows(csv_path)
     assert [w["op"] for w in written] == ["chunk_mlstm:exp", "chunk_mlstm:sigmoid"]
     assert all(w["impl"] == "tfla L=64" and "grad_convention=exact" in w["notes"].split() for w in written)
+    assert all(f"first_s={r['first_s']:.2f}" in w["notes"].split() for w, r in zip(written, rows))
 
 
 def test_bench_mlstm_detached_row_follows_mlstm_kernels_convention(tmp_path):
@@ -126,7 +132,7 @@ def test_bench_mlstm_detached_row_follows_mlstm_kernels_convention(tmp_path):
     assert [(r["impl"], r["grad_convention"]) for r in rows] == [("tfla L=64", "exact"),
                                                                  ("tfla L=64 detached", "no normalizer grad")]
     for r in rows:
-        assert r["status"] == "ok" and r["ms"] > 0
+        assert r["status"] == "ok" and r["ms"] > 0 and r["first_s"] > 0
         assert all(r[f"slice_err_{n}"] < 1e-5 for n in ("o", "dq", "dk", "dv", "di", "df"))
 
 

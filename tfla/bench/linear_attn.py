@@ -13,13 +13,14 @@ Decay kinds and the ops compared (same arguments and layout ``[B, T, H, K|V]`` o
 
 FLA runs at its own chunk size (64) with ``FLA_FLASH_QLA=0``. For each workload, before any timing:
 
-1. slice check (cheap, always): every implementation on ``q[:1, :slice_T]`` (the benchmark dtype) against
+1. full check: the output (and gradients) on the benchmark inputs against tfla's fp32 run of the same op
+   at L = 64 on fp32 copies of the inputs (column ``ref``; an implementation's own fp32 run when tfla
+   lacks the op): the ``err_*`` columns. This is the implementation's first call at the workload; its wall
+   time, s, is column ``first_s`` (it compiles what Triton's cache and the earlier rows have not);
+2. slice check (cheap, always): every implementation on ``q[:1, :slice_T]`` (the benchmark dtype) against
    the float64 step-by-step recurrence (``recurrent_simple_gla_ref``; ``recurrent_gla_ref`` for
    "vector") on the same rounded inputs: rel-L2 of o (and with ``--mode fwdbwd`` of dq, dk, dv, dg for a
-   random cotangent) in the ``slice_err_*`` columns;
-2. full check: the output (and gradients) on the benchmark inputs against tfla's fp32 run of the same op
-   at L = 64 on fp32 copies of the inputs (column ``ref``; an implementation's own fp32 run when tfla
-   lacks the op): the ``err_*`` columns.
+   random cotangent) in the ``slice_err_*`` columns.
 
 An implementation off by more than the dtype's tolerance in any of these, or not finite, is reported
 WRONG and not timed. Then: median time (``triton.testing.do_bench``), TFLOP/s from a matmul-FLOP model
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import time
 from dataclasses import dataclass
 
 import torch
@@ -294,6 +296,7 @@ def run(args) -> tuple[list[dict], dict]:
         if row.get("status") == "ok":
             append_csv(args.csv, [csv_row(row, meta, LINEAR_ATTN_OPS[row["kind"]][0], kind=row["kind"],
                                           chunk=row["chunk"], gate=row["gate"] if row["gate"] != "-" else None,
+                                          first_s=f"{row['first_s']:.2f}",
                                           version=None if row["impl"].startswith("tfla") else row["version"])])
 
     per_kind = {kind: linear_attn_impls(kind, chunk_sizes, peers) for kind in dict.fromkeys(w.kind for w in wls)}
@@ -335,12 +338,16 @@ def run(args) -> tuple[list[dict], dict]:
                     bar.advance(task)
                     continue
                 try:
-                    o, g = run_checked(impl.fn, xs, leaves, dos)
-                    add_errors(row, "slice_err_", o, g, s_o, s_g)
+                    t0 = time.perf_counter()  # the first call at this workload: compiles what it has not yet
+                    o, g = run_checked(impl.fn, x, leaves, do)
+                    if device == "cuda":
+                        torch.cuda.synchronize()
+                    row["first_s"] = time.perf_counter() - t0
                     r_o, r_g = ref if ref is not None else run_checked(
                         impl.fn, as_dtype(x, torch.float32), leaves, do.float() if do is not None else None)
-                    o, g = run_checked(impl.fn, x, leaves, do)
                     add_errors(row, "err_", o, g, r_o, r_g)
+                    o, g = run_checked(impl.fn, xs, leaves, dos)
+                    add_errors(row, "slice_err_", o, g, s_o, s_g)
                     row = order_columns(row)
                     del o, g, r_o, r_g
                 except Exception as e:  # a peer that rejects this shape or machine: report, keep going
@@ -401,12 +408,12 @@ def print_table(rows: list[dict], meta: dict) -> None:
               title_justify="left")
     grads = [] if mode == "fwd" else ["dq", "dk", "dv", "dg"]
     bw_cols = ["GB/s (min bytes)"] if mode == "fwd" else []
-    for col in ("impl", "kind", "workload", "ms", "TFLOP/s (model)", *bw_cols, "peak MiB", "err o",
+    for col in ("impl", "kind", "workload", "ms", "first call s", "TFLOP/s (model)", *bw_cols, "peak MiB", "err o",
                 *[f"err {n}" for n in grads], "slice err (max)", "vs FLA", "status"):
         t.add_column(col, justify="left" if col in ("impl", "kind", "workload", "status") else "right")
     for r in rows:
         wl = f"B={r['B']} T={r['T']} H={r['H']} K={r['K']} V={r['V']} {r['dtype']}"
-        t.add_row(r["impl"], r["kind"], wl, fmt(r.get("ms")), fmt(r.get("tflops"), ".1f"),
+        t.add_row(r["impl"], r["kind"], wl, fmt(r.get("ms")), fmt(r.get("first_s"), ".1f"), fmt(r.get("tflops"), ".1f"),
                   *([fmt(r.get("gbps_min"), ".0f")] if bw_cols else []), fmt(r.get("peak_mib"), ".0f"),
                   fmt(r.get("err_o"), ".2e"), *[fmt(r.get(f"err_{n}"), ".2e") for n in grads],
                   fmt(max_slice_err(r), ".2e"),
