@@ -349,7 +349,8 @@ def gdn_bwd_ws_supported(q, k, v, beta, ai, v_new, do, du, h_sub, g_cum) -> bool
 
 
 def gdn_bwd_chunk_ws(q, k, v, beta, ai, v_new, do, du, h_sub, dh_sub, g_cum, scale, cu_seqlens=None,
-                     tile_indices=None, sub_offsets=None, l2=None, dv_into_du: bool = False, config: dict | None = None):
+                     tile_indices=None, sub_offsets=None, l2=None, dv_into_du: bool = False,
+                     config: dict | None = None):
     """The delta rule's gradients after the state-gradient recurrence in one launch (module docstring), for
     ``chunk.chunk_gated_delta_rule_bwd``. Call only where ``gdn_bwd_ws_supported`` holds.
 
