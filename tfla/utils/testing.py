@@ -61,9 +61,10 @@ def gdn_op_grads(configs: list[dict], varlen: bool, segments: int = 1, seed: int
                  device: str = "cuda", l2norm: bool = False, HV: int = 4):
     """Forward + backward of ``tfla.chunk_gated_delta_rule`` on one bf16 input on ``device`` under each of
     ``configs`` (the op's ``config``): B = 2 x T = 550, or 4 packed sequences of 1, 299, 0 and 800 tokens
-    (``varlen``); H = 2, HV value heads (4: grouped), K = V = 128; an initial state; random cotangents for o and the final state;
-    ``segments`` as the op takes it; ``l2norm``: ``use_qk_l2norm_in_kernel``. Returns one tuple per config, ``(o, final_state, *gradients of
-    GDN_OP_NAMES)``, and with ``reference`` also the gradients of the float64 recurrence (CPU) as the last item."""
+    (``varlen``); H = 2, HV value heads (4: grouped), K = V = 128; an initial state; random cotangents for o and the
+    final state; ``segments`` as the op takes it; ``l2norm``: ``use_qk_l2norm_in_kernel``. Returns one tuple per
+    config, ``(o, final_state, *gradients of GDN_OP_NAMES)``, and with ``reference`` also the gradients of the
+    float64 recurrence (CPU) as the last item."""
     import tfla
     from tfla.bench.inputs import gdn_inputs
     from tfla.ops.gated_delta_rule.reference import recurrent_gated_delta_rule_ref
