@@ -44,8 +44,9 @@ def test_gdn_ws_pass_compiles_for_sm90():
     """The Gluon kernels (``fused_delta_ws.py``, ``state_bwd_ws.py``, ``chunk_dqkw_ws.py``: taken on Hopper GPUs only,
     so no CPU test runs them) compile for sm_90 at each of their flag sets, within one SM's shared memory. The
     forward pass: the default (one consumer of 64
-    columns) spills at most a few dozen bytes (12-64 B under Triton 3.6 and 3.9), two consumers of 32 none, two of 64
-    (the pieces' launch: 213 KB of shared memory) a few hundred (92-232 B under 3.6, 164-328 B under 3.9)."""
+    columns) spills at most a few dozen bytes (4-52 B under Triton 3.6 and 3.9), two consumers of 32 none (4 B in one
+    flag set under 3.9), two of 64 (the pieces' launch: 213 KB of shared memory) a few hundred (76-248 B under 3.6,
+    156-180 B under 3.9)."""
     from tfla.ops.common.fused_delta_ws import HAVE_GLUON
 
     if not HAVE_GLUON:
@@ -58,15 +59,16 @@ def test_gdn_ws_pass_compiles_for_sm90():
     assert len(lines) == 15, r.stdout[-2000:]  # 3 launches x (4 pass flag sets + the transitions)
     spills = {ln: int(ln.split("spill_stores=")[1].split("B")[0]) for ln in lines}
     for ln, sp in spills.items():
-        limit = 0 if "NCONS=2" in ln and "BV=32" in ln else 512 if "NCONS=2" in ln else 128
+        limit = 16 if "NCONS=2" in ln and "BV=32" in ln else 512 if "NCONS=2" in ln else 128
         assert sp <= limit, "\n".join(lines)
     # the state-gradient recurrence (state_bwd_ws.py, bf16): 3 launches x 3 flag sets; two consumers of 32 columns
-    # (the default) without spills, the others within 192 B (two 64-column consumers, the pieces' launch: 213 KB of
-    # shared memory, 128-160 B under Triton 3.6, 24-48 B under 3.9)
+    # (the default) without spills, the others within 384 B (two 64-column consumers, the pieces' launch: 213 KB of
+    # shared memory, 240-360 B under Triton 3.6 and 172-284 B under 3.9 since the next chunk's gates and beta are
+    # loaded a step ahead, which measured faster there all the same)
     bwd = [ln for ln in r.stdout.splitlines() if "_delta_state_bwd_ws_kernel" in ln]
     assert len(bwd) == 9, r.stdout[-2000:]
     for ln in bwd:
-        limit = 0 if "NCONS=2" in ln and "BV=32" in ln else 192
+        limit = 0 if "NCONS=2" in ln and "BV=32" in ln else 384
         assert int(ln.split("spill_stores=")[1].split("B")[0]) <= limit, "\n".join(bwd)
     # the chunk gradients (chunk_dqkw_ws.py): grouped value heads (dense, varlen) and one value head per key head
     # (with l2norm's backward, without), no spills

@@ -31,7 +31,7 @@ if HAVE_GLUON:
                                                                   warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from tfla.ops.common.fused_delta_ws import _chunk_gates, _seq_rows, _tma_load, _tma_store
+    from tfla.ops.common.fused_delta_ws import _chunk_rows, _seq_rows, _tma_load, _tma_store
 
 BS = 64  # rows per chunk
 # two consumer warpgroups of 32 columns per CTA; sequences cut in pieces take two of 64 (chunk.py). H100, torch 2.11,
@@ -93,15 +93,18 @@ if HAVE_GLUON:
         zs = gl.zeros([64, 64], dtype=gl.float32, layout=LS)
         o_sr = gl.arange(0, 64, layout=LSR)
         o_sc = gl.arange(0, 64, layout=LSC)
+        nb_g, nb_gn, nb_b = _chunk_rows(g, beta, row0 + (n_chunks - 1) * 64, (n_chunks - 1) * 64, T, i_hv, HV, LR)
         for j in range(n_chunks):
             s = j % STAGES
             c = n_chunks - 1 - j
             r = row0 + c * 64
             m_r = (c * 64 + o_r) < T  # rows past the sequence: no part in dU, dS or the stores
             full = (c + 1) * 64 <= T
-            b_g, b_gn, b_gr, b_gc = _chunk_gates(g, r, c * 64, T, i_hv, HV, LR, LSR, LSC)  # (A's rows, columns)
-            b_sk = gl.load(beta + (r + o_r) * HV + i_hv, mask=m_r, other=0.0).to(gl.float32) * gl.exp2(
-                gl.where(m_r, b_g, float("-inf")))  # X_k's row factors beta 2^G
+            b_g, b_gn, b_b = nb_g, nb_gn, nb_b
+            nb_g, nb_gn, nb_b = _chunk_rows(g, beta, r - 64, (c - 1) * 64, T, i_hv, HV, LR)  # the next chunk's
+            b_gr = gl.convert_layout(b_g, LSR)  # (A's rows, columns)
+            b_gc = gl.convert_layout(b_g, LSC)
+            b_sk = b_b * gl.exp2(gl.where(m_r, b_g, float("-inf")))  # X_k's row factors beta 2^G
             mbarrier.wait(ready.index(s), (j // STAGES) & 1)
             # A = k q^T of the chunk: off dS's chain, issued first
             b_a = warpgroup_mma(k_s.index(s), q_s.index(s).permute((1, 0)), zs, use_acc=False, is_async=True)
