@@ -8,6 +8,8 @@ random cotangents for h and the final states (the sLSTM's m excluded: a constant
 - Pre-activations near +-30: saturated sigmoids and tanhs, the sLSTM's exponential gates at the ends of the m
   stabilizer's range.
 - Determinism: two forward + backward runs bitwise equal, the second with every ``torch.empty`` NaN-filled.
+- D = 768 (the paper's hidden size as one head; not a power of two), the default (alternating) path.
+- Non-finite pre-activations (NaN, +-inf) in one row: forward and backward finish, the other rows are untouched.
 
 Tolerances (rel-L2 per tensor): forward ``tolerance(float32)`` (1e-5 on the interpreter, 3e-5 on CUDA), gradients
 1e-4 (the issue's bound).
@@ -30,10 +32,10 @@ B, T, NH = 17, 4, 2
 PATH_D = [("fused", 48), ("fused", 96), ("alternating", 48), ("alternating", 192)]
 
 
-def _inputs(cell, D, seed, saturate=None):
+def _inputs(cell, D, seed, saturate=None, B=B, T=T, NH=NH):
     """fp32 x ``[B, T, G, NH, D]``, R, b and an initial state (the sLSTM's n > 0 but in row 0, where n = c = 0
     makes m_t = g^i). saturate: None (x ~ N(0, 1)), ``"half"`` (a random half of x's elements, every gate, at
-    +-30 + N(0, 0.1^2)) or ``"all"`` (every element so)."""
+    +-30 + N(0, 0.1^2)) or ``"all"`` (every element so). B, T, NH: the module's unless given."""
     gen = torch.Generator().manual_seed(seed)
     G, S = len(CELL_GATES[cell]), len(CELL_STATES[cell])
     x = torch.randn(B, T, G, NH, D, generator=gen)
@@ -156,3 +158,39 @@ def test_deterministic(cell, path, D, device, request):
     for name, a, c in zip(names, [first[0], *first[1], *first[2]], [second[0], *second[1], *second[2]]):
         assert (a is None) == (c is None), name
         assert a is None or torch.equal(a, c), f"{name}: runs differ, max {(a - c).abs().max():.2e}"
+
+
+@pytest.mark.parametrize("cell", CELLS)
+def test_head_dim_768(cell, device):
+    """D = 768 at NH = 1 (the FlashRNN paper's hidden size as one head; not a power of two) on the default path
+    (alternating, D > 64): h, final states and every gradient against the float64 step loop; B = 3, 3 steps."""
+    x, R, b, s = _inputs(cell, 768, seed=5000, B=3, T=3, NH=1)
+    got = _run(getattr(tfla, cell), cell, x, R, b, s, device)
+    _check(cell, got, _reference(cell, x, R, b, s))
+
+
+# numpy, under the interpreter, warns on the inf - inf these inputs make (the sLSTM's exp(g^i - m_t) at g^i = inf)
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("path", ["fused", "alternating"])
+@pytest.mark.parametrize("cell", CELLS)
+def test_nonfinite_preactivations_finish(cell, path, value, device):
+    """Bad input: non-finite pre-activations never hang a kernel (every loop runs a fixed number of steps and no
+    program waits on another). Row 0's x at step 1, every gate, set to NaN / +-inf (D = 20: masked columns; B = 17:
+    row 0 shares its fused batch tile with rows 1-15): forward and backward finish; the other rows' h, final states,
+    dx and initial-state gradients equal the clean run's bitwise (rows do not mix), as do row 0's h at step 0 and
+    its final-state-free parts; a NaN makes row 0's h NaN from step 1 on (not hidden)."""
+    x, R, b, s = _inputs(cell, 20, seed=6000)
+    x_bad = x.clone()
+    x_bad[0, 1] = value
+    clean = _run(_tfla(cell, path), cell, x, R, b, s, device)
+    bad = _run(_tfla(cell, path), cell, x_bad, R, b, s, device)
+    assert torch.equal(bad[0][1:], clean[0][1:]) and torch.equal(bad[0][0, :1], clean[0][0, :1])
+    for name, f, fc in zip(CELL_STATES[cell], bad[1], clean[1]):
+        assert torch.equal(f[1:], fc[1:]), f"final {name}"
+    for name, g, gc in zip(_grad_names(cell), bad[2], clean[2]):
+        if name in ("dR", "db") or g is None:  # sums over every row and step
+            continue
+        assert torch.equal(g[1:], gc[1:]), name
+    if value != value:  # NaN
+        assert torch.isnan(bad[0][0, 1:]).all()
