@@ -36,7 +36,7 @@ def _inputs(cell, B, T, NH, D, dtype, device, seed, init=True, N=None):
         state = [torch.randn(N, NH, D, generator=gen) * 0.5 for _ in range(S)]
         if cell == "slstm":  # n > 0, with rows at n = 0 (and c = 0), which take m_t = i_t
             state[2] = state[2].abs() + 0.3
-            state[2][0], state[1][0] = 0.0, 0.0
+            state[2][:1], state[1][:1] = 0.0, 0.0  # (none when N = 0)
     cast = lambda t: t.to(dtype).to(device)  # noqa: E731
     return cast(x), cast(R), cast(b), (tuple(cast(s) for s in state) if init else None)
 
@@ -227,6 +227,26 @@ def test_bad_gate_counts_and_varlen(device):
         tfla.gru(x[:1], R, b, (torch.zeros(1, 2, 4, device=device),), cu_seqlens=cu(0, 1, 3))
     with pytest.raises(TypeError, match="output_final_state"):
         tfla.gru(x, R, b, None, 1)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("cell", CELLS)
+@pytest.mark.parametrize("B,T", [(2, 0), (0, 3)])
+def test_empty_batch_or_length(cell, path, B, T, device):
+    """Any B and T, zero included, with initial and final states: T = 0 returns the initial state as the final state
+    and passes its cotangent through to the initial state's gradient (the sLSTM's m: zero); B = 0 returns empty
+    tensors. dR and db are zero, every shape as usual."""
+    x, R, b, s = _inputs(cell, B, T, 2, 12, torch.float32, device, seed=61)
+    leaves = [t.detach().clone().requires_grad_() for t in (x, R, b, *s)]
+    h, fin = _op(cell, path)(*leaves[:3], tuple(leaves[3:]), True)
+    assert h.shape == (B, T, 2, 12) and all(f.shape == (B, 2, 12) for f in fin)
+    cts = [torch.randn(f.shape, generator=torch.Generator().manual_seed(k)).to(device) for k, f in enumerate(fin)]
+    live = len(cts) if cell != "slstm" else 3  # the sLSTM's m: a constant of the backward
+    grads = torch.autograd.grad([h.sum(), *fin[:live]], leaves, [torch.ones((), device=device), *cts[:live]])
+    assert grads[0].shape == x.shape
+    assert torch.count_nonzero(grads[1]) == 0 and torch.count_nonzero(grads[2]) == 0  # dR, db
+    for k, (f, s0, g) in enumerate(zip(fin, s, grads[3:])):
+        assert torch.equal(f, s0) and (torch.equal(g, cts[k]) if k < live else torch.count_nonzero(g) == 0)
 
 
 @pytest.mark.gpu

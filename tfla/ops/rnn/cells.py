@@ -208,7 +208,7 @@ class RNNFunction(torch.autograd.Function):
         seq = (states[1:, 1:].permute(1, 3, 0, 2, 4).contiguous(),) if opts.state_sequence else ()
         if not opts.output_final_state:
             return (o, *seq)
-        idx = torch.tensor(opts.lengths, device=x.device)
+        idx = torch.tensor(opts.lengths, device=x.device, dtype=torch.long)  # (long also when B = 0)
         final = states[idx, :, :, torch.arange(N, device=x.device)]  # [N, S, NH, D]
         return (o, *(final[:, k].contiguous() for k in range(S)), *seq)
 

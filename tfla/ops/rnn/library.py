@@ -54,7 +54,7 @@ def rnn_fwd_op(x: torch.Tensor, R: torch.Tensor, b: torch.Tensor, state0: list[t
     if not output_final_state:
         return [h]
     N = len(lengths)
-    idx = torch.tensor(lengths, device=x.device)
+    idx = torch.tensor(lengths, device=x.device, dtype=torch.long)
     final = states[idx, :, :, torch.arange(N, device=x.device)]  # [N, S, NH, D]
     return [h] + [final[:, k].contiguous() for k in range(states.shape[1])]
 
