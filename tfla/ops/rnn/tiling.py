@@ -222,8 +222,9 @@ class FusedFeedback:
     """Observations of compiled fused launches, so later choices exclude or avoid them (FlashRNN's compiler feedback,
     Appendix D): ``record(D, dtype, (BB, num_warps, num_stages), cell=None, spilled=.., failed=..)``. A failed
     compile excludes the config; a spill makes it rank after every config without a (predicted or recorded) spill.
-    Keyed by (BD, dtype, cell); cell None applies to every cell. An in-memory table held by its caller (e.g.
-    ``scripts/rnn_tiling.py``), passed to ``choose_fused_launch(..., feedback=)``; no module keeps one."""
+    Keyed by (BD, dtype, cell); cell None applies to every cell. An in-memory table held by its caller, passed to
+    ``choose_fused_launch(..., feedback=)``; no module keeps one, and nothing fills it from compiled kernels yet
+    (``scripts/compile_stats.py --op rnn`` prints their registers and spills)."""
     table: dict = dataclasses.field(default_factory=dict)
 
     def record(self, D: int, dtype, config: tuple[int, int, int], cell: str | None = None, *, spilled: bool = False,
