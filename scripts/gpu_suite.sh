@@ -67,7 +67,7 @@ if [ "$TESTS" = 1 ]; then
 fi
 if [ "$BENCH" = 1 ]; then
   for spec in "gdn-fwd:gdn --mode fwd" "gdn-fwdbwd:gdn --mode fwdbwd" \
-              "linear-attn-fwdbwd:linear-attn --mode fwdbwd" "mlstm-fwdbwd:mlstm --mode fwdbwd"; do
+              "linear-attn-fwdbwd:linear-attn --mode fwdbwd" "mlstm-fwdbwd:mlstm --mode fwdbwd" "decode:decode"; do
     name=${spec%%:*}
     # shellcheck disable=SC2086
     step "bench $name" "$OUT/bench-$name.log" python -m tfla bench ${spec#*:} --no-progress "${TIMING[@]}" \

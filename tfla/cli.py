@@ -1,5 +1,5 @@
 """``tfla`` command line: ``tfla bench gdn [options]`` (also ``python -m tfla bench gdn``), and
-``tfla bench linear-attn``, ``tfla bench mlstm``, ``tfla bench rnn``.
+``tfla bench linear-attn``, ``tfla bench mlstm``, ``tfla bench rnn``, ``tfla bench decode``.
 
 On a machine without a CUDA GPU the kernels run through Triton's CPU interpreter on a small
 default workload, so the command always runs; on a GPU the default workload is the proposal's
@@ -22,7 +22,7 @@ def use_interpreter_without_gpu() -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from tfla.bench import gdn, linear_attn, mlstm, rnn
+    from tfla.bench import decode, gdn, linear_attn, mlstm, rnn
 
     parser = argparse.ArgumentParser(prog="tfla", description="Tiled Flash Linear Attention kernels")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -44,6 +44,11 @@ def build_parser() -> argparse.ArgumentParser:
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     rnn.add_arguments(p_rnn)
     p_rnn.set_defaults(run=rnn.main)
+    p_dec = bench_sub.add_parser("decode", help="Gated DeltaNet decode steps (fused_recurrent_gated_delta_rule), "
+                                 "states or a state pool, vs FLA",
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    decode.add_arguments(p_dec)
+    p_dec.set_defaults(run=decode.main)
     return parser
 
 
