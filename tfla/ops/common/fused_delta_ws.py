@@ -99,8 +99,9 @@ if HAVE_GLUON:
     def _chunk_rows(g, beta, r, t0, T, i_hv, HV: gl.constexpr, LR: gl.constexpr):
         """The log2 gates G (0 past the end), G at the last row and beta (0 past the end) of the chunk at rows
         ``r ..`` (``t0 ..`` of a sequence of T rows), every load masked off for a chunk outside ``[0, T)``: the
-        loop kernels issue the next chunk's with this chunk's work (software pipelining: a global load's latency,
-        about a microsecond, no longer stalls each 64-row step; Nsight Compute, 2026-11-25)."""
+        loop kernels issue the next chunk's with this chunk's work, so these strided global loads no longer stall
+        each 64-row step (they were 30% of the chunk-gradient kernel's stall cycles in Nsight Compute, 2026-11-25;
+        timings: docs/performance.md, "The gate rows a step ahead")."""
         o_r = gl.arange(0, 64, layout=LR)
         ok = (t0 >= 0) & (t0 < T)
         m = ok & ((t0 + o_r) < T)
