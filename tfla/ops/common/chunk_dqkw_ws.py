@@ -365,8 +365,9 @@ def gdn_bwd_chunk_ws(q, k, v, beta, ai, v_new, do, du, h_sub, dh_sub, g_cum, sca
     64-row chunk) table and each sequence's first chunk; l2: ``(rstd_q, rstd_k)`` (``[B, T, H]`` fp32, from
     ``l2norm_fwd``) when q and k are l2norm's outputs and HV = H: dq and dk are then the gradients of its inputs;
     dv_into_du: dv is written over du (the caller's dU is dead after this call; one tensor of v's size less at the
-    backward's peak: each CTA stores a dv tile only after its own TMA load of the same dU tile has landed, and no
-    other CTA reads that tile's rows of its sequence); config: ``num_warps``.
+    backward's peak): each CTA stores a dv tile only after its own TMA load of the same dU tile has landed; a CTA
+    whose chunk a sequence's end cuts also loads the next rows (the next sequence's, dU or already dv: finite
+    either way), which Tm's zeroed rows keep out of every product it stores; config: ``num_warps``.
     Returns ``(dq, dk, dv, dbeta, dgd, dgam)``: dq, dk ``[B, T, HV, K]`` per value head in q's dtype, dv like v,
     dbeta ``[B, T, HV]`` fp32, dgd (``q . dq - k . dk`` of the tiled product, ``chunk_dqkw_bwd``'s) and dgam (the
     state and WY parts of the gate gradient, the chunk's reverse sum included, ``wy_bwd``'s) ``[B, T, HV]`` fp32.
