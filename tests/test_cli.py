@@ -89,6 +89,11 @@ def test_bench_gdn_backward_modes(tmp_path, capsys, mode, variants):
     for row in rows:
         assert row["status"] == "ok" and row["ms"] > 0
         assert all(row[f"err_{n}"] < 1e-5 for n in ("dq", "dk", "dv", "dbeta")) and row["err_dg"] < 5e-5
+        # the memory held from forward to backward: measured on a GPU (the recompute variant holds the least)
+        assert (row["held_mib"] is None) == (not torch.cuda.is_available())
+    if torch.cuda.is_available() and len(rows) > 1:
+        held = {r["impl"]: r["held_mib"] for r in rows}
+        assert held["tfla recompute"] <= held["tfla"] <= held["tfla save_states"]
 
 
 def test_bench_gdn_rejects_bad_variants(capsys):
@@ -141,7 +146,32 @@ def test_bench_gdn_sweep_plot(tmp_path, capsys):
     json_path, png = tmp_path / "s.json", tmp_path / "s.png"
     main(["bench", "gdn", "--workload", "sweep", "--dtype", "fp32", "--impls", "tfla", "--no-progress",
           "--json", str(json_path), "--plot", str(png)])
+    # forward + backward: the memory held for the backward in the rows (a second panel of the plot on a GPU)
+    main(["bench", "gdn", "--workload", "sweep", "--mode", "fwdbwd", "--dtype", "fp32", "--impls", "tfla",
+          "--variants", "default", "--no-progress", "--json", str(json_path), "--plot", str(png)])
+    rows = json.loads(json_path.read_text())["rows"]
+    assert all(r["status"] == "ok" and "held_mib" in r for r in rows) and png.stat().st_size > 1000
     rows = json.loads(json_path.read_text())["rows"]
     want = [64, 128, 256] if not torch.cuda.is_available() else [2048, 8192, 32768, 65536]  # the device's sweep
     assert sorted(r["T"] for r in rows) == want and all(r["status"] == "ok" for r in rows)
     assert png.stat().st_size > 1000
+
+
+def test_bench_gdn_plot_memory_panel(tmp_path):
+    """The plot's memory panel (drawn where rows carry memory, on a GPU): peak and held lines per implementation,
+    from rows as ``tfla bench gdn --mode fwdbwd`` writes them."""
+    pytest.importorskip("matplotlib")
+    from tfla.bench.gdn import plot
+
+    rows = [{"impl": impl, "mode": "fwdbwd", "T": T, "ms": 0.1 * T / 64 * f, "peak_mib": 10.0 * T / 64 * f,
+             "held_mib": 3.0 * T / 64 * f} for impl, f in (("tfla", 1.0), ("fla", 2.0)) for T in (2048, 8192)]
+    meta = {"device": "test", "torch": "-", "triton": "-", "date": "-"}
+
+    def width(rows_, name):  # the PNG's width in pixels (its IHDR chunk)
+        png = tmp_path / name
+        plot(rows_, meta, str(png))
+        return int.from_bytes(png.read_bytes()[16:20], "big")
+
+    # two panels (12 inches at 150 dpi) with memory, one (6.4 inches) without
+    assert width(rows, "m.png") == 1800
+    assert width([{k: v for k, v in r.items() if not k.endswith("_mib")} for r in rows], "t.png") == 960

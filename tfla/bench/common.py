@@ -32,6 +32,30 @@ def time_ms(fn, warmup_ms: float = 25, rep_ms: float = 100) -> float:
     return statistics.median(times)
 
 
+def _tensor_bytes(out) -> int:
+    """Bytes of the tensors in ``out`` (a tensor or nested tuples / lists of them)."""
+    if isinstance(out, torch.Tensor):
+        return out.untyped_storage().nbytes()
+    if isinstance(out, (tuple, list)):
+        return sum(_tensor_bytes(x) for x in out)
+    return 0
+
+
+def held_mib(forward) -> float | None:
+    """CUDA memory a forward keeps for its backward, in MiB: allocated after ``forward()`` (its outputs, and with
+    them the autograd graph and its saved tensors, still alive) above what was allocated before, less the outputs'
+    own bytes. None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    out = forward()
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated() - base - _tensor_bytes(out)
+    del out
+    return held / 2**20
+
+
 def peak_mib(fn) -> float | None:
     """Peak CUDA memory allocated during ``fn()`` above what was allocated before, in MiB."""
     if not torch.cuda.is_available():

@@ -6,7 +6,9 @@ chunkwise reference (``chunk_gated_delta_rule_ref``, itself tested against the s
 recurrence in float64); each implementation's o and final state compared by relative L2 and, if
 off by more than the dtype's tolerance or not finite, reported as WRONG and not timed. Then the
 median time (``triton.testing.do_bench``), TFLOP/s from ``tfla.ops.gated_delta_rule.cost``, peak
-memory above the inputs, and bytes of materialized states.
+memory above the inputs, bytes of materialized states and, with a backward (``--mode fwdbwd|bwd``), the memory
+the forward holds for it (``held_mib``: allocated after the forward, its graph alive, above the inputs, less the
+outputs). ``--plot``: time against T and, on a GPU, peak and held memory against T.
 """
 from __future__ import annotations
 
@@ -17,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tfla.bench.common import (append_csv, check_csv, csv_row, env_info, error_status, fmt, peak_mib, rel_l2,
-                               time_ms, write_json)
+from tfla.bench.common import (append_csv, check_csv, csv_row, env_info, error_status, fmt, held_mib, peak_mib,
+                               rel_l2, time_ms, write_json)
 from tfla.bench.inputs import GATES, gdn_inputs
 from tfla.bench.registry import gdn_impls
 from tfla.ops.gated_delta_rule.cost import gdn_bwd_cost, gdn_fwd_cost
@@ -203,6 +205,17 @@ def _run_impl(impl, x: dict, do: torch.Tensor | None):
     return o.detach(), s.detach(), grads
 
 
+def _forward_call(impl, x: dict):
+    """A forward on copies of the inputs that require gradients (made here, before the call), returning its outputs
+    (which keep the graph and its saved tensors alive)."""
+    leaves = {n: x[n].detach().clone().requires_grad_() for n in LEAVES}
+    xl = {**x, **leaves}
+
+    def call():
+        return impl.fn(xl, output_final_state=False)
+    return call
+
+
 def _timed_call(impl, x: dict, do: torch.Tensor | None, mode: str):
     """The function to time: forward (no grad), forward + backward, or backward alone."""
     if mode == "fwd":
@@ -298,6 +311,8 @@ def run(args) -> tuple[list[dict], dict]:
                 del call
                 gc.collect()
                 row["peak_mib"] = peak_mib(_timed_call(impl, x, do, "fwdbwd" if args.mode == "bwd" else args.mode))
+                if args.mode != "fwd":
+                    row["held_mib"] = held_mib(_forward_call(impl, x))
                 row["state_mib"] = cost.state_bytes / 2**20
                 row["status"] = "ok"
                 keep(row)
@@ -327,7 +342,8 @@ def print_table(rows: list[dict], meta: dict) -> None:
               title_justify="left")
     grad_cols = [] if mode == "fwd" else [f"err {n}" for n in GRAD_NAMES]
     bw_cols = ["GB/s (min bytes)"] if mode == "fwd" else []
-    for col in ("impl", "workload", "ms", "first call s", "TFLOP/s", *bw_cols, "peak MiB", "state MiB",
+    held_cols = [] if mode == "fwd" else ["held MiB"]
+    for col in ("impl", "workload", "ms", "first call s", "TFLOP/s", *bw_cols, "peak MiB", *held_cols, "state MiB",
                 "err o", "err state", *grad_cols, "vs FLA", "status"):
         t.add_column(col, justify="left" if col in ("impl", "workload", "status") else "right")
     for r in rows:
@@ -335,7 +351,8 @@ def print_table(rows: list[dict], meta: dict) -> None:
                                 + f" K={r['K']} V={r['V']} {r['dtype']}")
         t.add_row(r["impl"], wl, fmt(r.get("ms")), fmt(r.get("first_s"), ".1f"), fmt(r.get("tflops"), ".1f"),
                   *([fmt(r.get("gbps_min"), ".0f")] if bw_cols else []),
-                  fmt(r.get("peak_mib"), ".0f"), fmt(r.get("state_mib"), ".1f"), fmt(r.get("err_o"), ".2e"),
+                  fmt(r.get("peak_mib"), ".0f"), *([fmt(r.get("held_mib"), ".0f")] if held_cols else []),
+                  fmt(r.get("state_mib"), ".1f"), fmt(r.get("err_o"), ".2e"),
                   fmt(r.get("err_state"), ".2e"), *[fmt(r.get(f"err_{n}"), ".2e") for n in GRAD_NAMES if grad_cols],
                   (fmt(r.get("speedup_vs_fla"), ".2f") + "x") if r.get("speedup_vs_fla") else "-", r.get("status", ""))
     console = Console(width=max(160 if mode == "fwd" else 230, Console().width))
@@ -348,7 +365,8 @@ def print_table(rows: list[dict], meta: dict) -> None:
 
 def plot(rows: list[dict], meta: dict, path: str) -> None:
     """Time against T, one line per implementation (rows with a time), log-log, to ``path`` (any format matplotlib
-    writes). Needs matplotlib (``pip install 'tfla[plot]'``)."""
+    writes); beside it, where rows measured memory (a GPU), peak memory (solid) and the memory held from forward to
+    backward (dashed, ``--mode fwdbwd|bwd``) against T in MiB. Needs matplotlib (``pip install 'tfla[plot]'``)."""
     try:
         import matplotlib
     except ImportError as e:
@@ -356,8 +374,11 @@ def plot(rows: list[dict], meta: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for impl in dict.fromkeys(r["impl"] for r in rows):
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    memory = any(r.get("peak_mib") is not None for r in rows)
+    fig, axes = plt.subplots(1, 2 if memory else 1, figsize=(12.0 if memory else 6.4, 4.2), squeeze=False)
+    ax = axes[0][0]
+    for impl in impls:
         pts = sorted((r["T"], r["ms"]) for r in rows if r["impl"] == impl and r.get("ms") is not None)
         if pts:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=impl)
@@ -370,6 +391,22 @@ def plot(rows: list[dict], meta: dict, path: str) -> None:
                  f"{meta['date']}", fontsize=8)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
+    if memory:
+        ax = axes[0][1]
+        for i, impl in enumerate(impls):
+            color = f"C{i}"
+            for key, style, what in (("peak_mib", "-", "peak"), ("held_mib", "--", "held for backward")):
+                pts = sorted((r["T"], r[key]) for r in rows if r["impl"] == impl and r.get(key) is not None)
+                if pts:
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], style, color=color, marker="o",
+                            label=f"{impl} {what}")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("T (tokens per sequence)")
+        ax.set_ylabel("MiB above the inputs")
+        ax.set_title("memory", fontsize=8)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=150)
     plt.close(fig)
