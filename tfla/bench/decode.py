@@ -40,6 +40,7 @@ from typing import Callable
 
 import torch
 
+from tfla.bench import gdn
 from tfla.bench.common import append_csv, check_csv, csv_row, env_info, error_status, fmt, rel_l2, time_ms, write_json
 from tfla.bench.gdn import DTYPES, TOLERANCE
 from tfla.bench.inputs import as_reference, gdn_inputs
@@ -52,17 +53,8 @@ OP = "fused_recurrent_gated_delta_rule"
 
 
 @dataclass(frozen=True)
-class Workload:
-    B: int
-    T: int
-    H: int
-    HV: int
-    K: int
-    V: int
-    dtype: str
-
-    def label(self) -> str:
-        return f"B={self.B} T={self.T} H={self.H} HV={self.HV} K={self.K} V={self.V} {self.dtype}"
+class Workload(gdn.Workload):
+    """``tfla bench gdn``'s workload (one token step per sequence here) with the decode call's byte floor."""
 
     def floor_bytes(self) -> int:
         """Bytes of one call read or written at least once: fp32 states read and written, q, k, v, beta, o in the
