@@ -81,7 +81,7 @@ if HAVE_GLUON:
         _cta_barrier()
 
     @gluon.jit
-    def _wy_stage(q_s, k_s, tm_s, tmp_s, out_s, b_dw, b_duv, b_db, b_g, b_gr, b_gc, b_br, t0, T, K: gl.constexpr,
+    def _wy_stage(k_s, tm_s, tmp_s, out_s, b_dw, b_duv, b_db, b_g, b_gr, b_gc, b_br, t0, T, K: gl.constexpr,
                   L: gl.constexpr, LS: gl.constexpr):
         """The UT / WY backward of one chunk (``wy_bwd._wy_bwd_kernel``'s delta rule, module docstring) from dW
         (``b_dw = dU S^T``, dW = -b_dw) and ``b_duv = dU V^T``: ``dTm = dW X_k^T + dU X_v^T`` (X_k = beta 2^G k,
@@ -276,7 +276,7 @@ if HAVE_GLUON:
 
         # 2. the UT / WY backward (dk's WY part left in out_s)
         mbarrier.wait(bar_qk, ph)
-        b_db, b_dgr = _wy_stage(q_s, k_s, tm_s, du_s.index(0), out_s, b_dw, b_duv, b_db, b_g, b_gr, b_gc, b_bv,
+        b_db, b_dgr = _wy_stage(k_s, tm_s, du_s.index(0), out_s, b_dw, b_duv, b_db, b_g, b_gr, b_gc, b_bv,
                                 t0, Tn, K, L, LS)
         gl.store(dbeta + (r - t0 + o_r) * HV + i_hv, b_db, mask=m_r)
 
