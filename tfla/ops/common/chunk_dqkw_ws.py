@@ -81,24 +81,19 @@ if HAVE_GLUON:
         _cta_barrier()
 
     @gluon.jit
-    def _wy_stage(k_s, tm_s, tmp_s, out_s, b_dw, b_duv, b_db, b_g, b_gr, b_gc, b_br, t0, T, K: gl.constexpr,
-                  L: gl.constexpr, LS: gl.constexpr):
+    def _wy_stage(k_s, tm_s, tmp_s, out_s, b_dw, b_duv, b_db, b_g, b_gr, b_gc, b_br, o_sr, o_sc, m_r, m_sr, m_sc,
+                  K: gl.constexpr, L: gl.constexpr, LS: gl.constexpr):
         """The UT / WY backward of one chunk (``wy_bwd._wy_bwd_kernel``'s delta rule, module docstring) from dW
         (``b_dw = dU S^T``, dW = -b_dw) and ``b_duv = dU V^T``: ``dTm = dW X_k^T + dU X_v^T`` (X_k = beta 2^G k,
         X_v = beta v: the row factors taken as column scales of ``dW K^T`` and ``dU V^T``), ``dA = -Tm^T dTm Tm^T``
         (strictly lower), ``M = dA o E o beta``, dk's WY part ``beta 2^G (Tm^T dW) + M K + M^T K`` (left in out_s,
         16-bit), dbeta's rows (returned with ``b_db``'s) and ``dgr`` (the rows' gate-gradient terms whose reverse
-        sums enter dg). tm_s: Tm, tmp_s: a free ``[64, 64]`` buffer, b_br: beta's rows (0 past the end)."""
+        sums enter dg). tm_s: Tm, tmp_s: a free ``[64, 64]`` buffer, b_br: beta's rows (0 past the end); o_sr, o_sc:
+        the chunk's row indices in the sequence in the scores' row / column layouts; m_r, m_sr, m_sc: the rows inside
+        the sequence (the kernel's)."""
         LR: gl.constexpr = gl.SliceLayout(1, L)
         LSR: gl.constexpr = gl.SliceLayout(1, LS)
         LSC: gl.constexpr = gl.SliceLayout(0, LS)
-        # row indices in the sequence (t0 + ..)
-        o_r = t0 + gl.arange(0, 64, layout=LR)
-        o_sr = t0 + gl.arange(0, 64, layout=LSR)
-        o_sc = t0 + gl.arange(0, 64, layout=LSC)
-        m_r = o_r < T
-        m_sr = o_sr < T
-        m_sc = o_sc < T
         b_b = gl.convert_layout(b_br, LR)
         b_bc = gl.convert_layout(b_br, LSC)
         b_sk = b_b * gl.exp2(gl.where(m_r, b_g, float("-inf")))  # beta 2^G per row
@@ -277,7 +272,7 @@ if HAVE_GLUON:
         # 2. the UT / WY backward (dk's WY part left in out_s)
         mbarrier.wait(bar_qk, ph)
         b_db, b_dgr = _wy_stage(k_s, tm_s, du_s.index(0), out_s, b_dw, b_duv, b_db, b_g, b_gr, b_gc, b_bv,
-                                t0, Tn, K, L, LS)
+                                o_sr, o_sc, m_r, m_sr, m_sc, K, L, LS)
         gl.store(dbeta + (r - t0 + o_r) * HV + i_hv, b_db, mask=m_r)
 
         # 3. pass 2: dO Vnew^T, dO S^T, Vnew dS^T
