@@ -73,7 +73,7 @@ def compile_launch(fn, args, kwargs, arch=90):
 
 
 def _record_ws(dtype, T, K, V):
-    """The Gluon forward pass's launches (``fused_delta_pass_ws``) for dense / varlen, with and without the initial
+    """The Gluon forward pass's prep and launches (``fused_delta_pass_ws``) for dense / varlen, with and without the initial
     and final states and Vnew, and the pieces' transitions, at 1 and 2 consumer warpgroups (no GPU: the launcher only
     records)."""
     from tfla.ops.common import fused_delta_ws as ws
@@ -86,6 +86,12 @@ def _record_ws(dtype, T, K, V):
     ai = torch.randn(1, T, HV, 64, dtype=dtype)
     g, beta = torch.randn(1, T, HV), torch.rand(1, T, HV, dtype=dtype)
     cu = torch.tensor([0, T // 3, T], dtype=torch.int32)
+    # its prep: Tm with the gate's cumsum, dense and varlen
+    from tfla.ops.common.ut_transform import ut_inverse_with_cumsum
+    from tfla.ops.common.utils import prepare_chunk_indices
+
+    ut_inverse_with_cumsum(k, g, beta)
+    ut_inverse_with_cumsum(k, g, beta, cu, prepare_chunk_indices([0, T // 3, T], 64, "cpu"))
     for ncons, bv in ((1, 64), (2, 32), (2, 64)):
         for varlen, h0, save in ((False, False, 0), (True, True, 1), (False, True, 1), (True, True, 2)):
             state = torch.randn(2 if varlen else 1, HV, K, V) if h0 else None

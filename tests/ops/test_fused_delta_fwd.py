@@ -286,3 +286,27 @@ def test_cuda_graph_replay_equals_eager(segments, grad):
         want = step()
     for a, b in zip(out, want):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("T,varlen", [(1, False), (150, False), (200, True)])
+def test_ut_inverse_with_cumsum_equals_cumsum_then_inverse(device, poison_empty, T, varlen):
+    """The prep of the Hopper pass: the gate's cumsum inside the inverse's kernel gives the separate cumsum's G (to
+    the order of its additions) and the same Tm, with gates below the floor, -inf and rows past T."""
+    from tfla.ops.common.cumsum import chunk_local_cumsum
+    from tfla.ops.common.ut_transform import ut_inverse, ut_inverse_with_cumsum
+    from tfla.ops.common.utils import LOG_DECAY_FLOOR, RCP_LN2, SUB_CHUNK, prepare_chunk_indices
+
+    cu = torch.tensor([0, 1, 1, 70, T], device=device) if varlen else None
+    sub = prepare_chunk_indices([0, 1, 1, 70, T], SUB_CHUNK, device) if varlen else None
+    x = gdn_inputs(1 if varlen else 2, T, 1, 32, 16, HV=2, dtype=torch.float32, device=device, gate="strong",
+                   seed=T)
+    g = x["g"].clone()
+    g[0, 0, 0] = float("-inf")
+    g[..., min(T - 1, 5), 1] = -300.0
+    g_cum, ai = ut_inverse_with_cumsum(x["k"], g, x["beta"], cu, sub)
+    want_g = chunk_local_cumsum(g, SUB_CHUNK, scale=RCP_LN2, cu_seqlens=cu, chunk_indices=sub,
+                                out_dtype=torch.float32, floor=LOG_DECAY_FLOOR)
+    assert g_cum.dtype == torch.float32 and torch.isfinite(g_cum).all()
+    torch.testing.assert_close(g_cum, want_g, rtol=1e-6, atol=1e-5)
+    want_ai = ut_inverse(x["k"], want_g, x["beta"], cu, sub)
+    assert_rel_close("ai", ai.cpu(), want_ai.double().cpu(), tolerance(torch.float32))

@@ -43,7 +43,7 @@ from tfla.ops.common.utils import (
     sm_count,
 )
 from tfla.ops.common.varlen import cached_bounds, chunk_tables
-from tfla.ops.common.ut_transform import ut_inverse, ut_inverse_and_scores
+from tfla.ops.common.ut_transform import ut_inverse, ut_inverse_and_scores, ut_inverse_with_cumsum
 
 # launch of the fused pass (docs/performance.md). Value tiles: "BV" None picks 64 columns where the pass has
 # programs for two per SM at that width, else 32 (wide_tiles); 8 warps or 3 stages measured slower; the transition
@@ -211,8 +211,11 @@ def fused_delta_prep(q, k, g, beta, scale, cu_seqlens=None, sub_indices=None, co
     and the output's scores ``scale causal(q k^T) o 2^(G_r - G_s)`` ``[B, T, HV, 64]`` (``ut_inverse_and_scores``, one
     kernel; ``scores`` False: Tm alone, a None), and the beta used; g natural-log decay ``[B, T, HV]`` or None, floored
     at ``LOG_DECAY_FLOOR``. ``act`` (a ``GateAct``, g given): g and / or beta hold pre-activations, activated by the
-    gate's cumsum kernel."""
+    gate's cumsum kernel; without ``act`` and scores the inverse's kernel does the cumsum."""
     acc = torch.float64 if k.dtype == torch.float64 else torch.float32
+    if not scores and act is None and g is not None:  # the cumsum inside the inverse's kernel
+        g_cum, ai = ut_inverse_with_cumsum(k, g, beta, cu_seqlens, sub_indices, config)
+        return g_cum, ai, None, beta
     if act is not None and g is not None:
         g_cum, beta = gate_prologue(g, beta, act, cu_seqlens=cu_seqlens, chunk_indices=sub_indices)
     else:

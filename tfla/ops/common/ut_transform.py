@@ -29,7 +29,8 @@ import triton
 import triton.language as tl
 
 from tfla.ops.common.grid import check_varlen_batch, chunk_rows, program_rows, tile_grid
-from tfla.ops.common.utils import SUB_CHUNK, acc_dtype, cdiv, dot_precision, dot_tile, next_pow2
+from tfla.ops.common.utils import (LOG_DECAY_FLOOR, RCP_LN2, SUB_CHUNK, acc_dtype, cdiv, dot_precision, dot_tile,
+                                   next_pow2)
 
 
 @triton.jit
@@ -56,6 +57,21 @@ def _unit_lower_inverse4(b_A0, b_A1, b_A2, b_A3, BC: tl.constexpr, ACC: tl.const
         b_X2 -= tl.sum(tl.where(m_c, b_A2, 0.0), 1)[:, None] * tl.sum(tl.where(m_r, b_X2, 0.0), 0)[None, :]
         b_X3 -= tl.sum(tl.where(m_c, b_A3, 0.0), 1)[:, None] * tl.sum(tl.where(m_r, b_X3, 0.0), 0)[None, :]
     return b_X0, b_X1, b_X2, b_X3
+
+
+@triton.jit
+def _cumsum4(b_g0, b_g1, b_g2, b_g3, g_scale, FLOOR: tl.constexpr):
+    """``g_scale * cumsum(max(g, FLOOR))`` over a sub-chunk held as four consecutive 16-row blocks (masked rows 0)."""
+    if FLOOR is not None:  # raised to the floor (a comparison, so NaN stays NaN)
+        b_g0 = tl.where(b_g0 < FLOOR, FLOOR, b_g0)
+        b_g1 = tl.where(b_g1 < FLOOR, FLOOR, b_g1)
+        b_g2 = tl.where(b_g2 < FLOOR, FLOOR, b_g2)
+        b_g3 = tl.where(b_g3 < FLOOR, FLOOR, b_g3)
+    s0 = tl.sum(b_g0, axis=0)
+    s1 = s0 + tl.sum(b_g1, axis=0)
+    s2 = s1 + tl.sum(b_g2, axis=0)
+    return (tl.cumsum(b_g0, axis=0) * g_scale, (tl.cumsum(b_g1, axis=0) + s0) * g_scale,
+            (tl.cumsum(b_g2, axis=0) + s1) * g_scale, (tl.cumsum(b_g3, axis=0) + s2) * g_scale)
 
 
 @triton.jit
@@ -89,10 +105,17 @@ def _gdn_ut_inverse_kernel(
     FLAT: tl.constexpr = False,
     SR: tl.constexpr = 64,
     SBK: tl.constexpr = 32,
+    gc=None,
+    g_scale=1.0,
+    CUMSUM: tl.constexpr = False,
+    FLOOR: tl.constexpr = None,
 ):
     """Tm = (I + A)^-1 of one 64-row sub-chunk, A = beta (K K^T) 2^(G_r - G_i) strictly lower. WITH_SCORES: also
     the fused forward's output scores ``scale causal(q k^T) o 2^(G_r - G_s)`` of the sub-chunk (``sc``, layout as
-    ``ai``), in ``[SR, 64]`` blocks over ``SBK``-wide key slices."""
+    ``ai``), in ``[SR, 64]`` blocks over ``SBK``-wide key slices. CUMSUM: ``g`` holds the per-token gates (natural
+    log); the kernel forms ``G = g_scale * cumsum(max(g, FLOOR))`` over the sub-chunk (as ``chunk_local_cumsum``) and
+    stores it to ``gc`` (no separate cumsum launch)."""
+    tl.static_assert(not (CUMSUM and WITH_SCORES), "the scores read G back: cumsum in its own pass")
     BS: tl.constexpr = 64
     BC: tl.constexpr = 16
     i_s, i_bh = program_rows(T, BS, HV, IS_VARLEN, FLAT)  # (64-row sub-chunk, batch x head): 2-D or flat grid
@@ -149,10 +172,17 @@ def _gdn_ut_inverse_kernel(
     m_lo = o_c[:, None] > o_c[None, :]
     if USE_G:
         p_g = g + bos * HV + i_hv
-        b_g0 = tl.load(p_g + t_0 * HV, mask=m_0, other=0.0)
-        b_g1 = tl.load(p_g + t_1 * HV, mask=m_1, other=0.0)
-        b_g2 = tl.load(p_g + t_2 * HV, mask=m_2, other=0.0)
-        b_g3 = tl.load(p_g + t_3 * HV, mask=m_3, other=0.0)
+        b_g0 = tl.load(p_g + t_0 * HV, mask=m_0, other=0.0).to(ACC)
+        b_g1 = tl.load(p_g + t_1 * HV, mask=m_1, other=0.0).to(ACC)
+        b_g2 = tl.load(p_g + t_2 * HV, mask=m_2, other=0.0).to(ACC)
+        b_g3 = tl.load(p_g + t_3 * HV, mask=m_3, other=0.0).to(ACC)
+        if CUMSUM:
+            b_g0, b_g1, b_g2, b_g3 = _cumsum4(b_g0, b_g1, b_g2, b_g3, g_scale, FLOOR)
+            p_gc = gc + bos * HV + i_hv
+            tl.store(p_gc + t_0 * HV, b_g0, mask=m_0)
+            tl.store(p_gc + t_1 * HV, b_g1, mask=m_1)
+            tl.store(p_gc + t_2 * HV, b_g2, mask=m_2)
+            tl.store(p_gc + t_3 * HV, b_g3, mask=m_3)
         # masked lanes get 2^-inf = 0: no overflow (and no inf * 0) for rows past T or above the diagonal
         b_A00 = b_A00 * tl.exp2(tl.where(m_lo & m_0[:, None], b_g0[:, None] - b_g0[None, :], float("-inf")))
         b_A11 = b_A11 * tl.exp2(tl.where(m_lo & m_1[:, None], b_g1[:, None] - b_g1[None, :], float("-inf")))
@@ -340,7 +370,7 @@ def ut_transform_fwd(
         g_cum: ``[B, T, HV]`` fp32 cumulative gate within outer chunks of ``chunk_size``, log2 units
             (or None for the ungated delta rule).
         sub_indices: varlen table of (sequence, sub-chunk) from ``prepare_chunk_indices(.., 64)``.
-        config: overrides of ``inv_warps``, ``inv_BK`` (key slice of the inverse's K K^T), ``sc_rows`` /
+        config: overrides of ``inv_warps``, ``inv_stages``, ``inv_BK`` (key slice of the inverse's K K^T), ``sc_rows`` /
             ``sc_BK`` (rows and key slice of the fused forward's scores tile), ``wy_warps``, ``wy_stages``, ``BK``,
             ``BV``.
     Returns:
@@ -380,6 +410,24 @@ def ut_inverse(
     return _ut_launch(k, None, g_cum, beta, SUB_CHUNK, cu_seqlens, sub_indices, config)[2]
 
 
+def ut_inverse_with_cumsum(
+    k: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor | None = None,
+    sub_indices: torch.Tensor | None = None,
+    config: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``ut_inverse`` with the gate's cumsum in the same kernel: g ``[B, T, HV]`` holds the per-token log decays
+    (natural log, any float dtype); returns ``(g_cum, ai)``: g_cum ``[B, T, HV]`` fp32 (float64 for float64 k) =
+    ``cumsum(max(g, LOG_DECAY_FLOOR)) / ln 2`` restarting every 64 rows (``chunk_local_cumsum``'s values up to the
+    order of the additions), and Tm as ``ut_inverse``."""
+    acc = torch.float64 if k.dtype == torch.float64 else torch.float32
+    g_cum = torch.empty(g.shape, dtype=acc, device=g.device)
+    ai = _ut_launch(k, None, g, beta, SUB_CHUNK, cu_seqlens, sub_indices, config, g_cum_out=g_cum)[2]
+    return g_cum, ai
+
+
 def w_from_tm(
     k: torch.Tensor,
     g_cum: torch.Tensor | None,
@@ -417,11 +465,13 @@ def w_from_tm(
 # the output's scores as one [64, 64] tile over 32-wide key slices (H100, torch 2.11, Triton 3.6, bf16, K = V = 128,
 # the kernel alone, 2026-11-24: MVE 225.6 -> 211.3 us, the Qwen3-Next-style heads 412.4 -> 364.7, B = 1, T = 65536
 # 454.4 -> 438.4 against [16, 64] blocks over 64-wide slices; [32, 64] over 32: 233.6, [16, 64] over 32: 252.6)
-UT_DEFAULTS = {"inv_warps": 1, "inv_BK": 64, "sc_rows": 64, "sc_BK": 32, "wy_warps": 4, "wy_stages": 2, "BK": 32,
+UT_DEFAULTS = {"inv_warps": 1, "inv_stages": 3, "inv_BK": 64, "sc_rows": 64, "sc_BK": 32, "wy_warps": 4, "wy_stages": 2, "BK": 32,
                "BV": 32}
 
 
-def _ut_launch(k, v, g_cum, beta, chunk_size, cu_seqlens, sub_indices, config, ai=None, q=None, scale=1.0):
+def _ut_launch(k, v, g_cum, beta, chunk_size, cu_seqlens, sub_indices, config, ai=None, q=None, scale=1.0,
+               g_cum_out=None):
+    # g_cum_out: the inverse kernel cumsums g_cum (then the per-token gates) into it
     B, T, H, K = k.shape
     HV = beta.shape[2]
     V = v.shape[3] if v is not None else 16
@@ -449,7 +499,9 @@ def _ut_launch(k, v, g_cum, beta, chunk_size, cu_seqlens, sub_indices, config, a
             SR=cfg["sc_rows"], SBK=dot_tile(K, cfg["sc_BK"], k.dtype),
             BK=dot_tile(K, cfg["inv_BK"], k.dtype),
             # Tm is rounded to k's dtype afterwards: TF32 merges suffice for 16-bit inputs, fp32 stays exact
-            MERGE_PREC=dot_precision(k.dtype), num_warps=cfg["inv_warps"], **common,
+            MERGE_PREC=dot_precision(k.dtype), num_warps=cfg["inv_warps"], num_stages=cfg["inv_stages"],
+            gc=g_cum_out, g_scale=RCP_LN2, CUMSUM=g_cum_out is not None,
+            FLOOR=LOG_DECAY_FLOOR if g_cum_out is not None else None, **common,
         )
     if v is not None:
         _gdn_wy_fwd_kernel[grid](
