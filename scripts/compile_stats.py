@@ -99,6 +99,9 @@ def _record_ws(dtype, T, K, V):
             ws.fused_delta_pass_ws(q, k, v, g, beta, ai, 0.1, state, h0, cu if varlen else None, save,
                                    config={"NCONS": ncons, "BV": bv}, chunk_offsets=offs,
                                    num_chunks=(T // 3 + 63) // 64 + (T - T // 3 + 63) // 64)
+        # Vnew and the slab starts kept (dense)
+        ws.fused_delta_pass_ws(q, k, v, g, beta, ai, 0.1, None, False, None, 1, config={"NCONS": ncons, "BV": bv},
+                               slab_states=torch.empty(1, HV, K, V), slab=2)
         # the pieces' transitions ([M | N], packed varlen)
         ws.fused_delta_pass_ws(q, k, v, g, beta, ai, 0.1, None, True, cu, config={"NCONS": ncons, "BV": bv},
                                transition=True)
@@ -151,6 +154,10 @@ def _record_state_bwd_ws(dtype, T, K, V):
             ct = torch.randn(2 if varlen else 1, HV, K, V) if dht else None
             sb.delta_state_bwd_ws(q, k, ai, beta, do, g, 0.1, ct, True, cu if varlen else None, offs if varlen else None,
                                   int(offs[-1]), store, config={"NCONS": ncons, "BV": bv})
+    # the backward's slabs: (first row, end row) pairs, dU into a given buffer
+    pairs = torch.tensor([[0, 128], [T // 2, T // 2 + 128]], dtype=torch.int32)
+    sb.delta_state_bwd_ws(q, k, ai, beta, do, g, 0.1, torch.randn(2, HV, K, V), True, pairs,
+                          torch.tensor([0, 2], dtype=torch.int32), 4, du_out=torch.empty_like(do))
 
 
 def _record_gdn_bwd_ws(dtype, T, K, V):
@@ -173,6 +180,15 @@ def _record_gdn_bwd_ws(dtype, T, K, V):
         cw.gdn_bwd_chunk_ws(q, k, v, torch.rand(1, T, HV, dtype=dtype), torch.randn(1, T, HV, 64, dtype=dtype), vn,
                             do, du, h, h, g, 0.1, cu if varlen else None, tiles if varlen else None,
                             offs if varlen else None, l2=(rstd, rstd) if l2 else None)
+    # the backward's slabs: (first row, end row) pairs, outputs into given buffers
+    pairs = torch.tensor([[0, 128], [T // 2, T // 2 + 128]], dtype=torch.int32)
+    tiles = torch.tensor([[0, 0], [0, 1], [1, 0], [1, 1]], dtype=torch.int32)
+    h = torch.randn(1, 4, HV, K, V, dtype=dtype)
+    outs = (torch.empty(1, T, HV, K, dtype=dtype), torch.empty(1, T, HV, K, dtype=dtype),
+            *(torch.empty(1, T, HV) for _ in range(3)))
+    cw.gdn_bwd_chunk_ws(q, k, v, torch.rand(1, T, HV, dtype=dtype), torch.randn(1, T, HV, 64, dtype=dtype), vn, do,
+                        du, h, h, g, 0.1, pairs, tiles, torch.tensor([0, 2], dtype=torch.int32), dv_into_du=True,
+                        out=outs)
 
 
 def main(argv=None):

@@ -448,3 +448,94 @@ def test_kept_v_new_rebuilds_the_forward_states(device):
         outs.append(torch.autograd.grad((o * do).sum() + s.sum(), leaves))
     for name, a, b in zip(NAMES, *outs):
         assert_rel_close(name, a.float().cpu(), b.float().cpu(), 5e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,T,H,HV,l2norm,h0", [(2, 1000, 2, 4, False, True), (1, 640, 2, 2, True, False),
+                                                 (2, 512, 1, 1, False, True)])
+def test_bwd_in_slabs_gpu(monkeypatch, B, T, H, HV, l2norm, h0):
+    """The Hopper backward one slab of 64-row chunks at a time (``config={"slab": {"chunks": 3}}``: slabs of 192 rows,
+    the last one cut when T is not a multiple of 64) against the whole-sequence backward (``chunks`` 0) and the fp32
+    reference, bf16, GVA, l2norm, with and without the initial state, a cotangent for the final state; the slab path
+    runs (spied) and gives bitwise equal gradients twice."""
+    from tfla.ops.gated_delta_rule import chunk as gdn_chunk
+
+    calls = []
+    real = gdn_chunk._ws_bwd_in_slabs
+    monkeypatch.setattr(gdn_chunk, "_ws_bwd_in_slabs", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    x = gdn_inputs(B, T, H, 128, 128, HV=HV, dtype=torch.bfloat16, device="cuda", initial_state=h0, seed=T + HV)
+    names = ("q", "k", "v", "g", "beta") + (("initial_state",) if h0 else ())
+    gen = torch.Generator(device="cuda").manual_seed(T)
+    do = torch.randn(B, T, HV, 128, device="cuda", generator=gen).bfloat16()
+    dht = torch.randn(B, HV, 128, 128, device="cuda", generator=gen)
+
+    def grads(chunks, up=False):
+        leaves = [(x[n].float() if up else x[n]).clone().requires_grad_() for n in names]
+        fn = (lambda *a, **kw: chunk_gated_delta_rule_ref(*a, chunk_size=64, **kw)) if up else (
+            lambda *a, **kw: tfla.chunk_gated_delta_rule(*a, config={"slab": {"chunks": chunks}}, **kw))
+        o, s = fn(*leaves[:5], initial_state=leaves[5] if h0 else None, output_final_state=True,
+                  use_qk_l2norm_in_kernel=l2norm)
+        return torch.autograd.grad((o * do.to(o.dtype)).sum() + (s * dht).sum(), leaves)
+
+    whole = grads(0)
+    assert not calls
+    slabs = grads(3)
+    assert len(calls) == 1
+    again = grads(3)
+    ref = grads(0, up=True)
+    for name, a, w, b, r in zip(NAMES, slabs, whole, again, ref):
+        assert torch.equal(a, b), name
+        assert rel_l2(a, w) <= 2e-3, (name, rel_l2(a, w))
+        assert rel_l2(a, r) <= 1.05 * rel_l2(w, r) + 1e-4, (name, rel_l2(a, r), rel_l2(w, r))
+
+
+@pytest.mark.gpu
+def test_bwd_in_slabs_holds_less_gpu(monkeypatch):
+    """The point of the slabs: the peak memory of forward + backward drops by most of the 64-row states and their
+    gradients (B = 2, T = 8192, H = 8, K = V = 128, bf16: 2 x 64 MiB of them at once for whole sequences, a quarter
+    with slabs of 32 chunks)."""
+    from tfla.ops.gated_delta_rule import chunk as gdn_chunk
+
+    calls = []
+    real = gdn_chunk._ws_bwd_in_slabs
+    monkeypatch.setattr(gdn_chunk, "_ws_bwd_in_slabs", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    x = gdn_inputs(2, 8192, 8, 128, 128, dtype=torch.bfloat16, device="cuda", seed=3)
+    do = torch.randn_like(x["v"])
+
+    def peak(chunks):
+        leaves = [x[n].clone().requires_grad_() for n in ("q", "k", "v", "g", "beta")]
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        # (one chain: at 16 heads per sequence the automatic split would cut them into pieces, which keep their states)
+        o, _ = tfla.chunk_gated_delta_rule(*leaves, config={"slab": {"chunks": chunks}}, segments=1)
+        torch.autograd.grad(o, leaves, do)
+        return (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+
+    states = 2 * 2 * 128 * 8 * 128 * 128 * 2 / 2 ** 20  # h and dh: B x chunks x HV x K x V bf16, MiB
+    whole = peak(0)
+    slabs = peak(32)
+    assert calls == [1]
+    print(f"peak MiB: whole sequences {whole:.0f}, slabs {slabs:.0f} (states and gradients {states:.0f})")
+    assert slabs <= whole - 0.6 * states, (whole, slabs, states)
+
+
+def test_state_pass_over_row_pairs(device):
+    """The backward's slabs as (first row, end row) pairs (``utils.varlen_mode`` 2): the state pass over Vnew run
+    over chunks 2..4 of each sequence from the state at chunk 2 gives the whole pass's states there (the last pair
+    cut by the sequence's end)."""
+    from tfla.ops.common.chunk_state import chunk_state_fwd
+    from tfla.ops.common.cumsum import chunk_local_cumsum
+    from tfla.ops.common.utils import RCP_LN2
+
+    B, T, HV, K, V = 2, 300, 2, 32, 16
+    x = gdn_inputs(B, T, 1, K, V, HV=HV, dtype=torch.float32, device=device, initial_state=True, seed=5)
+    gc = chunk_local_cumsum(x["g"], 64, scale=RCP_LN2)
+    kw = dict(store_every_sub_chunk=True, key_weights=True)
+    h, _, _ = chunk_state_fwd(x["k"], x["v"], gc, 64, initial_state=x["initial_state"], **kw)
+    flat = [t.reshape(1, B * T, *t.shape[2:]) for t in (x["k"], x["v"], gc)]
+    pairs = torch.tensor([[b * T + 128, b * T + T] for b in range(B)], dtype=torch.int32, device=device)
+    offs = torch.tensor([0, 3], dtype=torch.int32, device=device)
+    hp, _, _ = chunk_state_fwd(*flat, 64, initial_state=h[:, 2].contiguous(), cu_seqlens=pairs, chunk_offsets=offs,
+                               num_chunks=6, **kw)
+    torch.testing.assert_close(hp.view(B, 3, HV, K, V), h[:, 2:5], rtol=1e-6, atol=1e-6)

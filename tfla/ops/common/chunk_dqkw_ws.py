@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from tfla.ops.common.fused_delta_ws import HAVE_GLUON, _is_sm90, _smem_layout
+from tfla.ops.common.utils import varlen_mode
 
 if HAVE_GLUON:
     from triton.experimental import gluon
@@ -349,7 +350,7 @@ def gdn_bwd_ws_supported(q, k, v, beta, ai, v_new, do, du, h_sub, g_cum) -> bool
 
 def gdn_bwd_chunk_ws(q, k, v, beta, ai, v_new, do, du, h_sub, dh_sub, g_cum, scale, cu_seqlens=None,
                      tile_indices=None, sub_offsets=None, l2=None, dv_into_du: bool = False,
-                     config: dict | None = None):
+                     config: dict | None = None, out=None):
     """The delta rule's gradients after the state-gradient recurrence in one launch (module docstring), for
     ``chunk.chunk_gated_delta_rule_bwd``. Call only where ``gdn_bwd_ws_supported`` holds.
 
@@ -359,6 +360,8 @@ def gdn_bwd_chunk_ws(q, k, v, beta, ai, v_new, do, du, h_sub, dh_sub, g_cum, sca
     (``[1, NS_total, HV, K, V]`` varlen); cu_seqlens, tile_indices, sub_offsets: varlen (B = 1), the (sequence,
     64-row chunk) table and each sequence's first chunk; l2: ``(rstd_q, rstd_k)`` (``[B, T, H]`` fp32, from
     ``l2norm_fwd``) when q and k are l2norm's outputs and HV = H: dq and dk are then the gradients of its inputs;
+    out: ``(dq, dk, dbeta, dgd, dgam)`` buffers to write into (the tiles' rows written, the rest untouched; with
+    ``cu_seqlens`` as (first row, end row) pairs, ``utils.varlen_mode``: the GDN backward's slabs);
     dv_into_du: dv is written over du (the caller's dU is dead after this call; one tensor of v's size less at the
     backward's peak): each CTA stores a dv tile only after its own TMA load of the same dU tile has landed; a CTA
     whose chunk a sequence's end cuts also loads the next rows (the next sequence's, dU or already dv: finite
@@ -373,10 +376,13 @@ def gdn_bwd_chunk_ws(q, k, v, beta, ai, v_new, do, du, h_sub, dh_sub, g_cum, sca
     NT = (T + BS - 1) // BS if cu_seqlens is None else tile_indices.shape[0]
     if l2 is not None and HV != H:
         raise ValueError(f"l2 needs one value head per key head, got H = {H}, HV = {HV}")
-    dq = torch.empty(B, T, HV, K, dtype=q.dtype, device=q.device)
-    dk = torch.empty_like(dq)
+    if out is not None:
+        dq, dk, dbeta, dgd, dgam = out
+    else:
+        dq = torch.empty(B, T, HV, K, dtype=q.dtype, device=q.device)
+        dk = torch.empty_like(dq)
+        dbeta, dgd, dgam = (torch.empty(B, T, HV, dtype=torch.float32, device=q.device) for _ in range(3))
     dv = du if dv_into_du else torch.empty_like(v)
-    dbeta, dgd, dgam = (torch.empty(B, T, HV, dtype=torch.float32, device=q.device) for _ in range(3))
     if NT == 0:
         return dq, dk, dv, dbeta, dgd, dgam
     bf16 = q.dtype == torch.bfloat16
@@ -393,6 +399,6 @@ def gdn_bwd_chunk_ws(q, k, v, beta, ai, v_new, do, du, h_sub, dh_sub, g_cum, sca
         g_cum, beta, dq, dk, dv, dgd, dbeta, dgam, l2[0] if l2 is not None else g_cum,
         l2[1] if l2 is not None else g_cum, cu_seqlens if cu_seqlens is not None else g_cum,
         tile_indices if tile_indices is not None else g_cum, sub_offsets if sub_offsets is not None else g_cum,
-        scale, T, NT, H=H, HV=HV, K=K, V=V, IS_VARLEN=cu_seqlens is not None, L2=l2 is not None,
+        scale, T, NT, H=H, HV=HV, K=K, V=V, IS_VARLEN=varlen_mode(cu_seqlens), L2=l2 is not None,
         num_warps=cfg["num_warps"])
     return dq, dk, dv, dbeta, dgd, dgam

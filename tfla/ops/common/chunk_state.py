@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from tfla.ops.common.grid import needs_int64, program_pair, tile_grid
-from tfla.ops.common.utils import SUB_CHUNK, acc_dtype, cdiv, dot_precision, dot_tile
+from tfla.ops.common.utils import SUB_CHUNK, acc_dtype, cdiv, dot_precision, dot_tile, num_sequences, varlen_mode
 
 
 @triton.jit
@@ -129,7 +129,11 @@ def _sequence_slots(cu_seqlens, offsets, i_n, T, SLOT: tl.constexpr, IS_VARLEN: 
     every SLOT rows (varlen: the offsets table of that slot size; else B equal sequences of length T). ``bos`` and
     ``boh`` are int64; T stays int32 (loops over it stay 32-bit): a kernel forms a row's offset as the int64 scalar
     ``(bos + t0) * stride`` of its tile's first row plus int32 in-tile offsets, never ``t * stride`` in 32 bits."""
-    if IS_VARLEN:
+    if IS_VARLEN == 2:  # (first row, end row) pairs: parts of sequences (varlen.row_pairs)
+        bos = tl.load(cu_seqlens + 2 * i_n).to(tl.int64)
+        T = (tl.load(cu_seqlens + 2 * i_n + 1).to(tl.int64) - bos).to(tl.int32)
+        boh = tl.load(offsets + i_n).to(tl.int64)
+    elif IS_VARLEN:
         bos = tl.load(cu_seqlens + i_n).to(tl.int64)
         T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
         boh = tl.load(offsets + i_n).to(tl.int64)
@@ -312,7 +316,7 @@ def chunk_state_fwd(
     """
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
-    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    N = num_sequences(cu_seqlens, B)
     NT = cdiv(T, SUB_CHUNK if store_every_sub_chunk else chunk_size) if cu_seqlens is None else num_chunks
     delta = 1 if w is not None else 0
     if (gk_cum is not None or gb is not None) and (delta or g_cum is None):
@@ -351,7 +355,7 @@ def chunk_state_fwd(
         H=H, HV=HV, K=K, V=V, BT=chunk_size, BK=BK, BV=BV,
         USE_G=g_cum is not None, SPLIT_G=gk_cum is not None, HAS_GB=gb is not None, DELTA=delta,
         USE_INITIAL_STATE=initial_state is not None, STORE_FINAL_STATE=output_final_state,
-        IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(k.dtype), ACC=acc_dtype(k.dtype),
+        IS_VARLEN=varlen_mode(cu_seqlens), DOT_PREC=dot_precision(k.dtype), ACC=acc_dtype(k.dtype),
         UNROLL=cfg["unroll"], STORE_SUB=store_every_sub_chunk, N_STATE=n_state,
         gv=gv_cum, VEC_G=gv_cum is not None, IDX64=cfg.get("idx64", False) or _idx64(T, H, HV, K, V), FLAT=flat,
         KEY_W=key_weights,

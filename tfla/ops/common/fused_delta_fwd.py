@@ -350,9 +350,21 @@ def _split_tables(cuts: tuple[int, ...], first: tuple[int, ...], device: torch.d
     return flat[:n], flat[n:2 * n], flat[2 * n:]
 
 
+def _slab_states(slab: int, save: int, cu_seqlens, q, v, out: dict) -> dict:
+    """The Gluon pass's slab arguments (``fused_delta_fwd``'s ``slab``), the kept states recorded in ``out``."""
+    B, T, HV, V = v.shape
+    K = q.shape[3]
+    n = cdiv(T, SUB_CHUNK)
+    if slab <= 0 or save != SAVE_V_NEW or cu_seqlens is not None or n <= slab:
+        return {}
+    states = torch.empty(cdiv(n, slab) - 1, B * HV, K, V, dtype=torch.float32, device=q.device)
+    out["slab"] = (slab, states)
+    return dict(slab_states=states, slab=slab)
+
+
 def fused_delta_fwd(q, k, v, g, beta, scale, initial_state=None, output_final_state=False, cu_seqlens=None,
                     bounds: list[int] | None = None, segments: int | None = 1, save=SAVE_NONE, split_save=None,
-                    sub_tables: tuple | None = None, act=None, config=None):
+                    sub_tables: tuple | None = None, act=None, config=None, slab: int = 0):
     """The gated delta rule's forward, fused. Arguments as ``chunk_gated_delta_rule``: q, k ``[B, T, H, K]``, v
     ``[B, T, HV, V]``, g ``[B, T, HV]`` natural-log decay or None, beta ``[B, T, HV]``, initial_state
     ``[N, HV, K, V]``; ``bounds``: the host copy of ``cu_seqlens`` (read from the device when None);
@@ -367,12 +379,16 @@ def fused_delta_fwd(q, k, v, g, beta, scale, initial_state=None, output_final_st
     ``config``: the ``tl`` pass's launch keys (``FUSED_DEFAULTS``), ``ut`` (the prep's) and ``ws``: True (default: the
     warp-specialized Gluon pass where ``fused_delta_ws.ws_supported`` holds), False (the ``tl`` pass always) or a
     dict of the Gluon pass's keys (``fused_delta_ws.WS_DEFAULTS``; pieces, transitions included, launch ``PIECE_WS``
-    unless a dict is given).
+    unless a dict is given);
+    ``slab``: with Vnew kept (``save`` 1), dense, unsplit, on the Gluon pass: also keep the fp32 state before every
+    ``slab``-th 64-row chunk, the starts of the backward's slabs (``chunk.py``: its states and their gradients then
+    live one slab at a time).
 
     Returns a dict: ``o [B, T, HV, V]`` (v's dtype), ``final_state`` (fp32 or None), ``g_cum``, ``ai`` (the prep's
     log2 gates restarting every 64 rows and Tm, for the backward), ``beta`` (the one used: activated with ``act``), ``v_new`` (``save`` >= 1), ``h`` (``save`` 2:
     states before every 64-row chunk, ``[B, ceil(T/64), HV, K, V]``; varlen ``[1, chunks, HV, K, V]``), ``save``
-    (the one used), ``split`` (a ``Split`` when a sequence was cut, else absent)."""
+    (the one used), ``split`` (a ``Split`` when a sequence was cut, else absent), ``slab`` (``(slab, states)``,
+    states ``[S - 1, B HV, K, V]`` fp32 before chunks ``slab, 2 slab, ..``, when kept, else absent)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     cfg = config or {}
@@ -423,7 +439,7 @@ def fused_delta_fwd(q, k, v, g, beta, scale, initial_state=None, output_final_st
             o, final, v_new, h = fused_delta_pass_ws(
                 q, k, v, g_cum, beta, ai, scale, initial_state, output_final_state, cu_seqlens, save, ws_cfg,
                 chunk_offsets=offsets, num_chunks=sum(cdiv(e - b, SUB_CHUNK) for b, e in zip(bounds[:-1], bounds[1:]))
-                if save == SAVE_STATES else None)
+                if save == SAVE_STATES else None, **_slab_states(slab, save, cu_seqlens, q, v, out))
         else:
             o, final, v_new, h = fused_delta_pass(
                 q, k, v, g_cum, beta, ai, scale, initial_state, output_final_state, cu_seqlens, offsets,

@@ -68,8 +68,16 @@ if HAVE_GLUON:
     @gluon.jit
     def _seq_rows(cu_seqlens, offsets, i_n, T, IS_VARLEN: gl.constexpr, OFFSETS: gl.constexpr):
         """Sequence i_n's first row, its length and its first 64-row chunk among all sequences' chunks (varlen:
-        ``offsets[i_n]`` where OFFSETS, else 0; dense: B sequences of T rows)."""
-        if IS_VARLEN:
+        ``offsets[i_n]`` where OFFSETS, else 0; dense: B sequences of T rows). IS_VARLEN 1: ``cu_seqlens`` holds
+        N + 1 offsets; 2: N (first row, end row) pairs (``varlen.row_pairs``: parts of sequences)."""
+        if IS_VARLEN == 2:
+            row0 = gl.load(cu_seqlens + 2 * i_n).to(gl.int32)
+            T = gl.load(cu_seqlens + 2 * i_n + 1).to(gl.int32) - row0
+            if OFFSETS:
+                boh = gl.load(offsets + i_n).to(gl.int32)
+            else:
+                boh = i_n * 0
+        elif IS_VARLEN:
             row0 = gl.load(cu_seqlens + i_n).to(gl.int32)
             T = gl.load(cu_seqlens + i_n + 1).to(gl.int32) - row0
             if OFFSETS:
@@ -139,16 +147,17 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _ws_consumer(k_s, q_s, v_s, t_s, ready, empty, st_s, y_s, vn_s, vw_s, os_s, o_desc, vn_desc, h_desc,
-                     g, beta, o, v_new, h0, ht, row0, boh, i_nh, i_hv, col_v, col_h, n_chunks, T, scale,
+                     g, beta, o, v_new, h0, ht, hs, row0, boh, i_nh, i_hv, col_v, col_h, n_chunks, T, scale,
                      CID: gl.constexpr, NCONS: gl.constexpr, HV: gl.constexpr, V: gl.constexpr, K: gl.constexpr,
                      BV: gl.constexpr, STAGES: gl.constexpr, USE_H0: gl.constexpr, STORE_HT: gl.constexpr,
-                     SAVE: gl.constexpr, TRANSITION: gl.constexpr):
+                     SAVE: gl.constexpr, TRANSITION: gl.constexpr, SLAB: gl.constexpr):
         """Consumer warpgroup CID: value columns ``col_v + CID BV ..`` of v / o / Vnew (``[.., HV * V]`` rows),
         ``col_h + CID BV ..`` of the state (h0 / ht ``[N, HV, K, V]`` fp32). TRANSITION: state columns ``col_h + CID
         BV ..`` of ``[M | N]`` (``ht [N, HV, K, K + V]``): the first K start as the identity with values 0, the rest
         are v's columns ``col_h - K ..`` from a zero state; no output, only the final state. SAVE 1: Vnew out; 2:
         also the 16-bit state before each chunk (the products' operand in shared memory, ``h_desc`` rows
-        ``((boh + i) HV + i_hv) K``)."""
+        ``((boh + i) HV + i_hv) K``). SLAB > 0: the fp32 state before every chunk i = j SLAB, j >= 1, to
+        ``hs [j - 1, i_nh]`` (``[.., N HV, K, V]``; the backward's slab starts)."""
         L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BV, 16])
         LR: gl.constexpr = gl.SliceLayout(1, L)
         LC: gl.constexpr = gl.SliceLayout(0, L)
@@ -189,6 +198,9 @@ if HAVE_GLUON:
             b_gr = gl.convert_layout(b_g, LSR)  # (the scores' rows and columns)
             b_gc = gl.convert_layout(b_g, LSC)
             b_eg = gl.exp2(b_g)
+            if SLAB > 0:
+                if (i % SLAB == 0) & (i > 0):
+                    gl.store(hs + (i // SLAB - 1) * gl.num_programs(1) * (K * V) + p_h, b_h)
             mbarrier.wait(ready.index(s), (i // STAGES) & 1)
             if not TRANSITION:  # the output's scores q k^T of the chunk: off the state's chain, issued first
                 b_sc = warpgroup_mma(q_s.index(s), k_s.index(s).permute((1, 0)), zs, use_acc=False, is_async=True)
@@ -253,10 +265,11 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _fused_delta_ws_kernel(k_desc, q_desc, v_desc, t_desc, o_desc, vn_desc, h_desc, g, beta, o, v_new, h0,
-                               ht, cu_seqlens, chunk_offsets, T, scale, H: gl.constexpr, HV: gl.constexpr,
+                               ht, hs, cu_seqlens, chunk_offsets, T, scale, H: gl.constexpr, HV: gl.constexpr,
                                K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, NCONS: gl.constexpr,
                                STAGES: gl.constexpr, IS_VARLEN: gl.constexpr, USE_H0: gl.constexpr,
-                               STORE_HT: gl.constexpr, SAVE: gl.constexpr, TRANSITION: gl.constexpr):
+                               STORE_HT: gl.constexpr, SAVE: gl.constexpr, TRANSITION: gl.constexpr,
+                               SLAB: gl.constexpr = 0):
         """Grid ``(NCOL / (NCONS BV), N HV)`` (NCOL: V, or K + V with TRANSITION); dense rows ``[B T, ..]`` or packed
         varlen (B = 1, ``cu_seqlens``)."""
         i_v = gl.program_id(0)
@@ -301,19 +314,19 @@ if HAVE_GLUON:
         if NCONS == 2:
             gl.warp_specialize([
                 (_ws_consumer, (k_s, q_s, v_s, t_s, ready, empty, st_s, y_s, vn_s, vw_s, os_s, o_desc, vn_desc,
-                                h_desc, g, beta, o, v_new, h0, ht, row0, boh, i_nh, i_hv, col_v, col_h, n_chunks, T,
-                                scale, C0, NCONS, HV, V, K, BV, STAGES, USE_H0, STORE_HT, SAVE, TRANSITION)),
+                                h_desc, g, beta, o, v_new, h0, ht, hs, row0, boh, i_nh, i_hv, col_v, col_h, n_chunks, T,
+                                scale, C0, NCONS, HV, V, K, BV, STAGES, USE_H0, STORE_HT, SAVE, TRANSITION, SLAB)),
                 (_ws_consumer, (k_s, q_s, v_s, t_s, ready, empty, st_s, y_s, vn_s, vw_s, os_s, o_desc, vn_desc,
-                                h_desc, g, beta, o, v_new, h0, ht, row0, boh, i_nh, i_hv, col_v, col_h, n_chunks, T,
-                                scale, C1, NCONS, HV, V, K, BV, STAGES, USE_H0, STORE_HT, SAVE, TRANSITION)),
+                                h_desc, g, beta, o, v_new, h0, ht, hs, row0, boh, i_nh, i_hv, col_v, col_h, n_chunks, T,
+                                scale, C1, NCONS, HV, V, K, BV, STAGES, USE_H0, STORE_HT, SAVE, TRANSITION, SLAB)),
                 (_ws_producer, (k_desc, q_desc, v_desc, t_desc, k_s, q_s, v_s, t_s, ready, empty,
                                 row0, i_h * K, col_v, i_hv * 64, n_chunks, has_v, BV, NCONS, STAGES, TRANSITION)),
             ], [4, 1], [232, 40])
         else:
             gl.warp_specialize([
                 (_ws_consumer, (k_s, q_s, v_s, t_s, ready, empty, st_s, y_s, vn_s, vw_s, os_s, o_desc, vn_desc,
-                                h_desc, g, beta, o, v_new, h0, ht, row0, boh, i_nh, i_hv, col_v, col_h, n_chunks, T,
-                                scale, C0, NCONS, HV, V, K, BV, STAGES, USE_H0, STORE_HT, SAVE, TRANSITION)),
+                                h_desc, g, beta, o, v_new, h0, ht, hs, row0, boh, i_nh, i_hv, col_v, col_h, n_chunks, T,
+                                scale, C0, NCONS, HV, V, K, BV, STAGES, USE_H0, STORE_HT, SAVE, TRANSITION, SLAB)),
                 (_ws_producer, (k_desc, q_desc, v_desc, t_desc, k_s, q_s, v_s, t_s, ready, empty,
                                 row0, i_h * K, col_v, i_hv * 64, n_chunks, has_v, BV, NCONS, STAGES, TRANSITION)),
             ], [1], [40])
@@ -358,12 +371,14 @@ def ws_supported(q, k, v, has_gate: bool, initial_state, cu_seqlens, save: int, 
 
 def fused_delta_pass_ws(q, k, v, g_cum, beta, ai, scale, initial_state=None, output_final_state=False,
                         cu_seqlens=None, save: int = 0, config: dict | None = None, transition: bool = False,
-                        chunk_offsets=None, num_chunks: int | None = None):
+                        chunk_offsets=None, num_chunks: int | None = None, slab_states=None, slab: int = 0):
     """``fused_delta_fwd.fused_delta_pass`` (no ``a``) on the warp-specialized kernel, from the prep's ``g_cum``
     (fp32, log2, restarting every 64 rows), Tm (``ai``, q's dtype) and beta (all contiguous); the output's scores are
     formed in the kernel. ``save``: 1 Vnew, 2 also the state before each 64-row chunk (varlen: ``chunk_offsets`` /
     ``num_chunks`` of 64-row chunks). ``transition``: the pieces' ``[M | N]`` (``[N, HV, K, K + V]``, fp32) instead
-    of o, from no initial state, nothing saved. Call only where ``ws_supported`` holds (same ``config``: launch keys
+    of o, from no initial state, nothing saved. ``slab`` > 0 with ``slab_states`` (fp32 ``[S - 1, N HV, K, V]``,
+    S = ceil(chunks / slab), dense): the state before every ``slab``-th 64-row chunk but the first goes there (the
+    backward's slab starts, ``chunk.py``). Call only where ``ws_supported`` holds (same ``config``: launch keys
     ``BV``, ``NCONS`` consumer warpgroups of BV columns each, ``STAGES``). Returns ``(o, final, v_new, h)`` as that
     function does."""
     cfg = {**WS_DEFAULTS, **(config or {})}
@@ -394,8 +409,9 @@ def fused_delta_pass_ws(q, k, v, g_cum, beta, ai, scale, initial_state=None, out
         desc(k, B * T, H * K, [BS, K]), desc(q, B * T, H * K, [BS, K]), v_desc, desc(ai, B * T, HV * BS, [BS, BS]),
         o_desc, vn_desc, h_desc, g_cum, beta, o if o is not None else v, v_new if v_new is not None else v,
         initial_state if initial_state is not None else v, final if final is not None else v,
+        slab_states if slab_states is not None else v,
         cu_seqlens if cu_seqlens is not None else v, chunk_offsets if chunk_offsets is not None else v, T, scale,
         H=H, HV=HV, K=K, V=V, BV=BV, NCONS=NCONS, STAGES=cfg["STAGES"], IS_VARLEN=cu_seqlens is not None,
         USE_H0=initial_state is not None and not transition, STORE_HT=final is not None, SAVE=save,
-        TRANSITION=transition, num_warps=4)
+        TRANSITION=transition, SLAB=slab if slab_states is not None else 0, num_warps=4)
     return o, final, v_new, h

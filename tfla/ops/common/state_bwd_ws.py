@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from tfla.ops.common.fused_delta_ws import HAVE_GLUON, _is_sm90, _smem_layout
+from tfla.ops.common.utils import num_sequences, varlen_mode
 
 if HAVE_GLUON:
     from triton.experimental import gluon
@@ -227,7 +228,7 @@ def state_bwd_ws_supported(q, k, ai, beta, do, g_cum, dht, cu_seqlens, config: d
         return False
     B, T, H, K = k.shape
     HV, V = do.shape[2], do.shape[3]
-    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    N = num_sequences(cu_seqlens, B)
     if K != 128 or V % (cfg["BV"] * cfg["NCONS"]) != 0 or N * HV > 65535 or N * HV == 0:
         return False
     if tuple(ai.shape) != (B, T, HV, 64) or tuple(beta.shape) != (B, T, HV):
@@ -240,19 +241,21 @@ def state_bwd_ws_supported(q, k, ai, beta, do, g_cum, dht, cu_seqlens, config: d
 
 
 def delta_state_bwd_ws(q, k, ai, beta, do, g_cum, scale, dht=None, need_dh0=False, cu_seqlens=None, sub_offsets=None,
-                       num_sub_chunks=None, store=True, config: dict | None = None):
+                       num_sub_chunks=None, store=True, config: dict | None = None, du_out=None):
     """``chunk_state_bwd`` for the delta rule (64-row chunks, dvo formed in the kernel) on the warp-specialized
-    kernel, from Tm (``ai``) and beta instead of W. Call only where ``state_bwd_ws_supported`` holds. Returns
-    ``(dh, du, dh0)`` as that function does: dh ``[B, NS, HV, K, V]`` and du ``[B, T, HV, V]`` in k's dtype (None
-    with ``store`` False), dh0 ``[N, HV, K, V]`` fp32 or None."""
+    kernel, from Tm (``ai``) and beta instead of W. Call only where ``state_bwd_ws_supported`` holds. ``cu_seqlens``:
+    offsets or (first row, end row) pairs (``utils.varlen_mode``); ``du_out``: du's buffer (the sequences' rows
+    written, the rest untouched). Returns ``(dh, du, dh0)`` as that function does: dh ``[B, NS, HV, K, V]`` and du
+    ``[B, T, HV, V]`` in k's dtype (None with ``store`` False), dh0 ``[N, HV, K, V]`` fp32 or None."""
     cfg = {**STATE_BWD_WS_DEFAULTS, **(config or {})}
     BV, NCONS = cfg["BV"], cfg["NCONS"]
     B, T, H, K = k.shape
     HV, V = do.shape[2], do.shape[3]
-    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    N = num_sequences(cu_seqlens, B)
     NS = (T + BS - 1) // BS if cu_seqlens is None else num_sub_chunks
     dh = torch.empty(B, NS, HV, K, V, dtype=k.dtype, device=k.device) if store else None
-    du = torch.empty(B, T, HV, V, dtype=k.dtype, device=k.device) if store else None
+    du = (du_out if du_out is not None else torch.empty(B, T, HV, V, dtype=k.dtype, device=k.device)) if store \
+        else None
     dh0 = torch.empty(N, HV, K, V, dtype=torch.float32, device=k.device) if need_dh0 else None
     bf16 = k.dtype == torch.bfloat16
 
@@ -267,6 +270,6 @@ def delta_state_bwd_ws(q, k, ai, beta, do, g_cum, scale, dht=None, need_dh0=Fals
         dh_desc, du_desc, g_cum, beta, du if store else do, dht if dht is not None else do,
         dh0 if dh0 is not None else do, cu_seqlens if cu_seqlens is not None else do,
         sub_offsets if sub_offsets is not None else do, T, scale, H=H, HV=HV, K=K, V=V, BV=BV, NCONS=NCONS,
-        STAGES=cfg["STAGES"], IS_VARLEN=cu_seqlens is not None, USE_DHT=dht is not None, STORE_DH0=need_dh0,
+        STAGES=cfg["STAGES"], IS_VARLEN=varlen_mode(cu_seqlens), USE_DHT=dht is not None, STORE_DH0=need_dh0,
         STORE=store, num_warps=4)
     return dh, du, dh0

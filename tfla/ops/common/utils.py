@@ -128,3 +128,18 @@ def sm_count(x: torch.Tensor) -> int:
     """SMs of ``x``'s CUDA device (cached per device); 132, an H100's, for CPU tensors (the interpreter), so launch
     choices that depend on it are the same there as on that GPU."""
     return device_sm_count(x.device.index or 0) if x.is_cuda else 132
+
+
+def varlen_mode(cu_seqlens) -> int:
+    """The kernels' ``IS_VARLEN``: 0 dense (None), 1 ``cu_seqlens`` of N + 1 offsets, 2 an ``[N, 2]`` table of (first
+    row, end row) pairs in the packed rows (parts of sequences: the GDN backward's slabs)."""
+    if cu_seqlens is None:
+        return 0
+    return 2 if cu_seqlens.dim() == 2 else 1
+
+
+def num_sequences(cu_seqlens, B: int) -> int:
+    """N: B dense, else the offsets' or the pairs' count (``varlen_mode``)."""
+    if cu_seqlens is None:
+        return B
+    return cu_seqlens.shape[0] if cu_seqlens.dim() == 2 else cu_seqlens.numel() - 1

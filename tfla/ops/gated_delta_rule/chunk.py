@@ -20,6 +20,7 @@ gates): README of this op, docs/performance.md.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -33,7 +34,7 @@ from tfla.ops.common.fused_delta_fwd import (PIECE_WS, SAVE_NONE, SAVE_STATES, S
 from tfla.ops.common.gate_act import BETA_2SIGMOID, BETA_SIGMOID, NO_BETA, GateAct, gate_epilogue
 from tfla.ops.common.group_sum import group_sum
 from tfla.ops.common.l2norm import l2norm, l2norm_bwd, l2norm_fwd
-from tfla.ops.common.state_bwd_ws import state_bwd_ws_supported
+from tfla.ops.common.state_bwd_ws import delta_state_bwd_ws, state_bwd_ws_supported
 from tfla.ops.common.utils import SUB_CHUNK
 from tfla.ops.common.ut_transform import ut_transform_fwd, w_from_tm
 from tfla.ops.common.wy_bwd import wy_bwd
@@ -67,7 +68,7 @@ class GDNOptions:
 
 
 # stages of the forward and backward whose launches ``config`` can override (each stage function documents its keys)
-CONFIG_STAGES = ("ut", "fused", "state", "state_lin", "state_bwd", "dqkw", "wy_bwd")
+CONFIG_STAGES = ("ut", "fused", "state", "state_lin", "state_bwd", "dqkw", "wy_bwd", "slab")
 
 
 def chunk_gated_delta_rule_fwd(
@@ -85,8 +86,9 @@ def chunk_gated_delta_rule_fwd(
     segments: int | None = 1,
     split_save: int | None = None,
     act: GateAct | None = None,
+    slab: int = 0,
 ):
-    """Plain forward (no autograd): the fused pass (``fused_delta_fwd``). Returns ``(o, final_state, saved)`` where
+    """Plain forward (no autograd): the fused pass (``fused_delta_fwd``; ``slab``: its slab starts kept). Returns ``(o, final_state, saved)`` where
     saved holds ``g_cum [B, T, HV]`` fp32 (log2, restarting every 64 rows), ``ai`` (Tm), ``beta`` (the one used:
     activated with ``act``) and, by ``save``, ``v_new`` and ``h`` (the state before every 64-row chunk). ``act``: g and
     beta hold pre-activations that the gate's cumsum kernel activates (``gate_act.py``).
@@ -99,7 +101,8 @@ def chunk_gated_delta_rule_fwd(
                           bounds=varlen.bounds if varlen is not None else None, segments=segments, save=save,
                           split_save=split_save,
                           sub_tables=(varlen.sub_indices, varlen.sub_offsets) if varlen is not None else None,
-                          act=act, config={**config.get("fused", {}), **({"ut": config["ut"]} if "ut" in config else {})})
+                          act=act, config={**config.get("fused", {}), **({"ut": config["ut"]} if "ut" in config else {})},
+                          slab=slab)
     return out["o"], out["final_state"], out
 
 
@@ -123,6 +126,7 @@ def chunk_gated_delta_rule_bwd(
     g: torch.Tensor | None = None,
     beta_in: torch.Tensor | None = None,
     l2: tuple | None = None,
+    slab: tuple | None = None,
 ):
     """Plain backward (no autograd) from the forward's saved ``g_cum`` (log2, restarting every 64 rows) and ``ai``
     (Tm); ``saved = (v_new, h)`` (the forward's Vnew and 64-row states) skips their recomputation; ``v_new`` alone
@@ -131,7 +135,9 @@ def chunk_gated_delta_rule_bwd(
     (``_state_grad_in_pieces``); ``act`` with the forward's ``g`` and ``beta_in`` (pre-activations; ``beta`` is then the
     activated one): the gradients of the pre-activations, A_log and dt_bias (``gate_act.gate_epilogue``); ``l2 =
     (q0, rstd_q, k0, rstd_k)``: q and k are ``l2norm_fwd`` of q0 and k0, and dq, dk are returned for q0 and k0 (the
-    l2norm's backward in the GVA sum's pass, or its own pass without grouped heads). Returns
+    l2norm's backward in the GVA sum's pass, or its own pass without grouped heads); ``slab = (n, states)`` with
+    ``v_new`` (the forward's slab starts, ``fused_delta_fwd``'s ``slab``): on Hopper the states, their gradients and
+    the chunk gradients run one slab of n 64-row chunks at a time, last first (``_ws_bwd_in_slabs``). Returns
     ``(dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias)``: dq, dk ``[B, T, H, K]`` in q's dtype, dv in v's dtype, dg and
     dbeta ``[B, T, HV]`` fp32, dh0 fp32 or None, dA_log and ddt_bias ``[HV]`` fp32 or None.
 
@@ -158,6 +164,17 @@ def chunk_gated_delta_rule_bwd(
         q, k, ai, beta, do, g_cum, None if in_pieces else dht, split.cu_seqlens if in_pieces else cu,
         sb_ws if isinstance(sb_ws, dict) else None)
     tm_kw = dict(ai=ai, beta=beta) if from_tm else {}
+    ws = (config.get("dqkw") or {}).get("ws", True)
+    if (slab is not None and saved is None and v_new is not None and cu is None and from_tm and ws is not False
+            and gdn_bwd_ws_supported(q, k, v, beta, ai, v_new, do, v_new, v_new, g_cum)):
+        dq, dk, dv, dbeta, dgq, dgam, dh0 = _ws_bwd_in_slabs(
+            q, k, v, g_cum, beta, ai, v_new, do, dht, initial_state, scale, slab,
+            l2=(l2[1], l2[3]) if l2 is not None and HV == H else None, config=config,
+            sb_cfg=sb_ws if isinstance(sb_ws, dict) else None, ws_cfg=ws if isinstance(ws, dict) else None)
+        if HV == H:
+            l2 = None  # (done)
+        return _bwd_epilogue(q, k, dq, dk, dv, dbeta, dgq, dgam, dh0, g, beta_in, act, l2, varlen, acc_dtype=(
+            torch.float64 if q.dtype == torch.float64 else torch.float32), cu=cu)
     if saved is not None:
         v_new, h_sub = saved
         w = None if from_tm else w_from_tm(k, g_cum, beta, ai, L, cu_seqlens=cu, sub_indices=sub,
@@ -195,7 +212,6 @@ def chunk_gated_delta_rule_bwd(
     # their writes and reads (with grouped value heads too: H100, the Qwen3-Next-style layer, fwd+bwd 8.00 -> 7.28
     # ms, peak -512 MiB; bf16 dq / dk with Qwen3-Next gates 1.01-1.03x FlashQLA's error, below FLA's; 0.92-0.93x
     # FlashQLA's with fp32 per-head parts; docs/performance.md)
-    ws = (config.get("dqkw") or {}).get("ws", True)
     if ws is not False and gdn_bwd_ws_supported(q, k, v, beta, ai, v_new, do, du, h_sub, g_cum):
         # on Hopper: the stage below and the UT / WY backward in one kernel (chunk_dqkw_ws.py): dW, dk's parts and
         # the state terms of the gate gradient stay on chip; without grouped value heads l2norm's backward too
@@ -220,6 +236,12 @@ def chunk_gated_delta_rule_bwd(
                                      sub_indices=sub, config=config.get("wy_bwd"), dk_add=dko, dk_dtype=q.dtype,
                                      dw=dw, pst=pst, sdst=sdst)
         del du, dko, dw, pst, sdst
+    return _bwd_epilogue(q, k, dq, dk, dv, dbeta, dgq, dgam, dh0, g, beta_in, act, l2, varlen, acc, cu)
+
+
+def _bwd_epilogue(q, k, dq, dk, dv, dbeta, dgq, dgam, dh0, g, beta_in, act, l2, varlen, acc_dtype, cu):
+    """The backward's last passes: dg (and the activations' gradients), the GVA sum and l2norm's backward."""
+    H, HV = q.shape[2], dq.shape[2]
     # + the delta part's gradient of g (its reverse cumsum over the chunk done in wy_bwd), in the same pass, and the
     # activations' backward there too
     dA_log = ddt = None
@@ -227,14 +249,91 @@ def chunk_gated_delta_rule_bwd(
         dg, dbeta, dA_log, ddt = gate_epilogue(dgq, dgam, dbeta, g, beta_in, act, cu_seqlens=cu,
                                                chunk_indices=varlen.chunk_indices if varlen else None)
     else:
-        dg = chunk_local_cumsum(dgq, L, reverse=True, chunk_indices=varlen.chunk_indices if varlen else None,
-                                out_dtype=acc, add=dgam, cu_seqlens=cu)
+        dg = chunk_local_cumsum(dgq, SUB_CHUNK, reverse=True, chunk_indices=varlen.chunk_indices if varlen else None,
+                                out_dtype=acc_dtype, add=dgam, cu_seqlens=cu)
     if HV != H:  # grouped value heads: a key head's gradient sums over its value heads (fp32 sum)
         dq = group_sum(dq, H, q.dtype, l2=l2[:2] if l2 is not None else None)
         dk = group_sum(dk, H, k.dtype, l2=l2[2:] if l2 is not None else None)
     elif l2 is not None:
         dq, dk = l2norm_bwd(l2[0], l2[1], dq), l2norm_bwd(l2[2], l2[3], dk)
     return dq, dk, dv, dg, dbeta, dh0, dA_log, ddt
+
+
+# the backward's slab in 64-row chunks by default: 0, whole sequences. Slabs trade host time for memory: each costs
+# ~0.46 ms of host time per call (three launches, two of them with TMA descriptors built on the host) against the
+# states' memory (H100, bf16, K = V = 128, H = 16, forward + backward, 2026-11-25: B = 4, T = 8192 1.810 ms / 1224 MiB
+# whole, 1.937 / 976 at 64 chunks, 2.2-2.9 / 860 at 32 (host-bound); B = 4, T = 32768 7.217 / 4896, 7.822 / 3140,
+# 8.122 / 3044): config={"slab": {"chunks": n}}, README of this op
+BWD_SLAB = 0
+
+
+@functools.lru_cache(maxsize=16)
+def _slab_tables(B: int, T: int, n: int, device: torch.device):
+    """The slabs' index tables on the device, built once per shape (one host-to-device copy: a copy from pageable
+    host memory waits for the device's queue, which per slab and call cost ~1 ms on an H100): ``pairs [S, B, 2]``
+    int32 (slab j's (first row, end row) per sequence in the packed rows) and ``{full?: (offs, tiles)}``: each
+    sequence's first 64-row state slot in a slab's buffers (``b nc``) and the (sequence, chunk) table of the slab's
+    chunks, for the full slabs (True) and the last one (False)."""
+    NT = -(-T // SUB_CHUNK)
+    S = -(-NT // n)
+    rows = torch.arange(B, dtype=torch.int64)[None, :] * T
+    c = torch.arange(S, dtype=torch.int64)[:, None] * n
+    pairs = torch.stack([rows + c * SUB_CHUNK, torch.minimum(rows + (c + n) * SUB_CHUNK, rows + T)], 2)
+    last = NT - (S - 1) * n
+    host = [pairs.reshape(-1)]
+    for nc in (n, last):
+        host += [torch.arange(B, dtype=torch.int64) * nc,
+                 torch.stack([torch.arange(B).repeat_interleave(nc), torch.arange(nc).repeat(B)], 1).reshape(-1)]
+    flat = torch.cat(host).to(torch.int32).to(device)
+    sizes = [x.numel() for x in host]
+    parts = list(torch.split(flat, sizes))
+    tables = {True: (parts[1], parts[2].view(-1, 2)), False: (parts[3], parts[4].view(-1, 2))}
+    return parts[0].view(S, B, 2), tables
+
+
+def _ws_bwd_in_slabs(q, k, v, g_cum, beta, ai, v_new, do, dht, initial_state, scale, slab, l2, config, sb_cfg,
+                     ws_cfg):
+    """The Hopper backward of dense sequences one slab at a time (``chunk_gated_delta_rule_bwd``'s ``slab``): slab j
+    covers 64-row chunks ``[j n, (j + 1) n)`` of every sequence; last slab first, the states over it are rebuilt
+    from the forward's state at its start (``chunk_state_fwd`` over Vnew), the state-gradient recurrence runs over
+    it from the gradient at its end (the next slab's start gradient, or ``dht``), and the chunk gradients follow.
+    The kernels see the slab as B (first row, end row) pairs (``utils.varlen_mode`` 2). The 64-row states and their
+    gradients of one slab are held at a time instead of all: at B = 4, T = 8192, H = 16, K = V = 128, bf16 and
+    n = 32, 128 MiB instead of 512. Same products and order as the unsplit backward: results equal up to the order
+    of fp32 additions. Returns ``(dq, dk, dv, dbeta, dgd, dgam, dh0)`` as the chunk-gradient stage."""
+    n, states = slab
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    NT = -(-T // SUB_CHUNK)
+    dev = q.device
+    flat = [x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, g_cum, beta, ai, v_new, do)]
+    qf, kf, vf, gf, bf, af, vnf, dof = flat
+    # a chunk that the sequence's end cuts loads the next rows of dU too (zero-weighted): finite memory there
+    du = (torch.zeros if T % SUB_CHUNK else torch.empty)(1, B * T, HV, V, dtype=k.dtype, device=dev)
+    dq = torch.empty(1, B * T, HV, K, dtype=q.dtype, device=dev)
+    dk = torch.empty_like(dq)
+    dbeta, dgd, dgam = (torch.empty(1, B * T, HV, dtype=torch.float32, device=dev) for _ in range(3))
+    if l2 is not None:
+        l2 = tuple(x.reshape(1, B * T, *x.shape[2:]) for x in l2)
+    ds = dht
+    pairs_all, tables = _slab_tables(B, T, n, dev)
+    for j in reversed(range(-(-NT // n))):
+        c0, c1 = j * n, min(NT, (j + 1) * n)
+        nc = c1 - c0
+        pairs = pairs_all[j]
+        offs, tiles = tables[nc == n]
+        h0 = initial_state if j == 0 else states[j - 1].view(B, HV, K, V)
+        h_sub, _, _ = chunk_state_fwd(kf, vnf, gf, SUB_CHUNK, initial_state=h0, cu_seqlens=pairs,
+                                      chunk_offsets=offs, num_chunks=B * nc, config=config.get("state_lin"),
+                                      store_every_sub_chunk=True, key_weights=True)
+        dh_sub, _, ds = delta_state_bwd_ws(qf, kf, af, bf, dof, gf, scale, ds, j > 0 or initial_state is not None,
+                                           pairs, offs, B * nc, config=sb_cfg, du_out=du)
+        gdn_bwd_chunk_ws(qf, kf, vf, bf, af, vnf, dof, du, h_sub, dh_sub, gf, scale, cu_seqlens=pairs,
+                         tile_indices=tiles, sub_offsets=offs, l2=l2, dv_into_du=True, config=ws_cfg,
+                         out=(dq, dk, dbeta, dgd, dgam))
+        del h_sub, dh_sub
+    return (dq.view(B, T, HV, K), dk.view(B, T, HV, K), du.view(B, T, HV, V), dbeta.view(B, T, HV),
+            dgd.view(B, T, HV), dgam.view(B, T, HV), ds if initial_state is not None else None)
 
 
 def _state_grad_in_pieces(q, k, w, do, g_cum, scale, dht, need_dh0, split: Split, config, ai=None, beta=None):
@@ -289,13 +388,19 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
         q0 = k0 = rq = rk = None
         if opts.use_qk_l2norm_in_kernel:  # one Triton pass per tensor; its backward joins the GVA sum's pass
             (q0, k0), ((q, rq), (k, rk)) = (q, k), (l2norm_fwd(q), l2norm_fwd(k))
+        # with Vnew kept, dense sequences and config["slab"]: the forward also keeps the state at every n-th chunk,
+        # and the backward holds the 64-row states and their gradients of one slab at a time (_ws_bwd_in_slabs)
+        slab = ((opts.config or {}).get("slab") or {}).get("chunks", BWD_SLAB) if save == SAVE_V_NEW else 0
         o, final_state, inter = chunk_gated_delta_rule_fwd(
             q, k, v, g, beta, opts.scale, initial_state, opts.output_final_state, varlen,
-            config=opts.config, save=save, split_save=split_save, segments=opts.segments, act=act)
+            config=opts.config, save=save, split_save=split_save, segments=opts.segments, act=act, slab=slab)
         # saved: inputs, the cumulative gates (fp32, B*T*HV) and Tm (B*T*HV*64, input dtype); W, U,
         # Vnew and the 64-row states are recomputed in backward (README: memory) unless save_v_new keeps
         # Vnew or save_states keeps Vnew and the states before every 64-row chunk
         extra = tuple(inter[n] for n in ("v_new", "h")[:inter["save"]])
+        ctx.slab = inter["slab"][0] if "slab" in inter else None
+        if ctx.slab is not None:  # (after the kept tensors: fp32 [S - 1, B HV, K, V])
+            extra += (inter["slab"][1],)
         # with a beta activation, the activated beta (fp32 [B, T, HV]) too
         # with l2norm, q and k are the normalized rows and q0, k0 the inputs (with their 1 / norm)
         ctx.save_for_backward(q, k, v, g, beta, initial_state, A_log, dt_bias, inter["beta"], inter["g_cum"],
@@ -309,6 +414,9 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
     def backward(ctx, do, dht):
         q, k, v, g, beta, initial_state, A_log, dt_bias, beta_used, g_cum, ai, q0, rq, k0, rk, *saved = \
             ctx.saved_tensors
+        slab = None
+        if ctx.slab is not None:
+            slab, saved = (ctx.slab, saved[-1]), saved[:-1]
         opts = ctx.opts
         act = _act(opts, A_log, dt_bias)
         if do is None:
@@ -323,7 +431,7 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
             q, k, v, g_cum, beta_used, ai, opts.scale, initial_state, do.contiguous(), dht, ctx.varlen,
             config=opts.config, saved=tuple(saved) if len(saved) == 2 else None,
             v_new=saved[0] if len(saved) == 1 else None, split=ctx.split, act=act, g=g, beta_in=beta,
-            l2=(q0, rq, k0, rk) if q0 is not None else None)
+            l2=(q0, rq, k0, rk) if q0 is not None else None, slab=slab)
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), dbeta.to(beta.dtype),
                 dh0.to(initial_state.dtype) if dh0 is not None else None,
                 dA_log.to(A_log.dtype) if dA_log is not None else None, ddt.to(dt_bias.dtype) if ddt is not None else None,
@@ -400,7 +508,9 @@ def chunk_gated_delta_rule(
             ``num_warps``, ``num_stages``, ...: the keys each stage function in ``tfla/ops/common`` documents;
             ``flat`` / ``idx64`` force the large-input indexing, for tests; on Hopper ``fused``, ``state_bwd`` and
             ``dqkw`` take ``ws``: False for the ``tl`` kernels instead of the Gluon ones, or a dict of their launch;
-            ``dqkw``'s Gluon kernel also runs the ``wy_bwd`` stage). ``scripts/tune.py`` searches them.
+            ``dqkw``'s Gluon kernel also runs the ``wy_bwd`` stage); ``slab``: ``{"chunks": n}``, the Hopper
+            backward's slab of n 64-row chunks with Vnew kept and dense sequences on Hopper (default 0: the states of
+            the whole sequences at once; a slab costs host time, saves memory: README of this op, memory). ``scripts/tune.py`` searches them.
         use_beta_sigmoid_in_kernel: beta holds pre-activations; ``sigmoid(beta)`` is used (FLA 0.6.0's
             option; applied in fp32 by the gate's chunk-cumsum kernel, its gradient by the backward's last one:
             ``tfla/ops/common/gate_act.py``).
