@@ -91,7 +91,8 @@ def _record_ws(dtype, T, K, V):
     from tfla.ops.common.utils import prepare_chunk_indices
 
     ut_inverse_with_cumsum(k, g, beta)
-    ut_inverse_with_cumsum(k, g, beta, cu, prepare_chunk_indices([0, T // 3, T], 64, "cpu"))
+    ut_inverse_with_cumsum(k, g, beta, cu, prepare_chunk_indices([0, T // 3, T], 64, "cpu"), A_log=torch.randn(HV),
+                           dt_bias=torch.randn(HV))
     for ncons, bv in ((1, 64), (2, 32), (2, 64)):
         for varlen, h0, save in ((False, False, 0), (True, True, 1), (False, True, 1), (True, True, 2)):
             state = torch.randn(2 if varlen else 1, HV, K, V) if h0 else None

@@ -310,3 +310,28 @@ def test_ut_inverse_with_cumsum_equals_cumsum_then_inverse(device, poison_empty,
     torch.testing.assert_close(g_cum, want_g, rtol=1e-6, atol=1e-5)
     want_ai = ut_inverse(x["k"], want_g, x["beta"], cu, sub)
     assert_rel_close("ai", ai.cpu(), want_ai.double().cpu(), tolerance(torch.float32))
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_ut_inverse_with_gate_activation_equals_prologue(device, poison_empty, bias):
+    """With ``A_log`` / ``dt_bias`` the prep's kernel activates the gates itself (``-exp(A_log) softplus(a +
+    dt_bias)``) before the cumsum: G and Tm as ``gate_prologue`` then the inverse, varlen, pre-activations up to +-30
+    (softplus's threshold, the floor)."""
+    from tfla.ops.common.gate_act import NO_BETA, GateAct, gate_prologue
+    from tfla.ops.common.ut_transform import ut_inverse, ut_inverse_with_cumsum
+    from tfla.ops.common.utils import SUB_CHUNK, prepare_chunk_indices
+
+    T = 200
+    cu = torch.tensor([0, 1, 1, 70, T], device=device)
+    sub = prepare_chunk_indices([0, 1, 1, 70, T], SUB_CHUNK, device)
+    x = gdn_inputs(1, T, 1, 32, 16, HV=2, dtype=torch.float32, device=device, seed=11)
+    gen = torch.Generator().manual_seed(11)
+    a = (torch.randn(1, T, 2, generator=gen) * 4).to(device)
+    a[0, 3, 0], a[0, 80, 1] = 30.0, -30.0
+    A_log = torch.tensor([0.3, 2.0], device=device)
+    dt_bias = torch.tensor([-1.0, 0.5], device=device) if bias else None
+    g_cum, ai = ut_inverse_with_cumsum(x["k"], a, x["beta"], cu, sub, A_log=A_log, dt_bias=dt_bias)
+    want_g, _ = gate_prologue(a, x["beta"], GateAct(A_log, dt_bias, NO_BETA), cu_seqlens=cu, chunk_indices=sub)
+    torch.testing.assert_close(g_cum, want_g, rtol=1e-6, atol=1e-4)
+    want_ai = ut_inverse(x["k"], want_g, x["beta"], cu, sub)
+    assert_rel_close("ai", ai.cpu(), want_ai.double().cpu(), tolerance(torch.float32))

@@ -28,7 +28,7 @@ import triton.language as tl
 from tfla.ops.common.chunk_state import _idx64, _row_split, _sequence_slots
 from tfla.ops.common.cumsum import chunk_local_cumsum
 from tfla.ops.common.fused_delta_ws import fused_delta_pass_ws, ws_supported
-from tfla.ops.common.gate_act import gate_prologue
+from tfla.ops.common.gate_act import NO_BETA, gate_prologue
 from tfla.ops.common.grid import check_varlen_batch, program_pair, tile_grid
 from tfla.ops.common.utils import (
     LOG_DECAY_FLOOR,
@@ -211,10 +211,14 @@ def fused_delta_prep(q, k, g, beta, scale, cu_seqlens=None, sub_indices=None, co
     and the output's scores ``scale causal(q k^T) o 2^(G_r - G_s)`` ``[B, T, HV, 64]`` (``ut_inverse_and_scores``, one
     kernel; ``scores`` False: Tm alone, a None), and the beta used; g natural-log decay ``[B, T, HV]`` or None, floored
     at ``LOG_DECAY_FLOOR``. ``act`` (a ``GateAct``, g given): g and / or beta hold pre-activations, activated by the
-    gate's cumsum kernel; without ``act`` and scores the inverse's kernel does the cumsum."""
+    gate's cumsum kernel; without scores and a beta activation the inverse's kernel does the gate's activation and
+    cumsum."""
     acc = torch.float64 if k.dtype == torch.float64 else torch.float32
-    if not scores and act is None and g is not None:  # the cumsum inside the inverse's kernel
-        g_cum, ai = ut_inverse_with_cumsum(k, g, beta, cu_seqlens, sub_indices, config)
+    if not scores and g is not None and (act is None or act.beta == NO_BETA):
+        # the gate's activation and cumsum inside the inverse's kernel
+        g_cum, ai = ut_inverse_with_cumsum(k, g, beta, cu_seqlens, sub_indices, config,
+                                           A_log=act.A_log if act is not None else None,
+                                           dt_bias=act.dt_bias if act is not None else None)
         return g_cum, ai, None, beta
     if act is not None and g is not None:
         g_cum, beta = gate_prologue(g, beta, act, cu_seqlens=cu_seqlens, chunk_indices=sub_indices)

@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tfla.ops.common.gate_act import _softplus
 from tfla.ops.common.grid import check_varlen_batch, chunk_rows, program_rows, tile_grid
 from tfla.ops.common.utils import (LOG_DECAY_FLOOR, RCP_LN2, SUB_CHUNK, acc_dtype, cdiv, dot_precision, dot_tile,
                                    next_pow2)
@@ -109,12 +110,17 @@ def _gdn_ut_inverse_kernel(
     g_scale=1.0,
     CUMSUM: tl.constexpr = False,
     FLOOR: tl.constexpr = None,
+    A_log=None,
+    dt_bias=None,
+    GATE: tl.constexpr = False,
+    HAS_BIAS: tl.constexpr = False,
 ):
     """Tm = (I + A)^-1 of one 64-row sub-chunk, A = beta (K K^T) 2^(G_r - G_i) strictly lower. WITH_SCORES: also
     the fused forward's output scores ``scale causal(q k^T) o 2^(G_r - G_s)`` of the sub-chunk (``sc``, layout as
     ``ai``), in ``[SR, 64]`` blocks over ``SBK``-wide key slices. CUMSUM: ``g`` holds the per-token gates (natural
     log); the kernel forms ``G = g_scale * cumsum(max(g, FLOOR))`` over the sub-chunk (as ``chunk_local_cumsum``) and
-    stores it to ``gc`` (no separate cumsum launch)."""
+    stores it to ``gc`` (no separate cumsum launch); with GATE ``g`` holds the pre-activations ``a`` and the gates are
+    ``-exp(A_log) softplus(a + dt_bias)`` (HAS_BIAS; ``gate_act.py``'s prologue)."""
     tl.static_assert(not (CUMSUM and WITH_SCORES), "the scores read G back: cumsum in its own pass")
     BS: tl.constexpr = 64
     BC: tl.constexpr = 16
@@ -177,6 +183,15 @@ def _gdn_ut_inverse_kernel(
         b_g2 = tl.load(p_g + t_2 * HV, mask=m_2, other=0.0).to(ACC)
         b_g3 = tl.load(p_g + t_3 * HV, mask=m_3, other=0.0).to(ACC)
         if CUMSUM:
+            if GATE:  # the activation first (rows past T: finite, masked below)
+                b_e = tl.exp(tl.load(A_log + i_hv).to(ACC))
+                if HAS_BIAS:
+                    b_db = tl.load(dt_bias + i_hv).to(ACC)
+                    b_g0, b_g1, b_g2, b_g3 = b_g0 + b_db, b_g1 + b_db, b_g2 + b_db, b_g3 + b_db
+                b_g0 = -b_e * _softplus(b_g0)
+                b_g1 = -b_e * _softplus(b_g1)
+                b_g2 = -b_e * _softplus(b_g2)
+                b_g3 = -b_e * _softplus(b_g3)
             b_g0, b_g1, b_g2, b_g3 = _cumsum4(b_g0, b_g1, b_g2, b_g3, g_scale, FLOOR)
             p_gc = gc + bos * HV + i_hv
             tl.store(p_gc + t_0 * HV, b_g0, mask=m_0)
@@ -417,14 +432,19 @@ def ut_inverse_with_cumsum(
     cu_seqlens: torch.Tensor | None = None,
     sub_indices: torch.Tensor | None = None,
     config: dict | None = None,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``ut_inverse`` with the gate's cumsum in the same kernel: g ``[B, T, HV]`` holds the per-token log decays
-    (natural log, any float dtype); returns ``(g_cum, ai)``: g_cum ``[B, T, HV]`` fp32 (float64 for float64 k) =
-    ``cumsum(max(g, LOG_DECAY_FLOOR)) / ln 2`` restarting every 64 rows (``chunk_local_cumsum``'s values up to the
-    order of the additions), and Tm as ``ut_inverse``."""
+    (natural log, any float dtype), or with ``A_log [HV]`` (and ``dt_bias [HV]`` or None) their pre-activations
+    ``a``: the gates are then ``-exp(A_log) softplus(a + dt_bias)`` (``gate_act.gate_prologue``'s, beta as given).
+    Returns ``(g_cum, ai)``: g_cum ``[B, T, HV]`` fp32 (float64 for float64 k) = ``cumsum(max(g, LOG_DECAY_FLOOR)) /
+    ln 2`` restarting every 64 rows (``chunk_local_cumsum``'s values up to the order of the additions), and Tm as
+    ``ut_inverse``."""
     acc = torch.float64 if k.dtype == torch.float64 else torch.float32
     g_cum = torch.empty(g.shape, dtype=acc, device=g.device)
-    ai = _ut_launch(k, None, g, beta, SUB_CHUNK, cu_seqlens, sub_indices, config, g_cum_out=g_cum)[2]
+    ai = _ut_launch(k, None, g, beta, SUB_CHUNK, cu_seqlens, sub_indices, config, g_cum_out=g_cum,
+                    gate=(A_log, dt_bias) if A_log is not None else None)[2]
     return g_cum, ai
 
 
@@ -470,8 +490,9 @@ UT_DEFAULTS = {"inv_warps": 1, "inv_stages": 3, "inv_BK": 64, "sc_rows": 64, "sc
 
 
 def _ut_launch(k, v, g_cum, beta, chunk_size, cu_seqlens, sub_indices, config, ai=None, q=None, scale=1.0,
-               g_cum_out=None):
-    # g_cum_out: the inverse kernel cumsums g_cum (then the per-token gates) into it
+               g_cum_out=None, gate=None):
+    # g_cum_out: the inverse kernel cumsums g_cum (then the per-token gates, or with gate = (A_log, dt_bias) their
+    # pre-activations) into it
     B, T, H, K = k.shape
     HV = beta.shape[2]
     V = v.shape[3] if v is not None else 16
@@ -501,7 +522,9 @@ def _ut_launch(k, v, g_cum, beta, chunk_size, cu_seqlens, sub_indices, config, a
             # Tm is rounded to k's dtype afterwards: TF32 merges suffice for 16-bit inputs, fp32 stays exact
             MERGE_PREC=dot_precision(k.dtype), num_warps=cfg["inv_warps"], num_stages=cfg["inv_stages"],
             gc=g_cum_out, g_scale=RCP_LN2, CUMSUM=g_cum_out is not None,
-            FLOOR=LOG_DECAY_FLOOR if g_cum_out is not None else None, **common,
+            FLOOR=LOG_DECAY_FLOOR if g_cum_out is not None else None,
+            A_log=gate[0] if gate else None, dt_bias=gate[1] if gate else None, GATE=gate is not None,
+            HAS_BIAS=gate is not None and gate[1] is not None, **common,
         )
     if v is not None:
         _gdn_wy_fwd_kernel[grid](
