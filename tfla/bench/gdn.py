@@ -146,7 +146,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=list(DTYPES), default="bf16" if gpu else "fp32")
     p.add_argument("--variants", type=_variants, default=None,
                    help="what tfla's forward keeps for the backward, comma-separated: default (Vnew), save_states "
-                        "(Vnew and the 64-row states), recompute (FLA's saved set); default: default with --mode fwd "
+                        "(Vnew and the 64-row states), recompute (FLA's saved set), slab64 / slab32 (the backward in "
+                        "slabs of 64 / 32 chunks: less memory, more host time); default: default with --mode fwd "
                         "(the forward is the same in all three), else all three")
     p.add_argument("--impls", type=str, default="tfla,fla,flashqla",
                    help="comma-separated subset of tfla,fla,flashqla (peers only when installed)")

@@ -39,7 +39,9 @@ def _version(dist: str) -> str:
 
 # what tfla's forward keeps for its backward: the op's default (Vnew), Vnew and the 64-row states, or FLA's saved set
 # (Vnew recomputed)
-VARIANTS = {"default": {}, "save_states": dict(save_states=True), "recompute": dict(save_v_new=False)}
+VARIANTS = {"default": {}, "save_states": dict(save_states=True), "recompute": dict(save_v_new=False),
+            # the backward in slabs of 64 / 32 chunks (Hopper, dense: less memory, more host time; the op's README)
+            "slab64": dict(config={"slab": {"chunks": 64}}), "slab32": dict(config={"slab": {"chunks": 32}})}
 
 
 def tfla_impl(variant: str = "default") -> Impl:
