@@ -73,9 +73,9 @@ def compile_launch(fn, args, kwargs, arch=90):
 
 
 def _record_ws(dtype, T, K, V):
-    """The Gluon forward pass's prep and launches (``fused_delta_pass_ws``) for dense / varlen, with and without the initial
-    and final states and Vnew, and the pieces' transitions, at 1 and 2 consumer warpgroups (no GPU: the launcher only
-    records)."""
+    """The Gluon forward pass's prep and launches (``fused_delta_pass_ws``) for dense / varlen, with and without the
+    initial and final states and Vnew, the slab starts, and the pieces' transitions, at 1 and 2 consumer warpgroups
+    (no GPU: the launcher only records)."""
     from tfla.ops.common import fused_delta_ws as ws
 
     if not ws.HAVE_GLUON:

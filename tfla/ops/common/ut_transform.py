@@ -485,8 +485,8 @@ def w_from_tm(
 # the output's scores as one [64, 64] tile over 32-wide key slices (H100, torch 2.11, Triton 3.6, bf16, K = V = 128,
 # the kernel alone, 2026-11-24: MVE 225.6 -> 211.3 us, the Qwen3-Next-style heads 412.4 -> 364.7, B = 1, T = 65536
 # 454.4 -> 438.4 against [16, 64] blocks over 64-wide slices; [32, 64] over 32: 233.6, [16, 64] over 32: 252.6)
-UT_DEFAULTS = {"inv_warps": 1, "inv_stages": 3, "inv_BK": 64, "sc_rows": 64, "sc_BK": 32, "wy_warps": 4, "wy_stages": 2, "BK": 32,
-               "BV": 32}
+UT_DEFAULTS = {"inv_warps": 1, "inv_stages": 3, "inv_BK": 64, "sc_rows": 64, "sc_BK": 32, "wy_warps": 4,
+               "wy_stages": 2, "BK": 32, "BV": 32}
 
 
 def _ut_launch(k, v, g_cum, beta, chunk_size, cu_seqlens, sub_indices, config, ai=None, q=None, scale=1.0,

@@ -88,7 +88,8 @@ def chunk_gated_delta_rule_fwd(
     act: GateAct | None = None,
     slab: int = 0,
 ):
-    """Plain forward (no autograd): the fused pass (``fused_delta_fwd``; ``slab``: its slab starts kept). Returns ``(o, final_state, saved)`` where
+    """Plain forward (no autograd): the fused pass (``fused_delta_fwd``; ``slab``: its slab starts kept). Returns
+    ``(o, final_state, saved)`` where
     saved holds ``g_cum [B, T, HV]`` fp32 (log2, restarting every 64 rows), ``ai`` (Tm), ``beta`` (the one used:
     activated with ``act``) and, by ``save``, ``v_new`` and ``h`` (the state before every 64-row chunk). ``act``: g and
     beta hold pre-activations that the gate's cumsum kernel activates (``gate_act.py``).
@@ -101,8 +102,8 @@ def chunk_gated_delta_rule_fwd(
                           bounds=varlen.bounds if varlen is not None else None, segments=segments, save=save,
                           split_save=split_save,
                           sub_tables=(varlen.sub_indices, varlen.sub_offsets) if varlen is not None else None,
-                          act=act, config={**config.get("fused", {}), **({"ut": config["ut"]} if "ut" in config else {})},
-                          slab=slab)
+                          act=act, slab=slab,
+                          config={**config.get("fused", {}), **({"ut": config["ut"]} if "ut" in config else {})})
     return out["o"], out["final_state"], out
 
 
@@ -510,7 +511,8 @@ def chunk_gated_delta_rule(
             ``dqkw`` take ``ws``: False for the ``tl`` kernels instead of the Gluon ones, or a dict of their launch;
             ``dqkw``'s Gluon kernel also runs the ``wy_bwd`` stage); ``slab``: ``{"chunks": n}``, the Hopper
             backward's slab of n 64-row chunks with Vnew kept and dense sequences on Hopper (default 0: the states of
-            the whole sequences at once; a slab costs host time, saves memory: README of this op, memory). ``scripts/tune.py`` searches them.
+            the whole sequences at once; a slab costs host time, saves memory: README of this op, memory).
+            ``scripts/tune.py`` searches them.
         use_beta_sigmoid_in_kernel: beta holds pre-activations; ``sigmoid(beta)`` is used (FLA 0.6.0's
             option; applied in fp32 by the gate's chunk-cumsum kernel, its gradient by the backward's last one:
             ``tfla/ops/common/gate_act.py``).
