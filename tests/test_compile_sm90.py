@@ -56,22 +56,24 @@ def test_gdn_ws_pass_compiles_for_sm90():
                         "bf16", "--check"], capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     lines = [ln for ln in r.stdout.splitlines() if "_fused_delta_ws_kernel" in ln]
-    assert len(lines) == 15, r.stdout[-2000:]  # 3 launches x (4 pass flag sets + the transitions)
+    # 3 launches x (4 pass flag sets + Vnew with the backward's slab starts + the transitions)
+    assert len(lines) == 18, r.stdout[-2000:]
     spills = {ln: int(ln.split("spill_stores=")[1].split("B")[0]) for ln in lines}
     for ln, sp in spills.items():
         limit = 16 if "NCONS=2" in ln and "BV=32" in ln else 512 if "NCONS=2" in ln else 128
         assert sp <= limit, "\n".join(lines)
-    # the state-gradient recurrence (state_bwd_ws.py, bf16): 3 launches x 3 flag sets; two consumers of 32 columns
+    # the state-gradient recurrence (state_bwd_ws.py, bf16): 3 launches x 3 flag sets and the slabs' (first row, end
+    # row) pairs at two consumers of 32; two consumers of 32 columns
     # (the default) without spills, the others within 384 B (two 64-column consumers, the pieces' launch: 213 KB of
     # shared memory, 240-360 B under Triton 3.6 and 172-284 B under 3.9 since the next chunk's gates and beta are
     # loaded a step ahead, which measured faster there all the same)
     bwd = [ln for ln in r.stdout.splitlines() if "_delta_state_bwd_ws_kernel" in ln]
-    assert len(bwd) == 9, r.stdout[-2000:]
+    assert len(bwd) == 10, r.stdout[-2000:]
     for ln in bwd:
         limit = 0 if "NCONS=2" in ln and "BV=32" in ln else 384
         assert int(ln.split("spill_stores=")[1].split("B")[0]) <= limit, "\n".join(bwd)
     # the chunk gradients (chunk_dqkw_ws.py): grouped value heads (dense, varlen) and one value head per key head
-    # (with l2norm's backward, without), no spills
+    # (with l2norm's backward, without), and the slabs' pairs; no spills
     grads = [ln for ln in r.stdout.splitlines() if "_gdn_bwd_ws_kernel" in ln]
-    assert len(grads) == 4, r.stdout[-2000:]
+    assert len(grads) == 5, r.stdout[-2000:]
     assert all("spill_stores=0B" in ln for ln in grads), "\n".join(grads)
