@@ -26,6 +26,9 @@ def test_bench_gdn_small(tmp_path, capsys):
     assert len(rows) == 4 and all(r["status"] == "ok" and r["ms"] > 0 for r in rows)
     assert all(r["err_o"] < 1e-5 for r in rows)
     assert all(r["first_s"] > 0 for r in rows) and "first call s" in out  # the first call's wall time
+    # the host time per call (CUDA only: the interpreter's calls are all host)
+    assert "host ms" in out and all((r["host_ms"] > 0) if torch.cuda.is_available() else r["host_ms"] is None
+                                    for r in rows)
     assert data["env"]["torch"] == torch.__version__
     with open(csv_path, newline="") as f:
         assert [r["impl"] for r in csv.DictReader(f)] == [r["impl"] for r in rows]

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from tfla.bench.common import (append_csv, check_csv, csv_row, env_info, error_status, fmt, held_mib, peak_mib,
-                               rel_l2, time_ms, write_json)
+                               host_ms, rel_l2, time_ms, write_json)
 from tfla.bench.inputs import GATES, gdn_inputs
 from tfla.bench.registry import gdn_impls
 from tfla.ops.gated_delta_rule.cost import gdn_bwd_cost, gdn_fwd_cost
@@ -307,6 +307,7 @@ def run(args) -> tuple[list[dict], dict]:
                     continue
                 call = _timed_call(impl, x, do, args.mode)
                 row["ms"] = time_ms(call, args.warmup, args.rep)
+                row["host_ms"] = host_ms(call)
                 row["tflops"] = flops / (row["ms"] * 1e-3) / 1e12 if flops else None
                 row["gbps_min"] = cost.min_bytes / (row["ms"] * 1e-3) / 1e9 if args.mode == "fwd" else None
                 del call
@@ -344,13 +345,13 @@ def print_table(rows: list[dict], meta: dict) -> None:
     grad_cols = [] if mode == "fwd" else [f"err {n}" for n in GRAD_NAMES]
     bw_cols = ["GB/s (min bytes)"] if mode == "fwd" else []
     held_cols = [] if mode == "fwd" else ["held MiB"]
-    for col in ("impl", "workload", "ms", "first call s", "TFLOP/s", *bw_cols, "peak MiB", *held_cols, "state MiB",
+    for col in ("impl", "workload", "ms", "host ms", "first call s", "TFLOP/s", *bw_cols, "peak MiB", *held_cols, "state MiB",
                 "err o", "err state", *grad_cols, "vs FLA", "status"):
         t.add_column(col, justify="left" if col in ("impl", "workload", "status") else "right")
     for r in rows:
         wl = r.get("label") or (f"B={r['B']} T={r['T']} H={r['H']}" + (f" HV={r['HV']}" if r["HV"] != r["H"] else "")
                                 + f" K={r['K']} V={r['V']} {r['dtype']}")
-        t.add_row(r["impl"], wl, fmt(r.get("ms")), fmt(r.get("first_s"), ".1f"), fmt(r.get("tflops"), ".1f"),
+        t.add_row(r["impl"], wl, fmt(r.get("ms")), fmt(r.get("host_ms")), fmt(r.get("first_s"), ".1f"), fmt(r.get("tflops"), ".1f"),
                   *([fmt(r.get("gbps_min"), ".0f")] if bw_cols else []),
                   fmt(r.get("peak_mib"), ".0f"), *([fmt(r.get("held_mib"), ".0f")] if held_cols else []),
                   fmt(r.get("state_mib"), ".1f"), fmt(r.get("err_o"), ".2e"),
