@@ -5,7 +5,9 @@ python scripts/compile_stats.py [--op gla|simple_gla|mlstm|gdn|rnn] [--dtype bf1
                                 [--L 64] [--rnn-D 64] [--allocs] [--check] [--layouts] [--dump DIR] [--config JSON]
                                 [--save-v-new op|true|false]
 
-``--allocs`` lists each kernel's shared-memory buffers (``ttg.local_alloc`` in its TTGIR: pipelined loads,
+``compile=`` is the wall time of that kernel's compile on this machine (from Triton's on-disk cache when it holds
+the kernel: point ``TRITON_CACHE_DIR`` at an empty folder for cold times). ``--allocs`` lists each kernel's
+shared-memory buffers (``ttg.local_alloc`` in its TTGIR: pipelined loads,
 dot operands staged there; tf32x3 stages a hi and a lo copy of each fp32 operand); ``--check`` exits 1
 when a kernel asks for more than sm_90's 232448 B.
 
@@ -22,6 +24,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 
 os.environ.pop("TRITON_INTERPRET", None)  # the real JIT, not the interpreter
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
@@ -292,11 +295,13 @@ def main(argv=None):
     print(f"{args.op} {args.dtype} T={T} K={K} V={V} L={L}, sm_90, Triton {triton.__version__}")
     for fn, a, kw in launches:
         name = fn.fn.__name__
+        t0 = time.perf_counter()
         c = compile_launch(fn, a, kw)
+        secs = time.perf_counter() - t0
         regs, spill = ptxas_stats(c.asm["ptx"])
         fl = " ".join(f"{f}={kw[f]}" for f in flags if f in kw)
         print(f"  {name:34s} warps={c.metadata.num_warps} regs={regs} spill_stores={spill}B "
-              f"smem={c.metadata.shared}B  {fl}")
+              f"smem={c.metadata.shared}B compile={secs:.2f}s  {fl}")
         over = over or c.metadata.shared > SMEM_SM90
         if args.layouts:
             ir = c.asm["ttgir"]
