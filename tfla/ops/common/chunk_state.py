@@ -295,8 +295,10 @@ def chunk_state_fwd(
         g_cum: ``[B, T, HV]`` fp32 cumulative gate within outer chunks, log2 units, or None.
         initial_state: ``[N, HV, K, V]``, any float dtype (read as fp32).
         state_dtype: dtype of the materialized states (default: k's dtype; the recurrence is fp32).
+        cu_seqlens: varlen offsets (B = 1), or an ``[N, 2]`` table of (first row, end row) pairs: parts of sequences
+            (``utils.varlen_mode``; the GDN backward's slabs).
         chunk_offsets / num_chunks: varlen ``prepare_chunk_offsets(.., chunk_size)`` and its total (with
-            ``store_every_sub_chunk``: the same for 64-row sub-chunks).
+            ``store_every_sub_chunk``: the same for 64-row sub-chunks; with pairs, each pair's first state slot).
         config: overrides of ``BV``, ``num_warps``, ``num_stages``, ``unroll``; ``flat`` / ``idx64`` force the 1-D
             grid and the 64-bit row offsets that very large inputs take (``tfla/ops/common/grid.py``; for tests).
         store_every_sub_chunk: materialize the state at every 64-row sub-chunk start (backward pass).

@@ -132,7 +132,9 @@ def sm_count(x: torch.Tensor) -> int:
 
 def varlen_mode(cu_seqlens) -> int:
     """The kernels' ``IS_VARLEN``: 0 dense (None), 1 ``cu_seqlens`` of N + 1 offsets, 2 an ``[N, 2]`` table of (first
-    row, end row) pairs in the packed rows (parts of sequences: the GDN backward's slabs)."""
+    row, end row) pairs in the packed rows (parts of sequences: the GDN backward's slabs; taken by
+    ``chunk_state.chunk_state_fwd``, ``state_bwd_ws.delta_state_bwd_ws`` and ``chunk_dqkw_ws.gdn_bwd_chunk_ws``, whose
+    kernels read sequences through ``_sequence_slots`` / ``_seq_rows``; other stages take offsets only)."""
     if cu_seqlens is None:
         return 0
     return 2 if cu_seqlens.dim() == 2 else 1
