@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # The GPU suite: environment, GPU tests, benchmarks; everything written under OUT.
 #
-# usage: bash scripts/gpu_suite.sh OUT [--slow] [--no-tests] [--no-bench] [--quick]
+# usage: bash scripts/gpu_suite.sh OUT [--slow] [--no-tests] [--no-bench] [--quick] [--tests PATHS] [--bench NAMES]
 #   --slow      also the tests marked slow (pytest -m "gpu or slow"; default -m "gpu and not slow")
 #   --no-tests  / --no-bench   skip that part
 #   --quick     benchmarks with do_bench warm-up 10 ms / repetition 50 ms (default 25 / 100)
+#   --tests     comma-separated test files or folders (default: tests): the whole GPU suite compiles for longer
+#               than one 10-minute device call, so a call can take a part of it
+#   --bench     comma-separated benchmark names of the list below (default: all)
 #
 # Run from the repository root. Peer wheels (fla-core, mlstm_kernels, flash-qla and what they need) placed in
 # .peers/ are installed into .peers/site first, without network or dependency resolution.
@@ -12,15 +15,18 @@
 set -uo pipefail
 OUT=${1:?usage: bash scripts/gpu_suite.sh OUT [--slow] [--no-tests] [--no-bench] [--quick]}
 shift
-MARK="gpu and not slow"; TESTS=1; BENCH=1; TIMING=()
-for arg in "$@"; do
-  case "$arg" in
+MARK="gpu and not slow"; TESTS=1; BENCH=1; TIMING=(); TEST_PATHS="tests"; BENCHES=""
+while [ $# -gt 0 ]; do
+  case "$1" in
     --slow) MARK="gpu or slow" ;;
     --no-tests) TESTS=0 ;;
     --no-bench) BENCH=0 ;;
     --quick) TIMING=(--warmup 10 --rep 50) ;;
-    *) echo "unknown option: $arg" >&2; exit 2 ;;
+    --tests) TEST_PATHS=${2:?--tests needs a value}; shift ;;
+    --bench) BENCHES=${2:?--bench needs a value}; shift ;;
+    *) echo "unknown option: $1" >&2; exit 2 ;;
   esac
+  shift
 done
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
@@ -63,12 +69,14 @@ EOF
 if [ "${PIPESTATUS[0]}" != 0 ]; then echo "environment check failed" >&2; exit 1; fi
 
 if [ "$TESTS" = 1 ]; then
-  step tests "$OUT/pytest.log" python -m pytest -q -rf -p no:cacheprovider -m "$MARK" tests
+  # shellcheck disable=SC2086
+  step tests "$OUT/pytest.log" python -m pytest -q -rf -p no:cacheprovider -m "$MARK" ${TEST_PATHS//,/ }
 fi
 if [ "$BENCH" = 1 ]; then
   for spec in "gdn-fwd:gdn --mode fwd" "gdn-fwdbwd:gdn --mode fwdbwd" \
               "linear-attn-fwdbwd:linear-attn --mode fwdbwd" "mlstm-fwdbwd:mlstm --mode fwdbwd" "decode:decode"; do
     name=${spec%%:*}
+    if [ -n "$BENCHES" ] && [[ ",$BENCHES," != *",$name,"* ]]; then continue; fi
     # shellcheck disable=SC2086
     step "bench $name" "$OUT/bench-$name.log" python -m tfla bench ${spec#*:} --no-progress "${TIMING[@]}" \
       --csv "$OUT/bench.csv" --json "$OUT/bench-$name.json"
