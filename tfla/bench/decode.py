@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -44,7 +43,7 @@ from tfla.bench import gdn
 from tfla.bench.common import append_csv, check_csv, csv_row, env_info, error_status, fmt, rel_l2, time_ms, write_json
 from tfla.bench.gdn import DTYPES, TOLERANCE
 from tfla.bench.inputs import as_reference, gdn_inputs
-from tfla.bench.registry import _import_failed, _version, fla_flash_qla_off, missing_note
+from tfla.bench.registry import _version, fla_flash_qla_off, import_peer, missing_note
 
 MODES = ("state", "pool")
 IMPLS = ("tfla", "fla")
@@ -152,10 +151,8 @@ def tfla_impl() -> DecodeImpl:
 def fla_impl() -> DecodeImpl | None:
     """FLA's ``fused_recurrent_gated_delta_rule`` (``FLA_FLASH_QLA=0`` pinned around each call, as for the chunk
     op); None when ``fla`` does not import."""
-    try:
-        mod = importlib.import_module("fla.ops.gated_delta_rule")
-    except Exception as e:  # not installed, or fails to import on this machine
-        _import_failed("fla", e)
+    mod = import_peer("fla", "fla.ops.gated_delta_rule")
+    if mod is None:
         return None
     op = mod.fused_recurrent_gated_delta_rule
 

@@ -68,6 +68,16 @@ def _import_failed(peer: str, e: BaseException) -> None:
     IMPORT_ERRORS[peer] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
 
 
+def import_peer(peer: str, module: str):
+    """``module`` imported, or None when it does not import here (not installed, or fails on this machine); the error
+    is kept for ``missing_note(peer)``."""
+    try:
+        return importlib.import_module(module)
+    except Exception as e:
+        _import_failed(peer, e)
+        return None
+
+
 def missing_note(peer: str) -> str:
     """``peer`` plus the import error that made it unavailable, when one was seen."""
     why = IMPORT_ERRORS.get(peer)
@@ -77,10 +87,8 @@ def missing_note(peer: str) -> str:
 def fla_impl() -> Impl | None:
     """FLA's Triton ``chunk_gated_delta_rule`` (chunk 64). FLA reads ``FLA_FLASH_QLA`` at call time,
     so the entry pins it to 0 around each call to time FLA's own kernels, not FlashQLA's."""
-    try:
-        mod = importlib.import_module("fla.ops.gated_delta_rule")
-    except Exception as e:  # not installed, or fails to import on this machine
-        _import_failed("fla", e)
+    mod = import_peer("fla", "fla.ops.gated_delta_rule")
+    if mod is None:
         return None
     fla_gdn = mod.chunk_gated_delta_rule
 
@@ -100,10 +108,8 @@ def fla_impl() -> Impl | None:
 
 
 def flashqla_impl() -> Impl | None:
-    try:
-        fq = importlib.import_module("flash_qla")
-    except Exception as e:
-        _import_failed("flashqla", e)
+    fq = import_peer("flashqla", "flash_qla")
+    if fq is None:
         return None
 
     def fn(x, output_final_state=True):
@@ -221,10 +227,12 @@ def fla_linear_attn_impl(kind: str) -> OpImpl | None:
     """FLA's Triton op for ``kind`` at its default chunk size 64, ``FLA_FLASH_QLA=0`` pinned; None when
     FLA is not installed or does not import here."""
     _, _, mod, name = LINEAR_ATTN_OPS[kind]
-    try:
-        op = getattr(importlib.import_module(mod), name)
-    except Exception as e:
-        _import_failed("fla", e)
+    module = import_peer("fla", mod)
+    if module is None:
+        return None
+    op = getattr(module, name, None)
+    if op is None:  # an FLA without this op
+        _import_failed("fla", AttributeError(f"module {mod!r} has no attribute {name!r}"))
         return None
 
     def fn(x):
