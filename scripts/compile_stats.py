@@ -50,7 +50,7 @@ def _record(self, *args, grid, warmup, **kwargs):
 
 def compile_launch(fn, args, kwargs, arch=90):
     kwargs = dict(kwargs)
-    opts = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in kwargs}
+    opts = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "maxnreg", "launch_cooperative_grid") if k in kwargs}
     vals = {**dict(zip(fn.arg_names, args)), **kwargs}
     sig, const, attrs = {}, {}, {}
     for p in fn.params:
@@ -277,7 +277,7 @@ def main(argv=None):
         N, Tm, NH = 2, 3, 2
         cfg = {"path": "fused", **(args.config or {})}
         cells.check_config(cfg, dtype, args.rnn_D)
-        for D, fused in ((32, None), (args.rnn_D, cells.fused_launch(cfg, dtype, args.rnn_D))):
+        for D, fused in ((32, None), (args.rnn_D, cells.fused_launch(cfg, dtype, N, NH, args.rnn_D))):
             for cell, G, S in (("elman", 1, 1), ("lstm", 4, 2), ("gru", 3, 1), ("slstm", 4, 4)):
                 x, R, b = torch.randn(N, Tm, G, NH, D, dtype=dtype), torch.randn(G, NH, D, D), torch.randn(G, NH, D)
                 o, states, rh, Wt, b_acc = cells.rnn_fwd(cell, x, R, b, torch.zeros(S, NH, N, D), fused)
@@ -291,7 +291,7 @@ def main(argv=None):
     over = False
     flags = ("VEC_G", "VEC_ROWDOT", "ROWDOT", "REVERSE", "HAS_STATE", "STORE_SUB", "N_STATE", "NORM", "ROWADD", "NCONS",
              "IS_VARLEN", "USE_H0", "SAVE", "TRANSITION", "USE_DHT", "STORE", "BV", "HV", "L2",
-             "VEC_SPAN", "CELL", "BB", "BD")
+             "VEC_SPAN", "CELL", "BB", "BD", "BC", "SYNC")
     print(f"{args.op} {args.dtype} T={T} K={K} V={V} L={L}, sm_90, Triton {triton.__version__}")
     for fn, a, kw in launches:
         name = fn.fn.__name__

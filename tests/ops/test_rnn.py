@@ -1,5 +1,6 @@
-"""tfla.elman / lstm / gru / slstm, both paths (fused: all steps in one launch; alternating: a matmul and a pointwise
-kernel per step), against the float64 step loop, each other and torch.nn.LSTM / GRU: outputs, final states and the
+"""tfla.elman / lstm / gru / slstm, every path (fused: all steps in one launch; team: a team of programs per head,
+one launch per step on the interpreter, one launch with a grid barrier on a GPU; alternating: a matmul and a
+pointwise kernel per step), against the float64 step loop, each other and torch.nn.LSTM / GRU: outputs, final states and the
 gradients of x, R, b and every initial-state tensor, with random cotangents."""
 import functools
 
@@ -12,7 +13,7 @@ from tfla.ops.rnn.reference import CELL_GATES, CELL_STATES, recurrent_rnn_ref
 from tfla.utils.testing import assert_rel_close, rnn_grads, tolerance
 
 CELLS = ("elman", "lstm", "gru", "slstm")
-PATHS = ("fused", "alternating")
+PATHS = ("fused", "team", "alternating")
 # per tensor, forward and gradients (the issue asks <= 1e-4 for the gradients): 1e-5 on the interpreter, 3e-5 on
 # CUDA, where the fused path's fp32 dots are tf32x3
 FP32_TOL = tolerance(torch.float32)
@@ -275,7 +276,7 @@ def test_fused_gpu(cell, D, dtype):
 
 
 @pytest.mark.parametrize("cell", CELLS)
-@pytest.mark.parametrize("D", [192, 48])  # the default paths: alternating (D > 64), fused
+@pytest.mark.parametrize("D", [192, 48])  # the default paths: team (D > 64), fused
 def test_large_preactivations_wide_head_and_determinism(cell, D, device):
     """Pre-activations near +-30 (saturated gates, sLSTM exponents), B = 17, D = 192 and 48; two runs bitwise
     equal."""
@@ -320,12 +321,14 @@ def test_paths_share_saved_tensors(cell, device, poison_empty):
     gen = torch.Generator().manual_seed(3)
     do = torch.randn(3, 4, 2, 12, generator=gen).to(device)
     dsf = torch.randn(s0.shape, generator=gen).to(device)
-    fused = fused_launch(None, torch.float32, 12)
-    fwd = {p: rnn_fwd(cell, x, R, b, s0, f) for p, f in (("fused", fused), ("alternating", None))}
-    assert_rel_close("o", fwd["fused"][0], fwd["alternating"][0], FP32_TOL)
+    launches = {"fused": fused_launch(None, torch.float32, 3, 2, 12),
+                "team": fused_launch({"path": "team"}, torch.float32, 3, 2, 12), "alternating": None}
+    fwd = {p: rnn_fwd(cell, x, R, b, s0, f) for p, f in launches.items()}
+    for p in ("fused", "team"):
+        assert_rel_close("o", fwd[p][0], fwd["alternating"][0], FP32_TOL)
     want = None
     for saved in fwd.values():
-        for f in (fused, None):
+        for f in launches.values():
             got = rnn_bwd(cell, x, *saved[3:], saved[1], saved[2], do, dsf, (0, 1, 4), fused=f)
             want = want or got
             for name, a, r in zip(("dx", "dR", "db", "dstate0"), got, want):
@@ -366,13 +369,59 @@ def test_state_sequence_paths(cell, device):
 
 
 def test_path_choice():
-    """The fused path by default for fp32 / 16-bit inputs up to D = 64; float64 and wider heads alternate."""
-    assert fused_launch(None, torch.float32, 64) == (16, 8, 2)
-    assert fused_launch({}, torch.bfloat16, 32) == (16, 4, 2)
-    assert fused_launch(None, torch.float32, 65) is None
-    assert fused_launch(None, torch.float64, 16) is None
-    assert fused_launch({"path": "alternating"}, torch.float16, 16) is None
-    assert fused_launch({"path": "fused", "BB": 32}, torch.float32, 128) == (32, 8, 2)
+    """The fused path by default for fp32 / 16-bit inputs up to D = 64, the team path above (its members' units and
+    whether they hold R from the shape and the SM count; one launch per step on the interpreter), float64
+    alternates."""
+    from tfla.ops.rnn.cells import Launch
+
+    assert fused_launch(None, torch.float32, 16, 12, 64) == Launch("fused", 16, 8, 2)
+    assert fused_launch({}, torch.bfloat16, 3, 2, 32) == Launch("fused", 16, 4, 2)
+    assert fused_launch(None, torch.float64, 3, 2, 16) is None
+    assert fused_launch({"path": "alternating"}, torch.float16, 3, 2, 16) is None
+    assert fused_launch({"path": "fused", "BB": 32}, torch.float32, 3, 2, 128) == Launch("fused", 32, 8, 2)
+    # B = 16, one head of 768: 48 members of 16 units, each holding its 4 x 1024 x 16 bf16 slices of R (128 KiB)
+    assert fused_launch(None, torch.bfloat16, 16, 1, 768) == Launch("team", 16, 4, 3, 16, 1024, False, True)
+    # fp32 (tf32x3 parts: twice the bytes) at 768 streams R in 128-wide slices of D; 64 rows take one batch tile
+    assert fused_launch(None, torch.float32, 64, 1, 768) == Launch("team", 64, 4, 3, 16, 128, False, False)
+    # 6 heads of 128 over 6 batch tiles of 64 rows: 16 or 32 units per member would take 288 / 144 programs, more
+    # than an H100's 132 SMs at once (the interpreter's count)
+    assert fused_launch(None, torch.bfloat16, 384, 6, 128).BC == 64
+    got = fused_launch({"path": "team", "team_cols": 64, "team_resident": False, "team_BK": 32}, torch.float32, 3, 2, 96)
+    assert (got.BC, got.BK, got.resident) == (64, 32, False)
+
+
+@pytest.mark.parametrize("cell", CELLS)
+@pytest.mark.parametrize("config", [{"team_cols": 16}, {"team_cols": 32, "team_resident": False, "team_BK": 16 * 2},
+                                    {"team_cols": 16, "team_resident": False, "team_BK": 64, "BB": 16}])
+def test_team_equals_alternating(cell, config, device):
+    """The team path's members (3 of 16 units, 2 of 32: the last one part-masked) holding R or streaming it in
+    slices of D (one slice, or two with the last part-masked), over two batch tiles of 16 rows (B = 19), 2 heads,
+    D = 40, initial and final states, 5 steps: equal to the alternating path."""
+    x, R, b, s = _inputs(cell, 19, 5, 2, 40, torch.float32, device, seed=33)
+    team = rnn_grads(functools.partial(getattr(tfla, cell), config={"path": "team", **config}), cell, x, R, b, s, True)
+    alt = rnn_grads(_op(cell, "alternating"), cell, x, R, b, s, True)
+    _check_all(cell, team, alt, FP32_TOL, True, True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cell", CELLS)
+@pytest.mark.parametrize("D,NH,dtype,config", [
+    (768, 1, torch.bfloat16, {}),  # members hold R, one launch with the team's barrier
+    (200, 3, torch.float32, {}),  # fp32 streams R
+    (200, 3, torch.bfloat16, {"team_resident": False}),
+    (96, 2, torch.float32, {"team_sync": False}),  # one launch per step
+])
+def test_team_gpu(cell, D, NH, dtype, config):
+    """The team path compiled (the CPU tests run it one launch per step): B = 17 over two batch tiles, 40 steps,
+    against the float64 step loop; bitwise repeatable."""
+    x, R, b, s = _inputs(cell, 17, 40, NH, D, dtype, "cuda", seed=D)
+    op = functools.partial(getattr(tfla, cell), config={"path": "team", **config})
+    runs = [rnn_grads(op, cell, x, R, b, s, True) for _ in range(2)]
+    for a, c in zip([runs[0][0], *runs[0][1], *runs[0][2]], [runs[1][0], *runs[1][1], *runs[1][2]]):
+        assert a is None or torch.equal(a, c)
+    d = lambda t: t.double()  # noqa: E731
+    ref = rnn_grads(_ref_fn(cell), cell, d(x), d(R), d(b), tuple(map(d, s)), True)
+    _check_all(cell, runs[0], ref, FP32_TOL if dtype == torch.float32 else 3e-2, True, True)
 
 
 @pytest.mark.parametrize("config,D,dtype,exc,match", [

@@ -2,13 +2,13 @@
 (``recurrent_rnn_ref``): h, every final state and the gradients of x, R, b and every initial-state tensor, with
 random cotangents for h and the final states (the sLSTM's m excluded: a constant of the backward).
 
-- B = 17 (past one 16-row batch tile, a multiple of no BB) with head dims that are not powers of two: 48 on both
-  paths, 96 on the fused path forced (BD = 128, beyond its default D <= 64), 192 on the alternating path (the fused
-  path takes D <= 128).
+- B = 17 (past one 16-row batch tile, a multiple of no BB) with head dims that are not powers of two: 48 on the
+  fused and alternating paths, 96 on the fused path forced (BD = 128, beyond its default D <= 64), 192 on the team
+  (its default above 64) and alternating paths (the fused path takes D <= 128).
 - Pre-activations near +-30: saturated sigmoids and tanhs, the sLSTM's exponential gates at the ends of the m
   stabilizer's range.
 - Determinism: two forward + backward runs bitwise equal, the second with every ``torch.empty`` NaN-filled.
-- D = 768 (the paper's hidden size as one head; not a power of two), the default (alternating) path.
+- D = 768 (the paper's hidden size as one head; not a power of two), the default (team) path.
 - Non-finite pre-activations (NaN, +-inf) in one row: forward and backward finish, the other rows are untouched.
 
 Tolerances (rel-L2 per tensor): forward ``tolerance(float32)`` (1e-5 on the interpreter, 3e-5 on CUDA), gradients
@@ -27,9 +27,9 @@ CELLS = ("elman", "lstm", "gru", "slstm")
 FWD_TOL = tolerance(torch.float32)
 GRAD_TOL = 1e-4
 B, T, NH = 17, 4, 2
-# (path, D): the fused path's default D (48), its largest tile forced (96 -> BD = 128), the alternating path's
-# default D (192) and the alternating path at 48
-PATH_D = [("fused", 48), ("fused", 96), ("alternating", 48), ("alternating", 192)]
+# (path, D): the fused path's default D (48), its largest tile forced (96 -> BD = 128), the team path's default D
+# (192), the alternating path at 48 and 192
+PATH_D = [("fused", 48), ("fused", 96), ("team", 192), ("alternating", 48), ("alternating", 192)]
 
 
 def _inputs(cell, D, seed, saturate=None, B=B, T=T, NH=NH):
@@ -163,7 +163,7 @@ def test_deterministic(cell, path, D, device, request):
 @pytest.mark.parametrize("cell", CELLS)
 def test_head_dim_768(cell, device):
     """D = 768 at NH = 1 (the FlashRNN paper's hidden size as one head; not a power of two) on the default path
-    (alternating, D > 64): h, final states and every gradient against the float64 step loop; B = 3, 3 steps."""
+    (team, D > 64): h, final states and every gradient against the float64 step loop; B = 3, 3 steps."""
     x, R, b, s = _inputs(cell, 768, seed=5000, B=3, T=3, NH=1)
     got = _run(getattr(tfla, cell), cell, x, R, b, s, device)
     _check(cell, got, _reference(cell, x, R, b, s))
@@ -172,11 +172,11 @@ def test_head_dim_768(cell, device):
 # numpy, under the interpreter, warns on the inf - inf these inputs make (the sLSTM's exp(g^i - m_t) at g^i = inf)
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")], ids=["nan", "inf", "-inf"])
-@pytest.mark.parametrize("path", ["fused", "alternating"])
+@pytest.mark.parametrize("path", ["fused", "team", "alternating"])
 @pytest.mark.parametrize("cell", CELLS)
 def test_nonfinite_preactivations_finish(cell, path, value, device):
-    """Bad input: non-finite pre-activations never hang a kernel (every loop runs a fixed number of steps and no
-    program waits on another). Row 0's x at step 1, every gate, set to NaN / +-inf (D = 20: masked columns; B = 17:
+    """Bad input: non-finite pre-activations never hang a kernel (every loop runs a fixed number of steps; the team
+    path's members wait on a count of arrivals, never on a value). Row 0's x at step 1, every gate, set to NaN / +-inf (D = 20: masked columns; B = 17:
     row 0 shares its fused batch tile with rows 1-15): forward and backward finish; the other rows' h, final states,
     dx and initial-state gradients equal the clean run's bitwise (rows do not mix), as do row 0's h at step 0 and
     its final-state-free parts; a NaN makes row 0's h NaN from step 1 on (not hidden)."""

@@ -6,8 +6,9 @@ What each row times (inputs made and converted to the implementation's layout ou
 initial states; ``fwdbwd``: the forward plus ``torch.autograd.grad`` of every input for a random cotangent of h):
 
     tfla                tfla.<cell>(x, R, b): the recurrence given the pre-activations x [B, T, G, NH, D] (the
-                        fused path for D <= 64, else the alternating path: tfla/ops/rnn/README.md)
-    tfla:<path>         the same with config={"path": <path>}, path fused (D <= 128) or alternating
+                        fused path for D <= 64, else the team path; float64: the alternating path:
+                        tfla/ops/rnn/README.md)
+    tfla:<path>         the same with config={"path": <path>}, path fused (D <= 128), team or alternating
     flashrnn:<backend>  flashrnn.flashrnn(Wx, R, b, function=<cell>, backend=<backend>, dtype=<dtype>) for backend
                         cuda_fused, cuda, triton_fused (when the flashrnn package imports): the same recurrence in
                         FlashRNN's layout (the GRU's R and b reordered and a zero 4th bias, outside the timed call);
@@ -62,7 +63,7 @@ from tfla.bench.linear_attn import DTYPES, add_speedups, exit_code, ints, names,
 CELLS = ("lstm", "gru", "slstm", "elman")
 MODES = ("fwd", "fwdbwd")
 FLASHRNN_BACKENDS = ("cuda_fused", "cuda", "triton_fused")
-TFLA_PATHS = ("fused", "alternating")
+TFLA_PATHS = ("fused", "team", "alternating")
 TORCH_CELLS = ("lstm", "gru")
 # refuse-to-time thresholds (rel-L2 of h and of every gradient against tfla's fp32 run and the float64 slice);
 # bf16 allows for FlashRNN keeping its states in bf16 between steps
@@ -130,7 +131,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", type=str, default="fwd,fwdbwd",
                    help="comma-separated: fwd (forward without grad), fwdbwd (forward + torch.autograd.grad)")
     p.add_argument("--impls", type=str, default="tfla,torch,flashrnn",
-                   help="comma-separated: tfla (tfla:fused, tfla:alternating: that path forced), torch (nn.LSTM / "
+                   help="comma-separated: tfla (tfla:fused, tfla:team, tfla:alternating: that path forced), torch (nn.LSTM / "
                         "nn.GRU), flashrnn (its three backends) or "
                         f"flashrnn:<backend> ({', '.join(FLASHRNN_BACKENDS)}); peers only when installed")
     p.add_argument("--dtype", choices=list(DTYPES), default="bf16" if gpu else "fp32")
@@ -172,7 +173,7 @@ def _leaves(inputs: dict, grad: bool) -> dict:
 
 
 def tfla_impl(cell: str, path: str | None = None, D: int = 0) -> RNNImpl:
-    """``tfla.<cell>`` on its default path, or with ``path`` (fused, alternating) forced."""
+    """``tfla.<cell>`` on its default path, or with ``path`` (fused, team, alternating) forced."""
     import tfla
     from tfla.ops.rnn.fused import MAX_FUSED_D
 

@@ -17,10 +17,11 @@ import dataclasses
 
 import torch
 
-from tfla.ops.common.utils import SUPPORTED_DTYPES, cdiv, check_device, next_pow2
+from tfla.ops.common.utils import SUPPORTED_DTYPES, cdiv, check_device, device_sm_count, next_pow2
 from tfla.ops.common.varlen import cached_bounds
 from tfla.ops.rnn import pointwise
 from tfla.ops.rnn.fused import MAX_FUSED_D, rnn_fused_bwd, rnn_fused_fwd
+from tfla.ops.rnn.team import TEAM_COLS, rnn_team_bwd, rnn_team_fwd, team_launch
 from tfla.ops.rnn.reference import CELL_GATES, CELL_STATES
 from tfla.utils.validation import check_cotangent, check_tensor, check_varlen_bounds
 
@@ -28,8 +29,24 @@ _CELL_IDS = {"elman": pointwise.ELMAN.value, "lstm": pointwise.LSTM.value, "gru"
              "slstm": pointwise.SLSTM.value}
 _MAX_BLOCK = 1024
 FUSED_AUTO_MAX_D = 64  # head dims the fused path takes by default (R of all gates on chip)
-CONFIG_KEYS = {"path": ("auto", "fused", "alternating"), "BB": (16, 32, 64), "num_warps": (1, 2, 4, 8),
-               "num_stages": (1, 2, 3)}
+CONFIG_KEYS = {"path": ("auto", "fused", "team", "alternating"), "BB": (16, 32, 64), "num_warps": (1, 2, 4, 8),
+               "num_stages": (1, 2, 3), "team_cols": TEAM_COLS, "team_BK": (32, 64, 128, 256),
+               "team_sync": (True, False), "team_resident": (True, False)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """How the kernels run: ``path`` "fused" (``fused.py``) or "team" (``team.py``; BC units per member, BK the dots'
+    slice of D, ``sync``: one launch with a grid barrier, else one launch per step), with BB batch rows per program,
+    ``num_warps`` and ``num_stages``."""
+    path: str
+    BB: int
+    num_warps: int
+    num_stages: int
+    BC: int = 0
+    BK: int = 0
+    sync: bool = False
+    resident: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +55,7 @@ class RNNOptions:
     lengths: tuple[int, ...]  # steps of each of the N sequences (all T without varlen)
     output_final_state: bool
     state_sequence: bool = False  # also output the states after h (c; c, n, m) after every step
-    fused: tuple[int, int, int] | None = None  # (BB, num_warps, num_stages) of the fused path; None: alternating
+    fused: Launch | None = None  # the fused or team path's launch; None: alternating
 
 
 def check_config(config, dtype: torch.dtype, D: int) -> None:
@@ -50,27 +67,41 @@ def check_config(config, dtype: torch.dtype, D: int) -> None:
     for k, v in config.items():
         if k not in CONFIG_KEYS:
             raise ValueError(f"`config` key {k!r} unknown; keys: {tuple(CONFIG_KEYS)}")
-        if v not in CONFIG_KEYS[k] or isinstance(v, bool):
+        if v not in CONFIG_KEYS[k] or isinstance(v, bool) != (k in ("team_sync", "team_resident")):
             raise ValueError(f"`config[{k!r}]` must be one of {CONFIG_KEYS[k]}, got {v!r}")
-    if config.get("path") == "fused":
-        if dtype == torch.float64:
-            raise ValueError("`config['path']='fused'` takes float32/float16/bfloat16 inputs; float64 runs the "
-                             "alternating path")
-        if D > MAX_FUSED_D:
-            raise ValueError(f"`config['path']='fused'` takes head dims up to {MAX_FUSED_D}, got D={D}")
+    path = config.get("path")
+    if path in ("fused", "team") and dtype == torch.float64:
+        raise ValueError(f"`config['path']={path!r}` takes float32/float16/bfloat16 inputs; float64 runs the "
+                         "alternating path")
+    if path == "fused" and D > MAX_FUSED_D:
+        raise ValueError(f"`config['path']='fused'` takes head dims up to {MAX_FUSED_D}, got D={D}")
 
 
-def fused_launch(config, dtype: torch.dtype, D: int) -> tuple[int, int, int] | None:
-    """The path of a (checked) ``config``: ``(BB, num_warps, num_stages)`` of the fused path, or None for the
-    alternating one. Default: fused for 16-bit and fp32 inputs with D <= FUSED_AUTO_MAX_D; BB = 16 batch rows per
-    program, 8 warps above D = 32, else 4, 2 stages (step t + 1's loads issued during step t). Compiled for sm_90
-    (``scripts/compile_stats.py --op rnn``), the defaults spill no registers at D = 32 and 64 (fp32 at D = 16: 8 B);
-    BB = 32 spills at D = 32 and 64, and 3 stages overflow shared memory for fp32 at D = 64."""
+def fused_launch(config, dtype: torch.dtype, N: int, NH: int, D: int, device: torch.device | None = None
+                 ) -> Launch | None:
+    """The path of a (checked) ``config`` for N rows and NH heads of D units: a ``Launch`` of the fused or team
+    path, or None for the alternating one. Default: fused with D <= FUSED_AUTO_MAX_D, team above, alternating for
+    float64 (the fused path at D = 128 is faster where it fits: H100, bf16, LSTM, B = 16, T = 1024, D x NH = 128 x 6,
+    fused 2.95 / 9.80 ms forward / forward + backward, team 4.43 / 10.62; but the sLSTM's fused backward needs 266 KB
+    of shared memory there). Fused: BB = 16 batch rows per program, 8 warps above D = 32, else 4, 2 stages
+    (step t + 1's loads issued during step t); compiled for sm_90 (``scripts/compile_stats.py --op rnn``), these
+    spill no registers at D = 32 and 64 (fp32 at D = 16: 8 B); BB = 32 spills at D = 32 and 64, and 3 stages overflow
+    shared memory for fp32 at D = 64. Team: ``team.team_launch`` (BB from N, the units per member from the SM
+    count, R's slices held on chip where they fit), 4 warps, 3 stages (streaming R: the dots' next two slices of D
+    loaded during this one)."""
     cfg = config or {}
     path = cfg.get("path", "auto")
-    if path == "alternating" or (path == "auto" and (dtype == torch.float64 or D > FUSED_AUTO_MAX_D)):
+    if path == "auto":
+        path = "alternating" if dtype == torch.float64 else "fused" if D <= FUSED_AUTO_MAX_D else "team"
+    if path == "alternating":
         return None
-    return cfg.get("BB", 16), cfg.get("num_warps", 8 if D > 32 else 4), cfg.get("num_stages", 2)
+    if path == "fused":
+        return Launch("fused", cfg.get("BB", 16), cfg.get("num_warps", 8 if D > 32 else 4), cfg.get("num_stages", 2))
+    sms = device_sm_count(device.index or 0) if device is not None and device.type == "cuda" else 132
+    t = team_launch(N, NH, D, dtype, sms, BB=cfg.get("BB"), cols=cfg.get("team_cols"), BK=cfg.get("team_BK"),
+                    sync=cfg.get("team_sync"), resident=cfg.get("team_resident"))
+    return Launch("team", t["BB"], cfg.get("num_warps", 4), cfg.get("num_stages", 3), t["BC"], t["BK"], t["sync"],
+                  t["resident"])
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
@@ -87,24 +118,29 @@ def _block(E: int) -> int:
     return min(_MAX_BLOCK, next_pow2(E))
 
 
-def rnn_fwd(cell: str, x, R, b, state0, fused: tuple[int, int, int] | None = None):
-    """Forward on a padded batch. x ``[N, Tm, G, NH, D]``; state0 ``[S, NH, N, D]`` (ACC dtype); fused: ``(BB,
-    num_warps, num_stages)`` of the fused path (``fused_launch``), or None for the alternating path.
+def rnn_fwd(cell: str, x, R, b, state0, fused: Launch | None = None):
+    """Forward on a padded batch. x ``[N, Tm, G, NH, D]``; state0 ``[S, NH, N, D]`` (ACC dtype); fused: the
+    ``Launch`` of the fused or team path (``fused_launch``), or None for the alternating path.
 
     Returns ``(o [N, Tm, NH, D] in x's dtype, states [Tm + 1, S, NH, N, D], rh [Tm, NH, N, G * D], Wt, b_acc)``
-    with ``Wt [NH, D, G * D]`` (R as the right operand of ``h @ Wt``) and every state step kept for the backward
-    (the same for both paths).
+    with ``Wt [NH, D, G * D]`` (R as the right operand of ``h @ Wt``; in x's dtype on the team path with 16-bit x,
+    whose members stream it from L2 every step, else ACC) and every state step kept for the backward (the same
+    for every path).
     """
     N, Tm, G, NH, D = x.shape
     acc = _acc(x.dtype)
-    Wt = R.to(acc).permute(1, 3, 0, 2).reshape(NH, D, G * D)  # Wt[n, d, g*D + e] = R[g, n, e, d]
+    w_dtype = x.dtype if fused is not None and fused.path == "team" else acc
+    Wt = R.to(w_dtype).permute(1, 3, 0, 2).reshape(NH, D, G * D)  # Wt[n, d, g*D + e] = R[g, n, e, d]
     b_acc = b.to(acc).contiguous()
     states = torch.empty(Tm + 1, *state0.shape, device=x.device, dtype=acc)
     states[0] = state0
     rh = torch.empty(Tm, NH, N, G * D, device=x.device, dtype=acc)
     o = torch.empty(N, Tm, NH, D, device=x.device, dtype=x.dtype)
+    if fused is not None and fused.path == "team":
+        rnn_team_fwd(_CELL_IDS[cell], x, Wt, b_acc, states, rh, o, _team(fused), fused.num_warps, fused.num_stages)
+        return o, states, rh, Wt, b_acc
     if fused is not None:
-        rnn_fused_fwd(_CELL_IDS[cell], x, Wt, b_acc, states, rh, o, *fused)
+        rnn_fused_fwd(_CELL_IDS[cell], x, Wt, b_acc, states, rh, o, fused.BB, fused.num_warps, fused.num_stages)
         return o, states, rh, Wt, b_acc
     E = NH * N * D
     BE = _block(E)
@@ -120,7 +156,7 @@ def rnn_fwd(cell: str, x, R, b, state0, fused: tuple[int, int, int] | None = Non
 
 
 def rnn_bwd(cell: str, x, Wt, b_acc, states, rh, do, dstate_final, lengths, dstate_seq=None,
-            fused: tuple[int, int, int] | None = None):
+            fused: Launch | None = None):
     """Backward of ``rnn_fwd``. do ``[N, Tm, NH, D]``; dstate_final ``[S, NH, N, D]`` (ACC dtype; the m slot is
     ignored), added before the step ``lengths[n] - 1`` of each sequence n; dstate_seq None or ``[Tm, S - 1, NH, N,
     D]`` (ACC), the cotangents of the states after h (c; c, n, m; m ignored) after every step, added before each
@@ -133,8 +169,11 @@ def rnn_bwd(cell: str, x, Wt, b_acc, states, rh, do, dstate_final, lengths, dsta
     drh = torch.empty(Tm, NH, N, G * D, device=x.device, dtype=acc)
     if fused is not None:
         dstate0 = torch.zeros(S, NH, N, D, device=x.device, dtype=acc)
-        rnn_fused_bwd(_CELL_IDS[cell], x, Wt, b_acc, states, rh, do, dstate_final, lengths, dstate_seq, dx, drh,
-                      dstate0, *fused)
+        args = (_CELL_IDS[cell], x, Wt, b_acc, states, rh, do, dstate_final, lengths, dstate_seq, dx, drh, dstate0)
+        if fused.path == "team":
+            rnn_team_bwd(*args, _team(fused), fused.num_warps, fused.num_stages)
+        else:
+            rnn_fused_bwd(*args, fused.BB, fused.num_warps, fused.num_stages)
         return (dx, *_dR_db(states, drh), dstate0)
     dh_rec = torch.zeros(NH, N, D, device=x.device, dtype=acc)
     ds = torch.zeros(S, NH, N, D, device=x.device, dtype=acc)
@@ -171,6 +210,10 @@ def rnn_bwd(cell: str, x, Wt, b_acc, states, rh, do, dstate_final, lengths, dsta
     dstate0[0] = dh_rec
     dstate0[1:n_carried] = ds[1:n_carried]
     return (dx, *_dR_db(states, drh), dstate0)
+
+
+def _team(launch: Launch) -> dict:
+    return dict(BB=launch.BB, BC=launch.BC, BK=launch.BK, sync=launch.sync, resident=launch.resident)
 
 
 def _dR_db(states, drh):
@@ -330,7 +373,7 @@ def rnn(cell: str, x, R, b, initial_state=None, output_final_state=False, *, cu_
         out = rnn_fwd_op(x, R, b, list(state0), cu_seqlens, cell, output_final_state, cfg.get("path", "auto"),
                          cfg.get("BB", 0), cfg.get("num_warps", 0), cfg.get("num_stages", 0))
         return out[0], (tuple(out[1:]) if output_final_state else None)
-    fused = fused_launch(config, x.dtype, x.shape[4])
+    fused = fused_launch(config, x.dtype, len(lengths), x.shape[3], x.shape[4], x.device)
     opts = RNNOptions(cell, lengths, output_final_state, fused=fused)
     if bounds is None:
         out = RNNFunction.apply(opts, x, R, b, *state0)
@@ -354,7 +397,7 @@ def rnn_state_sequence(cell: str, x, R, b, initial_state=None, config=None):
         raise ValueError(f"`cell` must be one of {tuple(CELL_GATES)}, got {cell!r}")
     lengths, _ = _check(cell, x, R, b, initial_state, False, None, config=config)
     state0 = tuple(initial_state) if initial_state is not None else ()
-    fused = fused_launch(config, x.dtype, x.shape[4])
+    fused = fused_launch(config, x.dtype, len(lengths), x.shape[3], x.shape[4], x.device)
     return RNNFunction.apply(RNNOptions(cell, lengths, False, state_sequence=True, fused=fused), x, R, b, *state0)
 
 

@@ -1,0 +1,372 @@
+"""The team path of the FlashRNN cells, for head dims too large for one program's registers (D > 64 by default):
+a team of P programs per (batch tile, head), each owning BC of the head's D units (columns of the state). Per step
+every member reads the whole ``h_{t-1}`` of its rows from the step's stored state (L2), forms ``R_j h_{t-1}`` for its
+own units (``[BB, D] x [D, BC]`` per gate, over D in BK-wide slices, its slice of R streamed from L2), runs the cell
+on them (``pointwise.py``'s ``_cell_fwd``) and stores its part of ``h_t``; the team then meets at a barrier before
+the next step reads ``h_t``. The backward runs the same way in reverse: each member owns the same units' dh, dc, dn
+and forms the recurrent part of its dh from every unit's pre-activation gradients of the step after
+(``sum_j drh_j R_j[:, own]``).
+
+Two ways to run the steps, one kernel: persistent (``SYNC``: one launch runs every step, the team meets at a
+grid barrier: one int32 counter per (head, batch tile), ``atomic_add`` with release / acquire at GPU scope, spun on
+until every member has arrived; the launch is cooperative, so every program of the grid is resident or the launch
+fails, never a hang; only where the grid fits the SMs once and never under the CPU interpreter, which runs programs
+one after another) and stepwise (one launch per step; the kernel boundary is the barrier: the interpreter, grids
+larger than the GPU, ``config={"team_sync": False}``). Both read and write the same tensors as the fused and
+alternating paths (``cells.rnn_fwd``'s layouts: states ``[Tm + 1, S, NH, N, D]``, rh ``[Tm, NH, N, G * D]``, the
+backward's dx and drh), so dR and db are formed after the loop as there.
+
+The idea of splitting one head's recurrent matrix over a team of SMs that exchange h each step through memory and
+a grid barrier is FlashRNN's (Pöppel et al. 2024, Section 4, "fused kernel": the recurrent matrix stays on chip
+across a cooperative grid). Here R is streamed from L2 each step instead (Triton keeps no tile in shared memory
+across a loop it does not pipeline): G D BC elements per member and step.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tfla.ops.common.utils import cdiv, dot_precision, interpret_mode, next_pow2
+from tfla.ops.rnn.fused import _DOT, _biases, _x
+from tfla.ops.rnn.pointwise import SLSTM, _cell_bwd, _cell_fwd, _states_in, _states_out, _store_gates
+
+TEAM_COLS = (16, 32, 64, 128)  # the units per member the launch may take (``config["team_cols"]``)
+
+
+@triton.jit
+def _team_tile(N, NH, D, BB: tl.constexpr, BC: tl.constexpr):
+    """This program's head, batch rows (and their mask), units (and mask), the ``[BB, BC]`` mask, each row's start
+    in one state ``[NH, N, D]`` and its counter."""
+    i_c, i_b, i_n = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    o_b = i_b * BB + tl.arange(0, BB)
+    o_c = i_c * BC + tl.arange(0, BC)
+    m_b, m_c = o_b < N, o_c < D
+    o_row = (i_n * N + o_b) * D  # [BB]
+    return i_n, o_b, o_c, m_b, m_c, m_b[:, None] & m_c[None, :], o_row, i_n * tl.num_programs(1) + i_b
+
+
+@triton.jit
+def _team_sync(cnt, target):
+    """Wait until the team's counter reaches ``target`` after adding this program's arrival: every member's stores
+    before the call are visible to every member's loads after it (CTA barrier, release / acquire at GPU scope)."""
+    tl.debug_barrier()
+    tl.atomic_add(cnt, 1, sem="release", scope="gpu")
+    seen = tl.atomic_add(cnt, 0, sem="acquire", scope="gpu")
+    while seen < target:
+        seen = tl.atomic_add(cnt, 0, sem="acquire", scope="gpu")
+    tl.debug_barrier()
+
+
+@triton.jit
+def _slice(p_w, o_r, m_r, o_c, m_c, j, D, swi, swo, TRANS: tl.constexpr, DOT: tl.constexpr):
+    """Gate j's ``[rows, BC]`` slice of one head's Wt (``Wt[d, j D + e] = R_j[e, d]`` at ``p_w + d swi + (j D + e)
+    swo``) in DOT, zero off the masks: ``R_j^T[rows, own units]`` (inputs o_r to outputs o_c: the forward's right
+    operand) or with TRANS ``R_j[rows, own units]`` (outputs o_r from inputs o_c: the backward's)."""
+    if TRANS:
+        off = o_c[None, :] * swi + (j * D + o_r[:, None]) * swo
+    else:
+        off = o_r[:, None] * swi + (j * D + o_c[None, :]) * swo
+    return tl.load(p_w + off, mask=m_r[:, None] & m_c[None, :], other=0.0).to(DOT)
+
+
+@triton.jit
+def _team_fwd_dots(p_h, m_b, p_w, swi, swo, o_c, m_c, D, w0, w1, w2, w3, BB: tl.constexpr, BC: tl.constexpr,
+                   BK: tl.constexpr, G: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, STAGES: tl.constexpr,
+                   RESIDENT: tl.constexpr):
+    """``(R_j h)^T`` for this member's units, ``[BB, BC]`` per gate: h's rows at ``p_h`` ([BB] pointers, fp32,
+    read past L1). RESIDENT: the gates' whole slices w0..w3 (``[BK, BC]``, BK >= D) held since the launch, one dot
+    each; else the slices streamed from Wt at ``p_w`` in BK-wide parts of D."""
+    r0 = tl.zeros([BB, BC], tl.float32)
+    r1, r2, r3 = r0, r0, r0
+    if RESIDENT:
+        o_k = tl.arange(0, BK)
+        hk = tl.load(p_h[:, None] + o_k[None, :], mask=m_b[:, None] & (o_k < D)[None, :], other=0.0,
+                     cache_modifier=".cg").to(DOT)
+        r0 = tl.dot(hk, w0, input_precision=PREC)
+        if G > 1:
+            r1 = tl.dot(hk, w1, input_precision=PREC)
+        if G > 2:
+            r2 = tl.dot(hk, w2, input_precision=PREC)
+        if G > 3:
+            r3 = tl.dot(hk, w3, input_precision=PREC)
+    else:
+        for k0 in tl.range(0, D, BK, num_stages=STAGES):
+            o_k = k0 + tl.arange(0, BK)
+            m_k = o_k < D
+            hk = tl.load(p_h[:, None] + o_k[None, :], mask=m_b[:, None] & m_k[None, :], other=0.0,
+                         cache_modifier=".cg").to(DOT)
+            r0 = tl.dot(hk, _slice(p_w, o_k, m_k, o_c, m_c, 0, D, swi, swo, False, DOT), r0, input_precision=PREC)
+            if G > 1:
+                r1 = tl.dot(hk, _slice(p_w, o_k, m_k, o_c, m_c, 1, D, swi, swo, False, DOT), r1,
+                            input_precision=PREC)
+            if G > 2:
+                r2 = tl.dot(hk, _slice(p_w, o_k, m_k, o_c, m_c, 2, D, swi, swo, False, DOT), r2,
+                            input_precision=PREC)
+            if G > 3:
+                r3 = tl.dot(hk, _slice(p_w, o_k, m_k, o_c, m_c, 3, D, swi, swo, False, DOT), r3,
+                            input_precision=PREC)
+    return r0, r1, r2, r3
+
+
+@triton.jit
+def _team_bwd_dots(acc, p_d, m_rows, p_w, swi, swo, o_c, m_c, D, w0, w1, w2, w3, BK: tl.constexpr, G: tl.constexpr,
+                   DOT: tl.constexpr, PREC: tl.constexpr, STAGES: tl.constexpr, RESIDENT: tl.constexpr):
+    """``acc + sum_j d_j R_j[:, own units]``: the pre-activation gradients' rows at ``p_d`` ([BB] pointers to
+    ``[G * D]`` fp32 rows, read past L1; rows off ``m_rows`` read as zero); R's slices held (RESIDENT: w0..w3,
+    ``[BK, BC]``, BK >= D) or streamed from Wt at ``p_w``, as ``_team_fwd_dots``."""
+    if RESIDENT:
+        o_k = tl.arange(0, BK)
+        pd = p_d[:, None] + o_k[None, :]
+        md = m_rows[:, None] & (o_k < D)[None, :]
+        acc = tl.dot(tl.load(pd, mask=md, other=0.0, cache_modifier=".cg").to(DOT), w0, acc, input_precision=PREC)
+        if G > 1:
+            acc = tl.dot(tl.load(pd + D, mask=md, other=0.0, cache_modifier=".cg").to(DOT), w1, acc,
+                         input_precision=PREC)
+        if G > 2:
+            acc = tl.dot(tl.load(pd + 2 * D, mask=md, other=0.0, cache_modifier=".cg").to(DOT), w2, acc,
+                         input_precision=PREC)
+        if G > 3:
+            acc = tl.dot(tl.load(pd + 3 * D, mask=md, other=0.0, cache_modifier=".cg").to(DOT), w3, acc,
+                         input_precision=PREC)
+    else:
+        for k0 in tl.range(0, D, BK, num_stages=STAGES):
+            o_k = k0 + tl.arange(0, BK)
+            m_k = o_k < D
+            pd = p_d[:, None] + o_k[None, :]
+            md = m_rows[:, None] & m_k[None, :]
+            for j in tl.static_range(G):
+                acc = tl.dot(tl.load(pd + j * D, mask=md, other=0.0, cache_modifier=".cg").to(DOT),
+                             _slice(p_w, o_k, m_k, o_c, m_c, j, D, swi, swo, True, DOT), acc, input_precision=PREC)
+    return acc
+
+
+@triton.jit
+def _team_weights(p_w, o_c, m_c, D, swi, swo, BK: tl.constexpr, G: tl.constexpr, TRANS: tl.constexpr,
+                  DOT: tl.constexpr, RESIDENT: tl.constexpr):
+    """With RESIDENT the gates' whole ``_slice``s (``[BK, BC]``, BK >= D; gates the cell lacks repeat gate 0's),
+    loaded once per launch; else placeholders (the dots stream their slices)."""
+    if RESIDENT:
+        o_k = tl.arange(0, BK)
+        m_k = o_k < D
+        w0 = _slice(p_w, o_k, m_k, o_c, m_c, 0, D, swi, swo, TRANS, DOT)
+        w1, w2, w3 = w0, w0, w0
+        if G > 1:
+            w1 = _slice(p_w, o_k, m_k, o_c, m_c, 1, D, swi, swo, TRANS, DOT)
+        if G > 2:
+            w2 = _slice(p_w, o_k, m_k, o_c, m_c, 2, D, swi, swo, TRANS, DOT)
+        if G > 3:
+            w3 = _slice(p_w, o_k, m_k, o_c, m_c, 3, D, swi, swo, TRANS, DOT)
+    else:
+        w0 = 0.0
+        w1, w2, w3 = w0, w0, w0
+    return w0, w1, w2, w3
+
+
+@triton.jit
+def _rnn_team_fwd_kernel(
+    x_ptr, w_ptr, b_ptr, s_ptr, rh_ptr, o_ptr, cnt_ptr,
+    N, NH, D, t0, steps,
+    swn, swi, swo, sxb, sxt, sxg, sxn, sxd, sob, sot, son, sod,
+    CELL: tl.constexpr, G: tl.constexpr, S: tl.constexpr, BB: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+    DOT: tl.constexpr, PREC: tl.constexpr, STAGES: tl.constexpr, SYNC: tl.constexpr, RESIDENT: tl.constexpr,
+):
+    """Steps ``t0 .. t0 + steps - 1`` of this member's units: states[t + 1] = cell(x_t, R h_t, b, states[t]),
+    rh[t] = R h_t (without b), o_t = h_{t+1}; with SYNC the team meets after every step."""
+    i_n, o_b, o_c, m_b, m_c, m, o_row, i_cnt = _team_tile(N, NH, D, BB, BC)
+    E = NH * N * D
+    o_s = o_row[:, None] + o_c[None, :]
+    b0, b1, b2, b3 = _biases(b_ptr, i_n, o_c, NH, D, G)
+    t_first = i_n * 0 + t0  # int64 step index
+    h, c, n, mx = _states_in(s_ptr + t_first * (S * E) + o_s, E, m, tl.zeros([BB, BC], tl.float32), S)
+    o_rh = (i_n * N + o_b[:, None]) * (G * D) + o_c[None, :]
+    p_x = x_ptr + o_b[:, None] * sxb + i_n * sxn + o_c[None, :] * sxd
+    p_o = o_ptr + o_b[:, None] * sob + i_n * son + o_c[None, :] * sod
+    p_w = w_ptr + i_n * swn
+    w0, w1, w2, w3 = _team_weights(p_w, o_c, m_c, D, swi, swo, BK, G, False, DOT, RESIDENT)
+    P = tl.num_programs(0)
+    for i in range(0, steps):
+        t = t_first + i
+        r0, r1, r2, r3 = _team_fwd_dots(s_ptr + t * (S * E) + o_row, m_b, p_w, swi, swo, o_c, m_c, D, w0, w1, w2, w3,
+                                        BB, BC, BK, G, DOT, PREC, STAGES, RESIDENT)
+        x0 = _x(p_x + t * sxt, sxg, 0, m)
+        x1, x2, x3 = x0, x0, x0
+        if G > 1:
+            x1 = _x(p_x + t * sxt, sxg, 1, m)
+        if G > 2:
+            x2 = _x(p_x + t * sxt, sxg, 2, m)
+        if G > 3:
+            x3 = _x(p_x + t * sxt, sxg, 3, m)
+        _store_gates(rh_ptr + t * (N * NH * G * D) + o_rh, D, r0, r1, r2, r3, m, G)
+        h, c, n, mx = _cell_fwd(x0, r0 + b0, x1, r1 + b1, x2, r2 + b2, x3, r3 + b3, h, c, n, mx, CELL)
+        _states_out(s_ptr + (t + 1) * (S * E) + o_s, E, m, h, c, n, mx, S)
+        tl.store(p_o + t * sot, h.to(o_ptr.dtype.element_ty), mask=m)
+        if SYNC:
+            _team_sync(cnt_ptr + i_cnt, P * (i + 1))
+
+
+@triton.jit
+def _rnn_team_bwd_kernel(
+    x_ptr, w_ptr, b_ptr, s_ptr, rh_ptr, do_ptr, dsf_ptr, len_ptr, dseq_ptr, dx_ptr, drh_ptr, carry_ptr, ds0_ptr,
+    cnt_ptr, N, NH, D, Tm, t_hi, steps, tail,
+    swn, swi, swo, sxb, sxt, sxg, sxn, sxd, sdb, sdt, sdn, sdd, sdxb, sdxt, sdxg, sdxn, sdxd,
+    CELL: tl.constexpr, G: tl.constexpr, S: tl.constexpr, BB: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+    DOT: tl.constexpr, PREC: tl.constexpr, STAGES: tl.constexpr, HAS_SEQ: tl.constexpr, SYNC: tl.constexpr,
+    RESIDENT: tl.constexpr,
+):
+    """Steps ``t_hi`` down to ``t_hi - steps + 1`` of ``fused._rnn_fused_bwd_kernel`` for this member's units
+    (same tensors and meaning), dh's recurrent part formed from every unit's drh of the step after. carry ``[3, NH,
+    N, D]`` fp32: the direct part of dh (the GRU's z dh), dc and dn between launches (read at the start, written at
+    the end; zeros before the first). ``tail`` (after the last step, t = 0): the initial state's gradient into ds0
+    instead of the carry."""
+    i_n, o_b, o_c, m_b, m_c, m, o_row, i_cnt = _team_tile(N, NH, D, BB, BC)
+    E = NH * N * D
+    o_s = o_row[:, None] + o_c[None, :]
+    zero = tl.zeros([BB, BC], tl.float32)
+    b0, b1, b2, b3 = _biases(b_ptr, i_n, o_c, NH, D, G)
+    last = tl.load(len_ptr + o_b, mask=m_b, other=-1)[:, None] - 1  # [BB, 1]: each row's last step
+    dh_dir = tl.load(carry_ptr + o_s, mask=m, other=0.0)
+    dc = tl.load(carry_ptr + E + o_s, mask=m, other=0.0)
+    dn = tl.load(carry_ptr + 2 * E + o_s, mask=m, other=0.0)
+    o_rh = (i_n * N + o_b[:, None]) * (G * D) + o_c[None, :]
+    o_drow = (i_n * N + o_b) * (G * D)  # [BB]: rows of one step of drh
+    p_x = x_ptr + o_b[:, None] * sxb + i_n * sxn + o_c[None, :] * sxd
+    p_do = do_ptr + o_b[:, None] * sdb + i_n * sdn + o_c[None, :] * sdd
+    p_dx = dx_ptr + o_b[:, None] * sdxb + i_n * sdxn + o_c[None, :] * sdxd
+    p_w = w_ptr + i_n * swn
+    w0, w1, w2, w3 = _team_weights(p_w, o_c, m_c, D, swi, swo, BK, G, True, DOT, RESIDENT)
+    P = tl.num_programs(0)
+    t_top = i_n * 0 + t_hi  # int64 step index
+    for i in range(0, steps):
+        t = t_top - i
+        # dh_t: the direct part and sum_j (d R_j h_t) R_j from step t + 1 (none after the last step)
+        dh_rec = _team_bwd_dots(dh_dir, drh_ptr + (t + 1) * (N * NH * G * D) + o_drow, m_b & (o_b * 0 + t + 1 < Tm),
+                                p_w, swi, swo, o_c, m_c, D, w0, w1, w2, w3, BK, G, DOT, PREC, STAGES, RESIDENT)
+        m_f = m & (last == t)
+        dh_rec += tl.load(dsf_ptr + o_s, mask=m_f, other=0.0)
+        if S > 1:
+            dc += tl.load(dsf_ptr + E + o_s, mask=m_f, other=0.0)
+        if CELL == SLSTM:
+            dn += tl.load(dsf_ptr + 2 * E + o_s, mask=m_f, other=0.0)
+        if HAS_SEQ:
+            dc += tl.load(dseq_ptr + t * ((S - 1) * E) + o_s, mask=m, other=0.0)
+            if CELL == SLSTM:
+                dn += tl.load(dseq_ptr + t * ((S - 1) * E) + E + o_s, mask=m, other=0.0)
+        dh = tl.load(p_do + t * sdt, mask=m, other=0.0).to(tl.float32) + dh_rec
+        p_rh = rh_ptr + t * (N * NH * G * D) + o_rh
+        x0 = _x(p_x + t * sxt, sxg, 0, m)
+        r0 = tl.load(p_rh, mask=m, other=0.0) + b0
+        r1, r2, r3, x1, x2, x3 = r0, r0, r0, x0, x0, x0
+        if G > 1:
+            x1 = _x(p_x + t * sxt, sxg, 1, m)
+            r1 = tl.load(p_rh + D, mask=m, other=0.0) + b1
+        if G > 2:
+            x2 = _x(p_x + t * sxt, sxg, 2, m)
+            r2 = tl.load(p_rh + 2 * D, mask=m, other=0.0) + b2
+        if G > 3:
+            x3 = _x(p_x + t * sxt, sxg, 3, m)
+            r3 = tl.load(p_rh + 3 * D, mask=m, other=0.0) + b3
+        h0, c0, n0, m0 = _states_in(s_ptr + t * (S * E) + o_s, E, m, zero, S)
+        h1, c1, n1, m1 = _states_in(s_ptr + (t + 1) * (S * E) + o_s, E, m, zero, S)
+        d0, d1, d2, d3, dr2, dh_dir, dc, dn = _cell_bwd(x0, r0, x1, r1, x2, r2, x3, r3, h0, c0, n0, m0, h1, c1, n1,
+                                                        m1, dh, dc, dn, CELL)
+        _store_gates(p_dx + t * sdxt, sdxg, d0, d1, d2, d3, m, G)
+        _store_gates(drh_ptr + t * (N * NH * G * D) + o_rh, D, d0, d1, dr2, d3, m, G)
+        if SYNC:
+            _team_sync(cnt_ptr + i_cnt, P * (i + 1))
+    if tail != 0:  # dh_{-1} from step 0's pre-activation gradients; empty sequences: the final state's cotangent
+        t_lo = t_top - steps + 1
+        dh_rec = _team_bwd_dots(dh_dir, drh_ptr + t_lo * (N * NH * G * D) + o_drow, m_b & (o_b * 0 + t_lo < Tm), p_w,
+                                swi, swo, o_c, m_c, D, w0, w1, w2, w3, BK, G, DOT, PREC, STAGES, RESIDENT)
+        m_f = m & (last == -1)
+        tl.store(ds0_ptr + o_s, dh_rec + tl.load(dsf_ptr + o_s, mask=m_f, other=0.0), mask=m)
+        if S > 1:
+            tl.store(ds0_ptr + E + o_s, dc + tl.load(dsf_ptr + E + o_s, mask=m_f, other=0.0), mask=m)
+        if CELL == SLSTM:
+            tl.store(ds0_ptr + 2 * E + o_s, dn + tl.load(dsf_ptr + 2 * E + o_s, mask=m_f, other=0.0), mask=m)
+    else:
+        tl.store(carry_ptr + o_s, dh_dir, mask=m)
+        tl.store(carry_ptr + E + o_s, dc, mask=m)
+        tl.store(carry_ptr + 2 * E + o_s, dn, mask=m)
+
+
+RESIDENT_BYTES = 160 * 1024  # R's slices a member may hold on chip (of sm_90's 227 KB of shared memory per block)
+
+
+def team_launch(N: int, NH: int, D: int, dtype: torch.dtype, sms: int, BB: int | None = None,
+                cols: int | None = None, BK: int | None = None, sync: bool | None = None,
+                resident: bool | None = None) -> dict:
+    """The team path's launch for N rows, NH heads of D units on a GPU of ``sms`` SMs: ``BB`` rows per program (16,
+    32 or 64: the smallest power of two >= N, at most 64: R's slice serves all of them), ``BC`` units per member (the
+    smallest of ``TEAM_COLS`` whose grid ``cdiv(D, BC) x cdiv(N, BB) x NH`` fits the SMs once, else the largest),
+    ``resident`` (each member holds its slices of the gates' R for the whole launch: ``4 next_pow2(D) BC`` elements
+    within ``RESIDENT_BYTES``, 2 bytes each for 16-bit inputs, 8 for fp32's tf32x3 parts), ``BK`` (the slice of D
+    per dot: all of it, padded to a power of two, when resident, else 128 for D > 64) and whether the team syncs
+    inside one launch (the grid fits the SMs once, not the interpreter)."""
+    BB = BB or min(64, max(16, next_pow2(N)))
+    tiles = cdiv(N, BB) * NH
+    if cols is None:
+        fits = [c for c in TEAM_COLS if cdiv(D, c) * tiles <= sms]
+        cols = fits[0] if fits else TEAM_COLS[-1]
+    fits_once = cdiv(D, cols) * tiles <= sms
+    if sync is None:
+        sync = fits_once and not interpret_mode()
+    elif sync and (not fits_once or interpret_mode()):
+        raise ValueError(f"`config['team_sync']=True` needs the grid ({cdiv(D, cols) * tiles} programs) to fit the "
+                         f"GPU's {sms} SMs at once on a GPU; take more `team_cols` or leave it unset")
+    BD = max(16, next_pow2(D))
+    if resident is None:
+        resident = 4 * BD * cols * (2 if dtype in (torch.float16, torch.bfloat16) else 8) <= RESIDENT_BYTES
+    BK = BD if resident else BK or (128 if D > 64 else 64 if D > 32 else 32)
+    return dict(BB=BB, BC=cols, BK=BK, sync=sync, resident=resident)
+
+
+def _grid(N, NH, D, launch):
+    return (cdiv(D, launch["BC"]), cdiv(N, launch["BB"]), NH)
+
+
+def _kw(dtype, launch, num_warps, num_stages):
+    return dict(BB=launch["BB"], BC=launch["BC"], BK=launch["BK"], DOT=_DOT[dtype], PREC=dot_precision(dtype),
+                STAGES=num_stages, RESIDENT=launch["resident"], num_warps=num_warps)
+
+
+def rnn_team_fwd(cell_id: int, x, Wt, b_acc, states, rh, o, launch: dict, num_warps: int, num_stages: int):
+    """``fused.rnn_fused_fwd`` on the team path: fills ``states[1:]``, rh and o. Wt ``[NH, D, G * D]`` in x's dtype
+    for 16-bit x (fp32 otherwise)."""
+    N, Tm, G, NH, D = x.shape
+    grid = _grid(N, NH, D, launch)
+    kw = _kw(x.dtype, launch, num_warps, num_stages)
+    args = (x, Wt, b_acc, states, rh, o)
+    strides = (*Wt.stride(), *x.stride(), *o.stride())
+    S = states.shape[1]
+    if launch["sync"]:
+        cnt = torch.zeros(grid[1] * NH, dtype=torch.int32, device=x.device)
+        _rnn_team_fwd_kernel[grid](*args, cnt, N, NH, D, 0, Tm, *strides, CELL=cell_id, G=G, S=S, SYNC=True,
+                                   launch_cooperative_grid=True, **kw)
+        return
+    for t in range(Tm):
+        _rnn_team_fwd_kernel[grid](*args, x, N, NH, D, t, 1, *strides, CELL=cell_id, G=G, S=S, SYNC=False, **kw)
+
+
+def rnn_team_bwd(cell_id: int, x, Wt, b_acc, states, rh, do, dstate_final, lengths, dstate_seq, dx, drh, dstate0,
+                 launch: dict, num_warps: int, num_stages: int):
+    """``fused.rnn_fused_bwd`` on the team path (same tensors): fills dx, drh and dstate0's h, c, n slots."""
+    N, Tm, G, NH, D = x.shape
+    grid = _grid(N, NH, D, launch)
+    kw = _kw(x.dtype, launch, num_warps, num_stages)
+    S = states.shape[1]
+    lens = torch.tensor(lengths, device=x.device, dtype=torch.int32)
+    dsf = dstate_final.contiguous()
+    seq = dstate_seq.contiguous() if dstate_seq is not None else dsf
+    carry = torch.zeros(3, NH, N, D, device=x.device, dtype=states.dtype)
+    args = (x, Wt, b_acc, states, rh, do, dsf, lens, seq, dx, drh, carry, dstate0)
+    strides = (*Wt.stride(), *x.stride(), *do.stride(), *dx.stride())
+    const = dict(CELL=cell_id, G=G, S=S, HAS_SEQ=dstate_seq is not None, **kw)
+    if launch["sync"]:
+        cnt = torch.zeros(grid[1] * NH, dtype=torch.int32, device=x.device)
+        _rnn_team_bwd_kernel[grid](*args, cnt, N, NH, D, Tm, Tm - 1, Tm, 1, *strides, SYNC=True,
+                                   launch_cooperative_grid=True, **const)
+        return
+    for t in range(Tm - 1, -1, -1):
+        _rnn_team_bwd_kernel[grid](*args, lens, N, NH, D, Tm, t, 1, 0, *strides, SYNC=False, **const)
+    _rnn_team_bwd_kernel[grid](*args, lens, N, NH, D, Tm, -1, 0, 1, *strides, SYNC=False, **const)
