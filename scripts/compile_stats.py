@@ -214,7 +214,7 @@ def main(argv=None):
     p.add_argument("--check", action="store_true", help="exit 1 if a kernel needs more than 232448 B")
     p.add_argument("--layouts", action="store_true",
                    help="count each kernel's layout conversions (ttg.convert_layout) and barriers in its TTGIR")
-    p.add_argument("--dump", type=str, default=None, help="write each kernel's TTGIR to this folder")
+    p.add_argument("--dump", type=str, default=None, help="write each kernel's TTGIR and PTX to this folder")
     p.add_argument("--config", type=json.loads, default=None,
                    help="--op gdn: the config= of chunk_gated_delta_rule_fwd / _bwd "
                         "(JSON, e.g. '{\"state\": {\"BV\": 32}}'); --op rnn: the cells' config= of the fused "
@@ -309,8 +309,10 @@ def main(argv=None):
                   f"  barriers {ir.count('gpu.barrier')}")
         if args.dump:
             os.makedirs(args.dump, exist_ok=True)
-            with open(os.path.join(args.dump, f"{len(os.listdir(args.dump)):02d}_{name}.ttgir"), "w") as fh:
-                fh.write(c.asm["ttgir"])
+            stem = os.path.join(args.dump, f"{len(os.listdir(args.dump)) // 2:02d}_{name}")
+            for ext in ("ttgir", "ptx"):
+                with open(f"{stem}.{ext}", "w") as fh:
+                    fh.write(c.asm[ext])
         if args.allocs:
             for shape, ty, what in shared_allocs(c.asm["ttgir"]):
                 print(f"      {shape:>14s} x {ty:4s}  {what}")

@@ -87,8 +87,8 @@ def fused_launch(config, dtype: torch.dtype, N: int, NH: int, D: int, device: to
     (step t + 1's loads issued during step t); compiled for sm_90 (``scripts/compile_stats.py --op rnn``), these
     spill no registers at D = 32 and 64 (fp32 at D = 16: 8 B); BB = 32 spills at D = 32 and 64, and 3 stages overflow
     shared memory for fp32 at D = 64. Team: ``team.team_launch`` (BB from N, the units per member from the SM
-    count, R's slices held on chip where they fit), 4 warps, 3 stages (streaming R: the dots' next two slices of D
-    loaded during this one)."""
+    count, R's slices held on chip where they fit), 4 warps, 3 stages for 16-bit inputs, 2 for fp32 (streaming R: the
+    dots' next slices of D loaded during this one)."""
     cfg = config or {}
     path = cfg.get("path", "auto")
     if path == "auto":
@@ -100,7 +100,8 @@ def fused_launch(config, dtype: torch.dtype, N: int, NH: int, D: int, device: to
     sms = device_sm_count(device.index or 0) if device is not None and device.type == "cuda" else 132
     t = team_launch(N, NH, D, dtype, sms, BB=cfg.get("BB"), cols=cfg.get("team_cols"), BK=cfg.get("team_BK"),
                     sync=cfg.get("team_sync"), resident=cfg.get("team_resident"))
-    return Launch("team", t["BB"], cfg.get("num_warps", 4), cfg.get("num_stages", 3), t["BC"], t["BK"], t["sync"],
+    stages = 3 if dtype in (torch.float16, torch.bfloat16) else 2
+    return Launch("team", t["BB"], cfg.get("num_warps", 4), cfg.get("num_stages", stages), t["BC"], t["BK"], t["sync"],
                   t["resident"])
 
 

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from tfla.ops.common.utils import cdiv, dot_precision, interpret_mode, next_pow2
-from tfla.ops.rnn.fused import _DOT, _biases, _x
+from tfla.ops.rnn.fused import _DOT, _biases, _run, _x
 from tfla.ops.rnn.pointwise import SLSTM, _cell_bwd, _cell_fwd, _states_in, _states_out, _store_gates
 
 TEAM_COLS = (16, 32, 64, 128)  # the units per member the launch may take (``config["team_cols"]``)
@@ -165,14 +165,16 @@ def _team_weights(p_w, o_c, m_c, D, swi, swo, BK: tl.constexpr, G: tl.constexpr,
 
 @triton.jit
 def _rnn_team_fwd_kernel(
-    x_ptr, w_ptr, b_ptr, s_ptr, rh_ptr, o_ptr, cnt_ptr,
+    x_ptr, w_ptr, b_ptr, s_ptr, rh_ptr, o_ptr, cnt_ptr, ring_ptr,
     N, NH, D, t0, steps,
     swn, swi, swo, sxb, sxt, sxg, sxn, sxd, sob, sot, son, sod,
     CELL: tl.constexpr, G: tl.constexpr, S: tl.constexpr, BB: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
     DOT: tl.constexpr, PREC: tl.constexpr, STAGES: tl.constexpr, SYNC: tl.constexpr, RESIDENT: tl.constexpr,
 ):
     """Steps ``t0 .. t0 + steps - 1`` of this member's units: states[t + 1] = cell(x_t, R h_t, b, states[t]),
-    rh[t] = R h_t (without b), o_t = h_{t+1}; with SYNC the team meets after every step."""
+    rh[t] = R h_t (without b), o_t = h_{t+1}; with SYNC the team meets after every step and reads h from ``ring``
+    (``[2, NH, N, D]`` in DOT: h_t in slot t % 2, the dots' operand, half of the fp32 state's bytes), else from the
+    states."""
     i_n, o_b, o_c, m_b, m_c, m, o_row, i_cnt = _team_tile(N, NH, D, BB, BC)
     E = NH * N * D
     o_s = o_row[:, None] + o_c[None, :]
@@ -185,10 +187,17 @@ def _rnn_team_fwd_kernel(
     p_w = w_ptr + i_n * swn
     w0, w1, w2, w3 = _team_weights(p_w, o_c, m_c, D, swi, swo, BK, G, False, DOT, RESIDENT)
     P = tl.num_programs(0)
+    if SYNC:  # the first step's h into the ring; the team meets before anyone reads it
+        tl.store(ring_ptr + (t_first % 2) * E + o_s, h, mask=m)
+        _team_sync(cnt_ptr + i_cnt, P)
     for i in range(0, steps):
         t = t_first + i
-        r0, r1, r2, r3 = _team_fwd_dots(s_ptr + t * (S * E) + o_row, m_b, p_w, swi, swo, o_c, m_c, D, w0, w1, w2, w3,
-                                        BB, BC, BK, G, DOT, PREC, STAGES, RESIDENT)
+        if SYNC:
+            p_h = ring_ptr + (t % 2) * E + o_row
+        else:
+            p_h = s_ptr + t * (S * E) + o_row
+        r0, r1, r2, r3 = _team_fwd_dots(p_h, m_b, p_w, swi, swo, o_c, m_c, D, w0, w1, w2, w3, BB, BC, BK, G, DOT, PREC,
+                                        STAGES, RESIDENT)
         x0 = _x(p_x + t * sxt, sxg, 0, m)
         x1, x2, x3 = x0, x0, x0
         if G > 1:
@@ -202,13 +211,14 @@ def _rnn_team_fwd_kernel(
         _states_out(s_ptr + (t + 1) * (S * E) + o_s, E, m, h, c, n, mx, S)
         tl.store(p_o + t * sot, h.to(o_ptr.dtype.element_ty), mask=m)
         if SYNC:
-            _team_sync(cnt_ptr + i_cnt, P * (i + 1))
+            tl.store(ring_ptr + ((t + 1) % 2) * E + o_s, h, mask=m)
+            _team_sync(cnt_ptr + i_cnt, P * (i + 2))
 
 
 @triton.jit
 def _rnn_team_bwd_kernel(
     x_ptr, w_ptr, b_ptr, s_ptr, rh_ptr, do_ptr, dsf_ptr, len_ptr, dseq_ptr, dx_ptr, drh_ptr, carry_ptr, ds0_ptr,
-    cnt_ptr, N, NH, D, Tm, t_hi, steps, tail,
+    cnt_ptr, ring_ptr, N, NH, D, Tm, t_hi, steps, tail,
     swn, swi, swo, sxb, sxt, sxg, sxn, sxd, sdb, sdt, sdn, sdd, sdxb, sdxt, sdxg, sdxn, sdxd,
     CELL: tl.constexpr, G: tl.constexpr, S: tl.constexpr, BB: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
     DOT: tl.constexpr, PREC: tl.constexpr, STAGES: tl.constexpr, HAS_SEQ: tl.constexpr, SYNC: tl.constexpr,
@@ -218,7 +228,8 @@ def _rnn_team_bwd_kernel(
     (same tensors and meaning), dh's recurrent part formed from every unit's drh of the step after. carry ``[3, NH,
     N, D]`` fp32: the direct part of dh (the GRU's z dh), dc and dn between launches (read at the start, written at
     the end; zeros before the first). ``tail`` (after the last step, t = 0): the initial state's gradient into ds0
-    instead of the carry."""
+    instead of the carry. With SYNC the recurrent dots read step t's drh from ``ring`` (``[2, NH, N, G * D]`` in DOT,
+    slot t % 2), else from drh."""
     i_n, o_b, o_c, m_b, m_c, m, o_row, i_cnt = _team_tile(N, NH, D, BB, BC)
     E = NH * N * D
     o_s = o_row[:, None] + o_c[None, :]
@@ -240,8 +251,12 @@ def _rnn_team_bwd_kernel(
     for i in range(0, steps):
         t = t_top - i
         # dh_t: the direct part and sum_j (d R_j h_t) R_j from step t + 1 (none after the last step)
-        dh_rec = _team_bwd_dots(dh_dir, drh_ptr + (t + 1) * (N * NH * G * D) + o_drow, m_b & (o_b * 0 + t + 1 < Tm),
-                                p_w, swi, swo, o_c, m_c, D, w0, w1, w2, w3, BK, G, DOT, PREC, STAGES, RESIDENT)
+        if SYNC:
+            p_d = ring_ptr + ((t + 1) % 2) * (N * NH * G * D) + o_drow
+        else:
+            p_d = drh_ptr + (t + 1) * (N * NH * G * D) + o_drow
+        dh_rec = _team_bwd_dots(dh_dir, p_d, m_b & (o_b * 0 + t + 1 < Tm), p_w, swi, swo, o_c, m_c, D, w0, w1, w2, w3,
+                                BK, G, DOT, PREC, STAGES, RESIDENT)
         m_f = m & (last == t)
         dh_rec += tl.load(dsf_ptr + o_s, mask=m_f, other=0.0)
         if S > 1:
@@ -273,11 +288,16 @@ def _rnn_team_bwd_kernel(
         _store_gates(p_dx + t * sdxt, sdxg, d0, d1, d2, d3, m, G)
         _store_gates(drh_ptr + t * (N * NH * G * D) + o_rh, D, d0, d1, dr2, d3, m, G)
         if SYNC:
+            _store_gates(ring_ptr + (t % 2) * (N * NH * G * D) + o_rh, D, d0, d1, dr2, d3, m, G)
             _team_sync(cnt_ptr + i_cnt, P * (i + 1))
     if tail != 0:  # dh_{-1} from step 0's pre-activation gradients; empty sequences: the final state's cotangent
         t_lo = t_top - steps + 1
-        dh_rec = _team_bwd_dots(dh_dir, drh_ptr + t_lo * (N * NH * G * D) + o_drow, m_b & (o_b * 0 + t_lo < Tm), p_w,
-                                swi, swo, o_c, m_c, D, w0, w1, w2, w3, BK, G, DOT, PREC, STAGES, RESIDENT)
+        if SYNC:
+            p_d = ring_ptr + (t_lo % 2) * (N * NH * G * D) + o_drow
+        else:
+            p_d = drh_ptr + t_lo * (N * NH * G * D) + o_drow
+        dh_rec = _team_bwd_dots(dh_dir, p_d, m_b & (o_b * 0 + t_lo < Tm), p_w, swi, swo, o_c, m_c, D, w0, w1, w2, w3,
+                                BK, G, DOT, PREC, STAGES, RESIDENT)
         m_f = m & (last == -1)
         tl.store(ds0_ptr + o_s, dh_rec + tl.load(dsf_ptr + o_s, mask=m_f, other=0.0), mask=m)
         if S > 1:
@@ -290,7 +310,9 @@ def _rnn_team_bwd_kernel(
         tl.store(carry_ptr + 2 * E + o_s, dn, mask=m)
 
 
-RESIDENT_BYTES = 160 * 1024  # R's slices a member may hold on chip (of sm_90's 227 KB of shared memory per block)
+# shared memory a resident member may take (of sm_90's 227 KiB per block): R's slices and the dots' h operand, the
+# latter as fp32 (H100, Triton 3.6, compiled: 192 KiB at BB = 16, D = 768, bf16; 256 KiB at BB = 32 failed to launch)
+RESIDENT_BYTES = 200 * 1024
 
 
 def team_launch(N: int, NH: int, D: int, dtype: torch.dtype, sms: int, BB: int | None = None,
@@ -299,9 +321,11 @@ def team_launch(N: int, NH: int, D: int, dtype: torch.dtype, sms: int, BB: int |
     """The team path's launch for N rows, NH heads of D units on a GPU of ``sms`` SMs: ``BB`` rows per program (16,
     32 or 64: the smallest power of two >= N, at most 64: R's slice serves all of them), ``BC`` units per member (the
     smallest of ``TEAM_COLS`` whose grid ``cdiv(D, BC) x cdiv(N, BB) x NH`` fits the SMs once, else the largest),
-    ``resident`` (each member holds its slices of the gates' R for the whole launch: ``4 next_pow2(D) BC`` elements
-    within ``RESIDENT_BYTES``, 2 bytes each for 16-bit inputs, 8 for fp32's tf32x3 parts), ``BK`` (the slice of D
-    per dot: all of it, padded to a power of two, when resident, else 128 for D > 64) and whether the team syncs
+    ``resident`` (16-bit inputs: each member holds its slices of the gates' R for the whole launch where they and
+    the dots' h operand fit ``RESIDENT_BYTES``: ``4 next_pow2(D) BC`` elements of 2 bytes and ``BB next_pow2(D)`` of
+    4; fp32, whose tf32x3 dots split both operands, spills kilobytes of registers so at D = 200, sm_90), ``BK`` (the slice of D
+    per dot: all of it, padded to a power of two, when resident, else 128 for 16-bit D > 64, 32 for fp32: sm_90
+    spills kilobytes at 128 there) and whether the team syncs
     inside one launch (the grid fits the SMs once, not the interpreter)."""
     BB = BB or min(64, max(16, next_pow2(N)))
     tiles = cdiv(N, BB) * NH
@@ -315,9 +339,10 @@ def team_launch(N: int, NH: int, D: int, dtype: torch.dtype, sms: int, BB: int |
         raise ValueError(f"`config['team_sync']=True` needs the grid ({cdiv(D, cols) * tiles} programs) to fit the "
                          f"GPU's {sms} SMs at once on a GPU; take more `team_cols` or leave it unset")
     BD = max(16, next_pow2(D))
+    half = dtype in (torch.float16, torch.bfloat16)
     if resident is None:
-        resident = 4 * BD * cols * (2 if dtype in (torch.float16, torch.bfloat16) else 8) <= RESIDENT_BYTES
-    BK = BD if resident else BK or (128 if D > 64 else 64 if D > 32 else 32)
+        resident = half and 4 * BD * cols * 2 + BB * BD * 4 <= RESIDENT_BYTES
+    BK = BD if resident else BK or (32 if not half or D <= 32 else 64 if D <= 64 else 128)
     return dict(BB=BB, BC=cols, BK=BK, sync=sync, resident=resident)
 
 
@@ -341,11 +366,13 @@ def rnn_team_fwd(cell_id: int, x, Wt, b_acc, states, rh, o, launch: dict, num_wa
     S = states.shape[1]
     if launch["sync"]:
         cnt = torch.zeros(grid[1] * NH, dtype=torch.int32, device=x.device)
-        _rnn_team_fwd_kernel[grid](*args, cnt, N, NH, D, 0, Tm, *strides, CELL=cell_id, G=G, S=S, SYNC=True,
-                                   launch_cooperative_grid=True, **kw)
+        ring = torch.empty(2, NH, N, D, dtype=Wt.dtype, device=x.device)
+        _run(_rnn_team_fwd_kernel, grid, *args, cnt, ring, N, NH, D, 0, Tm, *strides, CELL=cell_id, G=G, S=S,
+             SYNC=True, launch_cooperative_grid=True, **kw)
         return
     for t in range(Tm):
-        _rnn_team_fwd_kernel[grid](*args, x, N, NH, D, t, 1, *strides, CELL=cell_id, G=G, S=S, SYNC=False, **kw)
+        _run(_rnn_team_fwd_kernel, grid, *args, x, x, N, NH, D, t, 1, *strides, CELL=cell_id, G=G, S=S, SYNC=False,
+             **kw)
 
 
 def rnn_team_bwd(cell_id: int, x, Wt, b_acc, states, rh, do, dstate_final, lengths, dstate_seq, dx, drh, dstate0,
@@ -364,9 +391,10 @@ def rnn_team_bwd(cell_id: int, x, Wt, b_acc, states, rh, do, dstate_final, lengt
     const = dict(CELL=cell_id, G=G, S=S, HAS_SEQ=dstate_seq is not None, **kw)
     if launch["sync"]:
         cnt = torch.zeros(grid[1] * NH, dtype=torch.int32, device=x.device)
-        _rnn_team_bwd_kernel[grid](*args, cnt, N, NH, D, Tm, Tm - 1, Tm, 1, *strides, SYNC=True,
-                                   launch_cooperative_grid=True, **const)
+        ring = torch.empty(2, NH, N, G * D, dtype=Wt.dtype, device=x.device)
+        _run(_rnn_team_bwd_kernel, grid, *args, cnt, ring, N, NH, D, Tm, Tm - 1, Tm, 1, *strides, SYNC=True,
+             launch_cooperative_grid=True, **const)
         return
     for t in range(Tm - 1, -1, -1):
-        _rnn_team_bwd_kernel[grid](*args, lens, N, NH, D, Tm, t, 1, 0, *strides, SYNC=False, **const)
-    _rnn_team_bwd_kernel[grid](*args, lens, N, NH, D, Tm, -1, 0, 1, *strides, SYNC=False, **const)
+        _run(_rnn_team_bwd_kernel, grid, *args, lens, x, N, NH, D, Tm, t, 1, 0, *strides, SYNC=False, **const)
+    _run(_rnn_team_bwd_kernel, grid, *args, lens, x, N, NH, D, Tm, -1, 0, 1, *strides, SYNC=False, **const)
