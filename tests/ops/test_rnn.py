@@ -433,6 +433,11 @@ def test_team_gpu(cell, D, NH, dtype, config):
     ({"block": 16}, 4, torch.float32, ValueError, "`config` key 'block' unknown"),
     ({"path": "fused"}, 4, torch.float64, ValueError, "float64 runs the alternating path"),
     ({"path": "fused"}, 130, torch.float32, ValueError, "head dims up to 128"),
+    ({"path": "team"}, 4, torch.float64, ValueError, "float64 runs the alternating path"),
+    ({"team_sync": 1}, 4, torch.float32, ValueError, "`config\\['team_sync'\\]` must be one of"),
+    ({"team_cols": True}, 4, torch.float32, ValueError, "team_cols"),
+    # 138 members of 16 units: more than an H100's (and the interpreter's count of) 132 SMs at once
+    ({"path": "team", "team_cols": 16, "team_sync": True}, 2200, torch.float32, ValueError, "team_sync"),
     ("fused", 4, torch.float32, TypeError, "`config` must be None or a dict"),
 ])
 def test_bad_config(config, D, dtype, exc, match, device):

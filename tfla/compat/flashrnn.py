@@ -33,8 +33,8 @@ What is honored, and what differs from FlashRNN, on purpose:
   ignored, as FlashRNN does. A ``config`` may be this module's ``FlashRNNConfig`` or FlashRNN's own (its fields
   are read by name).
 - ``backend``: any FlashRNN name ("vanilla", "vanilla_fwbw", "cuda", "cuda_fused", "triton_fused") runs tfla's
-  default path (fused, all steps in one launch, for head dims D <= 64; above, the alternating path: one batched
-  matmul and one fused Triton pointwise kernel per step; ``tfla/ops/rnn/README.md``), for every function
+  default path (fused, all steps in one launch, for head dims D <= 64; above, the team path: a team of programs per
+  head meeting at a grid barrier every step, one launch; ``tfla/ops/rnn/README.md``), for every function
   (FlashRNN's "triton_fused" and "vanilla_fwbw" have lstm and slstm only; its "cuda_fused" runs gru as "cuda").
   Other names raise ValueError.
 - ``dtype`` (and ``config.dtype*``, ``batch_size``, ``enable_automatic_mixed_precision``): validated names,

@@ -1,14 +1,15 @@
-"""Multi-head Elman, LSTM, GRU and sLSTM (FlashRNN's cells) on two paths. Fused (``fused.py``; the default for head
-dims up to 64 and 16-bit or fp32 inputs): one launch runs all time steps with the states and R on chip. Alternating
-(the rest, float64 included): per time step one batched matmul ``R h_{t-1}`` for all gates and heads (PyTorch, fp32
-accumulation), then one fused Triton pointwise kernel. ``config={"path": ...}`` forces either.
+"""Multi-head Elman, LSTM, GRU and sLSTM (FlashRNN's cells) on three paths. Fused (``fused.py``; the default for head
+dims up to 64 and 16-bit or fp32 inputs): one launch runs all time steps with the states and R on chip. Team
+(``team.py``; the default above D = 64): a team of programs per head, each owning a slice of the units, meeting at
+a grid barrier every step. Alternating (float64): per time step one batched matmul ``R h_{t-1}`` for all gates and
+heads (PyTorch, fp32 accumulation), then one fused Triton pointwise kernel. ``config={"path": ...}`` forces one.
 
 Notation: B batch, T time, G gates, NH heads, D head dim, S states of the cell, N sequences (B, or
 ``len(cu_seqlens) - 1`` for varlen), Tm the longest sequence.
 
 Backward (alternating): time in reverse, one fused pointwise kernel per step (pre-activation gradients, carried c / n
 gradients), the recurrent gradient ``R^T`` (pre-activation gradients) as one batched matmul per step; the fused
-path does all steps in one launch. After the loop, both: dR as one batched matmul over all (t, batch) rows and db
+and team paths do all steps in one launch. After the loop, all: dR as one batched matmul over all (t, batch) rows and db
 as one sum. Definitions: ``README.md`` here.
 """
 from __future__ import annotations
@@ -424,10 +425,13 @@ _DOC = """{title}
         output_final_state: also return the state after each sequence's last step.
         cu_seqlens: keyword-only, 1-D int32/int64 ``[N + 1]`` offsets of packed sequences (varlen); run as a padded
             batch of the longest length.
-        config: keyword-only, None or a dict: ``"path"``: ``"auto"`` (default), ``"fused"`` (D <= 128, not
-            float64) or ``"alternating"``; for the fused path ``"BB"`` (batch rows per program: 16, 32, 64; default
-            16), ``"num_warps"`` (1, 2, 4, 8; default 8 above D = 32, else 4), ``"num_stages"`` (1, 2, 3;
-            default 2). ``tfla/ops/rnn/README.md``.
+        config: keyword-only, None or a dict: ``"path"``: ``"auto"`` (default: fused up to D = 64, team above,
+            alternating for float64), ``"fused"`` (D <= 128, not float64), ``"team"`` (not float64) or
+            ``"alternating"``; ``"BB"`` (batch rows per program: 16, 32, 64; default 16 fused, from B team),
+            ``"num_warps"`` (1, 2, 4, 8; fused: default 8 above D = 32, else 4; team: 4), ``"num_stages"`` (1, 2, 3);
+            the team path's ``"team_cols"`` (units per program: 16, 32, 64, 128), ``"team_BK"``, ``"team_sync"``
+            (one launch with a grid barrier: True / False), ``"team_resident"`` (R's slices held on chip).
+            ``tfla/ops/rnn/README.md``.
 
     Returns:
         ``(h, final_state)``: h ``[B, T, NH, D]`` in x's dtype (the hidden state after every step);
@@ -437,7 +441,9 @@ _DOC = """{title}
     Raises:
         ValueError: wrong ranks or shapes (gate count G, head dim D or heads NH of R / b differing from x, state
             tuple length or shapes), bad ``cu_seqlens`` offsets or B != 1 with them, tensors on different devices,
-            unknown ``config`` keys or values (the fused path forced for float64 or D > 128).
+            unknown ``config`` keys or values (the fused path forced for float64 or D > 128, the team path for
+            float64, ``team_sync=True`` where the grid does not fit the GPU at once), a ``config`` whose launch does
+            not fit the GPU.
         TypeError: non-tensor or non-floating inputs, unsupported dtypes, a ``config`` that is not a dict.
     """
 
