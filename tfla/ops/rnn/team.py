@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from tfla.ops.common.utils import cdiv, dot_precision, interpret_mode, next_pow2
-from tfla.ops.rnn.fused import _DOT, _biases, _run, _x
+from tfla.ops.rnn.fused import _DOT, _biases, _bwd_step, _run, _x
 from tfla.ops.rnn.pointwise import SLSTM, _cell_bwd, _cell_fwd, _states_in, _states_out, _store_gates
 
 TEAM_COLS = (16, 32, 64, 128)  # the units per member the launch may take (``config["team_cols"]``)
@@ -233,7 +233,6 @@ def _rnn_team_bwd_kernel(
     i_n, o_b, o_c, m_b, m_c, m, o_row, i_cnt = _team_tile(N, NH, D, BB, BC)
     E = NH * N * D
     o_s = o_row[:, None] + o_c[None, :]
-    zero = tl.zeros([BB, BC], tl.float32)
     b0, b1, b2, b3 = _biases(b_ptr, i_n, o_c, NH, D, G)
     last = tl.load(len_ptr + o_b, mask=m_b, other=-1)[:, None] - 1  # [BB, 1]: each row's last step
     dh_dir = tl.load(carry_ptr + o_s, mask=m, other=0.0)
@@ -257,36 +256,10 @@ def _rnn_team_bwd_kernel(
             p_d = drh_ptr + (t + 1) * (N * NH * G * D) + o_drow
         dh_rec = _team_bwd_dots(dh_dir, p_d, m_b & (o_b * 0 + t + 1 < Tm), p_w, swi, swo, o_c, m_c, D, w0, w1, w2, w3,
                                 BK, G, DOT, PREC, STAGES, RESIDENT)
-        m_f = m & (last == t)
-        dh_rec += tl.load(dsf_ptr + o_s, mask=m_f, other=0.0)
-        if S > 1:
-            dc += tl.load(dsf_ptr + E + o_s, mask=m_f, other=0.0)
-        if CELL == SLSTM:
-            dn += tl.load(dsf_ptr + 2 * E + o_s, mask=m_f, other=0.0)
-        if HAS_SEQ:
-            dc += tl.load(dseq_ptr + t * ((S - 1) * E) + o_s, mask=m, other=0.0)
-            if CELL == SLSTM:
-                dn += tl.load(dseq_ptr + t * ((S - 1) * E) + E + o_s, mask=m, other=0.0)
-        dh = tl.load(p_do + t * sdt, mask=m, other=0.0).to(tl.float32) + dh_rec
-        p_rh = rh_ptr + t * (N * NH * G * D) + o_rh
-        x0 = _x(p_x + t * sxt, sxg, 0, m)
-        r0 = tl.load(p_rh, mask=m, other=0.0) + b0
-        r1, r2, r3, x1, x2, x3 = r0, r0, r0, x0, x0, x0
-        if G > 1:
-            x1 = _x(p_x + t * sxt, sxg, 1, m)
-            r1 = tl.load(p_rh + D, mask=m, other=0.0) + b1
-        if G > 2:
-            x2 = _x(p_x + t * sxt, sxg, 2, m)
-            r2 = tl.load(p_rh + 2 * D, mask=m, other=0.0) + b2
-        if G > 3:
-            x3 = _x(p_x + t * sxt, sxg, 3, m)
-            r3 = tl.load(p_rh + 3 * D, mask=m, other=0.0) + b3
-        h0, c0, n0, m0 = _states_in(s_ptr + t * (S * E) + o_s, E, m, zero, S)
-        h1, c1, n1, m1 = _states_in(s_ptr + (t + 1) * (S * E) + o_s, E, m, zero, S)
-        d0, d1, d2, d3, dr2, dh_dir, dc, dn = _cell_bwd(x0, r0, x1, r1, x2, r2, x3, r3, h0, c0, n0, m0, h1, c1, n1,
-                                                        m1, dh, dc, dn, CELL)
-        _store_gates(p_dx + t * sdxt, sdxg, d0, d1, d2, d3, m, G)
-        _store_gates(drh_ptr + t * (N * NH * G * D) + o_rh, D, d0, d1, dr2, d3, m, G)
+        d0, d1, dr2, d3, dh_dir, dc, dn = _bwd_step(t, dh_rec, dc, dn, m, last, o_s, E, dsf_ptr, dseq_ptr, p_do,
+                                                    sdt, p_x, sxt, sxg, rh_ptr + t * (N * NH * G * D) + o_rh, D, b0,
+                                                    b1, b2, b3, s_ptr, p_dx, sdxt, sdxg,
+                                                    drh_ptr + t * (N * NH * G * D) + o_rh, CELL, G, S, HAS_SEQ)
         if SYNC:
             _store_gates(ring_ptr + (t % 2) * (N * NH * G * D) + o_rh, D, d0, d1, dr2, d3, m, G)
             _team_sync(cnt_ptr + i_cnt, P * (i + 1))
