@@ -1,7 +1,7 @@
-"""The team path of the FlashRNN cells, for head dims too large for one program's registers (D > 64 by default):
-a team of P programs per (batch tile, head), each owning BC of the head's D units (columns of the state). Per step
-every member reads the whole ``h_{t-1}`` of its rows from the step's stored state (L2), forms ``R_j h_{t-1}`` for its
-own units (``[BB, D] x [D, BC]`` per gate, over D in BK-wide slices, its slice of R streamed from L2), runs the cell
+"""The team path of the FlashRNN cells, for head dims too large for one program (D > 64 by default): a team of P
+programs per (batch tile, head), each owning BC of the head's D units (columns of the state). Per step every member
+reads the whole ``h_{t-1}`` of its rows, forms ``R_j h_{t-1}`` for its own units (``[BB, D] x [D, BC]`` per gate: its
+slices of R held on chip for the launch where they fit, else streamed from L2 in BK-wide slices of D), runs the cell
 on them (``pointwise.py``'s ``_cell_fwd``) and stores its part of ``h_t``; the team then meets at a barrier before
 the next step reads ``h_t``. The backward runs the same way in reverse: each member owns the same units' dh, dc, dn
 and forms the recurrent part of its dh from every unit's pre-activation gradients of the step after
@@ -9,17 +9,17 @@ and forms the recurrent part of its dh from every unit's pre-activation gradient
 
 Two ways to run the steps, one kernel: persistent (``SYNC``: one launch runs every step, the team meets at a
 grid barrier: one int32 counter per (head, batch tile), ``atomic_add`` with release / acquire at GPU scope, spun on
-until every member has arrived; the launch is cooperative, so every program of the grid is resident or the launch
-fails, never a hang; only where the grid fits the SMs once and never under the CPU interpreter, which runs programs
-one after another) and stepwise (one launch per step; the kernel boundary is the barrier: the interpreter, grids
-larger than the GPU, ``config={"team_sync": False}``). Both read and write the same tensors as the fused and
-alternating paths (``cells.rnn_fwd``'s layouts: states ``[Tm + 1, S, NH, N, D]``, rh ``[Tm, NH, N, G * D]``, the
-backward's dx and drh), so dR and db are formed after the loop as there.
+until every member has arrived; h and the gradients pass through a two-slot ring in the dots' dtype; the launch is
+cooperative, so every program of the grid is resident or the launch fails, never a hang; only where the grid fits
+the SMs once and never under the CPU interpreter, which runs programs one after another) and stepwise (one launch
+per step, h read from the fp32 states; the kernel boundary is the barrier: the interpreter, grids larger than the
+GPU, ``config={"team_sync": False}``). Both read and write the same tensors as the fused and alternating paths
+(``cells.rnn_fwd``'s layouts: states ``[Tm + 1, S, NH, N, D]``, rh ``[Tm, NH, N, G * D]``, the backward's dx and
+drh), so dR and db are formed after the loop as there.
 
 The idea of splitting one head's recurrent matrix over a team of SMs that exchange h each step through memory and
 a grid barrier is FlashRNN's (Pöppel et al. 2024, Section 4, "fused kernel": the recurrent matrix stays on chip
-across a cooperative grid). Here R is streamed from L2 each step instead (Triton keeps no tile in shared memory
-across a loop it does not pipeline): G D BC elements per member and step.
+across a cooperative grid); README of the cells for the measurements.
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ import triton.language as tl
 
 from tfla.ops.common.utils import cdiv, dot_precision, interpret_mode, next_pow2
 from tfla.ops.rnn.fused import _DOT, _biases, _bwd_step, _run, _x
-from tfla.ops.rnn.pointwise import SLSTM, _cell_bwd, _cell_fwd, _states_in, _states_out, _store_gates
+from tfla.ops.rnn.pointwise import SLSTM, _cell_fwd, _states_in, _states_out, _store_gates
 
 TEAM_COLS = (16, 32, 64, 128)  # the units per member the launch may take (``config["team_cols"]``)
 
