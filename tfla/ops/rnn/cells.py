@@ -139,7 +139,7 @@ def rnn_fwd(cell: str, x, R, b, state0, fused: Launch | None = None):
     rh = torch.empty(Tm, NH, N, G * D, device=x.device, dtype=acc)
     o = torch.empty(N, Tm, NH, D, device=x.device, dtype=x.dtype)
     if fused is not None and fused.path == "team":
-        rnn_team_fwd(_CELL_IDS[cell], x, Wt, b_acc, states, rh, o, _team(fused), fused.num_warps, fused.num_stages)
+        rnn_team_fwd(_CELL_IDS[cell], x, Wt, b_acc, states, rh, o, fused)
         return o, states, rh, Wt, b_acc
     if fused is not None:
         rnn_fused_fwd(_CELL_IDS[cell], x, Wt, b_acc, states, rh, o, fused.BB, fused.num_warps, fused.num_stages)
@@ -173,7 +173,7 @@ def rnn_bwd(cell: str, x, Wt, b_acc, states, rh, do, dstate_final, lengths, dsta
         dstate0 = torch.zeros(S, NH, N, D, device=x.device, dtype=acc)
         args = (_CELL_IDS[cell], x, Wt, b_acc, states, rh, do, dstate_final, lengths, dstate_seq, dx, drh, dstate0)
         if fused.path == "team":
-            rnn_team_bwd(*args, _team(fused), fused.num_warps, fused.num_stages)
+            rnn_team_bwd(*args, fused)
         else:
             rnn_fused_bwd(*args, fused.BB, fused.num_warps, fused.num_stages)
         return (dx, *_dR_db(states, drh), dstate0)
@@ -212,10 +212,6 @@ def rnn_bwd(cell: str, x, Wt, b_acc, states, rh, do, dstate_final, lengths, dsta
     dstate0[0] = dh_rec
     dstate0[1:n_carried] = ds[1:n_carried]
     return (dx, *_dR_db(states, drh), dstate0)
-
-
-def _team(launch: Launch) -> dict:
-    return dict(BB=launch.BB, BC=launch.BC, BK=launch.BK, sync=launch.sync, resident=launch.resident)
 
 
 def _dR_db(states, drh):

@@ -320,24 +320,24 @@ def team_launch(N: int, NH: int, D: int, dtype: torch.dtype, sms: int, BB: int |
 
 
 def _grid(N, NH, D, launch):
-    return (cdiv(D, launch["BC"]), cdiv(N, launch["BB"]), NH)
+    return (cdiv(D, launch.BC), cdiv(N, launch.BB), NH)
 
 
-def _kw(dtype, launch, num_warps, num_stages):
-    return dict(BB=launch["BB"], BC=launch["BC"], BK=launch["BK"], DOT=_DOT[dtype], PREC=dot_precision(dtype),
-                STAGES=num_stages, RESIDENT=launch["resident"], num_warps=num_warps)
+def _kw(dtype, launch):
+    return dict(BB=launch.BB, BC=launch.BC, BK=launch.BK, DOT=_DOT[dtype], PREC=dot_precision(dtype),
+                STAGES=launch.num_stages, RESIDENT=launch.resident, num_warps=launch.num_warps)
 
 
-def rnn_team_fwd(cell_id: int, x, Wt, b_acc, states, rh, o, launch: dict, num_warps: int, num_stages: int):
+def rnn_team_fwd(cell_id: int, x, Wt, b_acc, states, rh, o, launch):
     """``fused.rnn_fused_fwd`` on the team path: fills ``states[1:]``, rh and o. Wt ``[NH, D, G * D]`` in x's dtype
-    for 16-bit x (fp32 otherwise)."""
+    for 16-bit x (fp32 otherwise); launch: ``cells.Launch`` of the team path."""
     N, Tm, G, NH, D = x.shape
     grid = _grid(N, NH, D, launch)
-    kw = _kw(x.dtype, launch, num_warps, num_stages)
+    kw = _kw(x.dtype, launch)
     args = (x, Wt, b_acc, states, rh, o)
     strides = (*Wt.stride(), *x.stride(), *o.stride())
     S = states.shape[1]
-    if launch["sync"]:
+    if launch.sync:
         cnt = torch.zeros(grid[1] * NH, dtype=torch.int32, device=x.device)
         ring = torch.empty(2, NH, N, D, dtype=Wt.dtype, device=x.device)
         _run(_rnn_team_fwd_kernel, grid, *args, cnt, ring, N, NH, D, 0, Tm, *strides, CELL=cell_id, G=G, S=S,
@@ -349,11 +349,11 @@ def rnn_team_fwd(cell_id: int, x, Wt, b_acc, states, rh, o, launch: dict, num_wa
 
 
 def rnn_team_bwd(cell_id: int, x, Wt, b_acc, states, rh, do, dstate_final, lengths, dstate_seq, dx, drh, dstate0,
-                 launch: dict, num_warps: int, num_stages: int):
+                 launch):
     """``fused.rnn_fused_bwd`` on the team path (same tensors): fills dx, drh and dstate0's h, c, n slots."""
     N, Tm, G, NH, D = x.shape
     grid = _grid(N, NH, D, launch)
-    kw = _kw(x.dtype, launch, num_warps, num_stages)
+    kw = _kw(x.dtype, launch)
     S = states.shape[1]
     lens = torch.tensor(lengths, device=x.device, dtype=torch.int32)
     dsf = dstate_final.contiguous()
@@ -362,7 +362,7 @@ def rnn_team_bwd(cell_id: int, x, Wt, b_acc, states, rh, do, dstate_final, lengt
     args = (x, Wt, b_acc, states, rh, do, dsf, lens, seq, dx, drh, carry, dstate0)
     strides = (*Wt.stride(), *x.stride(), *do.stride(), *dx.stride())
     const = dict(CELL=cell_id, G=G, S=S, HAS_SEQ=dstate_seq is not None, **kw)
-    if launch["sync"]:
+    if launch.sync:
         cnt = torch.zeros(grid[1] * NH, dtype=torch.int32, device=x.device)
         ring = torch.empty(2, NH, N, G * D, dtype=Wt.dtype, device=x.device)
         _run(_rnn_team_bwd_kernel, grid, *args, cnt, ring, N, NH, D, Tm, Tm - 1, Tm, 1, *strides, SYNC=True,
