@@ -393,7 +393,8 @@ def test_path_choice():
 
 
 @pytest.mark.parametrize("cell", CELLS)
-@pytest.mark.parametrize("config", [{"team_cols": 16}, {"team_cols": 32, "team_resident": False, "team_BK": 16 * 2},
+@pytest.mark.parametrize("config", [{"team_cols": 16, "team_resident": True},
+                                    {"team_cols": 32, "team_resident": False, "team_BK": 16 * 2},
                                     {"team_cols": 16, "team_resident": False, "team_BK": 64, "BB": 16}])
 def test_team_equals_alternating(cell, config, device):
     """The team path's members (3 of 16 units, 2 of 32: the last one part-masked) holding R or streaming it in

@@ -88,6 +88,20 @@ def _x(p_x, sxg, j, m):
 
 
 @triton.jit
+def _xs(p_x, sxg, m, G: tl.constexpr):
+    """The G gates' x tiles of one step (gates the cell lacks repeat gate 0's)."""
+    x0 = _x(p_x, sxg, 0, m)
+    x1, x2, x3 = x0, x0, x0
+    if G > 1:
+        x1 = _x(p_x, sxg, 1, m)
+    if G > 2:
+        x2 = _x(p_x, sxg, 2, m)
+    if G > 3:
+        x3 = _x(p_x, sxg, 3, m)
+    return x0, x1, x2, x3
+
+
+@triton.jit
 def _rnn_fused_fwd_kernel(
     x_ptr, wt_ptr, b_ptr, s_ptr, rh_ptr, o_ptr,
     N, NH, D, Tm,
@@ -128,40 +142,58 @@ def _rnn_fused_fwd_kernel(
 
 
 @triton.jit
-def _bwd_step(t, dh_rec, dc, dn, m, last, o_s, E, dsf_ptr, dseq_ptr, p_do, sdt, p_x, sxt, sxg, p_rh, D, b0, b1, b2, b3,
-              s_ptr, p_dx, sdxt, sdxg, p_drh, CELL: tl.constexpr, G: tl.constexpr, S: tl.constexpr,
-              HAS_SEQ: tl.constexpr):
-    """One backward step of a ``[BB, BD]`` tile (the fused and team paths'): the final state's cotangents at each
-    row's last step (``last == t``) and the state sequence's, dh_t = do_t + dh_rec (its part from step t + 1), the
-    cell's backward from the step's gate inputs (x_t, ``R h_{t-1}`` at p_rh, b) and states (t, t + 1); stores dx_t
-    and the gradient of ``R h_{t-1}`` (at p_drh). Returns ``(d0, d1, dr2, d3, dh0, dc, dn)``: the gradients that
-    enter ``dh_{t-1} = dh0 + sum_j d_j R_j`` (dr2 for gate 2: the GRU's r d2) and dc, dn of ``c_{t-1}, n_{t-1}``."""
+def _bwd_inputs(t, m, last, o_s, E, dsf_ptr, dseq_ptr, p_do, sdt, p_x, sxt, sxg, p_rh, D, b0, b1, b2, b3, s_ptr,
+                CELL: tl.constexpr, G: tl.constexpr, S: tl.constexpr, HAS_SEQ: tl.constexpr):
+    """Everything one backward step of a ``[BB, BD]`` tile reads (none of it depends on the later steps, so a loop
+    may load step t - 1's during step t): the final state's cotangents where a row's last step is t (h, c, n), the
+    state sequence's (c, n), do_t, the gate inputs x_t and ``R h_{t-1} + b``, and the states at t and t + 1; values
+    the cell lacks are zeros (n: ones), lanes off m zeros. A tuple for ``_bwd_math``."""
+    zero = tl.zeros(m.shape, tl.float32)
     m_f = m & (last == t)
-    dh_rec += tl.load(dsf_ptr + o_s, mask=m_f, other=0.0)
+    fh = tl.load(dsf_ptr + o_s, mask=m_f, other=0.0)
+    fc, fn, sc, sn = zero, zero, zero, zero
     if S > 1:
-        dc += tl.load(dsf_ptr + E + o_s, mask=m_f, other=0.0)
+        fc = tl.load(dsf_ptr + E + o_s, mask=m_f, other=0.0)
     if CELL == SLSTM:
-        dn += tl.load(dsf_ptr + 2 * E + o_s, mask=m_f, other=0.0)
+        fn = tl.load(dsf_ptr + 2 * E + o_s, mask=m_f, other=0.0)
     if HAS_SEQ:
-        dc += tl.load(dseq_ptr + t * ((S - 1) * E) + o_s, mask=m, other=0.0)
+        sc = tl.load(dseq_ptr + t * ((S - 1) * E) + o_s, mask=m, other=0.0)
         if CELL == SLSTM:
-            dn += tl.load(dseq_ptr + t * ((S - 1) * E) + E + o_s, mask=m, other=0.0)
-    dh = tl.load(p_do + t * sdt, mask=m, other=0.0).to(tl.float32) + dh_rec
-    x0 = _x(p_x + t * sxt, sxg, 0, m)
+            sn = tl.load(dseq_ptr + t * ((S - 1) * E) + E + o_s, mask=m, other=0.0)
+    do = tl.load(p_do + t * sdt, mask=m, other=0.0).to(tl.float32)
+    x0, x1, x2, x3 = _xs(p_x + t * sxt, sxg, m, G)
     r0 = tl.load(p_rh, mask=m, other=0.0) + b0
-    r1, r2, r3, x1, x2, x3 = r0, r0, r0, x0, x0, x0
+    r1, r2, r3 = r0, r0, r0
     if G > 1:
-        x1 = _x(p_x + t * sxt, sxg, 1, m)
         r1 = tl.load(p_rh + D, mask=m, other=0.0) + b1
     if G > 2:
-        x2 = _x(p_x + t * sxt, sxg, 2, m)
         r2 = tl.load(p_rh + 2 * D, mask=m, other=0.0) + b2
     if G > 3:
-        x3 = _x(p_x + t * sxt, sxg, 3, m)
         r3 = tl.load(p_rh + 3 * D, mask=m, other=0.0) + b3
-    zero = dh * 0.0
     h0, c0, n0, m0 = _states_in(s_ptr + t * (S * E) + o_s, E, m, zero, S)
     h1, c1, n1, m1 = _states_in(s_ptr + (t + 1) * (S * E) + o_s, E, m, zero, S)
+    return fh, fc, fn, sc, sn, do, x0, x1, x2, x3, r0, r1, r2, r3, h0, c0, n0, m0, h1, c1, n1, m1
+
+
+@triton.jit
+def _bwd_math(t, dh_rec, dc, dn, inp, m, p_dx, sdxt, sdxg, p_drh, D, CELL: tl.constexpr, G: tl.constexpr,
+              S: tl.constexpr, HAS_SEQ: tl.constexpr):
+    """One backward step of a ``[BB, BD]`` tile (the fused and team paths') from ``_bwd_inputs``' tuple: the final
+    state's and the state sequence's cotangents added, dh_t = do_t + dh_rec (its part from step t + 1), the cell's
+    backward; stores dx_t and the gradient of ``R h_{t-1}`` (at p_drh). Returns ``(d0, d1, dr2, d3, dh0, dc, dn)``:
+    the gradients that enter ``dh_{t-1} = dh0 + sum_j d_j R_j`` (dr2 for gate 2: the GRU's r d2) and dc, dn of
+    ``c_{t-1}, n_{t-1}``."""
+    fh, fc, fn, sc, sn, do, x0, x1, x2, x3, r0, r1, r2, r3, h0, c0, n0, m0, h1, c1, n1, m1 = inp
+    dh_rec += fh
+    if S > 1:
+        dc += fc
+    if CELL == SLSTM:
+        dn += fn
+    if HAS_SEQ:
+        dc += sc
+        if CELL == SLSTM:
+            dn += sn
+    dh = do + dh_rec
     d0, d1, d2, d3, dr2, dh0, dc, dn = _cell_bwd(x0, r0, x1, r1, x2, r2, x3, r3, h0, c0, n0, m0, h1, c1, n1, m1, dh,
                                                  dc, dn, CELL)
     _store_gates(p_dx + t * sdxt, sdxg, d0, d1, d2, d3, m, G)
@@ -195,10 +227,10 @@ def _rnn_fused_bwd_kernel(
     t_last = i_n * 0 + Tm - 1  # int64 step index
     for i in tl.range(0, Tm, num_stages=STAGES):
         t = t_last - i
-        d0, d1, dr2, d3, dh0, dc, dn = _bwd_step(t, dh_rec, dc, dn, m, last, o_s, E, dsf_ptr, dseq_ptr, p_do, sdt,
-                                                 p_x, sxt, sxg, rh_ptr + t * (N * NH * G * D) + o_rh, D, b0, b1, b2,
-                                                 b3, s_ptr, p_dx, sdxt, sdxg, drh_ptr + t * (N * NH * G * D) + o_rh,
-                                                 CELL, G, S, HAS_SEQ)
+        inp = _bwd_inputs(t, m, last, o_s, E, dsf_ptr, dseq_ptr, p_do, sdt, p_x, sxt, sxg,
+                          rh_ptr + t * (N * NH * G * D) + o_rh, D, b0, b1, b2, b3, s_ptr, CELL, G, S, HAS_SEQ)
+        d0, d1, dr2, d3, dh0, dc, dn = _bwd_math(t, dh_rec, dc, dn, inp, m, p_dx, sdxt, sdxg,
+                                                 drh_ptr + t * (N * NH * G * D) + o_rh, D, CELL, G, S, HAS_SEQ)
         # dh_{t-1} = direct part + sum_j (d R_j h_{t-1}) R_j; lanes outside the tile (meaningless values) zeroed
         # before they enter a row's sum
         dh_rec = dh0 + tl.dot(tl.where(m, d0, 0.0).to(DOT), w0, input_precision=PREC)

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from tfla.ops.common.utils import cdiv, dot_precision, interpret_mode, next_pow2
-from tfla.ops.rnn.fused import _DOT, _biases, _bwd_step, _run, _x
+from tfla.ops.rnn.fused import _DOT, _biases, _bwd_inputs, _bwd_math, _run, _xs
 from tfla.ops.rnn.pointwise import SLSTM, _cell_fwd, _states_in, _states_out, _store_gates
 
 TEAM_COLS = (16, 32, 64, 128)  # the units per member the launch may take (``config["team_cols"]``)
@@ -71,25 +71,43 @@ def _slice(p_w, o_r, m_r, o_c, m_c, j, D, swi, swo, TRANS: tl.constexpr, DOT: tl
 
 
 @triton.jit
+def _slice3(p_w, o_k, o_u, m, j, D, swi, swo, TRANS: tl.constexpr, DOT: tl.constexpr):
+    """``_slice`` over D in parts: o_k ``[KS, BK / KS, 1]`` rows of D, o_u ``[1, 1, BC]`` own units, m their mask."""
+    if TRANS:
+        off = o_u * swi + (j * D + o_k) * swo
+    else:
+        off = o_k * swi + (j * D + o_u) * swo
+    return tl.load(p_w + off, mask=m, other=0.0).to(DOT)
+
+
+@triton.jit
+def _rows_split(p_rows, m_rows, D, BK: tl.constexpr, KS: tl.constexpr, DOT: tl.constexpr):
+    """The first D columns of the rows at ``p_rows`` ([BB] pointers, read past L1) as the KS parts of a 3-D dot's
+    left operand ``[KS, BB, BK / KS]`` (zero past D and off ``m_rows``): each warp takes a part of the dot's
+    length (a 2-D dot of 16 rows and 16 units leaves it to one or two warps, H100 2026-11-25)."""
+    o_k = tl.arange(0, KS)[:, None, None] * (BK // KS) + tl.arange(0, BK // KS)[None, None, :]
+    return tl.load(p_rows[None, :, None] + o_k, mask=m_rows[None, :, None] & (o_k < D), other=0.0,
+                   cache_modifier=".cg").to(DOT)
+
+
+@triton.jit
 def _team_fwd_dots(p_h, m_b, p_w, swi, swo, o_c, m_c, D, w0, w1, w2, w3, BB: tl.constexpr, BC: tl.constexpr,
-                   BK: tl.constexpr, G: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, STAGES: tl.constexpr,
-                   RESIDENT: tl.constexpr):
-    """``(R_j h)^T`` for this member's units, ``[BB, BC]`` per gate: h's rows at ``p_h`` ([BB] pointers, fp32,
-    read past L1). RESIDENT: the gates' whole slices w0..w3 (``[BK, BC]``, BK >= D) held since the launch, one dot
-    each; else the slices streamed from Wt at ``p_w`` in BK-wide parts of D."""
+                   BK: tl.constexpr, KS: tl.constexpr, G: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
+                   STAGES: tl.constexpr, RESIDENT: tl.constexpr):
+    """``(R_j h)^T`` for this member's units, ``[BB, BC]`` per gate: h's rows at ``p_h`` ([BB] pointers, read past
+    L1). RESIDENT: the gates' whole slices w0..w3 (``[KS, BK / KS, BC]``, BK >= D) held since the launch; else the
+    slices streamed from Wt at ``p_w`` in BK-wide parts of D."""
     r0 = tl.zeros([BB, BC], tl.float32)
     r1, r2, r3 = r0, r0, r0
-    if RESIDENT:
-        o_k = tl.arange(0, BK)
-        hk = tl.load(p_h[:, None] + o_k[None, :], mask=m_b[:, None] & (o_k < D)[None, :], other=0.0,
-                     cache_modifier=".cg").to(DOT)
-        r0 = tl.dot(hk, w0, input_precision=PREC)
+    if RESIDENT:  # one 3-D dot per gate over the KS parts of D, summed
+        hk = _rows_split(p_h, m_b, D, BK, KS, DOT)
+        r0 = tl.sum(tl.dot(hk, w0, input_precision=PREC), 0)
         if G > 1:
-            r1 = tl.dot(hk, w1, input_precision=PREC)
+            r1 = tl.sum(tl.dot(hk, w1, input_precision=PREC), 0)
         if G > 2:
-            r2 = tl.dot(hk, w2, input_precision=PREC)
+            r2 = tl.sum(tl.dot(hk, w2, input_precision=PREC), 0)
         if G > 3:
-            r3 = tl.dot(hk, w3, input_precision=PREC)
+            r3 = tl.sum(tl.dot(hk, w3, input_precision=PREC), 0)
     else:
         for k0 in tl.range(0, D, BK, num_stages=STAGES):
             o_k = k0 + tl.arange(0, BK)
@@ -110,25 +128,21 @@ def _team_fwd_dots(p_h, m_b, p_w, swi, swo, o_c, m_c, D, w0, w1, w2, w3, BB: tl.
 
 
 @triton.jit
-def _team_bwd_dots(acc, p_d, m_rows, p_w, swi, swo, o_c, m_c, D, w0, w1, w2, w3, BK: tl.constexpr, G: tl.constexpr,
-                   DOT: tl.constexpr, PREC: tl.constexpr, STAGES: tl.constexpr, RESIDENT: tl.constexpr):
+def _team_bwd_dots(acc, p_d, m_rows, p_w, swi, swo, o_c, m_c, D, w0, w1, w2, w3, BK: tl.constexpr, KS: tl.constexpr,
+                   G: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, STAGES: tl.constexpr,
+                   RESIDENT: tl.constexpr):
     """``acc + sum_j d_j R_j[:, own units]``: the pre-activation gradients' rows at ``p_d`` ([BB] pointers to
-    ``[G * D]`` fp32 rows, read past L1; rows off ``m_rows`` read as zero); R's slices held (RESIDENT: w0..w3,
-    ``[BK, BC]``, BK >= D) or streamed from Wt at ``p_w``, as ``_team_fwd_dots``."""
-    if RESIDENT:
-        o_k = tl.arange(0, BK)
-        pd = p_d[:, None] + o_k[None, :]
-        md = m_rows[:, None] & (o_k < D)[None, :]
-        acc = tl.dot(tl.load(pd, mask=md, other=0.0, cache_modifier=".cg").to(DOT), w0, acc, input_precision=PREC)
+    ``[G * D]`` rows, read past L1; rows off ``m_rows`` read as zero); R's slices held (RESIDENT: w0..w3,
+    ``[KS, BK / KS, BC]``, BK >= D) or streamed from Wt at ``p_w``, as ``_team_fwd_dots``."""
+    if RESIDENT:  # the gates' 3-D dots over the KS parts of D accumulate together, summed over the parts once
+        part = tl.dot(_rows_split(p_d, m_rows, D, BK, KS, DOT), w0, input_precision=PREC)
         if G > 1:
-            acc = tl.dot(tl.load(pd + D, mask=md, other=0.0, cache_modifier=".cg").to(DOT), w1, acc,
-                         input_precision=PREC)
+            part = tl.dot(_rows_split(p_d + D, m_rows, D, BK, KS, DOT), w1, part, input_precision=PREC)
         if G > 2:
-            acc = tl.dot(tl.load(pd + 2 * D, mask=md, other=0.0, cache_modifier=".cg").to(DOT), w2, acc,
-                         input_precision=PREC)
+            part = tl.dot(_rows_split(p_d + 2 * D, m_rows, D, BK, KS, DOT), w2, part, input_precision=PREC)
         if G > 3:
-            acc = tl.dot(tl.load(pd + 3 * D, mask=md, other=0.0, cache_modifier=".cg").to(DOT), w3, acc,
-                         input_precision=PREC)
+            part = tl.dot(_rows_split(p_d + 3 * D, m_rows, D, BK, KS, DOT), w3, part, input_precision=PREC)
+        acc += tl.sum(part, 0)
     else:
         for k0 in tl.range(0, D, BK, num_stages=STAGES):
             o_k = k0 + tl.arange(0, BK)
@@ -142,21 +156,22 @@ def _team_bwd_dots(acc, p_d, m_rows, p_w, swi, swo, o_c, m_c, D, w0, w1, w2, w3,
 
 
 @triton.jit
-def _team_weights(p_w, o_c, m_c, D, swi, swo, BK: tl.constexpr, G: tl.constexpr, TRANS: tl.constexpr,
-                  DOT: tl.constexpr, RESIDENT: tl.constexpr):
-    """With RESIDENT the gates' whole ``_slice``s (``[BK, BC]``, BK >= D; gates the cell lacks repeat gate 0's),
-    loaded once per launch; else placeholders (the dots stream their slices)."""
+def _team_weights(p_w, o_c, m_c, D, swi, swo, BK: tl.constexpr, KS: tl.constexpr, G: tl.constexpr,
+                  TRANS: tl.constexpr, DOT: tl.constexpr, RESIDENT: tl.constexpr):
+    """With RESIDENT the gates' whole ``_slice``s in KS parts of D (``[KS, BK / KS, BC]``, BK >= D; gates the cell
+    lacks repeat gate 0's), loaded once per launch; else placeholders (the dots stream their slices)."""
     if RESIDENT:
-        o_k = tl.arange(0, BK)
-        m_k = o_k < D
-        w0 = _slice(p_w, o_k, m_k, o_c, m_c, 0, D, swi, swo, TRANS, DOT)
+        o_k = (tl.arange(0, KS)[:, None] * (BK // KS) + tl.arange(0, BK // KS)[None, :])[:, :, None]
+        o_u = o_c[None, None, :]
+        m = (o_k < D) & m_c[None, None, :]
+        w0 = _slice3(p_w, o_k, o_u, m, 0, D, swi, swo, TRANS, DOT)
         w1, w2, w3 = w0, w0, w0
         if G > 1:
-            w1 = _slice(p_w, o_k, m_k, o_c, m_c, 1, D, swi, swo, TRANS, DOT)
+            w1 = _slice3(p_w, o_k, o_u, m, 1, D, swi, swo, TRANS, DOT)
         if G > 2:
-            w2 = _slice(p_w, o_k, m_k, o_c, m_c, 2, D, swi, swo, TRANS, DOT)
+            w2 = _slice3(p_w, o_k, o_u, m, 2, D, swi, swo, TRANS, DOT)
         if G > 3:
-            w3 = _slice(p_w, o_k, m_k, o_c, m_c, 3, D, swi, swo, TRANS, DOT)
+            w3 = _slice3(p_w, o_k, o_u, m, 3, D, swi, swo, TRANS, DOT)
     else:
         w0 = 0.0
         w1, w2, w3 = w0, w0, w0
@@ -169,12 +184,14 @@ def _rnn_team_fwd_kernel(
     N, NH, D, t0, steps,
     swn, swi, swo, sxb, sxt, sxg, sxn, sxd, sob, sot, son, sod,
     CELL: tl.constexpr, G: tl.constexpr, S: tl.constexpr, BB: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-    DOT: tl.constexpr, PREC: tl.constexpr, STAGES: tl.constexpr, SYNC: tl.constexpr, RESIDENT: tl.constexpr,
+    KS: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, STAGES: tl.constexpr, SYNC: tl.constexpr,
+    RESIDENT: tl.constexpr,
 ):
     """Steps ``t0 .. t0 + steps - 1`` of this member's units: states[t + 1] = cell(x_t, R h_t, b, states[t]),
     rh[t] = R h_t (without b), o_t = h_{t+1}; with SYNC the team meets after every step and reads h from ``ring``
     (``[2, NH, N, D]`` in DOT: h_t in slot t % 2, the dots' operand, half of the fp32 state's bytes), else from the
-    states."""
+    states. Step t + 1's x is loaded during step t (its latency off the chain between barriers: H100, LSTM, D = 768,
+    7.6 -> 5.3 us per step)."""
     i_n, o_b, o_c, m_b, m_c, m, o_row, i_cnt = _team_tile(N, NH, D, BB, BC)
     E = NH * N * D
     o_s = o_row[:, None] + o_c[None, :]
@@ -185,8 +202,9 @@ def _rnn_team_fwd_kernel(
     p_x = x_ptr + o_b[:, None] * sxb + i_n * sxn + o_c[None, :] * sxd
     p_o = o_ptr + o_b[:, None] * sob + i_n * son + o_c[None, :] * sod
     p_w = w_ptr + i_n * swn
-    w0, w1, w2, w3 = _team_weights(p_w, o_c, m_c, D, swi, swo, BK, G, False, DOT, RESIDENT)
+    w0, w1, w2, w3 = _team_weights(p_w, o_c, m_c, D, swi, swo, BK, KS, G, False, DOT, RESIDENT)
     P = tl.num_programs(0)
+    xn0, xn1, xn2, xn3 = _xs(p_x + t_first * sxt, sxg, m, G)
     if SYNC:  # the first step's h into the ring; the team meets before anyone reads it
         tl.store(ring_ptr + (t_first % 2) * E + o_s, h, mask=m)
         _team_sync(cnt_ptr + i_cnt, P)
@@ -196,16 +214,10 @@ def _rnn_team_fwd_kernel(
             p_h = ring_ptr + (t % 2) * E + o_row
         else:
             p_h = s_ptr + t * (S * E) + o_row
-        r0, r1, r2, r3 = _team_fwd_dots(p_h, m_b, p_w, swi, swo, o_c, m_c, D, w0, w1, w2, w3, BB, BC, BK, G, DOT, PREC,
-                                        STAGES, RESIDENT)
-        x0 = _x(p_x + t * sxt, sxg, 0, m)
-        x1, x2, x3 = x0, x0, x0
-        if G > 1:
-            x1 = _x(p_x + t * sxt, sxg, 1, m)
-        if G > 2:
-            x2 = _x(p_x + t * sxt, sxg, 2, m)
-        if G > 3:
-            x3 = _x(p_x + t * sxt, sxg, 3, m)
+        r0, r1, r2, r3 = _team_fwd_dots(p_h, m_b, p_w, swi, swo, o_c, m_c, D, w0, w1, w2, w3, BB, BC, BK, KS, G, DOT,
+                                        PREC, STAGES, RESIDENT)
+        x0, x1, x2, x3 = xn0, xn1, xn2, xn3
+        xn0, xn1, xn2, xn3 = _xs(p_x + (t + 1) * sxt, sxg, m & (o_b * 0 + i + 1 < steps)[:, None], G)
         _store_gates(rh_ptr + t * (N * NH * G * D) + o_rh, D, r0, r1, r2, r3, m, G)
         h, c, n, mx = _cell_fwd(x0, r0 + b0, x1, r1 + b1, x2, r2 + b2, x3, r3 + b3, h, c, n, mx, CELL)
         _states_out(s_ptr + (t + 1) * (S * E) + o_s, E, m, h, c, n, mx, S)
@@ -221,15 +233,15 @@ def _rnn_team_bwd_kernel(
     cnt_ptr, ring_ptr, N, NH, D, Tm, t_hi, steps, tail,
     swn, swi, swo, sxb, sxt, sxg, sxn, sxd, sdb, sdt, sdn, sdd, sdxb, sdxt, sdxg, sdxn, sdxd,
     CELL: tl.constexpr, G: tl.constexpr, S: tl.constexpr, BB: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-    DOT: tl.constexpr, PREC: tl.constexpr, STAGES: tl.constexpr, HAS_SEQ: tl.constexpr, SYNC: tl.constexpr,
-    RESIDENT: tl.constexpr,
+    KS: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, STAGES: tl.constexpr, HAS_SEQ: tl.constexpr,
+    SYNC: tl.constexpr, RESIDENT: tl.constexpr,
 ):
     """Steps ``t_hi`` down to ``t_hi - steps + 1`` of ``fused._rnn_fused_bwd_kernel`` for this member's units
     (same tensors and meaning), dh's recurrent part formed from every unit's drh of the step after. carry ``[3, NH,
     N, D]`` fp32: the direct part of dh (the GRU's z dh), dc and dn between launches (read at the start, written at
     the end; zeros before the first). ``tail`` (after the last step, t = 0): the initial state's gradient into ds0
     instead of the carry. With SYNC the recurrent dots read step t's drh from ``ring`` (``[2, NH, N, G * D]`` in DOT,
-    slot t % 2), else from drh."""
+    slot t % 2), else from drh. Step t - 1's inputs (``fused._bwd_inputs``) are loaded during step t."""
     i_n, o_b, o_c, m_b, m_c, m, o_row, i_cnt = _team_tile(N, NH, D, BB, BC)
     E = NH * N * D
     o_s = o_row[:, None] + o_c[None, :]
@@ -244,9 +256,11 @@ def _rnn_team_bwd_kernel(
     p_do = do_ptr + o_b[:, None] * sdb + i_n * sdn + o_c[None, :] * sdd
     p_dx = dx_ptr + o_b[:, None] * sdxb + i_n * sdxn + o_c[None, :] * sdxd
     p_w = w_ptr + i_n * swn
-    w0, w1, w2, w3 = _team_weights(p_w, o_c, m_c, D, swi, swo, BK, G, True, DOT, RESIDENT)
+    w0, w1, w2, w3 = _team_weights(p_w, o_c, m_c, D, swi, swo, BK, KS, G, True, DOT, RESIDENT)
     P = tl.num_programs(0)
     t_top = i_n * 0 + t_hi  # int64 step index
+    inp = _bwd_inputs(t_top, m & (o_b * 0 < steps)[:, None], last, o_s, E, dsf_ptr, dseq_ptr, p_do, sdt, p_x, sxt, sxg,
+                      rh_ptr + t_top * (N * NH * G * D) + o_rh, D, b0, b1, b2, b3, s_ptr, CELL, G, S, HAS_SEQ)
     for i in range(0, steps):
         t = t_top - i
         # dh_t: the direct part and sum_j (d R_j h_t) R_j from step t + 1 (none after the last step)
@@ -255,11 +269,13 @@ def _rnn_team_bwd_kernel(
         else:
             p_d = drh_ptr + (t + 1) * (N * NH * G * D) + o_drow
         dh_rec = _team_bwd_dots(dh_dir, p_d, m_b & (o_b * 0 + t + 1 < Tm), p_w, swi, swo, o_c, m_c, D, w0, w1, w2, w3,
-                                BK, G, DOT, PREC, STAGES, RESIDENT)
-        d0, d1, dr2, d3, dh_dir, dc, dn = _bwd_step(t, dh_rec, dc, dn, m, last, o_s, E, dsf_ptr, dseq_ptr, p_do,
-                                                    sdt, p_x, sxt, sxg, rh_ptr + t * (N * NH * G * D) + o_rh, D, b0,
-                                                    b1, b2, b3, s_ptr, p_dx, sdxt, sdxg,
-                                                    drh_ptr + t * (N * NH * G * D) + o_rh, CELL, G, S, HAS_SEQ)
+                                BK, KS, G, DOT, PREC, STAGES, RESIDENT)
+        cur = inp
+        inp = _bwd_inputs(t - 1, m & (o_b * 0 + i + 1 < steps)[:, None], last, o_s, E, dsf_ptr, dseq_ptr, p_do, sdt,
+                          p_x, sxt, sxg, rh_ptr + (t - 1) * (N * NH * G * D) + o_rh, D, b0, b1, b2, b3, s_ptr, CELL,
+                          G, S, HAS_SEQ)
+        d0, d1, dr2, d3, dh_dir, dc, dn = _bwd_math(t, dh_rec, dc, dn, cur, m, p_dx, sdxt, sdxg,
+                                                    drh_ptr + t * (N * NH * G * D) + o_rh, D, CELL, G, S, HAS_SEQ)
         if SYNC:
             _store_gates(ring_ptr + (t % 2) * (N * NH * G * D) + o_rh, D, d0, d1, dr2, d3, m, G)
             _team_sync(cnt_ptr + i_cnt, P * (i + 1))
@@ -270,7 +286,7 @@ def _rnn_team_bwd_kernel(
         else:
             p_d = drh_ptr + t_lo * (N * NH * G * D) + o_drow
         dh_rec = _team_bwd_dots(dh_dir, p_d, m_b & (o_b * 0 + t_lo < Tm), p_w, swi, swo, o_c, m_c, D, w0, w1, w2, w3,
-                                BK, G, DOT, PREC, STAGES, RESIDENT)
+                                BK, KS, G, DOT, PREC, STAGES, RESIDENT)
         m_f = m & (last == -1)
         tl.store(ds0_ptr + o_s, dh_rec + tl.load(dsf_ptr + o_s, mask=m_f, other=0.0), mask=m)
         if S > 1:
@@ -296,9 +312,9 @@ def team_launch(N: int, NH: int, D: int, dtype: torch.dtype, sms: int, BB: int |
     smallest of ``TEAM_COLS`` whose grid ``cdiv(D, BC) x cdiv(N, BB) x NH`` fits the SMs once, else the largest),
     ``resident`` (16-bit inputs: each member holds its slices of the gates' R for the whole launch where they and
     the dots' h operand fit ``RESIDENT_BYTES``: ``4 next_pow2(D) BC`` elements of 2 bytes and ``BB next_pow2(D)`` of
-    4; fp32, whose tf32x3 dots split both operands, spills kilobytes of registers so at D = 200, sm_90), ``BK`` (the slice of D
-    per dot: all of it, padded to a power of two, when resident, else 128 for 16-bit D > 64, 32 for fp32: sm_90
-    spills kilobytes at 128 there) and whether the team syncs
+    4; fp32, whose tf32x3 dots split both operands, spills kilobytes of registers so at D = 200, sm_90), ``BK``
+    (the slice of D per dot: all of it, padded to a power of two, when resident, else 128 for 16-bit D > 64, 32 for
+    fp32: sm_90 spills kilobytes at 128 there) and whether the team syncs
     inside one launch (the grid fits the SMs once, not the interpreter)."""
     BB = BB or min(64, max(16, next_pow2(N)))
     tiles = cdiv(N, BB) * NH
@@ -324,7 +340,9 @@ def _grid(N, NH, D, launch):
 
 
 def _kw(dtype, launch):
-    return dict(BB=launch.BB, BC=launch.BC, BK=launch.BK, DOT=_DOT[dtype], PREC=dot_precision(dtype),
+    # held slices: the dots' length D split over the warps (KS parts of >= 16)
+    KS = min(launch.num_warps, launch.BK // 16) if launch.resident else 1
+    return dict(BB=launch.BB, BC=launch.BC, BK=launch.BK, KS=KS, DOT=_DOT[dtype], PREC=dot_precision(dtype),
                 STAGES=launch.num_stages, RESIDENT=launch.resident, num_warps=launch.num_warps)
 
 
