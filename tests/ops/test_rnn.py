@@ -382,9 +382,11 @@ def test_path_choice():
     # B = 16, one head of 768: 48 members of 16 units, each holding its 4 x 1024 x 16 bf16 slices of R (128 KiB)
     assert fused_launch(None, torch.bfloat16, 16, 1, 768) == Launch("team", 16, 4, 3, 16, 1024, False, True)
     # fp32 streams R in 32-wide slices of D (2 stages); 64 rows take one batch tile; bf16 with 64 rows streams too
-    # (the dots' h operand would not fit beside R's slices), in 128-wide slices (3 stages)
+    # (the dots' h operand would not fit beside R's slices), in 128-wide slices at 2 stages (the backward's 4 gates'
+    # [64, 128] rows and [128, 16] slices at 3 stages: 240 KiB of shared memory)
     assert fused_launch(None, torch.float32, 64, 1, 768) == Launch("team", 64, 4, 2, 16, 32, False, False)
-    assert fused_launch(None, torch.bfloat16, 64, 1, 768) == Launch("team", 64, 4, 3, 16, 128, False, False)
+    assert fused_launch(None, torch.bfloat16, 64, 1, 768) == Launch("team", 64, 4, 2, 16, 128, False, False)
+    assert fused_launch(None, torch.bfloat16, 32, 1, 768).num_stages == 3
     # 6 heads of 128 over 6 batch tiles of 64 rows: 16 or 32 units per member would take 288 / 144 programs, more
     # than an H100's 132 SMs at once (the interpreter's count)
     assert fused_launch(None, torch.bfloat16, 384, 6, 128).BC == 64
@@ -408,16 +410,17 @@ def test_team_equals_alternating(cell, config, device):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("cell", CELLS)
-@pytest.mark.parametrize("D,NH,dtype,config", [
-    (768, 1, torch.bfloat16, {}),  # members hold R, one launch with the team's barrier
-    (200, 3, torch.float32, {}),  # fp32 streams R
-    (200, 3, torch.bfloat16, {"team_resident": False}),
-    (96, 2, torch.float32, {"team_sync": False}),  # one launch per step
+@pytest.mark.parametrize("B,D,NH,dtype,config", [
+    (17, 768, 1, torch.bfloat16, {}),  # members hold R, one launch with the team's barrier
+    (17, 200, 3, torch.float32, {}),  # fp32 streams R
+    (17, 200, 3, torch.bfloat16, {"team_resident": False}),
+    (17, 96, 2, torch.float32, {"team_sync": False}),  # one launch per step
+    (40, 768, 1, torch.bfloat16, {}),  # 64-row batch tiles: R streamed at 2 stages (3 overflow shared memory)
 ])
-def test_team_gpu(cell, D, NH, dtype, config):
-    """The team path compiled (the CPU tests run it one launch per step): B = 17 over two batch tiles, 24 steps,
-    against the float64 step loop; bitwise repeatable."""
-    x, R, b, s = _inputs(cell, 17, 24, NH, D, dtype, "cuda", seed=D)
+def test_team_gpu(cell, B, D, NH, dtype, config):
+    """The team path compiled (the CPU tests run it one launch per step): B rows over one or two batch tiles, 24
+    steps, against the float64 step loop; bitwise repeatable."""
+    x, R, b, s = _inputs(cell, B, 24, NH, D, dtype, "cuda", seed=D)
     op = functools.partial(getattr(tfla, cell), config={"path": "team", **config})
     runs = [rnn_grads(op, cell, x, R, b, s, True) for _ in range(2)]
     for a, c in zip([runs[0][0], *runs[0][1], *runs[0][2]], [runs[1][0], *runs[1][1], *runs[1][2]]):

@@ -89,7 +89,7 @@ def fused_launch(config, dtype: torch.dtype, N: int, NH: int, D: int, device: to
     spill no registers at D = 32 and 64 (fp32 at D = 16: 8 B); BB = 32 spills at D = 32 and 64, and 3 stages overflow
     shared memory for fp32 at D = 64. Team: ``team.team_launch`` (BB from N, the units per member from the SM
     count, R's slices held on chip where they fit), 4 warps, 3 stages for 16-bit inputs, 2 for fp32 (streaming R: the
-    dots' next slices of D loaded during this one)."""
+    dots' next slices of D loaded during this one; fewer where they would not fit: ``team_launch``)."""
     cfg = config or {}
     path = cfg.get("path", "auto")
     if path == "auto":
@@ -101,9 +101,8 @@ def fused_launch(config, dtype: torch.dtype, N: int, NH: int, D: int, device: to
     sms = device_sm_count(device.index or 0) if device is not None and device.type == "cuda" else 132
     t = team_launch(N, NH, D, dtype, sms, BB=cfg.get("BB"), cols=cfg.get("team_cols"), BK=cfg.get("team_BK"),
                     sync=cfg.get("team_sync"), resident=cfg.get("team_resident"))
-    stages = 3 if dtype in (torch.float16, torch.bfloat16) else 2
-    return Launch("team", t["BB"], cfg.get("num_warps", 4), cfg.get("num_stages", stages), t["BC"], t["BK"], t["sync"],
-                  t["resident"])
+    return Launch("team", t["BB"], cfg.get("num_warps", 4), cfg.get("num_stages", t["stages"]), t["BC"], t["BK"],
+                  t["sync"], t["resident"])
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:

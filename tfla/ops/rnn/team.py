@@ -314,7 +314,9 @@ def team_launch(N: int, NH: int, D: int, dtype: torch.dtype, sms: int, BB: int |
     the dots' h operand fit ``RESIDENT_BYTES``: ``4 next_pow2(D) BC`` elements of 2 bytes and ``BB next_pow2(D)`` of
     4; fp32, whose tf32x3 dots split both operands, spills kilobytes of registers so at D = 200, sm_90), ``BK``
     (the slice of D per dot: all of it, padded to a power of two, when resident, else 128 for 16-bit D > 64, 32 for
-    fp32: sm_90 spills kilobytes at 128 there) and whether the team syncs
+    fp32: sm_90 spills kilobytes at 128 there), ``stages`` (3 for 16-bit inputs, 2 for fp32, fewer where the
+    backward's streamed buffers of that many stages exceed ``RESIDENT_BYTES``: 16-bit BB = 64 at BK = 128 needed
+    245,760 B at 3, H100 2026-11-25) and whether the team syncs
     inside one launch (the grid fits the SMs once, not the interpreter)."""
     BB = BB or min(64, max(16, next_pow2(N)))
     tiles = cdiv(N, BB) * NH
@@ -332,7 +334,10 @@ def team_launch(N: int, NH: int, D: int, dtype: torch.dtype, sms: int, BB: int |
     if resident is None:
         resident = half and 4 * BD * cols * 2 + BB * BD * 4 <= RESIDENT_BYTES
     BK = BD if resident else BK or (32 if not half or D <= 32 else 64 if D <= 64 else 128)
-    return dict(BB=BB, BC=cols, BK=BK, sync=sync, resident=resident)
+    # streamed slices: the backward's loop holds per stage each gate's [BB, BK] gradient rows and [BK, BC] slice
+    per_stage = 4 * (BB * BK + BK * cols) * (2 if half else 4)
+    stages = next((s for s in range(3 if half else 2, 1, -1) if resident or s * per_stage <= RESIDENT_BYTES), 1)
+    return dict(BB=BB, BC=cols, BK=BK, sync=sync, resident=resident, stages=stages)
 
 
 def _grid(N, NH, D, launch):
