@@ -386,7 +386,8 @@ def test_path_choice():
     # [64, 128] rows and [128, 16] slices at 3 stages: 240 KiB of shared memory)
     assert fused_launch(None, torch.float32, 64, 1, 768) == Launch("team", 64, 4, 2, 16, 32, False, False)
     assert fused_launch(None, torch.bfloat16, 64, 1, 768) == Launch("team", 64, 4, 2, 16, 128, False, False)
-    assert fused_launch(None, torch.bfloat16, 32, 1, 768).num_stages == 3
+    # 32 rows: two tiles of 16 whose members hold R (96 programs) rather than one of 32 streaming it
+    assert fused_launch(None, torch.bfloat16, 32, 1, 768) == Launch("team", 16, 4, 3, 16, 1024, False, True)
     # 6 heads of 128 over 6 batch tiles of 64 rows: 16 or 32 units per member would take 288 / 144 programs, more
     # than an H100's 132 SMs at once (the interpreter's count)
     assert fused_launch(None, torch.bfloat16, 384, 6, 128).BC == 64
