@@ -174,3 +174,83 @@ def test_from_device(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: props)
     lim = DeviceLimits.from_device()
     assert (lim.sms, lim.smem_per_block, lim.smem_per_sm, lim.max_warps_per_sm) == (108, 166912, 167936, 64)
+
+
+# the team path's search (tiling.choose_team_launch)
+TEAM_DS = [65, 96, 192, 200, 256, 768, 1024, 2560, 4096]
+TEAM_SHAPES = [(1, 1), (17, 3), (16, 1), (32, 1), (40, 1), (64, 6), (256, 12), (384, 6)]
+
+
+def test_team_space_is_the_cells_config_space():
+    assert tiling.TEAM_SPACE == {k: CONFIG_KEYS[k] for k in ("BB", "team_cols", "team_resident", "num_stages")}
+
+
+@pytest.mark.parametrize("limits", LIMITS, ids=lambda l: l.name)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_team_choice_meets_every_constraint_and_equals_enumeration(limits, dtype):
+    """Every team choice meets every constraint, equals the enumeration's, and beats (or ties) every feasible
+    candidate."""
+    space = list(itertools.product(*tiling.TEAM_SPACE.values()))
+    for D, (N, NH) in itertools.product(TEAM_DS, TEAM_SHAPES):
+        got = tiling.choose_team_launch(N, NH, D, dtype, limits)
+        assert got == tiling.exhaustive_team_launch(N, NH, D, dtype, limits)
+        feasible = [c for c in space if all(tiling.team_constraints(c, D, dtype, limits).values())]
+        if got is None:
+            assert not feasible
+            continue
+        cand = (got.BB, got.BC, got.resident, got.num_stages)
+        cons = tiling.team_constraints(cand, D, dtype, limits)
+        assert all(cons.values()), cons
+        assert tiling.team_smem(got.BB, got.BC, D, dtype, got.resident, got.num_stages) <= limits.smem_per_block
+        key = tiling.team_objective(cand, N, NH, D, limits)
+        assert all(key <= tiling.team_objective(c, N, NH, D, limits) for c in feasible)
+        assert got.fits == (-(-D // got.BC) * -(-N // got.BB) * NH <= limits.sms)
+
+
+@pytest.mark.parametrize("fixed", [dict(BB=32), dict(team_cols=64), dict(team_resident=False), dict(num_stages=1),
+                                   dict(BB=16, team_cols=16, team_resident=True), dict(BK=64)])
+def test_team_fixed_variables_equal_enumeration(fixed):
+    """Small spaces (some variables fixed): branch-and-bound = enumeration, and the fixed values are kept."""
+    for limits, dtype, D, (N, NH) in itertools.product(LIMITS[:2], DTYPES, (96, 768, 2048), TEAM_SHAPES):
+        got = tiling.choose_team_launch(N, NH, D, dtype, limits, **fixed)
+        assert got == tiling.exhaustive_team_launch(N, NH, D, dtype, limits, **fixed)
+        if got is not None:
+            names = {"BB": got.BB, "team_cols": got.BC, "team_resident": got.resident, "num_stages": got.num_stages}
+            for k, v in fixed.items():
+                assert (got.BK if k == "BK" and not got.resident else names.get(k, v)) == v
+
+
+def test_team_launches_measured_on_h100():
+    """The launches the H100 runs measured (the cells' README, "Team path"): one 16-row tile of 48 members holding R
+    at B = 16, D = 768; two such tiles at B = 32 (one 32-row tile would stream R: 6.00 / 21.06 against 4.93 / 14.08
+    ms); from 33 rows one 64-row tile streaming R at 2 stages (3 need 245,760 B of shared memory, the launch
+    raised); fp32 streams 32-wide slices; 6 heads of 128 over 6 tiles of 64 rows take 64 units per member."""
+    t = tiling.choose_team_launch
+    assert t(16, 1, 768, torch.bfloat16) == tiling.TeamLaunch(16, 16, 1024, True, 3, True)
+    assert t(32, 1, 768, torch.bfloat16) == tiling.TeamLaunch(16, 16, 1024, True, 3, True)
+    assert t(40, 1, 768, torch.bfloat16) == tiling.TeamLaunch(64, 16, 128, False, 2, True)
+    assert t(64, 1, 768, torch.float32) == tiling.TeamLaunch(64, 16, 32, False, 2, True)
+    assert t(384, 6, 128, torch.bfloat16).BC == 64
+    assert tiling.team_smem(64, 16, 768, torch.bfloat16, False, 3) == 245760  # the runtime's "Required: 245760"
+    assert tiling.team_smem(64, 16, 768, torch.bfloat16, False, 3) > tiling.team_smem_budget(H100)
+    # 256 rows of one head of 768: 4 tiles x 48 members of 16 units do not fit 132 SMs, 4 x 24 of 32 units do
+    assert t(256, 1, 768, torch.bfloat16) == tiling.TeamLaunch(64, 32, 128, False, 2, True)
+    # 12 heads of 768 over 6 tiles: no team fits at once; one launch per step with the fewest programs
+    got = t(384, 12, 768, torch.bfloat16)
+    assert not got.fits and got.BC == 128
+
+
+def test_team_cache_and_bad_arguments():
+    tiling.choose_team_launch.cache_clear()
+    tiling.choose_team_launch(16, 1, 768, torch.bfloat16)
+    tiling.choose_team_launch(16, 1, 768, torch.bfloat16)
+    assert (tiling.choose_team_launch.cache_info().hits, tiling.choose_team_launch.cache_info().misses) == (1, 1)
+    for kwargs, exc, match in [(dict(BB=8), ValueError, "`BB`"), (dict(team_cols=48), ValueError, "`team_cols`"),
+                               (dict(team_resident=1), ValueError, "`team_resident`"),
+                               (dict(num_stages=4), ValueError, "`num_stages`"), (dict(BK=100), ValueError, "`BK`"),
+                               (dict(N=0), ValueError, "`N`"), (dict(dtype=torch.float64), TypeError, "`dtype`"),
+                               (dict(device_limits=None), TypeError, "`device_limits`")]:
+        args = dict(N=16, NH=1, D=768, dtype=torch.bfloat16, device_limits=H100)
+        args.update(kwargs)
+        with pytest.raises(exc, match=match):
+            tiling.choose_team_launch(**args)

@@ -15,14 +15,16 @@ as one sum. Definitions: ``README.md`` here.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
-from tfla.ops.common.utils import SUPPORTED_DTYPES, cdiv, check_device, device_sm_count, next_pow2
+from tfla.ops.common.utils import SUPPORTED_DTYPES, cdiv, check_device, interpret_mode, next_pow2
 from tfla.ops.common.varlen import cached_bounds
 from tfla.ops.rnn import pointwise
 from tfla.ops.rnn.fused import MAX_FUSED_D, rnn_fused_bwd, rnn_fused_fwd
-from tfla.ops.rnn.team import TEAM_COLS, rnn_team_bwd, rnn_team_fwd, team_launch
+from tfla.ops.rnn.team import TEAM_COLS, rnn_team_bwd, rnn_team_fwd
+from tfla.ops.rnn.tiling import H100, DeviceLimits, TeamLaunch, choose_fused_launch, choose_team_launch, team_bk
 from tfla.ops.rnn.reference import CELL_GATES, CELL_STATES
 from tfla.utils.validation import check_cotangent, check_tensor, check_varlen_bounds
 
@@ -78,31 +80,57 @@ def check_config(config, dtype: torch.dtype, D: int) -> None:
         raise ValueError(f"`config['path']='fused'` takes head dims up to {MAX_FUSED_D}, got D={D}")
 
 
-def fused_launch(config, dtype: torch.dtype, N: int, NH: int, D: int, device: torch.device | None = None
-                 ) -> Launch | None:
-    """The path of a (checked) ``config`` for N rows and NH heads of D units: a ``Launch`` of the fused or team
-    path, or None for the alternating one. Default: fused with D <= FUSED_AUTO_MAX_D, team above, alternating for
-    float64 (the fused path at D = 128 is faster where it fits: H100, bf16, LSTM, B = 16, T = 1024, D x NH = 128 x 6,
-    fused 2.95 / 9.80 ms forward / forward + backward, team 4.43 / 10.62; but the sLSTM's fused backward needs 266 KB
-    of shared memory there). Fused: BB = 16 batch rows per program, 8 warps above D = 32, else 4, 2 stages
-    (step t + 1's loads issued during step t); compiled for sm_90 (``scripts/compile_stats.py --op rnn``), these
-    spill no registers at D = 32 and 64 (fp32 at D = 16: 8 B); BB = 32 spills at D = 32 and 64, and 3 stages overflow
-    shared memory for fp32 at D = 64. Team: ``team.team_launch`` (BB from N, the units per member from the SM
-    count, R's slices held on chip where they fit), 4 warps, 3 stages for 16-bit inputs, 2 for fp32 (streaming R: the
-    dots' next slices of D loaded during this one; fewer where they would not fit: ``team_launch``)."""
+@functools.lru_cache(maxsize=16)
+def _device_limits(index: int) -> DeviceLimits:
+    return DeviceLimits.from_device(index)
+
+
+def fused_launch(config, dtype: torch.dtype, N: int, NH: int, D: int, device: torch.device | None = None, *,
+                 cell: str | None = None) -> Launch | None:
+    """The path of a (checked) ``config`` for N rows and NH heads of D units (``cell``: that cell's kernels, None:
+    the most demanding of the four): a ``Launch`` of the fused or team path, or None for the alternating one.
+    Default: fused with D <= FUSED_AUTO_MAX_D, team above, alternating for float64 (the fused path at D = 128 is
+    faster where it fits: H100, bf16, LSTM, B = 16, T = 1024, D x NH = 128 x 6, fused 2.95 / 9.80 ms forward /
+    forward + backward, team 4.43 / 10.62 at 071f7e5; but the sLSTM's fused backward needs 266 KB of shared memory
+    there). The launch settings come from the constraint search of ``tiling.py`` under the device's limits (a CUDA
+    device's own, the H100's on the CPU interpreter), with the config's keys as fixed variables: fused
+    ``choose_fused_launch`` (BB, warps, stages; on the H100 at the shapes measured it gives the hand-set 16 rows, 8
+    warps above D = 32 else 4, 2 stages), team ``choose_team_launch`` (BB, units per member, R held or streamed,
+    stages; 4 warps). Where no candidate meets the constraints (a config the device cannot take; on the interpreter
+    it still runs) the config's values, else those hand-set ones, are taken as they are, and a launch beyond the
+    GPU's resources raises ValueError naming ``config``."""
     cfg = config or {}
     path = cfg.get("path", "auto")
     if path == "auto":
         path = "alternating" if dtype == torch.float64 else "fused" if D <= FUSED_AUTO_MAX_D else "team"
     if path == "alternating":
         return None
+    on_gpu = device is not None and device.type == "cuda"
+    limits = _device_limits(device.index or 0) if on_gpu else H100
+    N = max(N, 1)  # an empty batch launches nothing; any launch will do
     if path == "fused":
-        return Launch("fused", cfg.get("BB", 16), cfg.get("num_warps", 8 if D > 32 else 4), cfg.get("num_stages", 2))
-    sms = device_sm_count(device.index or 0) if device is not None and device.type == "cuda" else 132
-    t = team_launch(N, NH, D, dtype, sms, BB=cfg.get("BB"), cols=cfg.get("team_cols"), BK=cfg.get("team_BK"),
-                    sync=cfg.get("team_sync"), resident=cfg.get("team_resident"))
-    return Launch("team", t["BB"], cfg.get("num_warps", 4), cfg.get("num_stages", t["stages"]), t["BC"], t["BK"],
-                  t["sync"], t["resident"])
+        got = choose_fused_launch(N, NH, D, dtype, limits, cell=cell, BB=cfg.get("BB"),
+                                  num_warps=cfg.get("num_warps"), num_stages=cfg.get("num_stages"))
+        if got is None:
+            got = (cfg.get("BB", 16), cfg.get("num_warps", 8 if D > 32 else 4), cfg.get("num_stages", 2))
+        return Launch("fused", *got)
+    fixed = dict(BB=cfg.get("BB"), team_cols=cfg.get("team_cols"), team_resident=cfg.get("team_resident"),
+                 num_stages=cfg.get("num_stages"))
+    t = choose_team_launch(N, NH, D, dtype, limits, BK=cfg.get("team_BK"), **fixed)
+    if t is None:
+        res = bool(fixed["team_resident"])
+        BB = fixed["BB"] or min(64, max(16, next_pow2(N)))
+        BC = fixed["team_cols"] or TEAM_COLS[0]
+        t = TeamLaunch(BB, BC, team_bk(D, dtype, res, cfg.get("team_BK")), res,
+                       fixed["num_stages"] or (2 if dtype == torch.float32 else 3),
+                       cdiv(D, BC) * cdiv(N, BB) * NH <= limits.sms)
+    sync = cfg.get("team_sync")
+    if sync is None:
+        sync = t.fits and not interpret_mode()
+    elif sync and (not t.fits or interpret_mode()):
+        raise ValueError(f"`config['team_sync']=True` needs the grid ({cdiv(D, t.BC) * cdiv(N, t.BB) * NH} programs) "
+                         f"to fit the GPU's {limits.sms} SMs at once on a GPU; take more `team_cols` or leave it unset")
+    return Launch("team", t.BB, cfg.get("num_warps", 4), t.num_stages, t.BC, t.BK, sync, t.resident)
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
@@ -370,7 +398,7 @@ def rnn(cell: str, x, R, b, initial_state=None, output_final_state=False, *, cu_
         out = rnn_fwd_op(x, R, b, list(state0), cu_seqlens, cell, output_final_state, cfg.get("path", "auto"),
                          cfg.get("BB", 0), cfg.get("num_warps", 0), cfg.get("num_stages", 0))
         return out[0], (tuple(out[1:]) if output_final_state else None)
-    fused = fused_launch(config, x.dtype, len(lengths), x.shape[3], x.shape[4], x.device)
+    fused = fused_launch(config, x.dtype, len(lengths), x.shape[3], x.shape[4], x.device, cell=cell)
     opts = RNNOptions(cell, lengths, output_final_state, fused=fused)
     if bounds is None:
         out = RNNFunction.apply(opts, x, R, b, *state0)
@@ -394,7 +422,7 @@ def rnn_state_sequence(cell: str, x, R, b, initial_state=None, config=None):
         raise ValueError(f"`cell` must be one of {tuple(CELL_GATES)}, got {cell!r}")
     lengths, _ = _check(cell, x, R, b, initial_state, False, None, config=config)
     state0 = tuple(initial_state) if initial_state is not None else ()
-    fused = fused_launch(config, x.dtype, len(lengths), x.shape[3], x.shape[4], x.device)
+    fused = fused_launch(config, x.dtype, len(lengths), x.shape[3], x.shape[4], x.device, cell=cell)
     return RNNFunction.apply(RNNOptions(cell, lengths, False, state_sequence=True, fused=fused), x, R, b, *state0)
 
 
@@ -405,8 +433,11 @@ _DOC = """{title}
     Pre-activations ``g^j_t = x^j_t + R^j h_{{t-1}} + b^j`` per gate j and head (x already holds the input
     projection). Fused path (default for head dims D <= 64 and fp32 / fp16 / bf16 x): one Triton launch runs all
     steps with the states and R on chip, the products ``R^j h`` as ``tl.dot`` in x's dtype (fp32 accumulation;
-    fp32 x: tf32x3 on a GPU). Alternating path (D > 64, float64): per step one batched matmul for all gates and heads (fp32)
-    plus one fused Triton pointwise kernel. States and gate math in fp32 (float64 for float64 inputs).
+    fp32 x: tf32x3 on a GPU). Team path (default above D = 64): a team of programs per head, each owning a slice of
+    the units, in one launch that meets at a grid barrier every step. Alternating path (float64): per step one
+    batched matmul for all gates and heads plus one fused Triton pointwise kernel. Launch settings: a constraint
+    search over the device's limits (``tfla/ops/rnn/tiling.py``). States and gate math in fp32 (float64 for float64
+    inputs).
     Source: {source}.
 
     Args:

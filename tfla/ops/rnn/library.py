@@ -37,7 +37,7 @@ def _forward(cell, x, R, b, state0, cu_seqlens, config):
     S = len(CELL_STATES[cell])
     s0 = torch.stack([s.to(acc).transpose(0, 1) for s in state0]) if state0 else \
         torch.zeros(S, NH, N, D, device=x.device, dtype=acc)
-    fused = fused_launch(config, x.dtype, N, NH, D, x.device)
+    fused = fused_launch(config, x.dtype, N, NH, D, x.device, cell=cell)
     o, states, rh, Wt, b_acc = rnn_fwd(cell, xp, R, b, s0, fused)
     h = o if valid is None else o[valid].unsqueeze(0)
     return h, states, rh, Wt, b_acc, xp, lengths, gather, valid, fused

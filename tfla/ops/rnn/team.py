@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tfla.ops.common.utils import cdiv, dot_precision, interpret_mode, next_pow2
+from tfla.ops.common.utils import cdiv, dot_precision
 from tfla.ops.rnn.fused import _DOT, _biases, _bwd_inputs, _bwd_math, _run, _xs
 from tfla.ops.rnn.pointwise import SLSTM, _cell_fwd, _states_in, _states_out, _store_gates
 
@@ -297,59 +297,6 @@ def _rnn_team_bwd_kernel(
         tl.store(carry_ptr + o_s, dh_dir, mask=m)
         tl.store(carry_ptr + E + o_s, dc, mask=m)
         tl.store(carry_ptr + 2 * E + o_s, dn, mask=m)
-
-
-# shared memory a resident member may take (of sm_90's 227 KiB per block): R's slices and the dots' h operand, the
-# latter as fp32 (H100, Triton 3.6, compiled: 192 KiB at BB = 16, D = 768, bf16; 256 KiB at BB = 32 failed to launch)
-RESIDENT_BYTES = 200 * 1024
-
-
-def team_launch(N: int, NH: int, D: int, dtype: torch.dtype, sms: int, BB: int | None = None,
-                cols: int | None = None, BK: int | None = None, sync: bool | None = None,
-                resident: bool | None = None) -> dict:
-    """The team path's launch for N rows, NH heads of D units on a GPU of ``sms`` SMs: ``BB`` rows per program (16,
-    32 or 64: the smallest power of two >= N, at most 64: R's slice serves all of them), ``BC`` units per member (the
-    smallest of ``TEAM_COLS`` whose grid ``cdiv(D, BC) x cdiv(N, BB) x NH`` fits the SMs once, else the largest),
-    ``resident`` (16-bit inputs: each member holds its slices of the gates' R for the whole launch where they and
-    the dots' h operand fit ``RESIDENT_BYTES``: ``4 next_pow2(D) BC`` elements of 2 bytes and ``BB next_pow2(D)`` of
-    4; fp32, whose tf32x3 dots split both operands, spills kilobytes of registers so at D = 200, sm_90), ``BK``
-    (the slice of D per dot: all of it, padded to a power of two, when resident, else 128 for 16-bit D > 64, 32 for
-    fp32: sm_90 spills kilobytes at 128 there), ``stages`` (3 for 16-bit inputs, 2 for fp32, fewer where the
-    backward's streamed buffers of that many stages exceed ``RESIDENT_BYTES``: 16-bit BB = 64 at BK = 128 needed
-    245,760 B at 3, H100 2026-11-25) and whether the team syncs
-    inside one launch (the grid fits the SMs once, not the interpreter). Where that BB would stream R (16-bit) a
-    smaller batch tile is taken if its members hold R and its grid still fits the SMs once (H100, LSTM, D = 768,
-    B = 32: 32-row tiles streamed 6.00 / 21.06 ms forward / forward + backward)."""
-    BD = max(16, next_pow2(D))
-    half = dtype in (torch.float16, torch.bfloat16)
-
-    def holds(bb, c):
-        return half and 4 * BD * c * 2 + bb * BD * 4 <= RESIDENT_BYTES
-
-    def smallest_cols(bb):
-        fits = [c for c in TEAM_COLS if cdiv(D, c) * cdiv(N, bb) * NH <= sms]
-        return fits[0] if fits else TEAM_COLS[-1]
-
-    if BB is None:
-        BB = min(64, max(16, next_pow2(N)))
-        if resident is not False and not holds(BB, cols or smallest_cols(BB)):
-            BB = next((bb for bb in (16, 32) if bb < BB and holds(bb, cols or smallest_cols(bb))
-                       and cdiv(D, cols or smallest_cols(bb)) * cdiv(N, bb) * NH <= sms), BB)
-    tiles = cdiv(N, BB) * NH
-    cols = cols or smallest_cols(BB)
-    fits_once = cdiv(D, cols) * tiles <= sms
-    if sync is None:
-        sync = fits_once and not interpret_mode()
-    elif sync and (not fits_once or interpret_mode()):
-        raise ValueError(f"`config['team_sync']=True` needs the grid ({cdiv(D, cols) * tiles} programs) to fit the "
-                         f"GPU's {sms} SMs at once on a GPU; take more `team_cols` or leave it unset")
-    if resident is None:
-        resident = holds(BB, cols)
-    BK = BD if resident else BK or (32 if not half or D <= 32 else 64 if D <= 64 else 128)
-    # streamed slices: the backward's loop holds per stage each gate's [BB, BK] gradient rows and [BK, BC] slice
-    per_stage = 4 * (BB * BK + BK * cols) * (2 if half else 4)
-    stages = next((s for s in range(3 if half else 2, 1, -1) if resident or s * per_stage <= RESIDENT_BYTES), 1)
-    return dict(BB=BB, BC=cols, BK=BK, sync=sync, resident=resident, stages=stages)
 
 
 def _grid(N, NH, D, launch):

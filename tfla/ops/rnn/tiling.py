@@ -1,7 +1,9 @@
-"""Launch settings of the fused RNN kernels (``fused.py``) from integer constraints, in the spirit of FlashRNN's
-ConstrINT (Pöppel et al. 2024, Sections 5.4 and Appendices C-D): the batch tile BB, ``num_warps`` and ``num_stages``
-are chosen by a small branch-and-bound search over the integer space ``SPACE`` under the device's limits (SM count,
-registers, shared memory, warps) and the shapes' divisibility, with a lexicographic objective; results are cached.
+"""Launch settings of the fused and team RNN kernels (``fused.py``, ``team.py``) from integer constraints, in the
+spirit of FlashRNN's ConstrINT (Pöppel et al. 2024, Sections 5.4 and Appendices C-D): for the fused path the batch
+tile BB, ``num_warps`` and ``num_stages`` are chosen by a small branch-and-bound search over the integer space
+``SPACE`` under the device's limits (SM count, registers, shared memory, warps) and the shapes' divisibility, with a
+lexicographic objective; for the team path (section above ``TEAM_SPACE``) BB, the units per member, R held or
+streamed and the stages; results are cached. ``cells.fused_launch`` takes both.
 
 Notation: N batch rows (sequences), NH heads, D head dim, BD the dot tile (a power of two >= D, at least 16, 32 for
 16-bit inputs: ``dot_tile``), G gates, S states, W = num_warps, St = num_stages.
@@ -329,3 +331,166 @@ def choose_fused_launch(N: int, NH: int, D: int, dtype, device_limits: DeviceLim
 
 choose_fused_launch.cache_info = _choose.cache_info
 choose_fused_launch.cache_clear = _choose.cache_clear
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The team path (``team.py``): a team of P = ceil(D / BC) programs per (batch tile of BB rows, head), each owning BC
+# units; per step a member forms its units' gates from the whole h (R's slices held on chip for the launch, or
+# streamed from L2 in BK-wide slices of D at ``num_stages``) and the team meets at a grid barrier (one persistent,
+# cooperative launch where every program is resident at once; else one launch per step).
+#
+# Variables: BB, BC (``team_cols``), held or streamed (``team_resident``), St (``num_stages``, of the streamed loop);
+# BK and the warps follow (``team_bk``; 4 warps: H100 sweeps, the cells' README). Constraints (``team_constraints``):
+# in ``TEAM_SPACE``; held slices only for 16-bit inputs (fp32's tf32x3 dots split both operands and spill kilobytes,
+# sm_90); fp32 streams at <= 2 stages (spills at 3); the member's shared memory (``team_smem``) within
+# ``team_smem_budget`` (the block's limit less 27 KiB the compiler adds: 200 KiB on sm_90, measured). Objective
+# (``team_objective``, lexicographic, smaller is better): (1) the team does not fit the SMs at once (one launch per
+# step instead of one in all: ~100x slower, H100), (2) R streamed where the team fits (each step reads R's slices
+# from L2: held measured 1.3-1.7x faster at D = 768, B = 16 / 32; one launch per step loads them every step either
+# way), (3) batch tiles ceil(N / BB) (each tile's team reads R again; one dot of BB rows costs about as much as one of
+# 16), (4) BB (rows past N are wasted), (5) BC where the team fits (more members, fewer units each: a shorter step),
+# else -BC (fewer programs per launch), (6) -St (more of the next slices in flight), (7) streamed.
+# ``choose_team_launch`` returns the smallest candidate (cached); ``exhaustive_team_launch`` enumerates.
+
+TEAM_SPACE = {"BB": (16, 32, 64), "team_cols": (16, 32, 64, 128), "team_resident": (True, False),
+              "num_stages": (1, 2, 3)}  # = the cells' CONFIG_KEYS
+TEAM_WARPS = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class TeamLaunch:
+    """A team launch: BB rows per program, BC units per member, BK the dots' slice of D, R's slices held or streamed
+    at ``num_stages``, and whether the grid fits the SMs at once (``fits``: the persistent launch may run)."""
+    BB: int
+    BC: int
+    BK: int
+    resident: bool
+    num_stages: int
+    fits: bool
+
+
+def team_bk(D: int, dtype, resident: bool, BK: int | None = None) -> int:
+    """The dots' slice of D: all of it padded to a power of two when held; else BK, or 128 for 16-bit D > 64, 64 for
+    D in 33..64, 32 for fp32 or D <= 32 (sm_90 spills kilobytes at fp32 128)."""
+    BD = max(16, 1 << (D - 1).bit_length())
+    if resident:
+        return BD
+    return BK or (32 if dtype == torch.float32 or D <= 32 else 64 if D <= 64 else 128)
+
+
+def team_smem(BB: int, BC: int, D: int, dtype, resident: bool, num_stages: int, BK: int | None = None) -> int:
+    """Shared bytes of one member the search bounds: held, the 4 gates' ``[BD, BC]`` slices (2 bytes) and the dots'
+    ``[BB, BD]`` h operand (4 bytes); streamed, per stage the backward's 4 gates' ``[BB, BK]`` gradient rows and
+    ``[BK, BC]`` slices (the larger of the two directions)."""
+    BD = max(16, 1 << (D - 1).bit_length())
+    if resident:
+        return 4 * BD * BC * 2 + BB * BD * 4
+    BK = team_bk(D, dtype, False, BK)
+    return num_stages * 4 * (BB * BK + BK * BC) * (4 if dtype == torch.float32 else 2)
+
+
+def team_smem_budget(limits: DeviceLimits = H100) -> int:
+    return limits.smem_per_block - 27 * 1024
+
+
+def team_constraints(cand, D: int, dtype, limits: DeviceLimits = H100, BK: int | None = None) -> dict[str, bool]:
+    """Each hard constraint of a team candidate ``(BB, BC, resident, num_stages)``, by name: True where it holds."""
+    BB, BC, res, St = cand
+    return {
+        "in_space": (BB in TEAM_SPACE["BB"] and BC in TEAM_SPACE["team_cols"] and res in (True, False)
+                     and St in TEAM_SPACE["num_stages"]),
+        "held_needs_16bit": not res or dtype != torch.float32,
+        "fp32_stages": dtype != torch.float32 or St <= 2,
+        "smem_per_block": team_smem(BB, BC, D, dtype, res, St, BK) <= team_smem_budget(limits),
+        "threads_per_block": 32 * TEAM_WARPS <= limits.max_threads_per_block,
+    }
+
+
+def team_objective(cand, N: int, NH: int, D: int, limits: DeviceLimits = H100) -> tuple:
+    """The objective's key of a team candidate (compared lexicographically, smaller is better)."""
+    BB, BC, res, St = cand
+    tiles = -(-N // BB)
+    fits = -(-D // BC) * tiles * NH <= limits.sms
+    return (not fits, not res and fits, tiles, BB, BC if fits else -BC, -St, not res)
+
+
+def _check_team(N, NH, D, dtype, limits, fixed, BK):
+    _check_int("N", N)
+    _check_int("NH", NH)
+    _check_int("D", D)
+    _check_dtype(dtype)
+    if not isinstance(limits, DeviceLimits):
+        raise TypeError(f"`device_limits` must be a DeviceLimits, got {type(limits).__name__}")
+    for k, v in fixed.items():
+        if v is not None and (v not in TEAM_SPACE[k] or isinstance(v, bool) != (k == "team_resident")):
+            raise ValueError(f"`{k}` must be None or one of {TEAM_SPACE[k]}, got {v!r}")
+    if BK is not None and (not isinstance(BK, int) or isinstance(BK, bool) or BK < 16 or BK & (BK - 1)):
+        raise ValueError(f"`BK` must be None or a power of two >= 16, got {BK!r}")
+
+
+def _team_space(fixed):
+    return [tuple(TEAM_SPACE[k] if fixed[k] is None else (fixed[k],))
+            for k in ("BB", "team_cols", "team_resident", "num_stages")]
+
+
+def _team_result(cand, N, NH, D, dtype, limits, BK):
+    if cand is None:
+        return None
+    BB, BC, res, St = cand
+    return TeamLaunch(BB, BC, team_bk(D, dtype, res, BK), res, St, team_objective(cand, N, NH, D, limits)[0] is False)
+
+
+def exhaustive_team_launch(N, NH, D, dtype, device_limits=H100, *, BB=None, team_cols=None, team_resident=None,
+                           num_stages=None, BK=None) -> TeamLaunch | None:
+    """``choose_team_launch`` by enumerating every candidate (the reference of the tests)."""
+    fixed = {"BB": BB, "team_cols": team_cols, "team_resident": team_resident, "num_stages": num_stages}
+    _check_team(N, NH, D, dtype, device_limits, fixed, BK)
+    ok = [c for c in itertools.product(*_team_space(fixed))
+          if all(team_constraints(c, D, dtype, device_limits, BK).values())]
+    best = min(ok, key=lambda c: team_objective(c, N, NH, D, device_limits), default=None)
+    return _team_result(best, N, NH, D, dtype, device_limits, BK)
+
+
+@functools.lru_cache(maxsize=4096)
+def _choose_team(N, NH, D, dtype, limits, BB, BC, res, St, BK):
+    fixed = {"BB": BB, "team_cols": BC, "team_resident": res, "num_stages": St}
+    bbs, bcs, ress, sts = _team_space(fixed)
+    best, best_key = None, None
+    for res_ in sorted(ress, reverse=True):
+        for bb in sorted(bbs):
+            for bc in sorted(bcs):
+                # shared memory grows with BB, BC and the stages: the fewest stages bound this (bb, bc)
+                if not team_constraints((bb, bc, res_, min(sts)), D, dtype, limits, BK)["smem_per_block"]:
+                    break  # a larger BC only adds shared memory
+                # the key's first five entries do not depend on the stages
+                if best_key is not None and team_objective((bb, bc, res_, 1), N, NH, D, limits)[:5] > best_key[:5]:
+                    continue
+                for st in sorted(sts, reverse=True):
+                    cand = (bb, bc, res_, st)
+                    if all(team_constraints(cand, D, dtype, limits, BK).values()):
+                        key = team_objective(cand, N, NH, D, limits)
+                        if best_key is None or key < best_key:
+                            best, best_key = cand, key
+                        break  # fewer stages only rank later
+    return best
+
+
+def choose_team_launch(N: int, NH: int, D: int, dtype, device_limits: DeviceLimits = H100, *, BB: int | None = None,
+                       team_cols: int | None = None, team_resident: bool | None = None,
+                       num_stages: int | None = None, BK: int | None = None) -> TeamLaunch | None:
+    """The team path's launch (``TeamLaunch``) for N batch rows, NH heads, head dim D and x's dtype (fp32, fp16,
+    bf16) on ``device_limits`` (default the H100's): the smallest candidate of the objective among those meeting
+    every constraint (section comment above ``TEAM_SPACE``), or None when none does. ``BB``, ``team_cols``,
+    ``team_resident``, ``num_stages``: fix a variable (None: search it); ``BK``: the streamed slice (None: ``team_bk``).
+    Cached (``functools.lru_cache``).
+
+    Raises ValueError (out-of-range sizes, a fixed value outside ``TEAM_SPACE``, BK not a power of two >= 16) or
+    TypeError (a non-int size, an unsupported dtype, limits not a ``DeviceLimits``), naming the argument."""
+    fixed = {"BB": BB, "team_cols": team_cols, "team_resident": team_resident, "num_stages": num_stages}
+    _check_team(N, NH, D, dtype, device_limits, fixed, BK)
+    return _team_result(_choose_team(N, NH, D, dtype, device_limits, BB, team_cols, team_resident, num_stages, BK),
+                        N, NH, D, dtype, device_limits, BK)
+
+
+choose_team_launch.cache_info = _choose_team.cache_info
+choose_team_launch.cache_clear = _choose_team.cache_clear
