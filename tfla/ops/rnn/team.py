@@ -5,7 +5,10 @@ slices of R held on chip for the launch where they fit, else streamed from L2 in
 on them (``pointwise.py``'s ``_cell_fwd``) and stores its part of ``h_t``; the team then meets at a barrier before
 the next step reads ``h_t``. The backward runs the same way in reverse: each member owns the same units' dh, dc, dn
 and forms the recurrent part of its dh from every unit's pre-activation gradients of the step after
-(``sum_j drh_j R_j[:, own]``).
+(``sum_j drh_j R_j[:, own]``). A held slice's dot runs as a 3-D dot over D cut into one part per warp, summed
+(``_rows_split``); each step's inputs that do not depend on the chain (x; in the backward do, x, ``R h`` and the
+states) are loaded a step ahead. The launch (batch tile, units per member, R held or streamed, stages) comes from
+``tiling.choose_team_launch``.
 
 Two ways to run the steps, one kernel: persistent (``SYNC``: one launch runs every step, the team meets at a
 grid barrier: one int32 counter per (head, batch tile), ``atomic_add`` with release / acquire at GPU scope, spun on
