@@ -207,7 +207,7 @@ def _rnn_team_fwd_kernel(
     p_w = w_ptr + i_n * swn
     w0, w1, w2, w3 = _team_weights(p_w, o_c, m_c, D, swi, swo, BK, KS, G, False, DOT, RESIDENT)
     P = tl.num_programs(0)
-    xn0, xn1, xn2, xn3 = _xs(p_x + t_first * sxt, sxg, m, G)
+    xn0, xn1, xn2, xn3 = _xs(p_x + t_first * sxt, sxg, m & (o_b * 0 < steps)[:, None], G)
     if SYNC:  # the first step's h into the ring; the team meets before anyone reads it
         tl.store(ring_ptr + (t_first % 2) * E + o_s, h, mask=m)
         _team_sync(cnt_ptr + i_cnt, P)
