@@ -24,7 +24,8 @@ from tfla.ops.common.varlen import cached_bounds
 from tfla.ops.rnn import pointwise
 from tfla.ops.rnn.fused import MAX_FUSED_D, rnn_fused_bwd, rnn_fused_fwd
 from tfla.ops.rnn.team import TEAM_COLS, rnn_team_bwd, rnn_team_fwd
-from tfla.ops.rnn.tiling import H100, DeviceLimits, TeamLaunch, choose_fused_launch, choose_team_launch, team_bk
+from tfla.ops.rnn.tiling import (H100, TEAM_WARPS, DeviceLimits, TeamLaunch, choose_fused_launch, choose_team_launch,
+                                 team_bk)
 from tfla.ops.rnn.reference import CELL_GATES, CELL_STATES
 from tfla.utils.validation import check_cotangent, check_tensor, check_varlen_bounds
 
@@ -130,7 +131,7 @@ def fused_launch(config, dtype: torch.dtype, N: int, NH: int, D: int, device: to
     elif sync and (not t.fits or interpret_mode()):
         raise ValueError(f"`config['team_sync']=True` needs the grid ({cdiv(D, t.BC) * cdiv(N, t.BB) * NH} programs) "
                          f"to fit the GPU's {limits.sms} SMs at once on a GPU; take more `team_cols` or leave it unset")
-    return Launch("team", t.BB, cfg.get("num_warps", 4), t.num_stages, t.BC, t.BK, sync, t.resident)
+    return Launch("team", t.BB, cfg.get("num_warps", TEAM_WARPS), t.num_stages, t.BC, t.BK, sync, t.resident)
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
@@ -453,7 +454,7 @@ _DOC = """{title}
             batch of the longest length.
         config: keyword-only, None or a dict: ``"path"``: ``"auto"`` (default: fused up to D = 64, team above,
             alternating for float64), ``"fused"`` (D <= 128, not float64), ``"team"`` (not float64) or
-            ``"alternating"``; ``"BB"`` (batch rows per program: 16, 32, 64; default 16 fused, from B team),
+            ``"alternating"``; ``"BB"`` (batch rows per program: 16, 32, 64; default from the launch search),
             ``"num_warps"`` (1, 2, 4, 8; fused: default 8 above D = 32, else 4; team: 4), ``"num_stages"`` (1, 2, 3);
             the team path's ``"team_cols"`` (units per program: 16, 32, 64, 128), ``"team_BK"``, ``"team_sync"``
             (one launch with a grid barrier: True / False), ``"team_resident"`` (R's slices held on chip).
