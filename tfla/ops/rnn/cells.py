@@ -27,6 +27,7 @@ from tfla.ops.rnn.team import TEAM_COLS, rnn_team_bwd, rnn_team_fwd
 from tfla.ops.rnn.tiling import (H100, TEAM_WARPS, DeviceLimits, TeamLaunch, choose_fused_launch, choose_team_launch,
                                  team_bk)
 from tfla.ops.rnn.reference import CELL_GATES, CELL_STATES
+from tfla.ops.rnn.weight_grad import dR_db
 from tfla.utils.validation import check_cotangent, check_tensor, check_varlen_bounds
 
 _CELL_IDS = {"elman": pointwise.ELMAN.value, "lstm": pointwise.LSTM.value, "gru": pointwise.GRU.value,
@@ -190,12 +191,12 @@ def rnn_bwd(cell: str, x, Wt, b_acc, states, rh, do, dstate_final, lengths, dsta
     """Backward of ``rnn_fwd``. do ``[N, Tm, NH, D]``; dstate_final ``[S, NH, N, D]`` (ACC dtype; the m slot is
     ignored), added before the step ``lengths[n] - 1`` of each sequence n; dstate_seq None or ``[Tm, S - 1, NH, N,
     D]`` (ACC), the cotangents of the states after h (c; c, n, m; m ignored) after every step, added before each
-    step; fused as ``rnn_fwd``'s (either path takes either's saved tensors). Returns ``(dx [N, Tm, G, NH, D],
-    dR [G, NH, D, D], db [G, NH, D], dstate0 [S, NH, N, D])``, all in the ACC dtype."""
+    step; fused as ``rnn_fwd``'s (either path takes either's saved tensors). Returns ``(dx [N, Tm, G, NH, D]`` in
+    x's dtype, ``dR [G, NH, D, D], db [G, NH, D], dstate0 [S, NH, N, D])`` in the ACC dtype."""
     N, Tm, G, NH, D = x.shape
     S = states.shape[1]
     acc = states.dtype
-    dx = torch.empty(N, Tm, G, NH, D, device=x.device, dtype=acc)
+    dx = torch.empty(N, Tm, G, NH, D, device=x.device, dtype=x.dtype)  # (the kernels store fp32 values rounded)
     drh = torch.empty(Tm, NH, N, G * D, device=x.device, dtype=acc)
     if fused is not None:
         dstate0 = torch.zeros(S, NH, N, D, device=x.device, dtype=acc)
@@ -204,7 +205,7 @@ def rnn_bwd(cell: str, x, Wt, b_acc, states, rh, do, dstate_final, lengths, dsta
             rnn_team_bwd(*args, fused)
         else:
             rnn_fused_bwd(*args, fused.BB, fused.num_warps, fused.num_stages)
-        return (dx, *_dR_db(states, drh), dstate0)
+        return (dx, *dR_db(states, drh), dstate0)
     dh_rec = torch.zeros(NH, N, D, device=x.device, dtype=acc)
     ds = torch.zeros(S, NH, N, D, device=x.device, dtype=acc)
     n_carried = 3 if cell == "slstm" else S  # h (and c, n); the sLSTM's m is a constant
@@ -239,21 +240,7 @@ def rnn_bwd(cell: str, x, Wt, b_acc, states, rh, do, dstate_final, lengths, dsta
     dstate0 = torch.zeros_like(ds)
     dstate0[0] = dh_rec
     dstate0[1:n_carried] = ds[1:n_carried]
-    return (dx, *_dR_db(states, drh), dstate0)
-
-
-def _dR_db(states, drh):
-    """dR ``[G, NH, D, D]`` and db ``[G, NH, D]`` from the gradients of every step's ``R h_{t-1}`` (drh ``[Tm, NH,
-    N, G * D]``): ``dR[g, n, e, d]`` = sum over (t, batch) of ``drh[t, n, batch, g*D + e] h_{t-1}[n, batch, d]``,
-    one batched matmul; db one sum."""
-    Tm, NH, N, GD = drh.shape
-    D = states.shape[-1]
-    G = GD // D
-    h_prev = states[:Tm, 0].permute(1, 0, 2, 3).reshape(NH, Tm * N, D)
-    drh_rows = drh.permute(1, 0, 2, 3).reshape(NH, Tm * N, G * D)
-    dR = torch.bmm(drh_rows.transpose(1, 2), h_prev).view(NH, G, D, D).permute(1, 0, 2, 3)
-    db = drh.sum((0, 2)).view(NH, G, D).transpose(0, 1)
-    return dR, db
+    return (dx, *dR_db(states, drh), dstate0)
 
 
 class RNNFunction(torch.autograd.Function):
@@ -304,7 +291,7 @@ class RNNFunction(torch.autograd.Function):
         dx, dR, db, ds0 = rnn_bwd(opts.cell, x, Wt, b_acc, states, rh, do, dsf, opts.lengths, dseq, opts.fused)
         R_dtype, b_dtype, s_dtypes = ctx.meta
         dstate = tuple(ds0[k].transpose(0, 1).to(dt) for k, dt in enumerate(s_dtypes))
-        return (None, dx.to(x.dtype), dR.to(R_dtype), db.to(b_dtype), *dstate)
+        return (None, dx, dR.to(R_dtype), db.to(b_dtype), *dstate)
 
 
 def _check(cell, x, R, b, initial_state, output_final_state, cu_seqlens, host_values=True, config=None):
