@@ -40,16 +40,16 @@ W = 8, St = 2, D = 64 (registers / spill bytes / shared bytes; model's shared by
 
 (fp32 at D = 64: the sLSTM backward spills 4 B under Triton 3.6 at these defaults; Triton 3.9: 254 registers, none.)
 
-Constraints of a candidate (``fused_constraints``): BB, W, St in ``SPACE``; BB a multiple of 16 (the mma tile's
-rows); 32 W threads within the block limit; shared memory of every kernel within the per-block limit; at least one
-program resident per SM (registers, warps); not recorded as failed to compile. Objective (``fused_objective``,
-smaller is better, compared in order): (1) registers over the per-thread limit (a predicted spill; a recorded spill
-counts as over), (2) waves x mma rounds: waves = ceil(programs / (SMs x resident programs per SM)), programs = NH *
-ceil(N / BB), rounds = ceil(tiles / W) mma tiles per warp per dot, a step-latency proxy, (3) rounds, (4) more
-stages (the loads of the next St - 1 steps in flight during step t: on the H100, bf16, B = 16, T = 1024, D <= 64,
-3 stages measured 1.2-1.9x faster per step than 2, forward and backward; ``README.md``), (5) fewer warps than the
-SM's schedulers (4), (6) W, (7) shared memory, (8) BB. ``choose_fused_launch`` returns the smallest candidate; ``exhaustive_fused_launch`` the same
-by enumeration (for tests).
+Constraints of a candidate (``fused_constraints``): BB, W, St in ``SPACE``; BB a multiple of 16 (the mma tile's rows);
+32 W threads within the block limit; shared memory of every kernel within the per-block limit; at least one program
+resident per SM (registers, warps); not recorded as failed to compile. Objective (``fused_objective``, smaller is
+better, compared in order): (1) registers over the per-thread limit (a predicted spill; a recorded spill counts as
+over), (2) waves x mma rounds: waves = ceil(programs / (SMs x resident programs per SM)), programs = NH * ceil(N /
+BB), rounds = ceil(tiles / W) mma tiles per warp per dot, a step-latency proxy, (3) rounds, (4) more stages (the loads
+of the next St - 1 steps in flight during step t: on the H100, bf16, B = 16, T = 1024, D <= 64, 3 stages measured
+1.2-1.9x faster per step than 2, forward and backward; ``README.md``), (5) fewer warps than the SM's schedulers (4),
+(6) W, (7) shared memory, (8) BB. ``choose_fused_launch`` returns the smallest candidate; ``exhaustive_fused_launch``
+the same by enumeration (for tests).
 """
 from __future__ import annotations
 
