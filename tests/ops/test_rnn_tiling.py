@@ -269,3 +269,63 @@ def test_team_cache_and_bad_arguments():
         args.update(kwargs)
         with pytest.raises(exc, match=match):
             tiling.choose_team_launch(**args)
+
+
+def _first_checked_shape():
+    """A shape (dtype, D, cell) whose default fused choice is predicted at or above the check's register fraction."""
+    for dtype in DTYPES:
+        for D in (16, 32, 48, 64, 128):
+            for cell in CELLS:
+                got = choose_fused_launch(16, 2, D, dtype, cell=cell)
+                if got is not None and fused_cost(cell, D, dtype, *got).regs >= \
+                        tiling.REG_CHECK_FRACTION * H100.regs_per_thread:
+                    return dtype, D, cell
+    raise AssertionError("no default choice reaches the check's register fraction")
+
+
+def test_compiled_feedback_passes_over_spills_and_failures():
+    """A fake compiler: the search's first choice spills, the second fails to compile; the third is taken, each
+    config compiled once, and a second search with the same feedback compiles nothing (order of calls does not
+    matter: the result is the first clean config in the objective's order)."""
+    dtype, D, cell = _first_checked_shape()
+    calls = []
+    bad = {}
+
+    def compiled(config):
+        calls.append(config)
+        if not bad:
+            bad[config] = (tiling.SPILL_BYTES, False)
+        elif len(bad) == 1 and config not in bad:
+            bad[config] = (0, True)
+        return bad.get(config, (tiling.SPILL_BYTES - 1, False))  # below the threshold: clean
+
+    fb = FusedFeedback()
+    got = tiling.choose_fused_launch_compiled(16, 2, D, dtype, H100, cell=cell, feedback=fb, compiled=compiled)
+    spilled, failed = fb.excluded(D, dtype, cell)
+    assert len(spilled) == 1 and len(failed) == 1 and got not in spilled | failed
+    assert calls[:2] == [next(iter(spilled)), next(iter(failed))] and len(calls) == len(set(calls))
+    assert got == choose_fused_launch(16, 2, D, dtype, cell=cell, feedback=fb)  # the plain search agrees
+    n = len(calls)
+    assert tiling.choose_fused_launch_compiled(16, 2, D, dtype, H100, cell=cell, feedback=fb, compiled=compiled) == got
+    assert len(calls) == n  # every config seen once
+
+
+def test_compiled_feedback_all_spill_and_below_fraction():
+    """Where every checked config spills, the best spilled one is returned (a spill runs; a failure does not); a
+    choice predicted below the register fraction is taken without compiling."""
+    dtype, D, cell = _first_checked_shape()
+    calls = []
+    fb = FusedFeedback()
+    got = tiling.choose_fused_launch_compiled(16, 2, D, dtype, H100, cell=cell, feedback=fb,
+                                              compiled=lambda c: calls.append(c) or (512, False))
+    assert got is not None and len(calls) == len(set(calls)) >= 1
+    assert got in fb.excluded(D, dtype, cell)[0] or \
+        fused_cost(cell, D, dtype, *got).regs < tiling.REG_CHECK_FRACTION * H100.regs_per_thread
+    light = choose_fused_launch(16, 2, 16, torch.bfloat16, cell="elman")
+    assert fused_cost("elman", 16, torch.bfloat16, *light).regs < tiling.REG_CHECK_FRACTION * H100.regs_per_thread
+    assert tiling.choose_fused_launch_compiled(16, 2, 16, torch.bfloat16, H100, cell="elman", feedback=FusedFeedback(),
+                                               compiled=lambda c: pytest.fail("compiled a light config")) == light
+    with pytest.raises(ValueError, match="`cell`"):
+        tiling.choose_fused_launch_compiled(16, 2, 16, torch.bfloat16, H100, cell=None, feedback=fb, compiled=len)
+    with pytest.raises(TypeError, match="`feedback`"):
+        tiling.choose_fused_launch_compiled(16, 2, 16, torch.bfloat16, H100, cell="lstm", feedback={}, compiled=len)

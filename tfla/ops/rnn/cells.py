@@ -22,10 +22,10 @@ import torch
 from tfla.ops.common.utils import SUPPORTED_DTYPES, cdiv, check_device, interpret_mode, next_pow2
 from tfla.ops.common.varlen import cached_bounds
 from tfla.ops.rnn import pointwise
-from tfla.ops.rnn.fused import MAX_FUSED_D, rnn_fused_bwd, rnn_fused_fwd
+from tfla.ops.rnn.fused import MAX_FUSED_D, compile_check, rnn_fused_bwd, rnn_fused_fwd
 from tfla.ops.rnn.team import TEAM_COLS, rnn_team_bwd, rnn_team_fwd
-from tfla.ops.rnn.tiling import (H100, TEAM_WARPS, DeviceLimits, TeamLaunch, choose_fused_launch, choose_team_launch,
-                                 team_bk)
+from tfla.ops.rnn.tiling import (H100, TEAM_WARPS, DeviceLimits, FusedFeedback, TeamLaunch, choose_fused_launch,
+                                 choose_fused_launch_compiled, choose_team_launch, team_bk)
 from tfla.ops.rnn.reference import CELL_GATES, CELL_STATES
 from tfla.ops.rnn.weight_grad import dR_db
 from tfla.utils.validation import check_cotangent, check_tensor, check_varlen_bounds
@@ -87,6 +87,14 @@ def _device_limits(index: int) -> DeviceLimits:
     return DeviceLimits.from_device(index)
 
 
+@functools.lru_cache(maxsize=None)
+def _compile_feedback(index: int) -> FusedFeedback:
+    """GPU ``index``'s fused launches compiled by the launch search's checks (``choose_fused_launch_compiled``): a
+    cache of what the compiler produced, like Triton's own kernel cache (a kernel's registers and spills do not
+    change within a process)."""
+    return FusedFeedback()
+
+
 def fused_launch(config, dtype: torch.dtype, N: int, NH: int, D: int, device: torch.device | None = None, *,
                  cell: str | None = None) -> Launch | None:
     """The path of a (checked) ``config`` for N rows and NH heads of D units (``cell``: that cell's kernels, None:
@@ -96,9 +104,10 @@ def fused_launch(config, dtype: torch.dtype, N: int, NH: int, D: int, device: to
     forward + backward, team 4.43 / 10.62 at 071f7e5; but the sLSTM's fused backward needs 266 KB of shared memory
     there). The launch settings come from the constraint search of ``tiling.py`` under the device's limits (a CUDA
     device's own, the H100's on the CPU interpreter), with the config's keys as fixed variables: fused
-    ``choose_fused_launch`` (BB, warps, stages; on the H100 at the shapes measured it gives the hand-set 16 rows, 8
-    warps above D = 32 else 4, 2 stages), team ``choose_team_launch`` (BB, units per member, R held or streamed,
-    stages; 4 warps). Where no candidate meets the constraints (a config the device cannot take; on the interpreter
+    ``choose_fused_launch`` (BB, warps, stages; on the H100 at the shapes measured 16 rows, 8 warps above D = 32
+    else 4, the most stages that fit: 3 for 16-bit inputs; on a GPU with a cell given, ``choose_fused_launch_compiled``:
+    choices near the register limit are compiled first and a spilling or failing one is passed over), team
+    ``choose_team_launch`` (BB, units per member, R held or streamed, stages; 4 warps). Where no candidate meets the constraints (a config the device cannot take; on the interpreter
     it still runs) the config's values, else those hand-set ones, are taken as they are, and a launch beyond the
     GPU's resources raises ValueError naming ``config``."""
     cfg = config or {}
@@ -111,8 +120,14 @@ def fused_launch(config, dtype: torch.dtype, N: int, NH: int, D: int, device: to
     limits = _device_limits(device.index or 0) if on_gpu else H100
     N = max(N, 1)  # an empty batch launches nothing; any launch will do
     if path == "fused":
-        got = choose_fused_launch(N, NH, D, dtype, limits, cell=cell, BB=cfg.get("BB"),
-                                  num_warps=cfg.get("num_warps"), num_stages=cfg.get("num_stages"))
+        fixed = dict(BB=cfg.get("BB"), num_warps=cfg.get("num_warps"), num_stages=cfg.get("num_stages"))
+        if on_gpu and cell is not None and not interpret_mode():  # compiler feedback near the register limit
+            G, S = len(CELL_GATES[cell]), len(CELL_STATES[cell])
+            check = functools.partial(compile_check, _CELL_IDS[cell], G, S, D, dtype, N=N, NH=NH, device=device)
+            got = choose_fused_launch_compiled(N, NH, D, dtype, limits, cell=cell,
+                                               feedback=_compile_feedback(device.index or 0), compiled=check, **fixed)
+        else:
+            got = choose_fused_launch(N, NH, D, dtype, limits, cell=cell, **fixed)
         if got is None:
             got = (cfg.get("BB", 16), cfg.get("num_warps", 8 if D > 32 else 4), cfg.get("num_stages", 2))
         return Launch("fused", *got)

@@ -288,3 +288,31 @@ def rnn_fused_bwd(cell_id: int, x, Wt, b_acc, states, rh, do, dstate_final, leng
          x, Wt, b_acc, states, rh, do, dstate_final.contiguous(), lens, seq, dx, drh, dstate0, N, NH, D, Tm,
          *Wt.stride(), *x.stride(), *do.stride(), *dx.stride(),
          CELL=cell_id, G=G, S=states.shape[1], HAS_SEQ=dstate_seq is not None, **kw)
+
+
+def compile_check(cell_id: int, G: int, S: int, D: int, dtype: torch.dtype, config: tuple[int, int, int], N: int,
+                  NH: int, device: torch.device) -> tuple[int, bool]:
+    """``(spill bytes, failed)`` of one fused launch ``config = (BB, num_warps, num_stages)``: its forward and
+    backward kernels compiled for ``device`` without running (Triton's ``warmup``, dtypes in place of tensors;
+    contiguous layouts of N rows, NH heads and 1024 steps), loaded (which checks shared memory and threads), and the
+    larger of their local-memory (spill) bytes per thread read. For ``tiling.choose_fused_launch_compiled`` (a GPU
+    only; the interpreter compiles nothing)."""
+    BB, num_warps, num_stages = config
+    grid, kw = _launch(N, NH, D, dtype, BB, num_warps, num_stages)
+    Tm, f32 = 1024, torch.float32
+    w = (D * G * D, G * D, 1)  # Wt [NH, D, G D]
+    x = (Tm * G * NH * D, G * NH * D, NH * D, D, 1)  # x, dx [N, Tm, G, NH, D]
+    o = (Tm * NH * D, NH * D, D, 1)  # o, do [N, Tm, NH, D]
+    launches = ((_rnn_fused_fwd_kernel, (dtype, f32, f32, f32, f32, dtype, N, NH, D, Tm, *w, *x, *o), {}),
+                (_rnn_fused_bwd_kernel, (dtype, f32, f32, f32, f32, dtype, f32, torch.int32, f32, dtype, f32, f32,
+                                         N, NH, D, Tm, *w, *x, *o, *x), {"HAS_SEQ": False}))
+    spill = 0
+    try:
+        with torch.cuda.device(device):
+            for kernel, args, extra in launches:
+                compiled = kernel.warmup(*args, grid=grid, CELL=cell_id, G=G, S=S, **extra, **kw)
+                compiled._init_handles()  # loads the binary: shared memory and threads checked, n_spills read
+                spill = max(spill, int(getattr(compiled, "n_spills", 0) or 0))
+    except triton.runtime.errors.OutOfResources:
+        return spill, True
+    return spill, False

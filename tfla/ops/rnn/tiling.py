@@ -224,11 +224,12 @@ def fused_objective(cand, N, NH, cell, D, dtype, limits: DeviceLimits = H100, sp
 class FusedFeedback:
     """Observations of compiled fused launches, so later choices exclude or avoid them (FlashRNN's compiler feedback,
     Appendix D): ``record(D, dtype, (BB, num_warps, num_stages), cell=None, spilled=.., failed=..)``. A failed
-    compile excludes the config; a spill makes it rank after every config without a (predicted or recorded) spill.
-    Keyed by (BD, dtype, cell); cell None applies to every cell. An in-memory table held by its caller, passed to
-    ``choose_fused_launch(..., feedback=)``; no module keeps one, and nothing fills it from compiled kernels yet
-    (``scripts/compile_stats.py --op rnn`` prints their registers and spills)."""
+    compile excludes the config; a spill makes it rank after every config without a (predicted or recorded) spill; a
+    clean compile is remembered too (``observed``), so it is not compiled again. Keyed by (BD, dtype, cell); cell
+    None applies to every cell. Passed to ``choose_fused_launch(..., feedback=)``; ``choose_fused_launch_compiled``
+    fills one from compiled kernels (the cells keep one per GPU: ``cells.fused_launch``)."""
     table: dict = dataclasses.field(default_factory=dict)
+    clean: set = dataclasses.field(default_factory=set)
 
     def record(self, D: int, dtype, config: tuple[int, int, int], cell: str | None = None, *, spilled: bool = False,
                failed: bool = False) -> None:
@@ -237,9 +238,10 @@ class FusedFeedback:
         _check_cell(cell)
         if not (isinstance(config, tuple) and len(config) == 3 and all(isinstance(v, int) for v in config)):
             raise TypeError(f"`config` must be a tuple (BB, num_warps, num_stages) of ints, got {config!r}")
-        if not (spilled or failed):
-            return
         key = (dot_tile(D, MAX_FUSED_D, dtype), dtype, cell)
+        if not (spilled or failed):
+            self.clean.add((*key, config))
+            return
         spill, fail = self.table.get(key, (frozenset(), frozenset()))
         self.table[key] = (spill | {config} if spilled else spill, fail | {config} if failed else fail)
 
@@ -252,6 +254,12 @@ class FusedFeedback:
             if bd == BD and dt == dtype and (c is None or cell is None or c == cell):
                 spill, fail = spill | s, fail | f
         return spill, fail
+
+    def observed(self, D: int, dtype, config: tuple[int, int, int], cell: str | None = None) -> bool:
+        """Whether a compile of this config for D's tile, dtype and cell was recorded (clean, spilled or failed)."""
+        key = (dot_tile(D, MAX_FUSED_D, dtype), dtype, cell)
+        spill, fail = self.table.get(key, (frozenset(), frozenset()))
+        return (*key, config) in self.clean or config in spill or config in fail
 
 
 def _check_args(N, NH, D, dtype, limits, cell, fixed):
@@ -332,6 +340,43 @@ def choose_fused_launch(N: int, NH: int, D: int, dtype, device_limits: DeviceLim
 
 choose_fused_launch.cache_info = _choose.cache_info
 choose_fused_launch.cache_clear = _choose.cache_clear
+
+# The register model is least sure near the limit (its misclassified kernels: module docstring): a candidate
+# predicted to use at least this fraction of the per-thread registers is compiled before it is taken, and counts as
+# spilled from SPILL_BYTES of local memory per thread on (a few bytes, e.g. the fp32 sLSTM backward's 4 B at D = 64
+# and 2 stages under Triton 3.6, are the allocator's rounding, not a loop that spills).
+REG_CHECK_FRACTION = 0.8
+SPILL_BYTES = 64
+
+
+def choose_fused_launch_compiled(N: int, NH: int, D: int, dtype, device_limits: DeviceLimits, *, cell: str,
+                                 feedback: FusedFeedback, compiled, BB: int | None = None,
+                                 num_warps: int | None = None,
+                                 num_stages: int | None = None) -> tuple[int, int, int] | None:
+    """``choose_fused_launch`` with compiler feedback: while the choice is a config whose predicted registers reach
+    ``REG_CHECK_FRACTION`` of the limit and that ``feedback`` has not seen compiled, ``compiled(config) -> (spill
+    bytes per thread, failed)`` compiles the cell's kernels for it (``fused.compile_check``), ``feedback`` records
+    the result (spilled from ``SPILL_BYTES`` on) and the search runs again (a failed config is excluded, a spilled
+    one ranks last). Returns the first choice that is below the fraction, was
+    seen compiled, or compiled clean; where every candidate spills, the best of them; None where none fits. The
+    result depends only on the compiled kernels, not on the order of calls (each check is recorded once)."""
+    if not isinstance(feedback, FusedFeedback):
+        raise TypeError(f"`feedback` must be a FusedFeedback, got {type(feedback).__name__}")
+    _check_cell(cell)
+    if cell is None:
+        raise ValueError("`cell` must name the cell whose kernels are compiled")
+    for _ in range(math.prod(len(v) for v in SPACE.values()) + 1):
+        got = choose_fused_launch(N, NH, D, dtype, device_limits, cell=cell, BB=BB, num_warps=num_warps,
+                                  num_stages=num_stages, feedback=feedback)
+        if got is None or feedback.observed(D, dtype, got, cell) or \
+                fused_cost(cell, D, dtype, *got, device_limits).regs < REG_CHECK_FRACTION * device_limits.regs_per_thread:
+            return got
+        spill, failed = compiled(got)
+        spilled = spill >= SPILL_BYTES
+        feedback.record(D, dtype, got, cell, spilled=spilled, failed=bool(failed))
+        if not (spilled or failed):
+            return got
+    raise AssertionError("unreachable: every config is checked at most once")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
