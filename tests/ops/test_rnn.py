@@ -408,8 +408,10 @@ def test_path_choice():
     alternates."""
     from tfla.ops.rnn.cells import Launch
 
+    # 3 stages where shared memory fits every cell (16-bit); fp32 at D = 64: the LSTM's and sLSTM's backward at 3
+    # stages would need 245,760 / 286,720 B, so 2
     assert fused_launch(None, torch.float32, 16, 12, 64) == Launch("fused", 16, 8, 2)
-    assert fused_launch({}, torch.bfloat16, 3, 2, 32) == Launch("fused", 16, 4, 2)
+    assert fused_launch({}, torch.bfloat16, 3, 2, 32) == Launch("fused", 16, 4, 3)
     assert fused_launch(None, torch.float64, 3, 2, 16) is None
     assert fused_launch({"path": "alternating"}, torch.float16, 3, 2, 16) is None
     assert fused_launch({"path": "fused", "BB": 32}, torch.float32, 3, 2, 128) == Launch("fused", 32, 8, 2)
