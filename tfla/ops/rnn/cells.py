@@ -104,12 +104,13 @@ def fused_launch(config, dtype: torch.dtype, N: int, NH: int, D: int, device: to
     forward + backward, team 4.43 / 10.62 at 071f7e5; but the sLSTM's fused backward needs 266 KB of shared memory
     there). The launch settings come from the constraint search of ``tiling.py`` under the device's limits (a CUDA
     device's own, the H100's on the CPU interpreter), with the config's keys as fixed variables: fused
-    ``choose_fused_launch`` (BB, warps, stages; on the H100 at the shapes measured 16 rows, 8 warps above D = 32
-    else 4, the most stages that fit: 3 for 16-bit inputs; on a GPU with a cell given, ``choose_fused_launch_compiled``:
+    ``choose_fused_launch`` (BB, warps, stages; on the H100 at the shapes measured 16 rows, 8 warps above D = 32 else
+    4, the most stages that fit: 3 for 16-bit inputs; on a GPU with a cell given, ``choose_fused_launch_compiled``:
     choices near the register limit are compiled first and a spilling or failing one is passed over), team
-    ``choose_team_launch`` (BB, units per member, R held or streamed, stages; 4 warps). Where no candidate meets the constraints (a config the device cannot take; on the interpreter
-    it still runs) the config's values, else those hand-set ones, are taken as they are, and a launch beyond the
-    GPU's resources raises ValueError naming ``config``."""
+    ``choose_team_launch`` (BB, units per member, R held or streamed, stages; 4 warps). Where no candidate meets the
+    constraints (a config the device cannot take; on the interpreter it still runs) the config's values, else those
+    hand-set ones, are taken as they are, and a launch beyond the GPU's resources raises ValueError naming
+    ``config``."""
     cfg = config or {}
     path = cfg.get("path", "auto")
     if path == "auto":

@@ -368,8 +368,9 @@ def choose_fused_launch_compiled(N: int, NH: int, D: int, dtype, device_limits: 
     for _ in range(math.prod(len(v) for v in SPACE.values()) + 1):
         got = choose_fused_launch(N, NH, D, dtype, device_limits, cell=cell, BB=BB, num_warps=num_warps,
                                   num_stages=num_stages, feedback=feedback)
-        if got is None or feedback.observed(D, dtype, got, cell) or \
-                fused_cost(cell, D, dtype, *got, device_limits).regs < REG_CHECK_FRACTION * device_limits.regs_per_thread:
+        if got is None or feedback.observed(D, dtype, got, cell):
+            return got
+        if fused_cost(cell, D, dtype, *got, device_limits).regs < REG_CHECK_FRACTION * device_limits.regs_per_thread:
             return got
         spill, failed = compiled(got)
         spilled = spill >= SPILL_BYTES
