@@ -46,10 +46,11 @@ resident per SM (registers, warps); not recorded as failed to compile. Objective
 better, compared in order): (1) registers over the per-thread limit (a predicted spill; a recorded spill counts as
 over), (2) waves x mma rounds: waves = ceil(programs / (SMs x resident programs per SM)), programs = NH * ceil(N /
 BB), rounds = ceil(tiles / W) mma tiles per warp per dot, a step-latency proxy, (3) rounds, (4) more stages (the loads
-of the next St - 1 steps in flight during step t: on the H100, bf16, B = 16, T = 1024, D <= 64, 3 stages measured
-1.2-1.9x faster per step than 2, forward and backward; ``README.md``), (5) fewer warps than the SM's schedulers (4),
-(6) W, (7) shared memory, (8) BB. ``choose_fused_launch`` returns the smallest candidate; ``exhaustive_fused_launch``
-the same by enumeration (for tests).
+of the next St - 1 steps in flight during step t: on the H100, torch 2.11, Triton 3.6, bf16, B = 16, T = 1024, D <=
+64, median ``do_bench`` of forward and forward + backward, 3 stages measured 1.2-1.9x faster per step than 2, forward
+and backward; ``README.md``), (5) fewer warps than the SM's schedulers (4), (6) W, (7) shared memory, (8) BB.
+``choose_fused_launch`` returns the smallest candidate; ``exhaustive_fused_launch`` the same by enumeration (for
+tests).
 """
 from __future__ import annotations
 

@@ -11,12 +11,12 @@ of db) over one slice of the rows, read through strides; the slices' partial sum
 are added afterwards in a fixed order, so results are bitwise repeatable.
 
 Products: the saved drh and states are fp32. On a GPU each operand is split into a bf16 high part and the bf16
-rounding of the remainder, and three bf16 tensor-core products (hi hi, lo hi, hi lo) accumulate in fp32: ~16
-mantissa bits per operand, for every input dtype (H100, B = 16, T = 1024, random fp32 operands: rel-L2 1.5e-5 /
-6.7e-6 against float64 at D x NH = 768 x 1 / 16 x 48; without the hi lo product 1.7e-3, 0.9-0.97x the time, so it
-stays). fp32's ``tf32x3`` would need both operands K-major, and here both are stored the other way round: as one
-TF32 product with both operands transposed, 768 x 1 took 4.85 ms. On the CPU interpreter one IEEE fp32 product;
-float64 (the verification dtype) uses ``torch.bmm`` in float64.
+rounding of the remainder, and three bf16 tensor-core products (hi hi, lo hi, hi lo) accumulate in fp32: ~16 mantissa
+bits per operand, for every input dtype (H100, torch 2.11, Triton 3.6, B = 16, T = 1024, G = 4, random fp32 operands,
+median ``do_bench``: rel-L2 1.5e-5 / 6.7e-6 against float64 at D x NH = 768 x 1 / 16 x 48; without the hi lo product
+1.7e-3, 0.9-0.97x the time, so it stays). fp32's ``tf32x3`` would need both operands K-major, and here both are stored
+the other way round: as one TF32 product with both operands transposed, 768 x 1 took 4.85 ms. On the CPU interpreter
+one IEEE fp32 product; float64 (the verification dtype) uses ``torch.bmm`` in float64.
 """
 from __future__ import annotations
 
@@ -77,10 +77,11 @@ def _rnn_dR_db_kernel(
 
 
 def _tiles(GD: int, D: int):
-    """``(BM, BN)``: 128 x 128 from D = 128 on, else 64 rows (fewer where G D is smaller) and D's power of two
-    (H100, bf16 split products, B = 16, T = 1024: at D x NH = 768 x 1 / 256 x 3 / 64 x 12 this rule with 4 warps,
-    32-row slices and ~4 programs per SM measured 1.27 / 0.35 / 0.14 ms, the fastest of 8-32 launches tried each;
-    ``torch.bmm`` in fp32 with the rows gathered: 1.52 / 1.00 / 0.79, 2026-11-25)."""
+    """``(BM, BN)``: 128 x 128 from D = 128 on, else 64 rows (fewer where G D is smaller) and D's power of two (H100,
+    torch 2.11, Triton 3.6, split bf16 products, B = 16, T = 1024, G = 4, median ``do_bench``: at D x NH = 768 x 1
+    / 256 x 3 / 64 x 12 this rule with 4 warps, 32-row slices and ~4 programs per SM measured 1.27 / 0.35 / 0.14
+    ms, the fastest of 8-32 launches tried each; ``torch.bmm`` in fp32 with the rows gathered: 1.52 / 1.00 / 0.79,
+    2026-11-25)."""
     BN = min(128, max(16, next_pow2(D)))
     return min(128 if BN == 128 else 64, max(16, next_pow2(GD))), BN
 
