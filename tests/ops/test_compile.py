@@ -146,6 +146,24 @@ def test_gdn_compiled_forward_without_grad(device):
         assert_rel_close(name, a.cpu(), b.cpu().double(), tolerance(torch.float32))
 
 
+def test_gdn_compiled_varlen_forward_under_capture(device, monkeypatch):
+    """The compiled varlen forward without gradients under CUDA-graph capture (forced here; what a compile with CUDA
+    graphs records): the custom op builds its tables on the device, reads no offsets back, and equals eager."""
+    import tfla.ops.common.varlen as varlen
+
+    T = 150
+    x = gdn_inputs(1, T, 1, 16, 16, HV=2, dtype=torch.float32, device=device, initial_state=True, num_seqs=4, seed=5)
+    cu = torch.tensor([0, 1, 64, 64, T], device=device)
+    compiled = torch.compile(_gdn, fullgraph=True, backend="eager")
+    with torch.no_grad():
+        want = _gdn(*(x[n] for n in NAMES), cu)
+        monkeypatch.setattr(varlen, "_capturing", lambda: True)
+        monkeypatch.setattr(varlen, "cached_bounds", lambda *a: pytest.fail("offsets read under capture"))
+        got = compiled(*(x[n] for n in NAMES), cu)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
 def test_gdn_compiled_bad_input_raises_as_eager(device):
     """Bad shapes raise eager's ValueError through a compiled call; with ``fullgraph=True`` Dynamo reports it as its
     own error carrying the same message."""

@@ -236,16 +236,141 @@ def test_varlen_tables_cached_per_cu_seqlens(device, monkeypatch):
     assert not torch.equal(got[0], first[0])
 
 
-def test_varlen_refuses_cuda_graph_capture(device, monkeypatch):
-    """A varlen call under CUDA-graph capture raises (the tables would be those of the offsets at capture time)."""
-    import tfla
+@pytest.mark.parametrize("cu", [[0, 1, 1, 70, 200], [0, 200, 200, 200, 200], [0, 63, 64, 65, 200]])
+def test_device_tables_match_host_tables(device, cu):
+    """``VarlenIndex.on_device`` (device ops only) gives the host tables' rows first, then padding rows whose chunk
+    lies past its sequence's end (every row masked off), in a table of ``min(T // 64 + N, T)`` rows."""
+    from tfla.ops.common.varlen import VarlenIndex, chunk_tables
+
+    T, N = cu[-1], len(cu) - 1
+    got = VarlenIndex.on_device(torch.tensor(cu, device=device), T)
+    want_idx, want_first = chunk_tables(cu, 64, device)
+    n = want_idx.shape[0]
+    assert got.bounds is None and got.sub_indices.shape == (min(T // 64 + N, T), 2)
+    assert torch.equal(got.sub_indices[:n], want_idx) and torch.equal(got.sub_offsets, want_first)
+    assert torch.equal(got.cu_seqlens.cpu(), torch.tensor(cu))
+    for s, c in got.sub_indices[n:].tolist():
+        assert c * 64 >= cu[s + 1] - cu[s]
+
+
+def test_device_tables_clamp_malformed_offsets(device):
+    """Offsets that are not a partition of [0, T] (unchecked under capture) become one: every row the kernels can
+    touch lies inside the tensors."""
+    from tfla.ops.common.varlen import VarlenIndex
+
+    got = VarlenIndex.on_device(torch.tensor([5, 300, 2, 100], device=device), 150)
+    offs = got.cu_seqlens.tolist()
+    assert offs[0] == 0 and offs[-1] == 150 and offs == sorted(offs)
+    idx = got.sub_indices.tolist()
+    assert all(0 <= s < 3 and c >= 0 for s, c in idx)
+
+
+def _forced_capture(monkeypatch, cu):
+    """Make the op see a CUDA-graph capture (on any device) and forbid every host read of ``cu`` or of host tables."""
     import tfla.ops.common.varlen as varlen
 
+    def refuse(*a, **kw):
+        raise AssertionError("host tables built under capture")
+
     monkeypatch.setattr(varlen, "_capturing", lambda: True)
+    monkeypatch.setattr(varlen, "cached_bounds", refuse)
+    monkeypatch.setattr(varlen, "_tables", refuse)
+    _forbid_host_reads(monkeypatch, cu)
+
+
+OPTION_CASES = [dict(), dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True)]
+
+
+@pytest.mark.parametrize("opts", OPTION_CASES, ids=["plain", "l2norm-gate-beta"])
+def test_varlen_forward_under_capture_equals_eager(device, monkeypatch, poison_empty, opts):
+    """Under CUDA-graph capture (forced here, so it runs on the interpreter) the varlen forward without gradients
+    builds its tables on the device and reads nothing back: equal to the eager call, for sequences of length 0, 1,
+    shorter and longer than 64, grouped value heads and initial / final states; new offsets written into the same
+    ``cu_seqlens`` are taken by the next call."""
+    import tfla
+
+    T = 200
+    x = gdn_inputs(1, T, 1, 32, 16, HV=2, dtype=torch.float32, device=device, initial_state=True, num_seqs=4, seed=9)
+    if opts.get("use_gate_in_kernel"):
+        opts = {**opts, "A_log": torch.tensor([0.2, 1.5], device=device), "dt_bias": torch.tensor([0.1, -0.4],
+                                                                                                   device=device)}
+    cu = torch.tensor([0, 1, 1, 70, T], device=device)
+
+    def run(**kw):
+        with torch.no_grad():
+            return tfla.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"],
+                                               initial_state=x["initial_state"], output_final_state=True,
+                                               cu_seqlens=cu, **opts, **kw)
+
+    for offsets in ([0, 1, 1, 70, T], [0, 130, 131, 131, T]):
+        cu.copy_(torch.tensor(offsets, device=device))
+        want = run()
+        with monkeypatch.context() as m:
+            _forced_capture(m, cu)
+            got = run(cu_seqlens_cpu=torch.tensor([0, 50, 100, 150, T]))  # (ignored under capture)
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
+
+
+def test_varlen_under_capture_refuses_gradients_and_pieces(device, monkeypatch):
+    """Under capture a varlen call that needs gradients, or one forced into pieces, raises ValueError naming why."""
+    import tfla
+
     x = gdn_inputs(1, 70, 1, 16, 16, dtype=torch.float32, device=device, num_seqs=2, seed=1)
     cu = torch.tensor([0, 30, 70], device=device)
-    with pytest.raises(ValueError, match="CUDA-graph capture"):
-        tfla.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], cu_seqlens=cu)
+    _forced_capture(monkeypatch, cu)
+    q = x["q"].clone().requires_grad_()
+    with pytest.raises(ValueError, match="without gradients"):
+        tfla.chunk_gated_delta_rule(q, x["k"], x["v"], x["g"], x["beta"], cu_seqlens=cu)
+    with torch.no_grad(), pytest.raises(ValueError, match="segments"):
+        tfla.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], cu_seqlens=cu, segments=3)
+    with pytest.raises(ValueError, match="CUDA-graph capture"):  # an op without device tables
+        tfla.chunk_simple_gla(x["q"], x["k"], x["q"], g=x["g"], cu_seqlens=cu)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,K", [(torch.bfloat16, 128), (torch.float32, 64)])
+def test_cuda_graph_varlen_forward_replays_new_offsets(dtype, K):
+    """A varlen forward (no gradients; l2norm and gate in the op, initial states) captured in a CUDA graph, replayed
+    after new inputs and new offsets (same N and T) were written into the captured tensors: equal to an eager call on
+    those (bf16 at K = 128 takes the Hopper pass there)."""
+    import tfla
+
+    T, HV = 700, 4
+    names = ("q", "k", "v", "g", "beta", "initial_state")
+    opts = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                A_log=torch.linspace(0.0, 2.0, HV, device="cuda"), dt_bias=torch.zeros(HV, device="cuda"))
+
+    def inputs(seed):
+        x = gdn_inputs(1, T, 2, K, K, HV=HV, dtype=dtype, device="cuda", initial_state=True, num_seqs=5, seed=seed)
+        return {n: x[n] for n in names}
+
+    static = inputs(1)
+    cu = torch.tensor([0, 1, 1, 300, 301, T], device="cuda")
+
+    def step():
+        with torch.no_grad():
+            return tfla.chunk_gated_delta_rule(*(static[n] for n in names[:5]), initial_state=static["initial_state"],
+                                               output_final_state=True, cu_seqlens=cu, **opts)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for seed, offsets in ((2, [0, 64, 64, 65, 600, T]), (3, [0, 0, 0, 0, 0, T])):
+        fresh = inputs(seed)
+        for n in names:
+            static[n].copy_(fresh[n])
+        cu.copy_(torch.tensor(offsets, device="cuda"))
+        graph.replay()
+        want = step()
+        for a, b in zip(out, want):
+            assert torch.equal(a, b)
 
 
 @pytest.mark.gpu

@@ -5,15 +5,19 @@ from __future__ import annotations
 
 import torch
 
-from tfla.ops.common.varlen import VarlenIndex
+from tfla.ops.common.varlen import VarlenIndex, capturing
 from tfla.utils.validation import check_varlen_bounds
 
 
-def varlen_index(cu_seqlens: torch.Tensor | None, chunk_size: int, T: int) -> VarlenIndex | None:
+def varlen_index(cu_seqlens: torch.Tensor | None, chunk_size: int, T: int,
+                 on_device: bool = False) -> VarlenIndex | None:
     """The cached index tables of ``cu_seqlens`` at ``chunk_size`` (None without varlen), its offsets checked against
-    the T packed tokens (ValueError as in eager calls)."""
+    the T packed tokens (ValueError as in eager calls). ``on_device``: the op takes tables built on the device
+    (``VarlenIndex.on_device``, 64-row chunks), used under CUDA-graph capture (e.g. compiled with CUDA graphs)."""
     if cu_seqlens is None:
         return None
+    if on_device and capturing():
+        return VarlenIndex.on_device(cu_seqlens, T)
     varlen = VarlenIndex.build(cu_seqlens, chunk_size)
     check_varlen_bounds(varlen.bounds, T)
     return varlen

@@ -371,9 +371,10 @@ def fused_delta_fwd(q, k, v, g, beta, scale, initial_state=None, output_final_st
                     sub_tables: tuple | None = None, act=None, config=None, slab: int = 0):
     """The gated delta rule's forward, fused. Arguments as ``chunk_gated_delta_rule``: q, k ``[B, T, H, K]``, v
     ``[B, T, HV, V]``, g ``[B, T, HV]`` natural-log decay or None, beta ``[B, T, HV]``, initial_state
-    ``[N, HV, K, V]``; ``bounds``: the host copy of ``cu_seqlens`` (read from the device when None);
+    ``[N, HV, K, V]``; ``bounds``: the host copy of ``cu_seqlens`` (read from the device when None and
+    ``sub_tables`` is None);
     ``sub_tables``: the caller's ``(sub_indices, sub_offsets)`` of ``cu_seqlens`` at 64 rows (``VarlenIndex``), built
-    here when None;
+    here when None; given with ``bounds`` None, the tables of ``VarlenIndex.on_device`` (no split then);
     ``segments``: pieces per sequence (1: no split; None: from the shape and the device, ``choose_piece``, at head
     dims K <= 128 only);
     ``split_save``: the ``save`` to use instead when a sequence is cut (a kept Vnew is consistent only with the
@@ -399,12 +400,21 @@ def fused_delta_fwd(q, k, v, g, beta, scale, initial_state=None, output_final_st
     dev = q.device
     if cu_seqlens is not None:
         check_varlen_batch(B, cu_seqlens)
-        bounds = cached_bounds(cu_seqlens) if bounds is None else bounds
-        sub, offsets = sub_tables if sub_tables is not None else chunk_tables(bounds, SUB_CHUNK, dev)
+        if sub_tables is None:
+            bounds = cached_bounds(cu_seqlens) if bounds is None else bounds
+            sub_tables = chunk_tables(bounds, SUB_CHUNK, dev)
+        sub, offsets = sub_tables
+        num_chunks = sub.shape[0]  # (with tables built on the device: a bound, its last rows padding)
     else:
         bounds = [i * T for i in range(B + 1)]
         sub = offsets = None
-    if segments is None:
+        num_chunks = B * cdiv(T, SUB_CHUNK)
+    if bounds is None:  # tables built on the device (CUDA-graph capture): no lengths on the host to cut pieces by
+        if segments not in (None, 1):
+            raise ValueError(f"`segments={segments}` needs the sequence offsets on the host; under CUDA-graph capture "
+                             "with `cu_seqlens` pass segments=None or 1")
+        first = None
+    elif segments is None:
         # the scan holds a K x K transition in registers: the automatic split stays at head dims up to 128 (the
         # ones measured; K = 256 would put a 256 x 256 fp32 tile there)
         sms = sm_count(q)
@@ -442,12 +452,12 @@ def fused_delta_fwd(q, k, v, g, beta, scale, initial_state=None, output_final_st
         if ws:
             o, final, v_new, h = fused_delta_pass_ws(
                 q, k, v, g_cum, beta, ai, scale, initial_state, output_final_state, cu_seqlens, save, ws_cfg,
-                chunk_offsets=offsets, num_chunks=sum(cdiv(e - b, SUB_CHUNK) for b, e in zip(bounds[:-1], bounds[1:]))
-                if save == SAVE_STATES else None, **_slab_states(slab, save, cu_seqlens, q, v, out))
+                chunk_offsets=offsets, num_chunks=num_chunks if save == SAVE_STATES else None,
+                **_slab_states(slab, save, cu_seqlens, q, v, out))
         else:
             o, final, v_new, h = fused_delta_pass(
                 q, k, v, g_cum, beta, ai, scale, initial_state, output_final_state, cu_seqlens, offsets,
-                sum(cdiv(e - b, SUB_CHUNK) for b, e in zip(bounds[:-1], bounds[1:])), save, a=a, config=cfg)
+                num_chunks, save, a=a, config=cfg)
         out.update(o=o, final_state=final, v_new=v_new, h=h)
         return out
     # pieces: B sequences of T rows become one packed batch

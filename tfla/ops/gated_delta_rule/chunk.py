@@ -38,7 +38,7 @@ from tfla.ops.common.state_bwd_ws import delta_state_bwd_ws, state_bwd_ws_suppor
 from tfla.ops.common.utils import SUB_CHUNK
 from tfla.ops.common.ut_transform import ut_transform_fwd, w_from_tm
 from tfla.ops.common.wy_bwd import wy_bwd
-from tfla.ops.common.varlen import VarlenIndex
+from tfla.ops.common.varlen import VarlenIndex, capturing
 from tfla.utils.validation import (
     check_common,
     check_cotangent,
@@ -439,6 +439,26 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
                 None, None)
 
 
+def varlen_tables(cu_seqlens: torch.Tensor, bounds: list[int] | None, T: int, needs_grad: bool) -> VarlenIndex:
+    """The 64-row index tables of ``cu_seqlens`` (``bounds``: its host copy, or None to read it once per tensor):
+    cached host tables, checked against the T packed tokens; under CUDA-graph capture tables built by device ops
+    (``VarlenIndex.on_device``: a replay sees new offsets written into ``cu_seqlens``), for the forward without
+    gradients only.
+
+    Raises:
+        ValueError: malformed offsets; under capture, a call that needs gradients.
+    """
+    if capturing():
+        if needs_grad:
+            raise ValueError("`cu_seqlens` under CUDA-graph capture is supported for the forward without gradients "
+                             "(torch.no_grad() or inputs that do not require grad): the backward's varlen tables need "
+                             "the offsets on the host")
+        return VarlenIndex.on_device(cu_seqlens, T)
+    varlen = VarlenIndex.build(cu_seqlens, SUB_CHUNK, bounds=bounds)
+    check_varlen_bounds(varlen.bounds, T)
+    return varlen
+
+
 def _act(opts: GDNOptions, A_log, dt_bias) -> GateAct | None:
     """The activations the kernels apply (None: g and beta are used as given)."""
     if not opts.gate_act and opts.beta_act == NO_BETA:
@@ -494,7 +514,10 @@ def chunk_gated_delta_rule(
         output_final_state: also return the final state.
         use_qk_l2norm_in_kernel: L2-normalise q and k (``x / sqrt(sum x^2 + 1e-6)``) first (one Triton pass each; the
             backward's in the pass that sums grouped value heads' dq / dk).
-        cu_seqlens: ``[N + 1]`` int offsets of N packed sequences (then B must be 1).
+        cu_seqlens: ``[N + 1]`` int offsets of N packed sequences (then B must be 1). Under CUDA-graph capture
+            (forward without gradients) the index tables are built from it on the device, so a replay takes the
+            offsets written into the same tensor since (same N and T; there unchecked: clamped into ``[0, T]``, made
+            non-decreasing) and ``cu_seqlens_cpu`` is ignored.
         save_states: keep Vnew and the states (every 64 rows) from the forward for the backward instead of
             recomputing the states there (keyword-only): ``B*ceil(T/64)*HV*K*V`` more
             elements in the input dtype than the default (256 MiB at B=4, T=8192, H=16, K=V=128, bf16); README of
@@ -542,7 +565,8 @@ def chunk_gated_delta_rule(
         dims above 256, malformed ``cu_seqlens``, ``cu_seqlens_cpu`` or
         ``initial_state``, tensors on a device the kernels cannot run on, ``cp_context`` given, A_log /
         dt_bias without ``use_gate_in_kernel`` (or of the wrong size), ``allow_neg_eigval`` without
-        ``use_beta_sigmoid_in_kernel``.
+        ``use_beta_sigmoid_in_kernel``, ``cu_seqlens`` under CUDA-graph capture with gradients needed or with
+        ``segments`` > 1.
         In backward: autograd's own error if a saved input was modified in place; ValueError for a
         cotangent of the wrong shape.
 
@@ -564,10 +588,12 @@ def chunk_gated_delta_rule(
     bounds = None if compiling else host_bounds(cu_seqlens, cu_seqlens_cpu)
     check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens)
     B, T, H, K = q.shape
+    a_log, a_bias = (act.A_log, act.dt_bias) if act is not None else (None, None)
+    needs_grad = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
+                                                 for t in (q, k, v, g, beta, initial_state, a_log, a_bias))
     varlen = None
     if cu_seqlens is not None and not compiling:
-        varlen = VarlenIndex.build(cu_seqlens, SUB_CHUNK, bounds=bounds)
-        check_varlen_bounds(varlen.bounds, T)
+        varlen = varlen_tables(cu_seqlens, bounds, T, needs_grad)
     if scale is None:
         scale = K ** -0.5
     if segments is not None and (isinstance(segments, bool) or not isinstance(segments, int) or segments < 1):
@@ -577,11 +603,8 @@ def chunk_gated_delta_rule(
     if config is not None and (not isinstance(config, dict) or not set(config) <= set(CONFIG_STAGES)
                                or not all(isinstance(c, dict) for c in config.values())):
         raise ValueError(f"`config` must map stages of {CONFIG_STAGES} to dicts of launch overrides, got {config!r}")
-    a_log, a_bias = (act.A_log, act.dt_bias) if act is not None else (None, None)
     opts = GDNOptions(float(scale), bool(output_final_state), bool(use_qk_l2norm_in_kernel),
-                      bool(save_states), save_v_new, segments,
-                      torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
-                                                      for t in (q, k, v, g, beta, initial_state, a_log, a_bias)),
+                      bool(save_states), save_v_new, segments, needs_grad,
                       config, act.beta if act is not None else NO_BETA, act is not None and act.A_log is not None)
     if use_qk_l2norm_in_kernel and compiling:  # custom ops each way; eager: inside ChunkGatedDeltaRuleFunction
         q, k = l2norm(q), l2norm(k)

@@ -27,7 +27,8 @@ def chunk_gdn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     keeps; an empty fp32 tensor stands for an absent one (no final state; nothing kept without ``needs_grad``)."""
     from tfla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_fwd
 
-    varlen = varlen_index(cu_seqlens, SUB_CHUNK, q.shape[1])
+    # (under CUDA-graph capture without gradients: tables built on the device, as in eager calls)
+    varlen = varlen_index(cu_seqlens, SUB_CHUNK, q.shape[1], on_device=not needs_grad)
     o, final, inter = chunk_gated_delta_rule_fwd(
         q, k, v, g, beta, scale, initial_state, output_final_state, varlen,
         save=SAVE_V_NEW if needs_grad else SAVE_NONE, segments=1)
