@@ -429,7 +429,7 @@ def _opcheck_cases(device):
                              torch.randn(4, 2, 8, 8, generator=gen).to(device) * 0.3,
                              torch.randn(4, 2, 8, generator=gen).to(device),
                              [torch.randn(2, 2, 8, generator=gen).to(device) for _ in range(2)],
-                             torch.tensor([0, 3, 9], device=device), "lstm", True, "auto", 0, 0, 0)),
+                             torch.tensor([0, 3, 9], device=device), "lstm", True, '{"path": "auto"}')),
     }
 
 
@@ -476,6 +476,31 @@ def test_rnn_fullgraph_equals_eager(device, cell, G, S, varlen, path):
         return (h, *fin) + torch.autograd.grad(loss, leaves)
 
     _check_compiled(device, fn, run, cell)
+
+
+def test_rnn_compiled_keeps_every_config_key(device, monkeypatch):
+    """Under compilation the cells' custom ops hand the whole ``config`` to the launch choice (the team keys
+    included), as eager calls do."""
+    import tfla.ops.rnn.library as library
+
+    seen = []
+    real = library.fused_launch
+
+    def spy(config, *a, **kw):
+        seen.append(dict(config))
+        return real(config, *a, **kw)
+
+    monkeypatch.setattr(library, "fused_launch", spy)
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 4, 1, 32, generator=gen).to(device)
+    R = (torch.randn(4, 1, 32, 32, generator=gen) * 0.2).to(device)
+    b = torch.randn(4, 1, 32, generator=gen).to(device)
+    cfg = {"path": "team", "team_cols": 16, "team_sync": False}
+    eager = tfla.lstm(x, R, b, config=cfg)[0]
+    got = torch.compile(lambda *a: tfla.lstm(*a, config=cfg)[0], fullgraph=True, backend="eager")(x, R, b)
+    assert seen and all(c == cfg for c in seen)
+    torch.testing.assert_close(got, eager, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("decay", ["g", "g_gamma"])

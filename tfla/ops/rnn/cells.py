@@ -396,11 +396,9 @@ def rnn(cell: str, x, R, b, initial_state=None, output_final_state=False, *, cu_
                              config=config)
     state0 = tuple(initial_state) if initial_state is not None else ()
     if compiling:
-        from tfla.ops.rnn.library import rnn_fwd_op
+        from tfla.ops.rnn.library import config_arg, rnn_fwd_op
 
-        cfg = config or {}
-        out = rnn_fwd_op(x, R, b, list(state0), cu_seqlens, cell, output_final_state, cfg.get("path", "auto"),
-                         cfg.get("BB", 0), cfg.get("num_warps", 0), cfg.get("num_stages", 0))
+        out = rnn_fwd_op(x, R, b, list(state0), cu_seqlens, cell, output_final_state, config_arg(config))
         return out[0], (tuple(out[1:]) if output_final_state else None)
     fused = fused_launch(config, x.dtype, len(lengths), x.shape[3], x.shape[4], x.device, cell=cell)
     opts = RNNOptions(cell, lengths, output_final_state, fused=fused)

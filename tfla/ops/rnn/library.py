@@ -6,6 +6,8 @@ more forward than eager's).
 """
 from __future__ import annotations
 
+import ast
+
 import torch
 
 from tfla.ops.common.varlen import cached_bounds
@@ -14,10 +16,17 @@ from tfla.ops.rnn.reference import CELL_STATES
 from tfla.utils.validation import check_varlen_bounds
 
 
-def _config(path: str, BB: int, num_warps: int, num_stages: int) -> dict:
-    """The cells' ``config`` from the ops' arguments (0: the default)."""
-    sizes = {"BB": BB, "num_warps": num_warps, "num_stages": num_stages}
-    return {"path": path, **{k: v for k, v in sizes.items() if v}}
+def config_arg(config: dict | None) -> str:
+    """The cells' ``config`` (keys ``cells.CONFIG_KEYS``: strings, ints, bools) as the ops' string argument (a custom
+    op takes no dict): a dict literal with sorted keys, so equal configs give equal arguments (plain string
+    formatting, which Dynamo traces; ``json`` it does not)."""
+    config = config or {}
+    return "{" + ", ".join(f"{k!r}: {config[k]!r}" for k in sorted(config)) + "}"
+
+
+def _config(config: str) -> dict:
+    """The cells' ``config`` from the ops' argument (``config_arg``)."""
+    return ast.literal_eval(config)
 
 
 def _forward(cell, x, R, b, state0, cu_seqlens, config):
@@ -45,11 +54,11 @@ def _forward(cell, x, R, b, state0, cu_seqlens, config):
 
 @torch.library.custom_op("tfla::rnn_fwd", mutates_args=())
 def rnn_fwd_op(x: torch.Tensor, R: torch.Tensor, b: torch.Tensor, state0: list[torch.Tensor],
-               cu_seqlens: torch.Tensor | None, cell: str, output_final_state: bool, path: str, BB: int,
-               num_warps: int, num_stages: int) -> list[torch.Tensor]:
+               cu_seqlens: torch.Tensor | None, cell: str, output_final_state: bool, config: str
+               ) -> list[torch.Tensor]:
     """``[h, *final_state]`` (the final state's tensors ``[N, NH, D]`` in the accumulation dtype, when asked);
-    path, BB, num_warps, num_stages: the cells' ``config`` (0: the default)."""
-    cfg = _config(path, BB, num_warps, num_stages)
+    config: the cells' ``config`` as ``config_arg`` gives it (every key)."""
+    cfg = _config(config)
     h, states, *_, lengths, _, _, _ = _forward(cell, x, R, b, state0, cu_seqlens, cfg)
     if not output_final_state:
         return [h]
@@ -60,7 +69,7 @@ def rnn_fwd_op(x: torch.Tensor, R: torch.Tensor, b: torch.Tensor, state0: list[t
 
 
 @rnn_fwd_op.register_fake
-def _(x, R, b, state0, cu_seqlens, cell, output_final_state, path, BB, num_warps, num_stages):
+def _(x, R, b, state0, cu_seqlens, cell, output_final_state, config):
     B, T, _, NH, D = x.shape
     h = x.new_empty(B, T, NH, D)
     if not output_final_state:
@@ -72,11 +81,11 @@ def _(x, R, b, state0, cu_seqlens, cell, output_final_state, path, BB, num_warps
 @torch.library.custom_op("tfla::rnn_bwd", mutates_args=())
 def rnn_bwd_op(x: torch.Tensor, R: torch.Tensor, b: torch.Tensor, state0: list[torch.Tensor],
                cu_seqlens: torch.Tensor | None, dh: torch.Tensor, dfinal: list[torch.Tensor], cell: str,
-               path: str, BB: int, num_warps: int, num_stages: int) -> list[torch.Tensor]:
+               config: str) -> list[torch.Tensor]:
     """``[dx, dR, db, *d initial_state]`` in the inputs' dtypes; ``dfinal``: the final state's cotangents ``[N, NH,
     D]`` each (zeros where none), or empty."""
     _, states, rh, Wt, b_acc, xp, lengths, gather, valid, fused = _forward(cell, x, R, b, state0, cu_seqlens,
-                                                                          _config(path, BB, num_warps, num_stages))
+                                                                          _config(config))
     N, Tm, _, NH, D = xp.shape
     acc = states.dtype
     dhp = dh if valid is None else dh.new_zeros(N, Tm, NH, D).index_put_((valid,), dh[0])
@@ -97,12 +106,12 @@ def rnn_bwd_op(x: torch.Tensor, R: torch.Tensor, b: torch.Tensor, state0: list[t
 
 
 @rnn_bwd_op.register_fake
-def _(x, R, b, state0, cu_seqlens, dh, dfinal, cell, path, BB, num_warps, num_stages):
+def _(x, R, b, state0, cu_seqlens, dh, dfinal, cell, config):
     return [x.new_empty(x.shape), R.new_empty(R.shape), b.new_empty(b.shape)] + [s.new_empty(s.shape) for s in state0]
 
 
 def _setup_context(ctx, inputs, output):
-    x, R, b, state0, cu_seqlens, cell, output_final_state, *config = inputs  # config: path, BB, ...
+    x, R, b, state0, cu_seqlens, cell, output_final_state, config = inputs
     ctx.save_for_backward(x, R, b, cu_seqlens, *state0)
     ctx.cell, ctx.output_final_state, ctx.config = cell, output_final_state, config
 
@@ -116,8 +125,8 @@ def _backward(ctx, grads):
         N = x.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
         dfinal = [g if g is not None else x.new_zeros(N, x.shape[3], x.shape[4], dtype=_acc(x.dtype))
                   for g in grads[1:]]
-    out = rnn_bwd_op(x, R, b, list(state0), cu_seqlens, dh, dfinal, ctx.cell, *ctx.config)
-    return out[0], out[1], out[2], list(out[3:]), None, None, None, None, None, None, None
+    out = rnn_bwd_op(x, R, b, list(state0), cu_seqlens, dh, dfinal, ctx.cell, ctx.config)
+    return out[0], out[1], out[2], list(out[3:]), None, None, None, None
 
 
 rnn_fwd_op.register_autograd(_backward, setup_context=_setup_context)
