@@ -139,6 +139,19 @@ def test_transpose_state_layout_is_deprecated(x):
     assert s.shape == (1, 4, 24, 16)  # [N, HV, V, K]
 
 
+def test_chunk_size_is_deprecated_and_ignored(x):
+    """tfla's ``chunk_size`` of before 2026-11-24 (keyword-only): a DeprecationWarning, results unchanged; a value
+    it never took raises."""
+    want = tfla.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], output_final_state=True)
+    with pytest.warns(DeprecationWarning, match="`chunk_size` is deprecated"):
+        got = tfla.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], output_final_state=True,
+                                          chunk_size=256)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    for bad in (100, True):
+        with pytest.raises(ValueError, match="`chunk_size` must be one of"):
+            tfla.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], chunk_size=bad)
+
+
 @pytest.mark.parametrize("kw, match", [
     (dict(cp_context=object()), "`cp_context`"),
     (dict(allow_neg_eigval=True), "`allow_neg_eigval=True` requires"),

@@ -35,7 +35,7 @@ from tfla.ops.common.gate_act import BETA_2SIGMOID, BETA_SIGMOID, NO_BETA, GateA
 from tfla.ops.common.group_sum import group_sum
 from tfla.ops.common.l2norm import l2norm, l2norm_bwd, l2norm_fwd
 from tfla.ops.common.state_bwd_ws import delta_state_bwd_ws, state_bwd_ws_supported
-from tfla.ops.common.utils import SUB_CHUNK
+from tfla.ops.common.utils import CHUNK_SIZES, SUB_CHUNK
 from tfla.ops.common.ut_transform import ut_transform_fwd, w_from_tm
 from tfla.ops.common.wy_bwd import wy_bwd
 from tfla.ops.common.varlen import VarlenIndex, capturing
@@ -492,6 +492,7 @@ def chunk_gated_delta_rule(
     dt_bias: torch.Tensor | None = None,
     transpose_state_layout: bool | None = None,
     segments: int | None = None,
+    chunk_size: int | None = None,
 ):
     r"""Gated delta rule (Gated DeltaNet), chunkwise.
 
@@ -550,6 +551,10 @@ def chunk_gated_delta_rule(
             most that many pieces (multiples of 64 rows) joined by an exact scan (``docs/gdn-math.md`` section 6);
             None (default) chooses the piece length from the lengths, the heads and the GPU's SM count
             (``choose_piece``; no split at K > 128). Results equal up to rounding for any value.
+        chunk_size: deprecated and ignored (keyword-only; a ``DeprecationWarning`` when given): until 2026-11-24 the
+            outer chunk L of 64 to 512 rows where states were stored; the op now always runs 64-row chunks (larger
+            outer chunks measured slower and less precise: README of this op). ValueError for a value that was never
+            valid (not one of 64, 128, 256, 512).
         use_gate_in_kernel, A_log, dt_bias (keyword-only): g holds pre-activations and the log decay is
             ``-exp(A_log) softplus(g + dt_bias)`` (A_log, dt_bias ``[HV]``; dt_bias optional; softplus linear above
             20, as PyTorch's and FLA's), FLA's GDN gate, computed in fp32 inside the gate's chunk-cumsum kernel and
@@ -582,6 +587,8 @@ def chunk_gated_delta_rule(
     # under torch.compile the op enters the graph as custom ops (library.py): no host reads here, and the gate / beta
     # activations stay PyTorch ops there (inductor fuses them); eager calls apply them in the gate's cumsum kernels
     compiling = torch.compiler.is_compiling()
+    if chunk_size is not None:
+        _deprecated_chunk_size(chunk_size, warn=not compiling)
     q, k, v, g, beta, initial_state, state_v_first, act = _fla_options(
         q, k, v, g, beta, initial_state, use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, cp_context,
         use_gate_in_kernel, A_log, dt_bias, transpose_state_layout, in_kernel=not compiling)
@@ -621,6 +628,18 @@ def chunk_gated_delta_rule(
         o, final_state = ChunkGatedDeltaRuleFunction.apply(q, k, v, g, beta, initial_state, a_log, a_bias, varlen,
                                                            opts)
     return o, state_in_fla_layout(final_state, state_v_first)
+
+
+def _deprecated_chunk_size(chunk_size, warn: bool = True) -> None:
+    """``chunk_size`` of the op before 2026-11-24: warn that it is ignored (``warn``: not while torch.compile
+    traces), or raise for a value it never took."""
+    import warnings
+
+    if isinstance(chunk_size, bool) or chunk_size not in CHUNK_SIZES:
+        raise ValueError(f"`chunk_size` must be one of {CHUNK_SIZES} (and is deprecated), got {chunk_size!r}")
+    if warn:
+        warnings.warn("`chunk_size` is deprecated and ignored by chunk_gated_delta_rule: it runs 64-row chunks",
+                      DeprecationWarning, stacklevel=3)
 
 
 def _fla_options(q, k, v, g, beta, initial_state, use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first,
