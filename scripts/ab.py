@@ -1,6 +1,6 @@
 """A/B timing of config variants of tfla ops: each variant is a JSON dict passed as the op's ``config=``.
 
-python scripts/ab.py --ops gdn[,mlstm-sig,...] --variants 'base={};w8={"state": {"num_warps": 8}}'
+python scripts/ab.py --ops gdn[,mlstm-sig,...] --variants 'base={};w8={"state_lin": {"num_warps": 8}}'
                      [--mode fwdbwd] [--L 64] [--rounds 3] [--compare] [--determinism N] [--op-kwargs JSON]
 
 ``--variants``: ``name=JSON`` separated by ``;``; ``{}`` is the op's default config, so ``base={}`` is the tree as
@@ -22,7 +22,7 @@ from tfla.cli import use_interpreter_without_gpu
 
 
 def parse_variants(spec: str) -> list[tuple[str, dict]]:
-    """``'a={};b={"state": {"BV": 32}}'`` -> ``[("a", {}), ("b", {"state": {"BV": 32}})]``."""
+    """``'a={};b={"state_lin": {"BV": 32}}'`` -> ``[("a", {}), ("b", {"state_lin": {"BV": 32}})]``."""
     out = []
     for part in filter(str.strip, spec.split(";")):
         name, sep, cfg = part.partition("=")

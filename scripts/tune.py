@@ -5,7 +5,7 @@ python scripts/tune.py OP --stage STAGE --grid JSON [--mode fwd|fwdbwd] [--L 64]
 python scripts/tune.py OP --configs JSON [...]
 
 e.g.  python scripts/tune.py gdn --mode fwdbwd --stage state_bwd --grid '{"BV": [32, 64], "num_warps": [4, 8]}'
-      python scripts/tune.py gdn --configs '[{"ut": {"BK": 64}}, {"dqkw": {"num_warps": 8}, "state": {"BV": 32}}]'
+      python scripts/tune.py gdn --configs '[{"ut": {"BK": 64}}, {"dqkw": {"num_warps": 8}, "state_lin": {"BV": 32}}]'
 
 ``--grid``: every combination of the listed values becomes ``{STAGE: {...}}`` (without ``--stage``: the
 combination is the config itself); ``--configs``: a JSON list of whole config dicts. The GDN's stage keys are those

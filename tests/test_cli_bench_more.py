@@ -223,7 +223,7 @@ def test_opcalls_config_reaches_the_op():
     base = op_run("gdn", "fwdbwd", 64, None, shape=(1, 70, 1, 16, 16), dtype="fp32")
     ref = base.run()
     assert base.names == ("o", "dq", "dk", "dv", "dg", "dbeta")
-    for cfg in ({}, {"state": {"num_warps": 8}}):
+    for cfg in ({}, {"state_lin": {"num_warps": 8}}):
         r = op_run("gdn", "fwdbwd", 64, cfg, inputs=base.inputs)
         assert max(rel_errors(r.run(), ref, r.names).values()) < 1e-6
     import tfla
@@ -241,15 +241,15 @@ def test_ab_and_tune_scripts_run_through_config(capsys):
     import tfla
 
     ab, tune = _script("ab.py"), _script("tune.py")
-    variants = ab["parse_variants"]('base={};w8={"state": {"num_warps": 8}}')
-    assert variants == [("base", {}), ("w8", {"state": {"num_warps": 8}})]
+    variants = ab["parse_variants"]('base={};w8={"state_lin": {"num_warps": 8}}')
+    assert variants == [("base", {}), ("w8", {"state_lin": {"num_warps": 8}})]
     with pytest.raises(Exception, match="JSON"):
         ab["parse_variants"]("x=gdn.FLAG=1")
     for name in tfla.__all__:  # every op module imported, so that the snapshot covers it
         getattr(tfla, name)
     before = _module_state()
     ab["main"](["--ops", "gdn", "--mode", "fwd", "--shape", "1,70,1,16,16", "--rounds", "1", "--compare",
-                "--variants", 'base={};w8={"state": {"num_warps": 8}}'])
+                "--variants", 'base={};w8={"state_lin": {"num_warps": 8}}'])
     tune["main"](["gdn", "--mode", "fwd", "--shape", "1,70,1,16,16", "--stage", "fused", "--grid",
                   '{"num_warps": [4, 8]}'])
     after = _module_state()

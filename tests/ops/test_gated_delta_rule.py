@@ -180,9 +180,9 @@ def test_fwd_bf16_no_worse_than_fla(segments, gate):
 
 
 @pytest.mark.parametrize("seed, config", [
-    (1, {"state": {"BV": 32, "unroll": True}, "fused": {"BV": 16}}),
-    (2, {"ut": {"BK": 32, "BV": 32}, "state": {"unroll": False}, "fused": {"BV": 64, "num_warps": 8}}),
-    (3, {"fused": {"mn_BV": 32, "num_stages": 3}, "ut": {"BV": 32}}),
+    (1, {"state_lin": {"BV": 32}, "fused": {"BV": 16}}),
+    (2, {"ut": {"BK": 32, "inv_BK": 32}, "state_lin": {"num_warps": 8}, "fused": {"BV": 64, "num_warps": 8}}),
+    (3, {"fused": {"mn_BV": 32, "num_stages": 3}, "ut": {"sc_BK": 64}}),
 ])
 def test_tuning_configs_compute_the_same_function(device, seed, config):
     """Every tile/launch variant the tuner may pick (the fused forward's, and the backward's recomputation, which the

@@ -172,14 +172,38 @@ def test_bwd_in_pieces_matches_recurrence(device, poison_empty, monkeypatch, seg
 @pytest.mark.parametrize("save_v_new", [False, True])
 @pytest.mark.parametrize("varlen,gate", [(False, "strong"), (True, "strong"), (True, "mixed")])
 def test_bwd_save_v_new_both_ways(device, poison_empty, varlen, gate, save_v_new):
-    """Vnew kept from the forward (W recomputed alone, the states by the linear pass over Vnew) and recomputed
-    with the delta rule's chain (FLA's saved set): both match the recurrence, with varlen, grouped value heads, an
-    initial state and T not a multiple of 64."""
+    """Vnew kept from the forward (the states rebuilt by the linear pass over Vnew) and recomputed with the states
+    by the forward's pass run again (FLA's saved set): both match the recurrence, with varlen, grouped value heads,
+    an initial state and T not a multiple of 64."""
     T = 300
     cu = random_cu_seqlens(T, 3, seed=11, device=device) if varlen else None
     got, ref = _grads(device, 1, T, 2, 4, 32, 16, gate=gate, cu_seqlens=cu, num_seqs=3 if varlen else None,
                       seed=9, save_v_new=save_v_new)
     _check(got, ref, FP32_TOL)
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_bwd_without_v_new_equals_save_states(device, varlen):
+    """Without Vnew kept the backward runs the forward's pass again for Vnew and the 64-row states, the pair
+    ``save_states`` keeps: the gradients equal save_states' bitwise (gate and beta activations, l2norm, grouped value
+    heads, initial state, a final-state cotangent)."""
+    T = 150
+    cu = torch.tensor([0, 1, 64, 64, T], device=device) if varlen else None
+    x = gdn_inputs(1 if varlen else 2, T, 1, 32, 16, HV=2, dtype=torch.float32, device=device, initial_state=True,
+                   num_seqs=4 if varlen else None, seed=21)
+    names = ("q", "k", "v", "g", "beta", "initial_state")
+    opts = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                A_log=torch.tensor([0.3, 1.2], device=device), dt_bias=torch.tensor([0.5, -0.5], device=device))
+    runs = []
+    for kw in (dict(save_v_new=False), dict(save_states=True)):
+        leaves = [x[n].clone().requires_grad_() for n in names]
+        o, s = tfla.chunk_gated_delta_rule(*leaves[:5], initial_state=leaves[5], output_final_state=True,
+                                           cu_seqlens=cu, **opts, **kw)
+        gen = torch.Generator().manual_seed(0)
+        do, ds = torch.randn(o.shape, generator=gen).to(o), torch.randn(s.shape, generator=gen).to(s)
+        runs.append(torch.autograd.grad((o * do).sum() + (s * ds).sum(), leaves))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
 
 
 def test_save_v_new_keeps_what_it_says(device):
@@ -432,7 +456,7 @@ def test_kept_v_new_rebuilds_the_forward_states(device):
     x = gdn_inputs(1, 200, 1, 32, 32, HV=4, dtype=torch.float16, device=device, initial_state=True, seed=3)
     x["g"] = qwen3_next_gates(1, 200, 4, device, gen)
     fwd = fused_delta_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], 0.2, x["initial_state"], True, save=2)
-    h, _, _ = chunk_state_fwd(x["k"], fwd["v_new"], fwd["g_cum"], 64, initial_state=x["initial_state"],
+    h, _ = chunk_state_fwd(x["k"], fwd["v_new"], fwd["g_cum"], 64, initial_state=x["initial_state"],
                               store_every_sub_chunk=True, key_weights=True)
     if device == "cpu":
         assert torch.equal(h, fwd["h"])
@@ -532,10 +556,10 @@ def test_state_pass_over_row_pairs(device):
     x = gdn_inputs(B, T, 1, K, V, HV=HV, dtype=torch.float32, device=device, initial_state=True, seed=5)
     gc = chunk_local_cumsum(x["g"], 64, scale=RCP_LN2)
     kw = dict(store_every_sub_chunk=True, key_weights=True)
-    h, _, _ = chunk_state_fwd(x["k"], x["v"], gc, 64, initial_state=x["initial_state"], **kw)
+    h, _ = chunk_state_fwd(x["k"], x["v"], gc, 64, initial_state=x["initial_state"], **kw)
     flat = [t.reshape(1, B * T, *t.shape[2:]) for t in (x["k"], x["v"], gc)]
     pairs = torch.tensor([[b * T + 128, b * T + T] for b in range(B)], dtype=torch.int32, device=device)
     offs = torch.tensor([0, 3], dtype=torch.int32, device=device)
-    hp, _, _ = chunk_state_fwd(*flat, 64, initial_state=h[:, 2].contiguous(), cu_seqlens=pairs, chunk_offsets=offs,
+    hp, _ = chunk_state_fwd(*flat, 64, initial_state=h[:, 2].contiguous(), cu_seqlens=pairs, chunk_offsets=offs,
                                num_chunks=6, **kw)
     torch.testing.assert_close(hp.view(B, 3, HV, K, V), h[:, 2:5], rtol=1e-6, atol=1e-6)

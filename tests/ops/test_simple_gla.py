@@ -390,7 +390,7 @@ def test_state_bwd_in_place_of_the_states(device, poison_empty, gate, T, V, cu_l
     else:
         g_cum, gv_cum = None, (F.logsigmoid(torch.randn(B, T, H, K, generator=gen) + 2) * 0.3).to(device)
         dvo = do * 0.5  # the vector gate reads dvo (no in-kernel product)
-    h_sub, _, _ = chunk_state_fwd(k, v, g_cum, L, initial_state=h0, cu_seqlens=cu, gv_cum=gv_cum,
+    h_sub, _ = chunk_state_fwd(k, v, g_cum, L, initial_state=h0, cu_seqlens=cu, gv_cum=gv_cum,
                                   chunk_offsets=vl.sub_offsets if vl else None,
                                   num_chunks=vl.sub_indices.shape[0] if vl else None, store_every_sub_chunk=True)
     kw = dict(cu_seqlens=cu, sub_offsets=vl.sub_offsets if vl else None, gv_cum=gv_cum, need_dh0=True,
@@ -445,7 +445,7 @@ def test_state_bwd_keeps_ds_apart_on_one_stage_16bit(device):
     B, T, H, K, V, L = 1, 130, 1, 16, 16, 64
     q, k, v, do = (torch.randn(B, T, H, K, generator=gen).half().to(device) for _ in range(4))
     g = (F.logsigmoid(torch.randn(B, T, H, generator=gen) + 2) * 0.3).to(device)
-    h_sub, _, _ = chunk_state_fwd(k, v, g, L, store_every_sub_chunk=True)
+    h_sub, _ = chunk_state_fwd(k, v, g, L, store_every_sub_chunk=True)
     s = h_sub.clone()
     dh, _, _, sds = chunk_state_bwd(q, k, None, do, None, g, 0.5, L, h_sub=s, sds=True, config={"num_stages": 1})
     assert sds is None and dh.data_ptr() != s.data_ptr() and torch.equal(s, h_sub)

@@ -6,15 +6,10 @@ Notation: B batch, T time, H key heads, HV value heads, K/V head dims, N sequenc
 BT outer chunk (L), BS = 64 sub-chunk, BK/BV head-dim tiles, G cumulative gate within the outer
 chunk in log2 units, c the row before the sub-chunk (G_c = 0 at an outer-chunk start), n its last row.
 
-Per sub-chunk, with state S (fp32, ``[K, V]``) after row c:
+Per sub-chunk, with state S (fp32, ``[K, V]``) after row c and values V (the delta rule's: its Vnew, kept by the
+forward's fused pass):
 
-    DELTA = 1 (delta rule):    Vnew = U - W @ S            ("new values", TFLA Appendix A.2)
-    DELTA = 0 (linear attn):   Vnew = V
-    S <- 2^(G_n - G_c) S + (K * 2^(G_n - G))^T @ Vnew
-
-With W, U from ``ut_transform`` this is block forward substitution of the outer chunk's
-L x L UT transform: ``Vnew`` equals ``U_L - W_L S_0`` of the design note for any L (tested in
-float64 in ``tests/references``), so states are only ever needed at outer-chunk starts.
+    S <- 2^(G_n - G_c) S + (K * 2^(G_n - G))^T @ V
 
 Vector gate (``VEC_G``, GLA, plain linear attention only): ``GV [B, T, HV, K]`` (log2, cumulative within
 the outer chunk) decays each key row of the state: ``S <- diag(2^(GV_n - GV_c)) S + (K * 2^(GV_n - GV))^T V``
@@ -32,14 +27,14 @@ from tfla.ops.common.utils import SUB_CHUNK, acc_dtype, cdiv, dot_precision, dot
 
 
 @triton.jit
-def _state_substep(b_h, b_n, t0, T, bos, i_h, i_hv, k, v, w, v_new, g, gk, gb,
+def _state_substep(b_h, b_n, t0, T, bos, i_h, i_hv, k, v, g, gk, gb,
                    o_c, o_k, o_v, m_k, m_v, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                    V: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, USE_G: tl.constexpr,
                    SPLIT_G: tl.constexpr, HAS_GB: tl.constexpr,
-                   DELTA: tl.constexpr, DOT_PREC: tl.constexpr, ACC: tl.constexpr, N_STATE: tl.constexpr,
+                   DOT_PREC: tl.constexpr, ACC: tl.constexpr, N_STATE: tl.constexpr,
                    gv=None, VEC_G: tl.constexpr = False, IDX64: tl.constexpr = False, KEY_W: tl.constexpr = False):
     """Advance the state ``b_h [BK, BV]`` (and with N_STATE the normalizer state ``b_n [BK]``, the same
-    recurrence with v = 1) over the sub-chunk of rows ``t0 .. t0 + BS``; store Vnew."""
+    recurrence with v = 1) over the sub-chunk of rows ``t0 .. t0 + BS``."""
     dt = k.dtype.element_ty
     o_t = t0 + o_c
     m_t = o_t < T
@@ -58,13 +53,6 @@ def _state_substep(b_h, b_n, t0, T, bos, i_h, i_hv, k, v, w, v_new, g, gk, gb,
             b_g = tl.load(gk + r0 * HV + i_hv + o_r * HV, mask=m_t, other=0.0)
         else:
             b_g = tl.load(g + r0 * HV + i_hv + o_r * HV, mask=m_t, other=0.0)
-    if DELTA == 1:  # Vnew = U - W S, with W and U from the WY kernel
-        b_w = tl.load(w + (r0 * HV + i_hv) * K + o_r[:, None] * (HV * K) + o_k[None, :],
-                      mask=m_t[:, None] & m_k[None, :], other=0.0)
-        b_v -= tl.dot(b_w, b_h.to(dt), input_precision=DOT_PREC)
-    if DELTA > 0:
-        tl.store(v_new + (r0 * HV + i_hv) * V + o_r[:, None] * (HV * V) + o_v[None, :],
-                 b_v.to(v_new.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
     if USE_G:
         b_wk = tl.exp2(tl.where(m_t, b_gn - b_g, float("-inf")))  # [BS] key weights
         b_h *= tl.exp2(b_gn - b_gc)
@@ -165,8 +153,6 @@ def _state_tile(cu_seqlens, offsets, T, H: tl.constexpr, HV: tl.constexpr, K: tl
 def _chunk_state_fwd_kernel(
     k,
     v,
-    w,
-    v_new,
     g,
     h,
     h0,
@@ -189,7 +175,6 @@ def _chunk_state_fwd_kernel(
     USE_G: tl.constexpr,
     SPLIT_G: tl.constexpr,
     HAS_GB: tl.constexpr,
-    DELTA: tl.constexpr,
     USE_INITIAL_STATE: tl.constexpr,
     STORE_FINAL_STATE: tl.constexpr,
     IS_VARLEN: tl.constexpr,
@@ -232,8 +217,8 @@ def _chunk_state_fwd_kernel(
         if UNROLL:
             for j in tl.static_range(BT // BS):
                 b_h, b_n = _state_substep(
-                    b_h, b_n, i_c * BT + j * BS, T, bos, i_h, i_hv, k, v, w, v_new, g, gk, gb,
-                    o_c, o_k, o_v, m_k, m_v, H, HV, K, V, BT, BS, USE_G, SPLIT_G, HAS_GB, DELTA, DOT_PREC, ACC,
+                    b_h, b_n, i_c * BT + j * BS, T, bos, i_h, i_hv, k, v, g, gk, gb,
+                    o_c, o_k, o_v, m_k, m_v, H, HV, K, V, BT, BS, USE_G, SPLIT_G, HAS_GB, DOT_PREC, ACC,
                     N_STATE, gv, VEC_G, IDX64, KEY_W)
         else:
             for j in range(BT // BS):
@@ -244,8 +229,8 @@ def _chunk_state_fwd_kernel(
                         if N_STATE:
                             tl.store(hn + ((boh + i_c * (BT // BS) + j) * HV + i_hv) * K + o_k, b_n, mask=m_n)
                 b_h, b_n = _state_substep(
-                    b_h, b_n, i_c * BT + j * BS, T, bos, i_h, i_hv, k, v, w, v_new, g, gk, gb,
-                    o_c, o_k, o_v, m_k, m_v, H, HV, K, V, BT, BS, USE_G, SPLIT_G, HAS_GB, DELTA, DOT_PREC, ACC,
+                    b_h, b_n, i_c * BT + j * BS, T, bos, i_h, i_hv, k, v, g, gk, gb,
+                    o_c, o_k, o_v, m_k, m_v, H, HV, K, V, BT, BS, USE_G, SPLIT_G, HAS_GB, DOT_PREC, ACC,
                     N_STATE, gv, VEC_G, IDX64, KEY_W)
 
     if STORE_FINAL_STATE:
@@ -269,7 +254,6 @@ def chunk_state_fwd(
     v: torch.Tensor,
     g_cum: torch.Tensor | None,
     chunk_size: int,
-    w: torch.Tensor | None = None,
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
     state_dtype: torch.dtype | None = None,
@@ -285,10 +269,9 @@ def chunk_state_fwd(
     gv_cum: torch.Tensor | None = None,
     key_weights: bool = False,
 ):
-    """States at every outer-chunk start, and (delta rule) the new values.
-
-    Modes: plain linear attention (``w`` None; ``v`` is V); delta rule from the WY kernel (``w`` given, ``v`` is
-    U). (Forming W and U on chip from Tm inside this pass was measured slower and removed: docs/performance.md.)
+    """States at every outer-chunk start (or every 64 rows) of the linear recurrence over the values v: linear
+    attention's, the mLSTM's, and the delta rule's over its kept Vnew (the GDN backward). (The delta rule's own chain
+    from W and U went on 2026-11-28: the GDN backward runs its fused forward pass again instead.)
 
     Args:
         k: ``[B, T, H, K]``. v: ``[B, T, HV, V]``.
@@ -309,31 +292,30 @@ def chunk_state_fwd(
             denominator, TFLA paper Section 2) in the same pass; ``initial_n [N, HV, K]`` its start.
         gv_cum: vector gate ``[B, T, HV, K]`` fp32 (log2, cumulative within outer chunks; GLA), instead
             of ``g_cum``; plain linear attention only.
-        key_weights: the scalar gate's weights ``2^(G_n - G)`` go on K instead of V in the state update (the delta
-            rule's forward and both of its backward recomputations, which then agree bit for bit).
+        key_weights: the scalar gate's weights ``2^(G_n - G)`` go on K instead of V in the state update (as the
+            delta rule's fused pass does: the GDN backward's states over its kept Vnew then equal the forward's bit
+            for bit).
     Returns:
-        ``h [B, NT, HV, K, V]`` (varlen: ``[1, total chunks, HV, K, V]``), ``v_new [B, T, HV, V]``
-        or None, ``final_state [N, HV, K, V]`` fp32 or None; with ``n_state`` two more:
+        ``h [B, NT, HV, K, V]`` (varlen: ``[1, total chunks, HV, K, V]``) and ``final_state [N, HV, K, V]`` fp32
+        or None; with ``n_state`` two more:
         ``hn [B, NT, HV, K]`` fp32 and ``final_n [N, HV, K]`` fp32 or None.
     """
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
     N = num_sequences(cu_seqlens, B)
     NT = cdiv(T, SUB_CHUNK if store_every_sub_chunk else chunk_size) if cu_seqlens is None else num_chunks
-    delta = 1 if w is not None else 0
-    if (gk_cum is not None or gb is not None) and (delta or g_cum is None):
-        raise ValueError("split gates (gk_cum, gb) need g_cum and serve plain linear attention only")
-    if gv_cum is not None and (delta or g_cum is not None or n_state or tuple(gv_cum.shape) != (B, T, HV, K)):
+    if (gk_cum is not None or gb is not None) and g_cum is None:
+        raise ValueError("split gates (gk_cum, gb) need g_cum")
+    if gv_cum is not None and (g_cum is not None or n_state or tuple(gv_cum.shape) != (B, T, HV, K)):
         raise ValueError("a vector gate gv_cum [B, T, HV, K] serves plain linear attention without g_cum / n_state")
     h = torch.empty(B, NT, HV, K, V, dtype=state_dtype or k.dtype, device=k.device)
-    v_new = torch.empty_like(v) if delta else None
     final_state = torch.empty(N, HV, K, V, dtype=_state_acc(k.dtype), device=k.device) if output_final_state else None
     hn = torch.empty(B, NT, HV, K, dtype=_state_acc(k.dtype), device=k.device) if n_state else None
     final_n = torch.empty(N, HV, K, dtype=_state_acc(k.dtype), device=k.device) if n_state and output_final_state \
         else None
     if initial_n is not None and initial_state is None:
         raise ValueError("initial_n needs initial_state (pass zeros for C)")
-    rets = (h, v_new, final_state) + ((hn, final_n) if n_state else ())
+    rets = (h, final_state) + ((hn, final_n) if n_state else ())
     if N * HV == 0:
         return rets
     # defaults measured on an H200 at K = V = 128 (docs/performance.md); 3 stages do not fit K = 256
@@ -351,11 +333,11 @@ def chunk_state_fwd(
     BV = dot_tile(V, cfg["BV"], k.dtype)
     grid, flat = tile_grid(cdiv(V, BV), N * HV, force_flat=cfg.get("flat", False))
     _chunk_state_fwd_kernel[grid](
-        k, v, w, v_new, g_cum, h, initial_state, final_state, gk_cum, gb, cu_seqlens, chunk_offsets,
+        k, v, g_cum, h, initial_state, final_state, gk_cum, gb, cu_seqlens, chunk_offsets,
         hn, initial_n if initial_n is not None else (torch.zeros(N, HV, K, dtype=hn.dtype, device=k.device)
                                                       if n_state and initial_state is not None else None), final_n, T,
         H=H, HV=HV, K=K, V=V, BT=chunk_size, BK=BK, BV=BV,
-        USE_G=g_cum is not None, SPLIT_G=gk_cum is not None, HAS_GB=gb is not None, DELTA=delta,
+        USE_G=g_cum is not None, SPLIT_G=gk_cum is not None, HAS_GB=gb is not None,
         USE_INITIAL_STATE=initial_state is not None, STORE_FINAL_STATE=output_final_state,
         IS_VARLEN=varlen_mode(cu_seqlens), DOT_PREC=dot_precision(k.dtype), ACC=acc_dtype(k.dtype),
         UNROLL=cfg["unroll"], STORE_SUB=store_every_sub_chunk, N_STATE=n_state,

@@ -366,6 +366,26 @@ def _slab_states(slab: int, save: int, cu_seqlens, q, v, out: dict) -> dict:
     return dict(slab_states=states, slab=slab)
 
 
+def states_from_pass(q, k, v, g_cum, beta, ai, scale, initial_state=None, cu_seqlens=None, chunk_offsets=None,
+                     num_chunks: int | None = None, config=None):
+    """Vnew and the state before every 64-row chunk (``save`` 2's pair: ``(v_new, h)`` as ``fused_delta_pass``
+    returns them) from the prep's ``g_cum``, Tm (``ai``) and the beta used: the forward's pass run again, its output
+    dropped. The GDN backward's recomputation when the forward kept FLA's saved set (no Vnew): one pass of the
+    forward's kind instead of W and U in HBM and the delta rule's state chain over them. ``config``: the pass's keys
+    (``fused_delta_fwd``'s ``ws`` and the ``tl`` pass's). Arguments as ``fused_delta_pass``."""
+    cfg = config or {}
+    ws_cfg = cfg["ws"] if isinstance(cfg.get("ws"), dict) else None
+    if cfg.get("ws", True) is not False and ws_supported(q, k, v, g_cum is not None, initial_state, cu_seqlens,
+                                                         SAVE_STATES, ws_cfg):
+        _, _, v_new, h = fused_delta_pass_ws(q, k, v, g_cum, beta, ai, scale, initial_state, False, cu_seqlens,
+                                             SAVE_STATES, ws_cfg, chunk_offsets=chunk_offsets, num_chunks=num_chunks)
+    else:  # (the tl pass reads the output's scores; Tm stands in for them: the output is dropped, Vnew and the
+        # states do not read them)
+        _, _, v_new, h = fused_delta_pass(q, k, v, g_cum, beta, ai, scale, initial_state, False, cu_seqlens,
+                                          chunk_offsets, num_chunks, SAVE_STATES, a=ai, config=cfg)
+    return v_new, h
+
+
 def fused_delta_fwd(q, k, v, g, beta, scale, initial_state=None, output_final_state=False, cu_seqlens=None,
                     bounds: list[int] | None = None, segments: int | None = 1, save=SAVE_NONE, split_save=None,
                     sub_tables: tuple | None = None, act=None, config=None, slab: int = 0):

@@ -34,7 +34,7 @@ def chunk_simple_gla_fwd(q, k, v, g, scale, initial_state, output_final_state, c
         g_cum = chunk_local_cumsum(g, chunk_size, scale=RCP_LN2, cu_seqlens=cu, out_dtype=acc, floor=LOG_DECAY_FLOOR,
                                    chunk_indices=varlen.chunk_indices if varlen is not None else None,
                                    positive_flag=positive_flag)
-    h, _, final_state, *ns = chunk_state_fwd(
+    h, final_state, *ns = chunk_state_fwd(
         k, v, g_cum, chunk_size, initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu,
         chunk_offsets=varlen.chunk_offsets if varlen is not None else None,
         num_chunks=varlen.num_chunks if varlen is not None else None, gk_cum=gk_cum, gb=gb, n_state=n_state,
@@ -84,7 +84,7 @@ def chunk_simple_gla_bwd(q, k, v, g_cum, scale, initial_state, do, dht, chunk_si
         if L != SUB_CHUNK or (n_state and hn_sub is None):
             raise ValueError(f"states (the forward's) serve chunk_size={SUB_CHUNK} and, with dden, hold hn")
     else:
-        h_sub, _, _, *ns = chunk_state_fwd(
+        h_sub, _, *ns = chunk_state_fwd(
             k, v, g_cum, L, initial_state=initial_state, cu_seqlens=cu,
             chunk_offsets=varlen.sub_offsets if varlen is not None else None,
             num_chunks=varlen.sub_indices.shape[0] if varlen is not None else None, store_every_sub_chunk=True,

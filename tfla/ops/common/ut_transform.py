@@ -1,26 +1,23 @@
-"""UT/WY transform of the (gated) delta rule on 64-row sub-chunks: the level-2 stage of TFLA-GDN.
+"""UT/WY transform of the (gated) delta rule on 64-row sub-chunks: the prep of the GDN's fused pass.
 
 Notation: B batch, T time, H key heads, HV value heads (a multiple of H), K/V head dims,
-BT outer chunk (L, where states live), BS = 64 sub-chunk rows, BC = 16 block rows,
-BK/BV head-dim tiles. Gates are cumulative within the outer chunk, in log2 units (``G``).
+BT the chunk the gates are cumulative in (64 rows), BS = 64 sub-chunk rows, BC = 16 block rows,
+BK head-dim tiles. Gates are cumulative within the chunk, in log2 units (``G``).
 
 For the sub-chunk of rows r = 1..64 that starts after row c (c = the last row of the previous
-sub-chunk in the same outer chunk; G_c = 0 at an outer-chunk start):
+sub-chunk in the same chunk; G_c = 0 at a chunk start):
 
     A[r, i] = beta_r (k_r . k_i) 2^(G_r - G_i)     for i < r, else 0     (64 x 64)
     Tm      = (I + A)^-1                                               (unit lower triangular)
     W       = Tm @ (beta 2^(G - G_c) * K)                              [64, K]
-    U       = Tm @ (beta * V)                                          [64, V]
 
-Two kernels: ``_gdn_ut_inverse_kernel`` builds ``Tm`` from 16 x 16 blocks (diagonal blocks by forward
-substitution, off-diagonal blocks by block forward substitution ``Tm_ji = -Tm_jj sum_{m=i..j-1} A_jm
-Tm_mi``, ``docs/gdn-math.md`` section 4.1), in fp32 with IEEE dots, on few warps
-(16 x 16 tiles waste wide programs), and stores it in the input dtype; ``_gdn_wy_fwd_kernel`` then
-forms W and U with full 64 x 64 products. Every exponent used is ``<= 0`` for ``g <= 0``; nothing
-divides by ``2^G``.
-
-The outer-chunk (L x L) UT transform is never formed: the state stage applies it by block
-forward substitution over these sub-chunks, with the running state as the accumulator.
+``_gdn_ut_inverse_kernel`` builds ``Tm`` from 16 x 16 blocks (diagonal blocks by forward substitution,
+off-diagonal blocks by block forward substitution ``Tm_ji = -Tm_jj sum_{m=i..j-1} A_jm Tm_mi``,
+``docs/gdn-math.md`` section 4.1), in fp32 with IEEE dots, on few warps (16 x 16 tiles waste wide programs),
+and stores it in the input dtype, optionally with the output's intra-chunk scores and the gate's cumsum. W and U
+are never stored by the forward: its fused pass forms ``Vnew = Tm (beta (V - 2^G K S))`` on chip.
+``_gdn_wy_fwd_kernel`` forms W from a stored Tm for the backward's ``tl`` kernels. Every exponent used is ``<= 0``
+for ``g <= 0``; nothing divides by ``2^G``.
 """
 from __future__ import annotations
 
@@ -30,8 +27,7 @@ import triton.language as tl
 
 from tfla.ops.common.gate_act import _softplus
 from tfla.ops.common.grid import check_varlen_batch, chunk_rows, program_rows, tile_grid
-from tfla.ops.common.utils import (LOG_DECAY_FLOOR, RCP_LN2, SUB_CHUNK, acc_dtype, cdiv, dot_precision, dot_tile,
-                                   next_pow2)
+from tfla.ops.common.utils import LOG_DECAY_FLOOR, RCP_LN2, SUB_CHUNK, acc_dtype, cdiv, dot_precision, dot_tile
 
 
 @triton.jit
@@ -79,13 +75,10 @@ def _cumsum4(b_g0, b_g1, b_g2, b_g3, g_scale, FLOOR: tl.constexpr):
 def _gdn_ut_inverse_kernel(
     q,
     k,
-    v,
     g,
     beta,
     ai,
     sc,
-    w,
-    u,
     cu_seqlens,
     chunk_indices,
     scale,
@@ -93,10 +86,7 @@ def _gdn_ut_inverse_kernel(
     H: tl.constexpr,
     HV: tl.constexpr,
     K: tl.constexpr,
-    V: tl.constexpr,
-    BT: tl.constexpr,
     BK: tl.constexpr,
-    BV: tl.constexpr,
     USE_G: tl.constexpr,
     IS_VARLEN: tl.constexpr,
     DOT_PREC: tl.constexpr,
@@ -294,11 +284,10 @@ def _gdn_ut_inverse_kernel(
 
 
 @triton.jit
-def _wy_apply(k, v, g, beta, ai, w, u, t0, T, bos, i_h, i_hv, H: tl.constexpr, HV: tl.constexpr,
-              K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-              USE_G: tl.constexpr, DOT_PREC: tl.constexpr, ACC: tl.constexpr, WITH_U: tl.constexpr = True):
-    """W = Tm @ (beta 2^(G - G_c) K), U = Tm @ (beta V) for the 64-row sub-chunk at ``t0``, with Tm
-    read back from ``ai``; K and V in tiles of BK and BV columns. WITH_U off: W only (v, u unused)."""
+def _wy_apply(k, g, beta, ai, w, t0, T, bos, i_h, i_hv, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+              BT: tl.constexpr, BK: tl.constexpr, USE_G: tl.constexpr, DOT_PREC: tl.constexpr, ACC: tl.constexpr):
+    """W = Tm @ (beta 2^(G - G_c) K) for the 64-row sub-chunk at ``t0``, with Tm read back from ``ai``; K in tiles
+    of BK columns."""
     BS: tl.constexpr = 64
     o_t = t0 + tl.arange(0, BS)
     m_t = o_t < T
@@ -322,77 +311,35 @@ def _wy_apply(k, v, g, beta, ai, w, u, t0, T, bos, i_h, i_hv, H: tl.constexpr, H
         b_w = tl.dot(b_tm, (b_k * b_sk[:, None]).to(dt), input_precision=DOT_PREC)
         tl.store(w + (bos * HV + i_hv) * K + o_t[:, None] * (HV * K) + o_k[None, :], b_w.to(w.dtype.element_ty),
                  mask=m_t[:, None] & m_k[None, :])
-    if WITH_U:
-        for i_v in range(tl.cdiv(V, BV)):
-            o_v = i_v * BV + tl.arange(0, BV)
-            m_v = o_v < V
-            p_off = (bos * HV + i_hv) * V + o_t[:, None] * (HV * V) + o_v[None, :]
-            b_v = tl.load(v + p_off, mask=m_t[:, None] & m_v[None, :], other=0.0)
-            b_u = tl.dot(b_tm, (b_v * b_b[:, None]).to(dt), input_precision=DOT_PREC)
-            tl.store(u + p_off, b_u.to(u.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
 
 
 @triton.jit
 def _gdn_wy_fwd_kernel(
     k,
-    v,
     g,
     beta,
     ai,
     w,
-    u,
     cu_seqlens,
     chunk_indices,
     T,
     H: tl.constexpr,
     HV: tl.constexpr,
     K: tl.constexpr,
-    V: tl.constexpr,
     BT: tl.constexpr,
     BK: tl.constexpr,
-    BV: tl.constexpr,
     USE_G: tl.constexpr,
     IS_VARLEN: tl.constexpr,
     DOT_PREC: tl.constexpr,
     ACC: tl.constexpr,
-    WITH_U: tl.constexpr = True,
     FLAT: tl.constexpr = False,
 ):
-    """W and U (WITH_U off: W only) of one 64-row sub-chunk from a stored Tm."""
+    """W of one 64-row sub-chunk from a stored Tm."""
     i_s, i_bh = program_rows(T, 64, HV, IS_VARLEN, FLAT)  # (64-row sub-chunk, batch x head): 2-D or flat grid
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
     i_s, bos, T = chunk_rows(i_s, i_b, T, cu_seqlens, chunk_indices, IS_VARLEN)
-    _wy_apply(k, v, g, beta, ai, w, u, i_s * 64, T, bos, i_h, i_hv, H, HV, K, V, BT, BK, BV, USE_G, DOT_PREC, ACC,
-              WITH_U)
-
-
-def ut_transform_fwd(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g_cum: torch.Tensor | None,
-    beta: torch.Tensor,
-    chunk_size: int,
-    cu_seqlens: torch.Tensor | None = None,
-    sub_indices: torch.Tensor | None = None,
-    config: dict | None = None,
-    ai: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """W, U and Tm of every 64-row sub-chunk (Tm computed unless ``ai`` is given).
-
-    Args:
-        k: ``[B, T, H, K]``; v: ``[B, T, HV, V]``; beta: ``[B, T, HV]``.
-        g_cum: ``[B, T, HV]`` fp32 cumulative gate within outer chunks of ``chunk_size``, log2 units
-            (or None for the ungated delta rule).
-        sub_indices: varlen table of (sequence, sub-chunk) from ``prepare_chunk_indices(.., 64)``.
-        config: overrides of ``inv_warps``, ``inv_stages``, ``inv_BK`` (key slice of the inverse's K K^T), ``sc_rows`` /
-            ``sc_BK`` (rows and key slice of the fused forward's scores tile), ``wy_warps``, ``wy_stages``, ``BK``,
-            ``BV``.
-    Returns:
-        ``w [B, T, HV, K]``, ``u [B, T, HV, V]`` and ``ai [B, T, HV, 64]`` (Tm, row r of each sub-chunk
-        in row r), all in k's dtype.
-    """
-    return _ut_launch(k, v, g_cum, beta, chunk_size, cu_seqlens, sub_indices, config, ai=ai)
+    _wy_apply(k, g, beta, ai, w, i_s * 64, T, bos, i_h, i_hv, H, HV, K, BT, BK, USE_G, DOT_PREC, ACC)
 
 
 def ut_inverse_and_scores(
@@ -407,9 +354,10 @@ def ut_inverse_and_scores(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The fused forward's prep in one kernel: Tm of every 64-row sub-chunk (k's dtype) and the output's intra-chunk
     scores ``scale causal(q k^T) o 2^(G_r - G_s)`` (q's dtype), both ``[B, T, HV, 64]`` (row r of a sub-chunk in
-    row r), with ``g_cum`` the cumulative gates restarting every 64 rows (log2) or None. Config keys as
-    ``ut_transform_fwd`` (``inv_warps``)."""
-    return _ut_launch(k, None, g_cum, beta, SUB_CHUNK, cu_seqlens, sub_indices, config, q=q, scale=scale)
+    row r), with ``g_cum`` the cumulative gates restarting every 64 rows (log2) or None. ``config``: overrides of
+    ``UT_DEFAULTS``' ``inv_warps``, ``inv_stages``, ``inv_BK`` (key slice of the inverse's K K^T), ``sc_rows`` /
+    ``sc_BK`` (rows and key slice of the scores tile)."""
+    return _ut_launch(k, g_cum, beta, cu_seqlens, sub_indices, config, q=q, scale=scale)
 
 
 def ut_inverse(
@@ -421,8 +369,9 @@ def ut_inverse(
     config: dict | None = None,
 ) -> torch.Tensor:
     """Tm of every 64-row sub-chunk alone (``ut_inverse_and_scores`` without the scores: the prep of the Gluon
-    forward pass, which forms them itself), ``[B, T, HV, 64]`` in k's dtype. Config keys as ``ut_transform_fwd``."""
-    return _ut_launch(k, None, g_cum, beta, SUB_CHUNK, cu_seqlens, sub_indices, config)[2]
+    forward pass, which forms them itself), ``[B, T, HV, 64]`` in k's dtype. Config keys as
+    ``ut_inverse_and_scores``."""
+    return _ut_launch(k, g_cum, beta, cu_seqlens, sub_indices, config)[0]
 
 
 def ut_inverse_with_cumsum(
@@ -443,8 +392,8 @@ def ut_inverse_with_cumsum(
     ``ut_inverse``."""
     acc = torch.float64 if k.dtype == torch.float64 else torch.float32
     g_cum = torch.empty(g.shape, dtype=acc, device=g.device)
-    ai = _ut_launch(k, None, g, beta, SUB_CHUNK, cu_seqlens, sub_indices, config, g_cum_out=g_cum,
-                    gate=(A_log, dt_bias) if A_log is not None else None)[2]
+    ai = _ut_launch(k, g, beta, cu_seqlens, sub_indices, config, g_cum_out=g_cum,
+                    gate=(A_log, dt_bias) if A_log is not None else None)[0]
     return g_cum, ai
 
 
@@ -458,11 +407,12 @@ def w_from_tm(
     sub_indices: torch.Tensor | None = None,
     config: dict | None = None,
 ) -> torch.Tensor:
-    """W = Tm (beta 2^(G - G_c) K) of every 64-row sub-chunk from a stored Tm (``ai``), without U: the
-    backward when the forward kept Vnew. Shapes and config keys as ``ut_transform_fwd``; returns
-    ``w [B, T, HV, K]`` in k's dtype."""
-    # 64-wide key tiles: 0.128 ms vs 0.142 at UT_DEFAULTS' 32 (H100, B=4 T=8192 H=16 K=128 bf16; 128: 0.124)
-    cfg = {**UT_DEFAULTS, "BK": 64, **(config or {})}
+    """W = Tm (beta 2^(G - G_c) K) of every 64-row sub-chunk from a stored Tm (``ai``), for the
+    backward's ``tl`` kernels (Hopper's read Tm instead). k ``[B, T, H, K]``, beta ``[B, T, HV]``, g_cum ``[B, T,
+    HV]`` fp32 log2 cumulative within chunks of ``chunk_size`` or None, ``sub_indices`` the varlen (sequence,
+    sub-chunk) table; config keys ``BK``, ``wy_warps``, ``wy_stages`` (``UT_DEFAULTS``). Returns ``w [B, T, HV, K]``
+    in k's dtype."""
+    cfg = {**UT_DEFAULTS, **(config or {})}
     B, T, H, K = k.shape
     HV = beta.shape[2]
     w = torch.empty(B, T, HV, K, dtype=k.dtype, device=k.device)
@@ -472,63 +422,48 @@ def w_from_tm(
     check_varlen_batch(B, cu_seqlens)
     grid, flat = tile_grid(NS, B * HV, force_flat=cfg.get("flat", False))
     _gdn_wy_fwd_kernel[grid](
-        k, None, g_cum, beta, ai, w, None, cu_seqlens, sub_indices, T, H=H, HV=HV, K=K, V=16, BT=chunk_size, FLAT=flat,
-        BK=dot_tile(K, cfg["BK"], k.dtype), BV=16, USE_G=g_cum is not None, IS_VARLEN=cu_seqlens is not None,
-        DOT_PREC=dot_precision(k.dtype), ACC=acc_dtype(k.dtype), WITH_U=False,
+        k, g_cum, beta, ai, w, cu_seqlens, sub_indices, T, H=H, HV=HV, K=K, BT=chunk_size, FLAT=flat,
+        BK=dot_tile(K, cfg["BK"], k.dtype), USE_G=g_cum is not None, IS_VARLEN=cu_seqlens is not None,
+        DOT_PREC=dot_precision(k.dtype), ACC=acc_dtype(k.dtype),
         num_warps=cfg["wy_warps"], num_stages=cfg["wy_stages"],
     )
     return w
 
 
-# the inverse in one warp per sub-chunk (its 16 x 16 block products); W and U in a second kernel (the fused forward
-# needs Tm alone; the one-kernel Tm + W + U of the three-kernel forward went with it, 2026-11-24)
+# the inverse in one warp per sub-chunk (its 16 x 16 block products); W in a second kernel when a backward's tl
+# kernels need it (the one-kernel Tm + W + U of the three-kernel forward went with it, 2026-11-24; U with the
+# backward's delta-rule state chain, 2026-11-28)
 # the output's scores as one [64, 64] tile over 32-wide key slices (H100, torch 2.11, Triton 3.6, bf16, K = V = 128,
 # the kernel alone, 2026-11-24: MVE 225.6 -> 211.3 us, the Qwen3-Next-style heads 412.4 -> 364.7, B = 1, T = 65536
 # 454.4 -> 438.4 against [16, 64] blocks over 64-wide slices; [32, 64] over 32: 233.6, [16, 64] over 32: 252.6)
+# W's key tiles 64 wide: 0.128 ms vs 0.142 at 32 (H100, B=4 T=8192 H=16 K=128 bf16; 128: 0.124)
 UT_DEFAULTS = {"inv_warps": 1, "inv_stages": 3, "inv_BK": 64, "sc_rows": 64, "sc_BK": 32, "wy_warps": 4,
-               "wy_stages": 2, "BK": 32, "BV": 32}
+               "wy_stages": 2, "BK": 64}
 
 
-def _ut_launch(k, v, g_cum, beta, chunk_size, cu_seqlens, sub_indices, config, ai=None, q=None, scale=1.0,
-               g_cum_out=None, gate=None):
-    # g_cum_out: the inverse kernel cumsums g_cum (then the per-token gates, or with gate = (A_log, dt_bias) their
-    # pre-activations) into it
+def _ut_launch(k, g_cum, beta, cu_seqlens, sub_indices, config, q=None, scale=1.0, g_cum_out=None, gate=None):
+    """``(ai, sc)``: Tm and, with q, the output's scores (else None). g_cum_out: the kernel cumsums ``g_cum`` (then
+    the per-token gates, or with gate = (A_log, dt_bias) their pre-activations) into it."""
     B, T, H, K = k.shape
     HV = beta.shape[2]
-    V = v.shape[3] if v is not None else 16
     cfg = {**UT_DEFAULTS, **(config or {})}
-    w = torch.empty(B, T, HV, K, dtype=k.dtype, device=k.device) if v is not None else None
-    u = torch.empty(B, T, HV, V, dtype=k.dtype, device=k.device) if v is not None else None
     NS = sub_indices.shape[0] if cu_seqlens is not None else cdiv(T, SUB_CHUNK)
-    compute_ai = ai is None
-    if compute_ai:
-        ai = torch.empty(B, T, HV, SUB_CHUNK, dtype=k.dtype, device=k.device)
+    ai = torch.empty(B, T, HV, SUB_CHUNK, dtype=k.dtype, device=k.device)
     sc = torch.empty(B, T, HV, SUB_CHUNK, dtype=q.dtype, device=q.device) if q is not None else None
     if NS == 0 or B * HV == 0:
-        return (w, u, ai) if q is None else (ai, sc)
+        return ai, sc
     check_varlen_batch(B, cu_seqlens)
-    BK = dot_tile(K, cfg["BK"], k.dtype)
-    # U's value tiles at least 32 wide: with 16 columns (V <= 16) in 16-bit the U product of _gdn_wy_fwd_kernel read
-    # shared memory out of bounds (Triton 3.6, H100, compute-sanitizer, 2026-11-24: an illegal memory access)
-    BV = max(32, min(next_pow2(V), cfg["BV"]))
     grid, flat = tile_grid(NS, B * HV, force_flat=cfg.get("flat", False))
-    common = dict(H=H, HV=HV, K=K, V=V, BT=chunk_size, BV=BV, USE_G=g_cum is not None,
-                  IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(k.dtype), ACC=acc_dtype(k.dtype), FLAT=flat)
-    if compute_ai:
-        _gdn_ut_inverse_kernel[grid](
-            q, k, v, g_cum, beta, ai, sc, w, u, cu_seqlens, sub_indices, scale, T, WITH_SCORES=q is not None,
-            SR=cfg["sc_rows"], SBK=dot_tile(K, cfg["sc_BK"], k.dtype),
-            BK=dot_tile(K, cfg["inv_BK"], k.dtype),
-            # Tm is rounded to k's dtype afterwards: TF32 merges suffice for 16-bit inputs, fp32 stays exact
-            MERGE_PREC=dot_precision(k.dtype), num_warps=cfg["inv_warps"], num_stages=cfg["inv_stages"],
-            gc=g_cum_out, g_scale=RCP_LN2, CUMSUM=g_cum_out is not None,
-            FLOOR=LOG_DECAY_FLOOR if g_cum_out is not None else None,
-            A_log=gate[0] if gate else None, dt_bias=gate[1] if gate else None, GATE=gate is not None,
-            HAS_BIAS=gate is not None and gate[1] is not None, **common,
-        )
-    if v is not None:
-        _gdn_wy_fwd_kernel[grid](
-            k, v, g_cum, beta, ai, w, u, cu_seqlens, sub_indices, T, BK=BK,
-            num_warps=cfg["wy_warps"], num_stages=cfg["wy_stages"], **common,
-        )
-    return (w, u, ai) if q is None else (ai, sc)
+    _gdn_ut_inverse_kernel[grid](
+        q, k, g_cum, beta, ai, sc, cu_seqlens, sub_indices, scale, T, H=H, HV=HV, K=K, USE_G=g_cum is not None,
+        IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(k.dtype), ACC=acc_dtype(k.dtype), FLAT=flat,
+        WITH_SCORES=q is not None, SR=cfg["sc_rows"], SBK=dot_tile(K, cfg["sc_BK"], k.dtype),
+        BK=dot_tile(K, cfg["inv_BK"], k.dtype),
+        # Tm is rounded to k's dtype afterwards: TF32 merges suffice for 16-bit inputs, fp32 stays exact
+        MERGE_PREC=dot_precision(k.dtype), num_warps=cfg["inv_warps"], num_stages=cfg["inv_stages"],
+        gc=g_cum_out, g_scale=RCP_LN2, CUMSUM=g_cum_out is not None,
+        FLOOR=LOG_DECAY_FLOOR if g_cum_out is not None else None,
+        A_log=gate[0] if gate else None, dt_bias=gate[1] if gate else None, GATE=gate is not None,
+        HAS_BIAS=gate is not None and gate[1] is not None,
+    )
+    return ai, sc

@@ -30,13 +30,13 @@ from tfla.ops.common.chunk_state import chunk_state_fwd
 from tfla.ops.common.chunk_state_bwd import chunk_state_bwd
 from tfla.ops.common.cumsum import chunk_local_cumsum
 from tfla.ops.common.fused_delta_fwd import (PIECE_WS, SAVE_NONE, SAVE_STATES, SAVE_V_NEW, Split, fused_delta_fwd,
-                                            segment_scan)
+                                            segment_scan, states_from_pass)
 from tfla.ops.common.gate_act import BETA_2SIGMOID, BETA_SIGMOID, NO_BETA, GateAct, gate_epilogue
 from tfla.ops.common.group_sum import group_sum
 from tfla.ops.common.l2norm import l2norm, l2norm_bwd, l2norm_fwd
 from tfla.ops.common.state_bwd_ws import delta_state_bwd_ws, state_bwd_ws_supported
 from tfla.ops.common.utils import CHUNK_SIZES, SUB_CHUNK
-from tfla.ops.common.ut_transform import ut_transform_fwd, w_from_tm
+from tfla.ops.common.ut_transform import w_from_tm
 from tfla.ops.common.wy_bwd import wy_bwd
 from tfla.ops.common.varlen import VarlenIndex, capturing
 from tfla.utils.validation import (
@@ -68,7 +68,7 @@ class GDNOptions:
 
 
 # stages of the forward and backward whose launches ``config`` can override (each stage function documents its keys)
-CONFIG_STAGES = ("ut", "fused", "state", "state_lin", "state_bwd", "dqkw", "wy_bwd", "slab")
+CONFIG_STAGES = ("ut", "fused", "state_lin", "state_bwd", "dqkw", "wy_bwd", "slab")
 
 
 def chunk_gated_delta_rule_fwd(
@@ -131,7 +131,8 @@ def chunk_gated_delta_rule_bwd(
 ):
     """Plain backward (no autograd) from the forward's saved ``g_cum`` (log2, restarting every 64 rows) and ``ai``
     (Tm); ``saved = (v_new, h)`` (the forward's Vnew and 64-row states) skips their recomputation; ``v_new`` alone
-    turns the recomputation into W only and the linear-attention state pass over Vnew; ``split`` (with ``saved``: the
+    turns the recomputation into the linear-attention state pass over Vnew; neither: the forward's pass again
+    (``states_from_pass``) for both; ``split`` (with ``saved``: the
     forward's ``Split`` of its sequences into pieces) runs the state-gradient recurrence in those pieces in parallel
     (``_state_grad_in_pieces``); ``act`` with the forward's ``g`` and ``beta_in`` (pre-activations; ``beta`` is then the
     activated one): the gradients of the pre-activations, A_log and dt_bias (``gate_act.gate_epilogue``); ``l2 =
@@ -142,13 +143,13 @@ def chunk_gated_delta_rule_bwd(
     ``(dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias)``: dq, dk ``[B, T, H, K]`` in q's dtype, dv in v's dtype, dg and
     dbeta ``[B, T, HV]`` fp32, dh0 fp32 or None, dA_log and ddt_bias ``[HV]`` fp32 or None.
 
-    Stages: recompute W (from Tm), U and the state at every 64-row chunk with Vnew (or take them); the
+    Stages: recompute W (from Tm; not on Hopper), Vnew and the state at every 64-row chunk (or take them); the
     state-gradient recurrence (reverse; the output's gradient of Vnew formed inside it); dq, dk and the WY
     backward's state terms (dW = -dU S^T, dk's 2^(G_n - G) Vnew dS^T, <S, dS>) from one read of S and dS
     (``chunk_dqkw``; H100 3.528 -> 3.369 ms fwd+bwd against a dual tiled launch before the recurrence plus those
     terms in wy_bwd, 293a86c); the delta/UT-WY backward per chunk; dg = reverse cumsum of the output's and the delta
-    part's gate gradients. ``config`` keys: ``ut``, ``state``, ``state_lin``, ``state_bwd``, ``dqkw``, ``wy_bwd``
-    (launch configs of those stages).
+    part's gate gradients. ``config`` keys: ``ut``, ``fused`` (the pass run again), ``state_lin``, ``state_bwd``,
+    ``dqkw``, ``wy_bwd`` (launch configs of those stages).
     """
     config = config or {}
     B, T, H, K = q.shape
@@ -183,20 +184,18 @@ def chunk_gated_delta_rule_bwd(
     elif v_new is not None:  # the forward's Vnew: W alone, and the states without the delta rule's W S product
         w = None if from_tm else w_from_tm(k, g_cum, beta, ai, L, cu_seqlens=cu, sub_indices=sub,
                                            config=config.get("ut"))
-        h_sub, _, _ = chunk_state_fwd(
+        h_sub, _ = chunk_state_fwd(
             k, v_new, g_cum, L, initial_state=initial_state, cu_seqlens=cu,
             chunk_offsets=varlen.sub_offsets if varlen is not None else None,
             num_chunks=varlen.sub_indices.shape[0] if varlen is not None else None,
             config=config.get("state_lin"), store_every_sub_chunk=True, key_weights=True)
-    else:
-        w, u, _ = ut_transform_fwd(k, v, g_cum, beta, L, cu_seqlens=cu, sub_indices=sub, config=config.get("ut"),
-                                   ai=ai)
-        h_sub, v_new, _ = chunk_state_fwd(
-            k, u, g_cum, L, w=w, initial_state=initial_state, cu_seqlens=cu,
+    else:  # FLA's saved set: the forward's pass again for Vnew and the 64-row states (save_states' pair)
+        v_new, h_sub = states_from_pass(
+            q, k, v, g_cum, beta, ai, scale, initial_state, cu,
             chunk_offsets=varlen.sub_offsets if varlen is not None else None,
-            num_chunks=varlen.sub_indices.shape[0] if varlen is not None else None,
-            config=config.get("state"), store_every_sub_chunk=True, key_weights=True)
-        del u
+            num_chunks=varlen.sub_indices.shape[0] if varlen is not None else None, config=config.get("fused"))
+        w = None if from_tm else w_from_tm(k, g_cum, beta, ai, L, cu_seqlens=cu, sub_indices=sub,
+                                           config=config.get("ut"))
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     if in_pieces:
         dh_sub, du, dh0 = _state_grad_in_pieces(q, k, w, do, g_cum, scale, dht, initial_state is not None, split,
@@ -324,7 +323,7 @@ def _ws_bwd_in_slabs(q, k, v, g_cum, beta, ai, v_new, do, dht, initial_state, sc
         pairs = pairs_all[j]
         offs, tiles = tables[nc == n]
         h0 = initial_state if j == 0 else states[j - 1].view(B, HV, K, V)
-        h_sub, _, _ = chunk_state_fwd(kf, vnf, gf, SUB_CHUNK, initial_state=h0, cu_seqlens=pairs,
+        h_sub, _ = chunk_state_fwd(kf, vnf, gf, SUB_CHUNK, initial_state=h0, cu_seqlens=pairs,
                                       chunk_offsets=offs, num_chunks=B * nc, config=config.get("state_lin"),
                                       store_every_sub_chunk=True, key_weights=True)
         dh_sub, _, ds = delta_state_bwd_ws(qf, kf, af, bf, dof, gf, scale, ds, j > 0 or initial_state is not None,
@@ -527,7 +526,9 @@ def chunk_gated_delta_rule(
             (keyword-only): the backward then recomputes W alone and the states by the plain
             linear-attention pass over Vnew instead of the delta rule's chain (default True: H100, B=4 T=8192 H=16
             K=V=128 bf16 L=64, fwd+bwd 3.383 -> 3.176 ms in one process, peak unchanged, 128 MiB more kept from
-            forward to backward; 95b3700). False: FLA's saved set (inputs, cumulative gates, Tm). README of this op.
+            forward to backward; 95b3700). False: FLA's saved set (inputs, cumulative gates, Tm); the backward then
+            runs the forward's pass again for Vnew and the states (gradients equal ``save_states``'). README of this
+            op.
         config: launch overrides per stage (keyword-only, for tuning; results do not depend on it): a dict whose keys
             are stages of ``CONFIG_STAGES`` and whose values are that stage's launch config (``BK``, ``BV``,
             ``num_warps``, ``num_stages``, ...: the keys each stage function in ``tfla/ops/common`` documents;

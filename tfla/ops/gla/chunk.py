@@ -109,7 +109,7 @@ def chunk_gla_fwd(q, k, v, g, scale, initial_state, output_final_state, chunk_si
     ``positive_flag``: a ``PositiveFlag`` the cumsum kernel raises when any ``g > 0``."""
     cu = varlen.cu_seqlens if varlen is not None else None
     gv_cum = _channel_cumsum(g, chunk_size, varlen, scale=RCP_LN2, positive_flag=positive_flag, floor=LOG_DECAY_FLOOR)
-    h, _, final_state = chunk_state_fwd(
+    h, final_state = chunk_state_fwd(
         k, v, None, chunk_size, initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu,
         chunk_offsets=varlen.chunk_offsets if varlen is not None else None,
         num_chunks=varlen.num_chunks if varlen is not None else None, gv_cum=gv_cum, config=_state_cfg(k))
@@ -129,7 +129,7 @@ def chunk_gla_bwd(q, k, v, gv_cum, scale, initial_state, do, dht, chunk_size, va
     cu = varlen.cu_seqlens if varlen is not None else None
     sub = varlen.sub_indices if varlen is not None else None
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    h_sub, _, _ = chunk_state_fwd(
+    h_sub, _ = chunk_state_fwd(
         k, v, None, L, initial_state=initial_state, cu_seqlens=cu,
         chunk_offsets=varlen.sub_offsets if varlen is not None else None,
         num_chunks=varlen.sub_indices.shape[0] if varlen is not None else None, store_every_sub_chunk=True,
