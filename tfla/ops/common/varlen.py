@@ -45,8 +45,9 @@ def _device_tables(cu_seqlens: torch.Tensor, T: int, size: int) -> tuple[torch.T
 
     ``offsets``: ``cu_seqlens`` clamped into ``[0, T]``, made non-decreasing, starting at 0 and ending at T (equal to
     ``cu_seqlens`` when that is valid; a malformed one becomes some valid partition, so no kernel reads or writes
-    outside the tensors). ``indices``: the (sequence, chunk) pairs in order, then padding rows naming the chunk just past
-    the last sequence's end (all of its rows masked off). ``first``: each sequence's first chunk and the total."""
+    outside the tensors). ``indices``: the (sequence, chunk) pairs in order, then padding rows naming the chunk just
+    past the last sequence's end (all of its rows masked off). ``first``: each sequence's first chunk and the
+    total."""
     N = cu_seqlens.numel() - 1
     ncmax = min(T // size + N, T)
     offs = cu_seqlens.clamp(0, T).cummax(0).values
