@@ -29,6 +29,7 @@ from tfla.ops.common.chunk_dqkw_ws import gdn_bwd_chunk_ws, gdn_bwd_ws_supported
 from tfla.ops.common.chunk_state import chunk_state_fwd
 from tfla.ops.common.chunk_state_bwd import chunk_state_bwd
 from tfla.ops.common.cumsum import chunk_local_cumsum
+from tfla.ops.common.custom_ops import varlen_index
 from tfla.ops.common.fused_delta_fwd import (PIECE_WS, SAVE_NONE, SAVE_STATES, SAVE_V_NEW, Split, fused_delta_fwd,
                                             segment_scan, states_from_pass)
 from tfla.ops.common.gate_act import BETA_2SIGMOID, BETA_SIGMOID, NO_BETA, GateAct, gate_epilogue
@@ -38,14 +39,13 @@ from tfla.ops.common.state_bwd_ws import delta_state_bwd_ws, state_bwd_ws_suppor
 from tfla.ops.common.utils import CHUNK_SIZES, SUB_CHUNK
 from tfla.ops.common.ut_transform import w_from_tm
 from tfla.ops.common.wy_bwd import wy_bwd
-from tfla.ops.common.varlen import VarlenIndex, capturing
+from tfla.ops.common.varlen import VarlenIndex
 from tfla.utils.validation import (
     check_common,
     check_cotangent,
     check_gate_dtype,
     check_qkv,
     check_tensor,
-    check_varlen_bounds,
     host_bounds,
     state_in_fla_layout,
     state_in_kv_layout,
@@ -438,26 +438,6 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
                 None, None)
 
 
-def varlen_tables(cu_seqlens: torch.Tensor, bounds: list[int] | None, T: int, needs_grad: bool) -> VarlenIndex:
-    """The 64-row index tables of ``cu_seqlens`` (``bounds``: its host copy, or None to read it once per tensor):
-    cached host tables, checked against the T packed tokens; under CUDA-graph capture tables built by device ops
-    (``VarlenIndex.on_device``: a replay sees new offsets written into ``cu_seqlens``), for the forward without
-    gradients only.
-
-    Raises:
-        ValueError: malformed offsets; under capture, a call that needs gradients.
-    """
-    if capturing():
-        if needs_grad:
-            raise ValueError("`cu_seqlens` under CUDA-graph capture is supported for the forward without gradients "
-                             "(torch.no_grad() or inputs that do not require grad): the backward's varlen tables need "
-                             "the offsets on the host")
-        return VarlenIndex.on_device(cu_seqlens, T)
-    varlen = VarlenIndex.build(cu_seqlens, SUB_CHUNK, bounds=bounds)
-    check_varlen_bounds(varlen.bounds, T)
-    return varlen
-
-
 def _act(opts: GDNOptions, A_log, dt_bias) -> GateAct | None:
     """The activations the kernels apply (None: g and beta are used as given)."""
     if not opts.gate_act and opts.beta_act == NO_BETA:
@@ -601,7 +581,8 @@ def chunk_gated_delta_rule(
                                                  for t in (q, k, v, g, beta, initial_state, a_log, a_bias))
     varlen = None
     if cu_seqlens is not None and not compiling:
-        varlen = varlen_tables(cu_seqlens, bounds, T, needs_grad)
+        # (under CUDA-graph capture: tables built on the device for a forward without gradients; else ValueError)
+        varlen = varlen_index(cu_seqlens, SUB_CHUNK, T, on_device=not needs_grad, bounds=bounds)
     if scale is None:
         scale = K ** -0.5
     if segments is not None and (isinstance(segments, bool) or not isinstance(segments, int) or segments < 1):
