@@ -118,11 +118,6 @@ class VarlenIndex:
     def num_chunks(self) -> int:
         return int(self.chunk_indices.shape[0])
 
-    @property
-    def on_host(self) -> bool:
-        """Whether the offsets are known on the host (``bounds``); False for ``on_device`` tables."""
-        return self.bounds is not None
-
     def tiles(self, size: int) -> torch.Tensor:
         """(seq, tile) table for tiles of ``size`` rows (64-row tiles reuse ``sub_indices``)."""
         if size == SUB_CHUNK:
