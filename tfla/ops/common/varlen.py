@@ -50,9 +50,10 @@ def _device_tables(cu_seqlens: torch.Tensor, T: int, size: int) -> tuple[torch.T
     total."""
     N = cu_seqlens.numel() - 1
     ncmax = min(T // size + N, T)
+    # no scalar writes (`offs[0] = 0` copies from the host, which a capture refuses): masks by position
+    pos = torch.arange(N + 1, device=cu_seqlens.device)
     offs = cu_seqlens.clamp(0, T).cummax(0).values
-    offs[0] = 0
-    offs[-1] = T
+    offs = torch.where(pos == 0, 0, torch.where(pos == N, T, offs)).to(cu_seqlens.dtype)
     counts = (offs[1:] - offs[:-1] + (size - 1)) // size
     first = torch.zeros(N + 1, dtype=torch.int64, device=cu_seqlens.device)
     first[1:] = counts.to(torch.int64).cumsum(0)
