@@ -109,6 +109,13 @@ def _record_ws(dtype, T, K, V):
         # the pieces' transitions ([M | N], packed varlen)
         ws.fused_delta_pass_ws(q, k, v, g, beta, ai, 0.1, None, True, cu, config={"NCONS": ncons, "BV": bv},
                                transition=True)
+        # the backward's Vnew and states without the output (states_from_pass), dense and varlen
+        ws.fused_delta_pass_ws(q, k, v, g, beta, ai, 0.1, torch.randn(1, HV, K, V), False, None, 2,
+                               config={"NCONS": ncons, "BV": bv}, output=False)
+        ws.fused_delta_pass_ws(q, k, v, g, beta, ai, 0.1, torch.randn(2, HV, K, V), False, cu, 2,
+                               config={"NCONS": ncons, "BV": bv}, output=False,
+                               chunk_offsets=torch.tensor([0, (T // 3 + 63) // 64]),
+                               num_chunks=(T // 3 + 63) // 64 + (T - T // 3 + 63) // 64)
 
 
 def ptxas_stats(ptx: str, arch=90):
@@ -290,7 +297,7 @@ def main(argv=None):
         chunk_simple_gla_bwd(q, k, v, gc, 0.1, h0, do, dht, L)
     over = False
     flags = ("VEC_G", "VEC_ROWDOT", "ROWDOT", "REVERSE", "HAS_STATE", "STORE_SUB", "N_STATE", "NORM", "ROWADD", "NCONS",
-             "IS_VARLEN", "USE_H0", "SAVE", "TRANSITION", "USE_DHT", "STORE", "BV", "HV", "L2",
+             "IS_VARLEN", "USE_H0", "SAVE", "TRANSITION", "PASS", "USE_DHT", "STORE", "BV", "HV", "L2",
              "VEC_SPAN", "CELL", "BB", "BD", "BC", "SYNC")
     print(f"{args.op} {args.dtype} T={T} K={K} V={V} L={L}, sm_90, Triton {triton.__version__}")
     for fn, a, kw in launches:

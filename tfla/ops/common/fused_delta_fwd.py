@@ -27,7 +27,8 @@ import triton.language as tl
 
 from tfla.ops.common.chunk_state import _idx64, _row_split, _sequence_slots
 from tfla.ops.common.cumsum import chunk_local_cumsum
-from tfla.ops.common.fused_delta_ws import fused_delta_pass_ws, ws_supported
+from tfla.ops.common.fused_delta_ws import (PASS_OUTPUT, PASS_STATES, PASS_TRANSITION, fused_delta_pass_ws,
+                                            ws_supported)
 from tfla.ops.common.gate_act import NO_BETA, gate_prologue
 from tfla.ops.common.grid import check_varlen_batch, program_pair, tile_grid
 from tfla.ops.common.utils import (
@@ -88,13 +89,15 @@ def _fused_delta_fwd_kernel(q, k, v, g, beta, ai, a, o, v_new, h, h0, ht, cu_seq
                             H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                             BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr,
                             USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
-                            IS_VARLEN: tl.constexpr, SAVE: tl.constexpr, TRANSITION: tl.constexpr,
+                            IS_VARLEN: tl.constexpr, SAVE: tl.constexpr, PASS: tl.constexpr,
                             DOT_PREC: tl.constexpr, ACC: tl.constexpr, IDX64: tl.constexpr, FLAT: tl.constexpr):
-    """One program: value columns ``[i_v BV, (i_v + 1) BV)`` of one (sequence, value head). TRANSITION: the columns
+    """One program: value columns ``[i_v BV, (i_v + 1) BV)`` of one (sequence, value head). PASS 1 (the transition): the columns
     run over ``K + V`` (the first K: the state starts as the identity and the values are 0; the rest: v's columns
     from a zero state), only the final ``[M | N]`` is written (``ht [N, HV, K, K + V]``). SAVE 1: Vnew; 2: also the
-    state before each chunk (``h``, k's dtype, slots from ``chunk_offsets``)."""
+    state before each chunk (``h``, k's dtype, slots from ``chunk_offsets``). PASS 2: no q, no output (SAVE's
+    tensors and the final state only)."""
     BS: tl.constexpr = 64
+    TRANSITION: tl.constexpr = PASS == 1
     NCOL: tl.constexpr = K + V if TRANSITION else V
     i_v, i_nh = program_pair((NCOL + BV - 1) // BV, FLAT)  # (value tile, sequence x head)
     i_n, i_hv = i_nh // HV, i_nh % HV
@@ -145,7 +148,7 @@ def _fused_delta_fwd_kernel(q, k, v, g, beta, ai, a, o, v_new, h, h0, ht, cu_seq
         b_vd = tl.dot(b_tm, b_y.to(dt), input_precision=DOT_PREC).to(dt)  # [BS, BV]
         if SAVE > 0 and BV < 64:
             tl.store(v_new + p_tv, b_vd, mask=m_tv)
-        if not TRANSITION:  # the output: the state's part with its row factor 2^G after the product, the prep's
+        if PASS == 0:  # the output: the state's part with its row factor 2^G after the product, the prep's
             # gated causal scores (scale included) times Vnew
             b_q = tl.load(q + p_qk, mask=m_tk, other=0.0)
             b_o = tl.dot(b_q, b_hd, input_precision=DOT_PREC) * (b_eg * scale)[:, None]
@@ -235,10 +238,12 @@ def fused_delta_prep(q, k, g, beta, scale, cu_seqlens=None, sub_indices=None, co
 
 def fused_delta_pass(q, k, v, g_cum, beta, ai, scale, initial_state=None, output_final_state=False,
                      cu_seqlens=None, chunk_offsets=None, num_chunks=None, save=SAVE_NONE, transition=False,
-                     a=None, config=None):
+                     a=None, config=None, output: bool = True):
     """One fused pass over the sequences (or pieces) of ``cu_seqlens`` from the prep's ``g_cum``, ``ai`` and
-    ``a`` (the output's scores; not read with ``transition``).
-    Returns ``(o, final, v_new, h)``: o ``[B, T, HV, V]`` in v's dtype (None with ``transition``), final
+    ``a`` (the output's scores; not read with ``transition`` or without ``output``). ``output`` False: no q read and
+    no output formed (Vnew, the states and the final state only).
+    Returns ``(o, final, v_new, h)``: o ``[B, T, HV, V]`` in v's dtype (None with ``transition`` or without
+    ``output``), final
     ``[N, HV, K, V]`` (``[N, HV, K, K + V]`` = ``[M | N]`` with ``transition``) in fp32 or None, v_new like v
     (``save`` >= 1) and h ``[B, NT, HV, K, V]`` in k's dtype, the state before each 64-row chunk (``save`` 2; varlen:
     ``chunk_offsets`` / ``num_chunks`` of 64-row chunks)."""
@@ -248,7 +253,8 @@ def fused_delta_pass(q, k, v, g_cum, beta, ai, scale, initial_state=None, output
     cfg = {**FUSED_DEFAULTS, **(config or {})}
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     ncol = K + V if transition else V
-    o = None if transition else torch.empty(B, T, HV, V, dtype=v.dtype, device=v.device)
+    mode = PASS_TRANSITION if transition else PASS_OUTPUT if output else PASS_STATES
+    o = torch.empty(B, T, HV, V, dtype=v.dtype, device=v.device) if mode == PASS_OUTPUT else None
     final = torch.empty(N, HV, K, ncol, dtype=acc, device=q.device) if output_final_state or transition else None
     v_new = torch.empty_like(v) if save >= SAVE_V_NEW else None
     NT = cdiv(T, SUB_CHUNK) if cu_seqlens is None else num_chunks
@@ -270,7 +276,7 @@ def fused_delta_pass(q, k, v, g_cum, beta, ai, scale, initial_state=None, output
     _fused_delta_fwd_kernel[grid](
         q, k, v, g_cum, beta, ai, a, o, v_new, h, initial_state, final, cu_seqlens, chunk_offsets, scale, T,
         H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, USE_G=g_cum is not None, USE_INITIAL_STATE=initial_state is not None,
-        STORE_FINAL_STATE=final is not None, IS_VARLEN=cu_seqlens is not None, SAVE=save, TRANSITION=transition,
+        STORE_FINAL_STATE=final is not None, IS_VARLEN=cu_seqlens is not None, SAVE=save, PASS=mode,
         DOT_PREC=dot_precision(q.dtype), ACC=acc_dtype(q.dtype),
         IDX64=cfg.get("idx64", False) or _idx64(T, H, HV, K, V),
         FLAT=flat, num_warps=cfg["mn_warps" if transition else "num_warps"], num_stages=stages,
@@ -369,8 +375,8 @@ def _slab_states(slab: int, save: int, cu_seqlens, q, v, out: dict) -> dict:
 def states_from_pass(q, k, v, g_cum, beta, ai, scale, initial_state=None, cu_seqlens=None, chunk_offsets=None,
                      num_chunks: int | None = None, config=None):
     """Vnew and the state before every 64-row chunk (``save`` 2's pair: ``(v_new, h)`` as ``fused_delta_pass``
-    returns them) from the prep's ``g_cum``, Tm (``ai``) and the beta used: the forward's pass run again, its output
-    dropped. The GDN backward's recomputation when the forward kept FLA's saved set (no Vnew): one pass of the
+    returns them) from the prep's ``g_cum``, Tm (``ai``) and the beta used: the forward's pass run again without its
+    output (``PASS_STATES``: no q read, the scores' and the output's products skipped). The GDN backward's recomputation when the forward kept FLA's saved set (no Vnew): one pass of the
     forward's kind instead of W and U in HBM and the delta rule's state chain over them. ``config``: the pass's keys
     (``fused_delta_fwd``'s ``ws`` and the ``tl`` pass's). Arguments as ``fused_delta_pass``."""
     cfg = config or {}
@@ -378,11 +384,11 @@ def states_from_pass(q, k, v, g_cum, beta, ai, scale, initial_state=None, cu_seq
     if cfg.get("ws", True) is not False and ws_supported(q, k, v, g_cum is not None, initial_state, cu_seqlens,
                                                          SAVE_STATES, ws_cfg):
         _, _, v_new, h = fused_delta_pass_ws(q, k, v, g_cum, beta, ai, scale, initial_state, False, cu_seqlens,
-                                             SAVE_STATES, ws_cfg, chunk_offsets=chunk_offsets, num_chunks=num_chunks)
-    else:  # (the tl pass reads the output's scores; Tm stands in for them: the output is dropped, Vnew and the
-        # states do not read them)
+                                             SAVE_STATES, ws_cfg, chunk_offsets=chunk_offsets, num_chunks=num_chunks,
+                                             output=False)
+    else:
         _, _, v_new, h = fused_delta_pass(q, k, v, g_cum, beta, ai, scale, initial_state, False, cu_seqlens,
-                                          chunk_offsets, num_chunks, SAVE_STATES, a=ai, config=cfg)
+                                          chunk_offsets, num_chunks, SAVE_STATES, config=cfg, output=False)
     return v_new, h
 
 

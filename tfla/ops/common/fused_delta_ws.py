@@ -29,8 +29,9 @@ the layer 1.100 instead of 1.162 ms (``docs/performance.md``).
 Differences from the ``tl`` pass: the gate weights ``2^(G_n - G)`` multiply Vnew (fp32, rounded once), not k, in
 the state update, so the states equal the ``tl`` pass's to rounding, not bitwise.
 
-The same kernel runs the pieces' transition pass (``TRANSITION``: ``[M | N]`` over K + V state columns, no q, no
-output, 98 KB of shared memory) and keeps the per-chunk states for the backward (``SAVE`` 2: TMA stores of the
+The same kernel runs the pieces' transition pass (``PASS`` 1: ``[M | N]`` over K + V state columns, no q, no
+output, 98 KB of shared memory), the backward's recomputation of Vnew and the states (``PASS`` 2: no q, no output)
+and keeps the per-chunk states for the backward (``SAVE`` 2: TMA stores of the
 16-bit state operand already in shared memory). One sequence cut in pieces (H100, torch 2.11, Triton 3.6, bf16,
 B = 1, T = 65536, H = 16, K = V = 128, forward without grad, median do_bench, tfla alone; 2026-11-25): 1.62 ms with
 the ``tl`` transitions, 1.59 with these, 1.24 with two 64-column consumer warpgroups per CTA (``fused_delta_fwd``
@@ -60,6 +61,10 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
     HAVE_GLUON = False
 
 BS = 64  # rows per chunk
+# what a run of the pass computes (the kernels' PASS): the output (the forward), the pieces' transitions [M | N] (no q,
+# no output, the final map only), or Vnew and the states alone (no q, no output: the GDN backward's recomputation when
+# the forward kept FLA's saved set, fused_delta_fwd.states_from_pass)
+PASS_OUTPUT, PASS_TRANSITION, PASS_STATES = 0, 1, 2
 WS_DEFAULTS = {"BV": 64, "NCONS": 1, "STAGES": 2}  # measured against 2 x 32 and 1 x 32 columns: docs/performance.md
 
 
@@ -121,22 +126,28 @@ if HAVE_GLUON:
     @gluon.jit
     def _ws_producer(k_desc, q_desc, v_desc, t_desc, k_s, q_s, v_s, t_s, ready, empty,
                      row0, col_k, col_v, col_t, n_chunks, has_v, BV: gl.constexpr, NCONS: gl.constexpr,
-                     STAGES: gl.constexpr, TRANSITION: gl.constexpr):
-        """One warp: chunk i's tiles into ring slot i % STAGES once the consumers have released it. TRANSITION: no q,
-        and v only where ``has_v`` (the program's columns are value columns, not the transition's identity ones)."""
+                     STAGES: gl.constexpr, PASS: gl.constexpr):
+        """One warp: chunk i's tiles into ring slot i % STAGES once the consumers have released it. PASS 1 (the
+        transition): no q, and v only where ``has_v`` (the program's columns are value columns, not the transition's
+        identity ones); PASS 2 (Vnew and the states alone): no q."""
         nb_kt: gl.constexpr = k_desc.block_type.nbytes + t_desc.block_type.nbytes  # (byte counts: constants)
         nb_v: gl.constexpr = nb_kt + NCONS * v_desc.block_type.nbytes
         for i in range(n_chunks):
             s = i % STAGES
             mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)  # the first pass over the ring does not wait
             r = row0 + i * 64
-            if TRANSITION:
+            if PASS == 1:
                 mbarrier.expect(ready.index(s), nb_v, has_v)  # one of the two
                 mbarrier.expect(ready.index(s), nb_kt, not has_v)
                 _tma_load(k_desc, [r, col_k], ready.index(s), k_s.index(s))
                 if has_v:
                     for c in gl.static_range(NCONS):
                         _tma_load(v_desc, [r, col_v + c * BV], ready.index(s), v_s.index(NCONS * s + c))
+            elif PASS == 2:
+                mbarrier.expect(ready.index(s), nb_v)
+                _tma_load(k_desc, [r, col_k], ready.index(s), k_s.index(s))
+                for c in gl.static_range(NCONS):
+                    _tma_load(v_desc, [r, col_v + c * BV], ready.index(s), v_s.index(NCONS * s + c))
             else:
                 mbarrier.expect(ready.index(s), nb_v + q_desc.block_type.nbytes)
                 _tma_load(k_desc, [r, col_k], ready.index(s), k_s.index(s))
@@ -150,11 +161,12 @@ if HAVE_GLUON:
                      g, beta, o, v_new, h0, ht, hs, row0, boh, i_nh, i_hv, col_v, col_h, n_chunks, T, scale,
                      CID: gl.constexpr, NCONS: gl.constexpr, HV: gl.constexpr, V: gl.constexpr, K: gl.constexpr,
                      BV: gl.constexpr, STAGES: gl.constexpr, USE_H0: gl.constexpr, STORE_HT: gl.constexpr,
-                     SAVE: gl.constexpr, TRANSITION: gl.constexpr, SLAB: gl.constexpr):
+                     SAVE: gl.constexpr, PASS: gl.constexpr, SLAB: gl.constexpr):
         """Consumer warpgroup CID: value columns ``col_v + CID BV ..`` of v / o / Vnew (``[.., HV * V]`` rows),
-        ``col_h + CID BV ..`` of the state (h0 / ht ``[N, HV, K, V]`` fp32). TRANSITION: state columns ``col_h + CID
-        BV ..`` of ``[M | N]`` (``ht [N, HV, K, K + V]``): the first K start as the identity with values 0, the rest
-        are v's columns ``col_h - K ..`` from a zero state; no output, only the final state. SAVE 1: Vnew out; 2:
+        ``col_h + CID BV ..`` of the state (h0 / ht ``[N, HV, K, V]`` fp32). PASS 1 (the transition): state columns
+        ``col_h + CID BV ..`` of ``[M | N]`` (``ht [N, HV, K, K + V]``): the first K start as the identity with values 0, the rest
+        are v's columns ``col_h - K ..`` from a zero state; no output, only the final state. PASS 2: no output (SAVE's
+        tensors and the final state alone). SAVE 1: Vnew out; 2:
         also the 16-bit state before each chunk (the products' operand in shared memory, ``h_desc`` rows
         ``((boh + i) HV + i_hv) K``). SLAB > 0: the fp32 state before every chunk i = j SLAB, j >= 1, to
         ``hs [j - 1, i_nh]`` (``[.., N HV, K, V]``; the backward's slab starts)."""
@@ -165,6 +177,8 @@ if HAVE_GLUON:
         LSR: gl.constexpr = gl.SliceLayout(1, LS)  # the scores' [64, 64] tile: rows, columns
         LSC: gl.constexpr = gl.SliceLayout(0, LS)
         LA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=L, k_width=2)  # scores as the A operand
+        TRANSITION: gl.constexpr = PASS == 1
+        OUT: gl.constexpr = PASS == 0  # the output formed (q read)
         NCOL: gl.constexpr = K + V if TRANSITION else V  # the state's columns
         dt: gl.constexpr = st_s.dtype
         st = st_s.index(CID)
@@ -202,10 +216,10 @@ if HAVE_GLUON:
                 if (i % SLAB == 0) & (i > 0):
                     gl.store(hs + (i // SLAB - 1) * gl.num_programs(1) * (K * V) + p_h, b_h)
             mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-            if not TRANSITION:  # the output's scores q k^T of the chunk: off the state's chain, issued first
+            if OUT:  # the output's scores q k^T of the chunk: off the state's chain, issued first
                 b_sc = warpgroup_mma(q_s.index(s), k_s.index(s).permute((1, 0)), zs, use_acc=False, is_async=True)
             if SAVE == 2:  # the previous chunk's state has left st (its Vnew and o stores may still run)
-                tma.store_wait(2)
+                tma.store_wait(2 if OUT else 1)
             st.store(b_h.to(dt))
             fence_async_shared()
             if SAVE == 2:
@@ -217,8 +231,11 @@ if HAVE_GLUON:
                 if col_h >= K:  # value columns
                     b_y += v_s.index(NCONS * s + CID).load(L).to(gl.float32) * b_b[:, None]
             else:
-                b_qs = warpgroup_mma(q_s.index(s), st, zc, use_acc=False, is_async=True)
-                b_ks = warpgroup_mma_wait(num_outstanding=1, deps=(b_ks,))
+                if OUT:
+                    b_qs = warpgroup_mma(q_s.index(s), st, zc, use_acc=False, is_async=True)
+                    b_ks = warpgroup_mma_wait(num_outstanding=1, deps=(b_ks,))
+                else:
+                    b_ks = warpgroup_mma_wait(num_outstanding=0, deps=(b_ks,))
                 b_v = v_s.index(NCONS * s + CID).load(L).to(gl.float32)
                 b_y = (b_v - b_ks * b_eg[:, None]) * b_b[:, None]
             ys.store(b_y.to(dt))
@@ -232,18 +249,22 @@ if HAVE_GLUON:
                 b_h = warpgroup_mma_wait(num_outstanding=0, deps=(b_h,))
                 mbarrier.arrive(empty.index(s), count=1)
             else:
-                b_vn, b_qs, b_sc = warpgroup_mma_wait(num_outstanding=0, deps=(b_vn, b_qs, b_sc))
-                # scores scale causal(q k^T) o 2^(G_r - G_s), in registers as the output product's A operand
-                m_rs = o_sr[:, None] >= o_sc[None, :]
-                b_a = b_sc * gl.exp2(gl.where(m_rs, b_gr[:, None] - b_gc[None, :], float("-inf"))) * scale
-                b_a = gl.convert_layout(b_a.to(dt), LA)
+                if OUT:
+                    b_vn, b_qs, b_sc = warpgroup_mma_wait(num_outstanding=0, deps=(b_vn, b_qs, b_sc))
+                    # scores scale causal(q k^T) o 2^(G_r - G_s), in registers as the output product's A operand
+                    m_rs = o_sr[:, None] >= o_sc[None, :]
+                    b_a = b_sc * gl.exp2(gl.where(m_rs, b_gr[:, None] - b_gc[None, :], float("-inf"))) * scale
+                    b_a = gl.convert_layout(b_a.to(dt), LA)
+                else:
+                    b_vn = warpgroup_mma_wait(num_outstanding=0, deps=(b_vn,))
                 b_vnd = b_vn.to(dt)
                 # the previous chunk's o / Vnew stores have read vns / oss (this chunk's state store may still run)
                 tma.store_wait(1 if SAVE == 2 else 0)
                 vns.store(b_vnd)
                 vws.store((b_vn * gl.exp2(gl.where(m_r, b_gn - b_g, float("-inf")))[:, None]).to(dt))
                 fence_async_shared()
-                b_o = warpgroup_mma(b_a, vns, b_qs * (b_eg * scale)[:, None], is_async=True)
+                if OUT:
+                    b_o = warpgroup_mma(b_a, vns, b_qs * (b_eg * scale)[:, None], is_async=True)
                 b_h = warpgroup_mma(k_s.index(s).permute((1, 0)), vws, b_h * gl.exp2(b_gn), is_async=True)
                 p_tv = (r + o_r)[:, None] * (HV * V) + col + o_c[None, :]
                 if SAVE:
@@ -251,14 +272,18 @@ if HAVE_GLUON:
                         _tma_store(vn_desc, [r, col], vns)
                     else:
                         gl.store(v_new + p_tv, b_vnd, mask=m_r[:, None])
-                b_o, b_h = warpgroup_mma_wait(num_outstanding=0, deps=(b_o, b_h))
-                mbarrier.arrive(empty.index(s), count=1)
-                if full:
-                    oss.store(b_o.to(dt))
-                    fence_async_shared()
-                    _tma_store(o_desc, [r, col], oss)
+                if OUT:
+                    b_o, b_h = warpgroup_mma_wait(num_outstanding=0, deps=(b_o, b_h))
                 else:
-                    gl.store(o + p_tv, b_o.to(o.dtype.element_ty), mask=m_r[:, None])
+                    b_h = warpgroup_mma_wait(num_outstanding=0, deps=(b_h,))
+                mbarrier.arrive(empty.index(s), count=1)
+                if OUT:
+                    if full:
+                        oss.store(b_o.to(dt))
+                        fence_async_shared()
+                        _tma_store(o_desc, [r, col], oss)
+                    else:
+                        gl.store(o + p_tv, b_o.to(o.dtype.element_ty), mask=m_r[:, None])
         tma.store_wait(0)
         if STORE_HT:
             gl.store(ht + p_h, b_h)
@@ -268,10 +293,10 @@ if HAVE_GLUON:
                                ht, hs, cu_seqlens, chunk_offsets, T, scale, H: gl.constexpr, HV: gl.constexpr,
                                K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, NCONS: gl.constexpr,
                                STAGES: gl.constexpr, IS_VARLEN: gl.constexpr, USE_H0: gl.constexpr,
-                               STORE_HT: gl.constexpr, SAVE: gl.constexpr, TRANSITION: gl.constexpr,
+                               STORE_HT: gl.constexpr, SAVE: gl.constexpr, PASS: gl.constexpr,
                                SLAB: gl.constexpr = 0):
-        """Grid ``(NCOL / (NCONS BV), N HV)`` (NCOL: V, or K + V with TRANSITION); dense rows ``[B T, ..]`` or packed
-        varlen (B = 1, ``cu_seqlens``)."""
+        """Grid ``(NCOL / (NCONS BV), N HV)`` (NCOL: V, or K + V with PASS 1, the transition); dense rows
+        ``[B T, ..]`` or packed varlen (B = 1, ``cu_seqlens``)."""
         i_v = gl.program_id(0)
         i_nh = gl.program_id(1)
         i_n = i_nh // HV
@@ -281,7 +306,8 @@ if HAVE_GLUON:
         n_chunks = gl.cdiv(T, 64)
         dt: gl.constexpr = k_desc.dtype
         k_s = gl.allocate_shared_memory(dt, [STAGES] + k_desc.block_type.shape, k_desc.layout)
-        if TRANSITION:  # no q: its slots are k's (never read)
+        TRANSITION: gl.constexpr = PASS == 1
+        if PASS != 0:  # no q: its slots are k's (never read)
             q_s = k_s
         else:
             q_s = gl.allocate_shared_memory(dt, [STAGES] + q_desc.block_type.shape, q_desc.layout)
@@ -293,9 +319,11 @@ if HAVE_GLUON:
         vw_s = gl.allocate_shared_memory(dt, [NCONS, 64, BV], tile)
         if TRANSITION:  # no o / Vnew out
             vn_s = vw_s
-            os_s = vw_s
         else:
             vn_s = gl.allocate_shared_memory(dt, [NCONS, 64, BV], tile)
+        if PASS != 0:  # no o out
+            os_s = vw_s
+        else:
             os_s = gl.allocate_shared_memory(dt, [NCONS, 64, BV], tile)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -315,20 +343,20 @@ if HAVE_GLUON:
             gl.warp_specialize([
                 (_ws_consumer, (k_s, q_s, v_s, t_s, ready, empty, st_s, y_s, vn_s, vw_s, os_s, o_desc, vn_desc,
                                 h_desc, g, beta, o, v_new, h0, ht, hs, row0, boh, i_nh, i_hv, col_v, col_h, n_chunks, T,
-                                scale, C0, NCONS, HV, V, K, BV, STAGES, USE_H0, STORE_HT, SAVE, TRANSITION, SLAB)),
+                                scale, C0, NCONS, HV, V, K, BV, STAGES, USE_H0, STORE_HT, SAVE, PASS, SLAB)),
                 (_ws_consumer, (k_s, q_s, v_s, t_s, ready, empty, st_s, y_s, vn_s, vw_s, os_s, o_desc, vn_desc,
                                 h_desc, g, beta, o, v_new, h0, ht, hs, row0, boh, i_nh, i_hv, col_v, col_h, n_chunks, T,
-                                scale, C1, NCONS, HV, V, K, BV, STAGES, USE_H0, STORE_HT, SAVE, TRANSITION, SLAB)),
+                                scale, C1, NCONS, HV, V, K, BV, STAGES, USE_H0, STORE_HT, SAVE, PASS, SLAB)),
                 (_ws_producer, (k_desc, q_desc, v_desc, t_desc, k_s, q_s, v_s, t_s, ready, empty,
-                                row0, i_h * K, col_v, i_hv * 64, n_chunks, has_v, BV, NCONS, STAGES, TRANSITION)),
+                                row0, i_h * K, col_v, i_hv * 64, n_chunks, has_v, BV, NCONS, STAGES, PASS)),
             ], [4, 1], [232, 40])
         else:
             gl.warp_specialize([
                 (_ws_consumer, (k_s, q_s, v_s, t_s, ready, empty, st_s, y_s, vn_s, vw_s, os_s, o_desc, vn_desc,
                                 h_desc, g, beta, o, v_new, h0, ht, hs, row0, boh, i_nh, i_hv, col_v, col_h, n_chunks, T,
-                                scale, C0, NCONS, HV, V, K, BV, STAGES, USE_H0, STORE_HT, SAVE, TRANSITION, SLAB)),
+                                scale, C0, NCONS, HV, V, K, BV, STAGES, USE_H0, STORE_HT, SAVE, PASS, SLAB)),
                 (_ws_producer, (k_desc, q_desc, v_desc, t_desc, k_s, q_s, v_s, t_s, ready, empty,
-                                row0, i_h * K, col_v, i_hv * 64, n_chunks, has_v, BV, NCONS, STAGES, TRANSITION)),
+                                row0, i_h * K, col_v, i_hv * 64, n_chunks, has_v, BV, NCONS, STAGES, PASS)),
             ], [1], [40])
 
 
@@ -371,12 +399,14 @@ def ws_supported(q, k, v, has_gate: bool, initial_state, cu_seqlens, save: int, 
 
 def fused_delta_pass_ws(q, k, v, g_cum, beta, ai, scale, initial_state=None, output_final_state=False,
                         cu_seqlens=None, save: int = 0, config: dict | None = None, transition: bool = False,
-                        chunk_offsets=None, num_chunks: int | None = None, slab_states=None, slab: int = 0):
+                        chunk_offsets=None, num_chunks: int | None = None, slab_states=None, slab: int = 0,
+                        output: bool = True):
     """``fused_delta_fwd.fused_delta_pass`` (no ``a``) on the warp-specialized kernel, from the prep's ``g_cum``
     (fp32, log2, restarting every 64 rows), Tm (``ai``, q's dtype) and beta (all contiguous); the output's scores are
     formed in the kernel. ``save``: 1 Vnew, 2 also the state before each 64-row chunk (varlen: ``chunk_offsets`` /
     ``num_chunks`` of 64-row chunks). ``transition``: the pieces' ``[M | N]`` (``[N, HV, K, K + V]``, fp32) instead
-    of o, from no initial state, nothing saved. ``slab`` > 0 with ``slab_states`` (fp32 ``[S - 1, N HV, K, V]``,
+    of o, from no initial state, nothing saved. ``output`` False: no q read, no o (Vnew, the states and the final
+    state alone; the scores' and the output's products skipped). ``slab`` > 0 with ``slab_states`` (fp32 ``[S - 1, N HV, K, V]``,
     S = ceil(chunks / slab), dense): the state before every ``slab``-th 64-row chunk but the first goes there (the
     backward's slab starts, ``chunk.py``). Call only where ``ws_supported`` holds (same ``config``: launch keys
     ``BV``, ``NCONS`` consumer warpgroups of BV columns each, ``STAGES``). Returns ``(o, final, v_new, h)`` as that
@@ -388,7 +418,8 @@ def fused_delta_pass_ws(q, k, v, g_cum, beta, ai, scale, initial_state=None, out
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     ncol = K + V if transition else V
     save = 0 if transition else save
-    o = None if transition else torch.empty_like(v)
+    mode = PASS_TRANSITION if transition else PASS_OUTPUT if output else PASS_STATES  # the kernel's PASS
+    o = torch.empty_like(v) if mode == PASS_OUTPUT else None
     v_new = torch.empty_like(v) if save else None
     NT = (T + BS - 1) // BS if cu_seqlens is None else num_chunks
     h = torch.empty(B, NT, HV, K, V, dtype=k.dtype, device=k.device) if save == 2 else None
@@ -402,7 +433,7 @@ def fused_delta_pass_ws(q, k, v, g_cum, beta, ai, scale, initial_state=None, out
         return TensorDescriptor(x.view(rows, cols), [rows, cols], [cols, 1], block, _smem_layout(tuple(block), bf16))
 
     v_desc = desc(v, B * T, HV * V, [BS, BV])
-    o_desc = v_desc if transition else desc(o, B * T, HV * V, [BS, BV])  # (transition: never stored to)
+    o_desc = v_desc if o is None else desc(o, B * T, HV * V, [BS, BV])  # (no o: never stored to)
     vn_desc = desc(v_new, B * T, HV * V, [BS, BV]) if v_new is not None else o_desc
     h_desc = desc(h, B * NT * HV * K, V, [K, BV]) if h is not None else o_desc
     _fused_delta_ws_kernel[(ncol // (NCONS * BV), N * HV)](
@@ -413,5 +444,5 @@ def fused_delta_pass_ws(q, k, v, g_cum, beta, ai, scale, initial_state=None, out
         cu_seqlens if cu_seqlens is not None else v, chunk_offsets if chunk_offsets is not None else v, T, scale,
         H=H, HV=HV, K=K, V=V, BV=BV, NCONS=NCONS, STAGES=cfg["STAGES"], IS_VARLEN=cu_seqlens is not None,
         USE_H0=initial_state is not None and not transition, STORE_HT=final is not None, SAVE=save,
-        TRANSITION=transition, SLAB=slab if slab_states is not None else 0, num_warps=4)
+        PASS=mode, SLAB=slab if slab_states is not None else 0, num_warps=4)
     return o, final, v_new, h
