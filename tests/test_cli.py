@@ -14,13 +14,13 @@ from tfla.cli import main
 def test_bench_gdn_small(tmp_path, capsys):
     csv_path, json_path = tmp_path / "r.csv", tmp_path / "r.json"
     args = ["bench", "gdn", "--T", "70,130", "--B", "1", "--H", "1", "--HV", "2", "--K", "16", "--V", "16",
-            "--variants", "default,recompute", "--dtype", "fp32", "--no-progress", "--csv", str(csv_path), "--json",
+            "--variants", "default,save_v_new", "--dtype", "fp32", "--no-progress", "--csv", str(csv_path), "--json",
             str(json_path)]
     if torch.cuda.is_available():
         args += ["--warmup", "1", "--rep", "5"]
     assert main(args) == 0
     out = capsys.readouterr().out
-    assert "tfla recompute" in out and "Gated DeltaNet fwd" in out
+    assert "save_v_new" in out and "Gated DeltaNet fwd" in out  # (rich may wrap the label)
     data = json.loads(json_path.read_text())
     rows = [r for r in data["rows"] if r["impl"].startswith("tfla")]
     assert len(rows) == 4 and all(r["status"] == "ok" and r["ms"] > 0 for r in rows)
@@ -42,7 +42,7 @@ def test_bench_csv_appends_rows(tmp_path):
 
     csv_path = tmp_path / "results.csv"
     args = ["bench", "gdn", "--T", "70", "--B", "1", "--H", "1", "--HV", "2", "--K", "16", "--V", "16",
-            "--variants", "default,recompute", "--dtype", "fp32", "--impls", "tfla", "--no-progress", "--csv",
+            "--variants", "default,save_v_new", "--dtype", "fp32", "--impls", "tfla", "--no-progress", "--csv",
             str(csv_path)]
     if torch.cuda.is_available():
         args += ["--warmup", "1", "--rep", "5"]
@@ -56,7 +56,7 @@ def test_bench_csv_appends_rows(tmp_path):
     assert text.count("date,commit,") == 1
     with open(csv_path, newline="") as f:
         rows = list(csv.DictReader(f))
-    assert [r["impl"] for r in rows] == ["tfla", "tfla recompute"] * 2
+    assert [r["impl"] for r in rows] == ["tfla", "tfla save_v_new"] * 2
     for r in rows:
         assert datetime.datetime.fromisoformat(r["date"]).utcoffset() == datetime.timedelta(0)
         assert re.fullmatch(r"[0-9a-f]{4,40}|", r["commit"])  # git rev-parse --short HEAD, or "" without git
@@ -77,7 +77,7 @@ def test_bench_csv_refuses_other_columns(tmp_path, capsys):
     assert csv_path.read_text() == "impl,ms\ntfla,1.0\n"
 
 
-@pytest.mark.parametrize("mode,variants", [("fwdbwd", "default,save_states,recompute"), ("bwd", "default")])
+@pytest.mark.parametrize("mode,variants", [("fwdbwd", "default,save_v_new,save_states"), ("bwd", "default")])
 def test_bench_gdn_backward_modes(tmp_path, capsys, mode, variants):
     json_path = tmp_path / "r.json"
     args = ["bench", "gdn", "--mode", mode, "--T", "100", "--B", "1", "--H", "1", "--HV", "2", "--K", "16",
@@ -87,16 +87,16 @@ def test_bench_gdn_backward_modes(tmp_path, capsys, mode, variants):
     assert main(args) == 0
     assert f"Gated DeltaNet {mode}" in capsys.readouterr().out
     rows = [r for r in json.loads(json_path.read_text())["rows"] if r["impl"].startswith("tfla")]
-    labels = {"default": "tfla", "save_states": "tfla save_states", "recompute": "tfla recompute"}
+    labels = {"default": "tfla", "save_v_new": "tfla save_v_new", "save_states": "tfla save_states"}
     assert [r["impl"] for r in rows] == [labels[s] for s in variants.split(",")]
     for row in rows:
         assert row["status"] == "ok" and row["ms"] > 0
         assert all(row[f"err_{n}"] < 1e-5 for n in ("dq", "dk", "dv", "dbeta")) and row["err_dg"] < 5e-5
-        # the memory held from forward to backward: measured on a GPU (the recompute variant holds the least)
+        # the memory held from forward to backward: measured on a GPU (the default, FLA's saved set, holds the least)
         assert (row["held_mib"] is None) == (not torch.cuda.is_available())
     if torch.cuda.is_available() and len(rows) > 1:
         held = {r["impl"]: r["held_mib"] for r in rows}
-        assert held["tfla recompute"] <= held["tfla"] <= held["tfla save_states"]
+        assert held["tfla"] <= held["tfla save_v_new"] <= held["tfla save_states"]
 
 
 def test_bench_gdn_rejects_bad_variants(capsys):

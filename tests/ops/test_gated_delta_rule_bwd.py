@@ -345,6 +345,30 @@ def test_bwd_deterministic(segments):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("varlen", [False, True])
+def test_bwd_without_v_new_equals_save_states_bf16(varlen):
+    """On Hopper (bf16, K = V = 128: the Gluon pass) the backward's recomputation without Vnew (the pass without its
+    output, ``PASS_STATES``) gives the Vnew and states ``save_states`` keeps, so the gradients are bitwise equal; one
+    chain per sequence (``segments=1``: a split with gradients keeps the forward's states either way)."""
+    T = 1000
+    cu = torch.tensor([0, 1, 300, 300, T], device="cuda") if varlen else None
+    x = gdn_inputs(1 if varlen else 2, T, 2, 128, 128, HV=4, dtype=torch.bfloat16, device="cuda",
+                   initial_state=True, num_seqs=4 if varlen else None, seed=5 + varlen)
+    names = ("q", "k", "v", "g", "beta", "initial_state")
+    runs = []
+    for kw in (dict(save_v_new=False), dict(save_states=True)):
+        leaves = [x[n].clone().requires_grad_() for n in names]
+        o, s = tfla.chunk_gated_delta_rule(*leaves[:5], initial_state=leaves[5], output_final_state=True,
+                                           cu_seqlens=cu, segments=1, use_qk_l2norm_in_kernel=True, **kw)
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        do = torch.randn(o.shape, device="cuda", generator=gen).to(o.dtype)
+        ds = torch.randn(s.shape, device="cuda", generator=gen)
+        runs.append(torch.autograd.grad((o * do).sum() + (s * ds).sum(), leaves))
+    for name, a, b in zip(NAMES, *runs):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("save_v_new", [False, True])
 @pytest.mark.parametrize("gate", ["default", "strong"])
 def test_bwd_bf16_no_worse_than_fla(save_v_new, gate):

@@ -116,7 +116,7 @@ def _ints(s: str) -> list[int]:
 
 
 def _variants(spec: str) -> list[str]:
-    """``"default,recompute"`` -> ``["default", "recompute"]``; a name not in ``VARIANTS`` is a clear error."""
+    """``"default,save_v_new"`` -> ``["default", "save_v_new"]``; a name not in ``VARIANTS`` is a clear error."""
     from tfla.bench.registry import VARIANTS
 
     out = [part.strip() for part in spec.split(",") if part.strip()]
@@ -145,10 +145,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--V", type=int, default=128 if gpu else 32)
     p.add_argument("--dtype", choices=list(DTYPES), default="bf16" if gpu else "fp32")
     p.add_argument("--variants", type=_variants, default=None,
-                   help="what tfla's forward keeps for the backward, comma-separated: default (Vnew), save_states "
-                        "(Vnew and the 64-row states), recompute (FLA's saved set), slab64 / slab32 (the backward in "
-                        "slabs of 64 / 32 chunks: less memory, more host time); default: default with --mode fwd "
-                        "(the forward is the same in all three), else all three")
+                   help="what tfla's forward keeps for the backward, comma-separated: default (FLA's saved set), "
+                        "save_v_new (Vnew), save_states (Vnew and the 64-row states), slab64 / slab32 (Vnew, the "
+                        "backward in slabs of 64 / 32 chunks: less memory, more host time); default: default with "
+                        "--mode fwd (the forward is the same in all three), else the first three")
     p.add_argument("--impls", type=str, default="tfla,fla,flashqla",
                    help="comma-separated subset of tfla,fla,flashqla (peers only when installed)")
     p.add_argument("--gate", choices=GATES, default="default")
@@ -246,7 +246,7 @@ def run(args) -> tuple[list[dict], dict]:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     wls = workloads_from_args(args)
     if args.variants is None:
-        args.variants = _variants("default" if args.mode == "fwd" else "default,save_states,recompute")
+        args.variants = _variants("default" if args.mode == "fwd" else "default,save_v_new,save_states")
     variants = args.variants if "tfla" in args.impls else []
     peers = [p for p in ("fla", "flashqla") if p in args.impls.split(",")]
     impls, missing = gdn_impls(variants, peers)

@@ -37,11 +37,13 @@ def _version(dist: str) -> str:
         return "?"
 
 
-# what tfla's forward keeps for its backward: the op's default (Vnew), Vnew and the 64-row states, or FLA's saved set
-# (Vnew recomputed)
-VARIANTS = {"default": {}, "save_states": dict(save_states=True), "recompute": dict(save_v_new=False),
-            # the backward in slabs of 64 / 32 chunks (Hopper, dense: less memory, more host time; the op's README)
-            "slab64": dict(config={"slab": {"chunks": 64}}), "slab32": dict(config={"slab": {"chunks": 32}})}
+# what tfla's forward keeps for its backward: the op's default (FLA's saved set: Vnew and the states recomputed), Vnew,
+# or Vnew and the 64-row states
+VARIANTS = {"default": {}, "save_v_new": dict(save_v_new=True), "save_states": dict(save_states=True),
+            # the backward in slabs of 64 / 32 chunks (Hopper, dense, Vnew kept: less memory, more host time; the op's
+            # README)
+            "slab64": dict(save_v_new=True, config={"slab": {"chunks": 64}}),
+            "slab32": dict(save_v_new=True, config={"slab": {"chunks": 32}})}
 
 
 def tfla_impl(variant: str = "default") -> Impl:

@@ -381,9 +381,11 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
         grad = opts.needs_grad
         save = SAVE_NONE if not grad else SAVE_STATES if opts.save_states else \
             SAVE_V_NEW if opts.save_v_new else SAVE_NONE
-        # a kept Vnew matches the backward's state pass only without a split: with one, keep the forward's own
-        # states too
-        split_save = SAVE_STATES if save == SAVE_V_NEW else None
+        # with a split and gradients the forward keeps Vnew and its own 64-row states whatever save_v_new says: the
+        # backward's state-gradient chain then runs in the same pieces (a kept Vnew alone matches only a state pass
+        # from the initial state, and without anything kept the backward's passes would run each sequence in one
+        # chain)
+        split_save = SAVE_STATES if grad else None
         act = _act(opts, A_log, dt_bias)
         q0 = k0 = rq = rk = None
         if opts.use_qk_l2norm_in_kernel:  # one Triton pass per tensor; its backward joins the GVA sum's pass
@@ -464,7 +466,7 @@ def chunk_gated_delta_rule(
     cp_context=None,
     *,
     save_states: bool = False,
-    save_v_new: bool = True,
+    save_v_new: bool = False,
     config: dict | None = None,
     use_gate_in_kernel: bool = False,
     A_log: torch.Tensor | None = None,
@@ -502,20 +504,22 @@ def chunk_gated_delta_rule(
             recomputing the states there (keyword-only): ``B*ceil(T/64)*HV*K*V`` more
             elements in the input dtype than the default (256 MiB at B=4, T=8192, H=16, K=V=128, bf16); README of
             this op.
-        save_v_new: keep Vnew (``B*T*HV*V`` elements in the input dtype, the size of v) from the forward
-            (keyword-only): the backward then recomputes W alone and the states by the plain
-            linear-attention pass over Vnew instead of the delta rule's chain (default True: H100, B=4 T=8192 H=16
-            K=V=128 bf16 L=64, fwd+bwd 3.383 -> 3.176 ms in one process, peak unchanged, 128 MiB more kept from
-            forward to backward; 95b3700). False: FLA's saved set (inputs, cumulative gates, Tm); the backward then
-            runs the forward's pass again for Vnew and the states (gradients equal ``save_states``'). README of this
-            op.
+        save_v_new: keep Vnew (``B*T*HV*V`` elements in the input dtype, the size of v: 128 MiB at B=4, T=8192,
+            H=16, V=128, bf16) from the forward (keyword-only); the backward then rebuilds the states by the plain
+            linear-attention pass over it. Default False: FLA's saved set (inputs, cumulative gates, Tm) and the
+            backward runs the forward's pass again, without its output, for Vnew and the states (gradients equal
+            ``save_states``'). Measured with the earlier recomputation that also formed the output (H100, bf16,
+            2026-11-28, 5892856): True 1.804 / 4.337 ms forward + backward at that shape / the Qwen3-Next-style
+            layer against 1.940 / 4.469 for False, the peak of one call equal. A forward cut into pieces
+            (``segments``) with gradients keeps Vnew and the 64-row states either way. README of this op.
         config: launch overrides per stage (keyword-only, for tuning; results do not depend on it): a dict whose keys
             are stages of ``CONFIG_STAGES`` and whose values are that stage's launch config (``BK``, ``BV``,
             ``num_warps``, ``num_stages``, ...: the keys each stage function in ``tfla/ops/common`` documents;
             ``flat`` / ``idx64`` force the large-input indexing, for tests; on Hopper ``fused``, ``state_bwd`` and
             ``dqkw`` take ``ws``: False for the ``tl`` kernels instead of the Gluon ones, or a dict of their launch;
             ``dqkw``'s Gluon kernel also runs the ``wy_bwd`` stage); ``slab``: ``{"chunks": n}``, the Hopper
-            backward's slab of n 64-row chunks with Vnew kept and dense sequences on Hopper (default 0: the states of
+            backward's slab of n 64-row chunks with Vnew kept (``save_v_new=True``; ignored otherwise), dense sequences, on
+            Hopper (default 0: the states of
             the whole sequences at once; a slab costs host time, saves memory: README of this op, memory).
             ``scripts/tune.py`` searches them.
         use_beta_sigmoid_in_kernel: beta holds pre-activations; ``sigmoid(beta)`` is used (FLA 0.6.0's

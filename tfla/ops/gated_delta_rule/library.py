@@ -5,8 +5,9 @@ kernels (cached index tables, reads of ``cu_seqlens``, Triton launches), so the 
 the graph as one opaque op with a fake implementation (output shapes and dtypes from the input shapes) and the
 autograd formula registered between them. Eager calls keep ``ChunkGatedDeltaRuleFunction``.
 
-Under compilation the forward keeps FLA's saved set plus Vnew (``save_v_new=True``, the eager default) and runs
-every sequence in one chain (no ``segments`` split, no ``save_states``); ``config`` is ignored there (launch tuning
+Under compilation the forward keeps FLA's saved set (inputs, cumulative gates, Tm: the eager default; ``save_v_new``
+and ``save_states`` are ignored there) and runs every sequence in one chain (no ``segments`` split); the backward
+recomputes Vnew and the states by the forward's pass without its output. ``config`` is ignored there (launch tuning
 only; results do not depend on it).
 """
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from tfla.ops.common.custom_ops import absent, varlen_index
-from tfla.ops.common.fused_delta_fwd import SAVE_NONE, SAVE_V_NEW
+from tfla.ops.common.fused_delta_fwd import SAVE_NONE
 from tfla.ops.common.utils import SUB_CHUNK
 
 
@@ -22,17 +23,18 @@ from tfla.ops.common.utils import SUB_CHUNK
 def chunk_gdn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                   initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None, scale: float,
                   output_final_state: bool, needs_grad: bool
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(o, final_state, g_cum, ai, v_new)``: ``chunk_gated_delta_rule_fwd``'s outputs and what the backward
-    keeps; an empty fp32 tensor stands for an absent one (no final state; nothing kept without ``needs_grad``)."""
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(o, final_state, g_cum, ai)``: ``chunk_gated_delta_rule_fwd``'s outputs and what the backward keeps
+    beside the inputs (FLA's saved set); an empty fp32 tensor stands for an absent one (no final state; nothing kept
+    without ``needs_grad``)."""
     from tfla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_fwd
 
     # (under CUDA-graph capture without gradients: tables built on the device, as in eager calls)
     varlen = varlen_index(cu_seqlens, SUB_CHUNK, q.shape[1], on_device=not needs_grad)
     o, final, inter = chunk_gated_delta_rule_fwd(
         q, k, v, g, beta, scale, initial_state, output_final_state, varlen,
-        save=SAVE_V_NEW if needs_grad else SAVE_NONE, segments=1)
-    keep = [inter["g_cum"], inter["ai"], inter["v_new"]] if needs_grad else [None] * 3
+        save=SAVE_NONE, segments=1)
+    keep = [inter["g_cum"], inter["ai"]] if needs_grad else [None] * 2
     return tuple(x if x is not None else absent(q) for x in [o, final] + keep)
 
 
@@ -45,29 +47,28 @@ def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, ne
     o = v.new_empty(B, T, HV, V, dtype=q.dtype)
     final = q.new_empty(N, HV, K, V, dtype=acc) if output_final_state else absent(q)
     if not needs_grad:
-        return o, final, absent(q), absent(q), absent(q)
-    return (o, final, q.new_empty(B, T, HV, dtype=acc), q.new_empty(B, T, HV, SUB_CHUNK, dtype=q.dtype),
-            v.new_empty(v.shape))
+        return o, final, absent(q), absent(q)
+    return o, final, q.new_empty(B, T, HV, dtype=acc), q.new_empty(B, T, HV, SUB_CHUNK, dtype=q.dtype)
 
 
 @torch.library.custom_op("tfla::chunk_gated_delta_rule_bwd", mutates_args=())
 def chunk_gdn_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g_cum: torch.Tensor, beta: torch.Tensor,
-                  ai: torch.Tensor, v_new: torch.Tensor, initial_state: torch.Tensor | None, do: torch.Tensor,
+                  ai: torch.Tensor, initial_state: torch.Tensor | None, do: torch.Tensor,
                   dht: torch.Tensor | None, cu_seqlens: torch.Tensor | None, scale: float
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv, dg, dbeta, dh0)`` of ``chunk_gated_delta_rule_bwd`` from the forward op's kept tensors (dh0
-    an empty fp32 tensor without an initial state)."""
+    an empty fp32 tensor without an initial state); Vnew and the states recomputed."""
     from tfla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_bwd
 
     varlen = varlen_index(cu_seqlens, SUB_CHUNK, q.shape[1])
     dq, dk, dv, dg, dbeta, dh0, *_ = chunk_gated_delta_rule_bwd(
         q, k, v, g_cum, beta, ai, scale, initial_state, do.contiguous(), None if dht is None else dht.contiguous(),
-        varlen, v_new=v_new)
+        varlen)
     return dq, dk, dv, dg, dbeta, dh0 if dh0 is not None else absent(q)
 
 
 @chunk_gdn_bwd.register_fake
-def _(q, k, v, g_cum, beta, ai, v_new, initial_state, do, dht, cu_seqlens, scale):
+def _(q, k, v, g_cum, beta, ai, initial_state, do, dht, cu_seqlens, scale):
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     dh0 = initial_state.new_empty(initial_state.shape, dtype=acc) if initial_state is not None else absent(q)
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), g_cum.new_empty(g_cum.shape, dtype=acc),
@@ -76,17 +77,17 @@ def _(q, k, v, g_cum, beta, ai, v_new, initial_state, do, dht, cu_seqlens, scale
 
 def _setup_context(ctx, inputs, output):
     q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, needs_grad = inputs
-    _, _, g_cum, ai, v_new = output
-    ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, g_cum, ai, v_new)
+    _, _, g_cum, ai = output
+    ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, g_cum, ai)
     ctx.scale, ctx.output_final_state = scale, output_final_state
 
 
 def _backward(ctx, do, dht, *_):
-    q, k, v, g, beta, initial_state, cu_seqlens, g_cum, ai, v_new = ctx.saved_tensors
+    q, k, v, g, beta, initial_state, cu_seqlens, g_cum, ai = ctx.saved_tensors
     if do is None:
         do = torch.zeros_like(v, dtype=q.dtype)
     dq, dk, dv, dg, dbeta, dh0 = chunk_gdn_bwd(
-        q, k, v, g_cum, beta, ai, v_new, initial_state, do, dht if ctx.output_final_state else None, cu_seqlens,
+        q, k, v, g_cum, beta, ai, initial_state, do, dht if ctx.output_final_state else None, cu_seqlens,
         ctx.scale)
     return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), dbeta.to(beta.dtype),
             dh0.to(initial_state.dtype) if initial_state is not None else None, None, None, None, None)
