@@ -182,11 +182,13 @@ def test_bwd_save_v_new_both_ways(device, poison_empty, varlen, gate, save_v_new
     _check(got, ref, FP32_TOL)
 
 
+@pytest.mark.parametrize("segments", [1, 3])
 @pytest.mark.parametrize("varlen", [False, True])
-def test_bwd_without_v_new_equals_save_states(device, varlen):
+def test_bwd_without_v_new_equals_save_states(device, varlen, segments):
     """Without Vnew kept the backward runs the forward's pass again for Vnew and the 64-row states, the pair
     ``save_states`` keeps: the gradients equal save_states' bitwise (gate and beta activations, l2norm, grouped value
-    heads, initial state, a final-state cotangent)."""
+    heads, initial state, a final-state cotangent); with the sequences cut into pieces, over the same pieces from
+    their start states (the forward keeps those, not the states)."""
     T = 150
     cu = torch.tensor([0, 1, 64, 64, T], device=device) if varlen else None
     x = gdn_inputs(1 if varlen else 2, T, 1, 32, 16, HV=2, dtype=torch.float32, device=device, initial_state=True,
@@ -198,7 +200,10 @@ def test_bwd_without_v_new_equals_save_states(device, varlen):
     for kw in (dict(save_v_new=False), dict(save_states=True)):
         leaves = [x[n].clone().requires_grad_() for n in names]
         o, s = tfla.chunk_gated_delta_rule(*leaves[:5], initial_state=leaves[5], output_final_state=True,
-                                           cu_seqlens=cu, **opts, **kw)
+                                           cu_seqlens=cu, segments=segments, **opts, **kw)
+        if kw.get("save_v_new") is False:  # what the forward kept beyond FLA's set: the pieces' starts alone
+            assert len([t for t in o.grad_fn.saved_tensors if t is not None and t.shape == x["v"].shape]) == 1  # v
+            assert (o.grad_fn.split is not None) == (segments > 1)
         gen = torch.Generator().manual_seed(0)
         do, ds = torch.randn(o.shape, generator=gen).to(o), torch.randn(s.shape, generator=gen).to(s)
         runs.append(torch.autograd.grad((o * do).sum() + (s * ds).sum(), leaves))
@@ -345,11 +350,12 @@ def test_bwd_deterministic(segments):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("segments", [1, 4])
 @pytest.mark.parametrize("varlen", [False, True])
-def test_bwd_without_v_new_equals_save_states_bf16(varlen):
+def test_bwd_without_v_new_equals_save_states_bf16(varlen, segments):
     """On Hopper (bf16, K = V = 128: the Gluon pass) the backward's recomputation without Vnew (the pass without its
-    output, ``PASS_STATES``) gives the Vnew and states ``save_states`` keeps, so the gradients are bitwise equal; one
-    chain per sequence (``segments=1``: a split with gradients keeps the forward's states either way)."""
+    output, ``PASS_STATES``) gives the Vnew and states ``save_states`` keeps, so the gradients are bitwise equal; in
+    one chain per sequence and over the forward's pieces from their start states."""
     T = 1000
     cu = torch.tensor([0, 1, 300, 300, T], device="cuda") if varlen else None
     x = gdn_inputs(1 if varlen else 2, T, 2, 128, 128, HV=4, dtype=torch.bfloat16, device="cuda",
@@ -359,7 +365,7 @@ def test_bwd_without_v_new_equals_save_states_bf16(varlen):
     for kw in (dict(save_v_new=False), dict(save_states=True)):
         leaves = [x[n].clone().requires_grad_() for n in names]
         o, s = tfla.chunk_gated_delta_rule(*leaves[:5], initial_state=leaves[5], output_final_state=True,
-                                           cu_seqlens=cu, segments=1, use_qk_l2norm_in_kernel=True, **kw)
+                                           cu_seqlens=cu, segments=segments, use_qk_l2norm_in_kernel=True, **kw)
         gen = torch.Generator(device="cuda").manual_seed(1)
         do = torch.randn(o.shape, device="cuda", generator=gen).to(o.dtype)
         ds = torch.randn(s.shape, device="cuda", generator=gen)

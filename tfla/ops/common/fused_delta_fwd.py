@@ -56,14 +56,16 @@ FUSED_DEFAULTS = {"BV": None, "num_warps": 4, "num_stages": 2, "mn_BV": 64, "mn_
 class Split(NamedTuple):
     """A forward's cut of its sequences into pieces (``fused_delta_fwd``), for a backward over the same pieces:
     ``cu_seqlens`` / ``sub_offsets`` of the pieces (a packed batch of ``B * T`` rows), ``first`` (each sequence's
-    first piece, ``[N + 1]``), ``num_chunks`` (64-row chunks in all) and ``mn [P, HV, K, K + V]`` (each piece's
-    ``[M | N]``, fp32)."""
+    first piece, ``[N + 1]``), ``num_chunks`` (64-row chunks in all), ``mn [P, HV, K, K + V]`` (each piece's
+    ``[M | N]``, fp32) and ``starts [P, HV, K, V]`` (each piece's exact start state from the scan, fp32: the
+    backward's pass over the pieces starts there when the forward kept neither Vnew nor the states)."""
 
     cu_seqlens: torch.Tensor
     sub_offsets: torch.Tensor
     first: torch.Tensor
     num_chunks: int
     mn: torch.Tensor
+    starts: torch.Tensor
 
 
 def wide_tiles(pairs: int, V: int, sms: int) -> int:
@@ -507,5 +509,5 @@ def fused_delta_fwd(q, k, v, g, beta, scale, initial_state=None, output_final_st
                                           save, a=sf, config=cfg)
     out.update(o=o.reshape(B, T, HV, V), final_state=final, v_new=None if v_new is None else v_new.reshape(v.shape),
                h=None if h is None else h.reshape(B, -1, HV, K, V),
-               split=Split(seg_cu, seg_off, first_t, num_chunks, mn))
+               split=Split(seg_cu, seg_off, first_t, num_chunks, mn, starts))
     return out

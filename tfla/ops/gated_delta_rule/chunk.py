@@ -132,9 +132,9 @@ def chunk_gated_delta_rule_bwd(
     """Plain backward (no autograd) from the forward's saved ``g_cum`` (log2, restarting every 64 rows) and ``ai``
     (Tm); ``saved = (v_new, h)`` (the forward's Vnew and 64-row states) skips their recomputation; ``v_new`` alone
     turns the recomputation into the linear-attention state pass over Vnew; neither: the forward's pass again
-    (``states_from_pass``) for both; ``split`` (with ``saved``: the
-    forward's ``Split`` of its sequences into pieces) runs the state-gradient recurrence in those pieces in parallel
-    (``_state_grad_in_pieces``); ``act`` with the forward's ``g`` and ``beta_in`` (pre-activations; ``beta`` is then the
+    (``states_from_pass``) for both; ``split`` (the forward's ``Split`` of its sequences into pieces, with ``saved``
+    or with neither) runs the state-gradient recurrence in those pieces in parallel (``_state_grad_in_pieces``) and,
+    without ``saved``, the pass again over the pieces from their start states (``_states_in_pieces``); ``act`` with the forward's ``g`` and ``beta_in`` (pre-activations; ``beta`` is then the
     activated one): the gradients of the pre-activations, A_log and dt_bias (``gate_act.gate_epilogue``); ``l2 =
     (q0, rstd_q, k0, rstd_k)``: q and k are ``l2norm_fwd`` of q0 and k0, and dq, dk are returned for q0 and k0 (the
     l2norm's backward in the GVA sum's pass, or its own pass without grouped heads); ``slab = (n, states)`` with
@@ -158,7 +158,7 @@ def chunk_gated_delta_rule_bwd(
     cu = varlen.cu_seqlens if varlen is not None else None
     sub = varlen.sub_indices if varlen is not None else None
     # the state-gradient recurrence on Hopper runs from Tm and beta (state_bwd_ws.py): no W to recompute for it
-    in_pieces = split is not None and saved is not None
+    in_pieces = split is not None and (saved is not None or v_new is None)
     sb_ws = (config.get("state_bwd") or {}).get("ws", True)
     if in_pieces and sb_ws is True and v.shape[3] % (PIECE_WS["BV"] * PIECE_WS["NCONS"]) == 0:
         sb_ws = PIECE_WS
@@ -189,6 +189,10 @@ def chunk_gated_delta_rule_bwd(
             chunk_offsets=varlen.sub_offsets if varlen is not None else None,
             num_chunks=varlen.sub_indices.shape[0] if varlen is not None else None,
             config=config.get("state_lin"), store_every_sub_chunk=True, key_weights=True)
+    elif in_pieces:  # FLA's saved set and a split: the pass again over the pieces, from their start states
+        v_new, h_sub = _states_in_pieces(q, k, v, g_cum, beta, ai, scale, split, config.get("fused"))
+        w = None if from_tm else w_from_tm(k, g_cum, beta, ai, L, cu_seqlens=cu, sub_indices=sub,
+                                           config=config.get("ut"))
     else:  # FLA's saved set: the forward's pass again for Vnew and the 64-row states (save_states' pair)
         v_new, h_sub = states_from_pass(
             q, k, v, g_cum, beta, ai, scale, initial_state, cu,
@@ -336,6 +340,21 @@ def _ws_bwd_in_slabs(q, k, v, g_cum, beta, ai, v_new, do, dht, initial_state, sc
             dgd.view(B, T, HV), dgam.view(B, T, HV), ds if initial_state is not None else None)
 
 
+def _states_in_pieces(q, k, v, g_cum, beta, ai, scale, split: Split, config):
+    """Vnew and the state before every 64-row chunk (``save_states``' pair, in the forward's layout) by the forward's
+    pass without its output over the forward's pieces, each from its start state (``split.starts``), at the forward's
+    launch for pieces (``PIECE_WS`` on the Gluon kernel unless ``config`` sets one)."""
+    B, T, HV, V = v.shape
+    K = q.shape[3]
+    flat = [x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, g_cum, beta, ai)]
+    cfg = dict(config or {})
+    if cfg.get("ws", True) is True and V % (PIECE_WS["BV"] * PIECE_WS["NCONS"]) == 0:
+        cfg["ws"] = PIECE_WS
+    v_new, h = states_from_pass(*flat, scale, split.starts, split.cu_seqlens, chunk_offsets=split.sub_offsets,
+                                num_chunks=split.num_chunks, config=cfg)
+    return v_new.reshape(v.shape), h.reshape(B, -1, HV, K, V)
+
+
 def _state_grad_in_pieces(q, k, w, do, g_cum, scale, dht, need_dh0, split: Split, config, ai=None, beta=None):
     """The state-gradient recurrence (L = 64) over the forward's pieces in parallel, exactly (``docs/gdn-math.md``
     section 6, backward): the adjoint is affine in the state gradient, ``dS_start = M^T dS_end + dN`` per piece.
@@ -381,11 +400,10 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
         grad = opts.needs_grad
         save = SAVE_NONE if not grad else SAVE_STATES if opts.save_states else \
             SAVE_V_NEW if opts.save_v_new else SAVE_NONE
-        # with a split and gradients the forward keeps Vnew and its own 64-row states whatever save_v_new says: the
-        # backward's state-gradient chain then runs in the same pieces (a kept Vnew alone matches only a state pass
-        # from the initial state, and without anything kept the backward's passes would run each sequence in one
-        # chain)
-        split_save = SAVE_STATES if grad else None
+        # a kept Vnew matches the backward's state pass only without a split: with one, keep the forward's own
+        # states too. Without Vnew kept, a split keeps the pieces' start states and transitions (Split), and the
+        # backward runs the pass and the state-gradient chain in the same pieces
+        split_save = SAVE_STATES if save == SAVE_V_NEW else None
         act = _act(opts, A_log, dt_bias)
         q0 = k0 = rq = rk = None
         if opts.use_qk_l2norm_in_kernel:  # one Triton pass per tensor; its backward joins the GVA sum's pass
@@ -408,8 +426,8 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, g, beta, initial_state, A_log, dt_bias, inter["beta"], inter["g_cum"],
                               inter["ai"], q0, rq, k0, rk, *extra)
         ctx.varlen, ctx.opts = varlen, opts
-        # with the forward's states kept, the backward's state-gradient chain runs in the same pieces
-        ctx.split = inter.get("split") if inter["save"] == SAVE_STATES else None
+        # with the forward's states kept, or nothing kept, the backward runs in the same pieces
+        ctx.split = inter.get("split") if inter["save"] in (SAVE_STATES, SAVE_NONE) else None
         return o, final_state
 
     @staticmethod
@@ -511,7 +529,9 @@ def chunk_gated_delta_rule(
             ``save_states``'). Measured with the earlier recomputation that also formed the output (H100, bf16,
             2026-11-28, 5892856): True 1.804 / 4.337 ms forward + backward at that shape / the Qwen3-Next-style
             layer against 1.940 / 4.469 for False, the peak of one call equal. A forward cut into pieces
-            (``segments``) with gradients keeps Vnew and the 64-row states either way. README of this op.
+            (``segments``) with gradients keeps by default each piece's start state and transition (fp32, ``K*(K+2V)``
+            elements per piece and value head) and the backward runs the pass again over the pieces; with
+            ``save_v_new=True`` it keeps Vnew and the 64-row states. README of this op.
         config: launch overrides per stage (keyword-only, for tuning; results do not depend on it): a dict whose keys
             are stages of ``CONFIG_STAGES`` and whose values are that stage's launch config (``BK``, ``BV``,
             ``num_warps``, ``num_stages``, ...: the keys each stage function in ``tfla/ops/common`` documents;
