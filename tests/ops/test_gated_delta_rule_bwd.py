@@ -334,16 +334,20 @@ def test_bwd_16bit_head_dim_16_gpu(dtype, K, V, save_v_new):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("varlen", [False, True])
 @pytest.mark.parametrize("segments", [1, 4])
-def test_bwd_deterministic(segments):
+def test_bwd_deterministic(segments, varlen):
     """Two backward passes on the same inputs give bitwise-identical gradients (no atomics), in one chain and with
-    the forward and the state-gradient chain cut into pieces."""
-    x = gdn_inputs(2, 2048, 4, 128, 128, dtype=torch.bfloat16, device="cuda", initial_state=True, seed=segments)
+    the forward and the state-gradient chain cut into pieces, dense and packed varlen (an empty and a one-token
+    sequence among them)."""
+    cu = torch.tensor([0, 1, 1, 1500, 4096], device="cuda") if varlen else None
+    x = gdn_inputs(1 if varlen else 2, 4096 if varlen else 2048, 4, 128, 128, dtype=torch.bfloat16, device="cuda",
+                   initial_state=True, num_seqs=4 if varlen else None, seed=segments)
     outs = []
     for _ in range(2):
         leaves = [x[n].clone().requires_grad_() for n in ("q", "k", "v", "g", "beta", "initial_state")]
         o, s = tfla.chunk_gated_delta_rule(*leaves[:5], initial_state=leaves[5], output_final_state=True,
-                                           segments=segments)
+                                           cu_seqlens=cu, segments=segments)
         outs.append(torch.autograd.grad((o.float() * 0.01).sum() + s.sum(), leaves))
     for name, a, b in zip(NAMES, *outs):
         assert torch.equal(a, b), name
