@@ -93,11 +93,11 @@ def _fused_delta_fwd_kernel(q, k, v, g, beta, ai, a, o, v_new, h, h0, ht, cu_seq
                             USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
                             IS_VARLEN: tl.constexpr, SAVE: tl.constexpr, PASS: tl.constexpr,
                             DOT_PREC: tl.constexpr, ACC: tl.constexpr, IDX64: tl.constexpr, FLAT: tl.constexpr):
-    """One program: value columns ``[i_v BV, (i_v + 1) BV)`` of one (sequence, value head). PASS 1 (the transition): the columns
-    run over ``K + V`` (the first K: the state starts as the identity and the values are 0; the rest: v's columns
-    from a zero state), only the final ``[M | N]`` is written (``ht [N, HV, K, K + V]``). SAVE 1: Vnew; 2: also the
-    state before each chunk (``h``, k's dtype, slots from ``chunk_offsets``). PASS 2: no q, no output (SAVE's
-    tensors and the final state only)."""
+    """One program: value columns ``[i_v BV, (i_v + 1) BV)`` of one (sequence, value head). PASS 1 (the
+    transition): the columns run over ``K + V`` (the first K: the state starts as the identity and the values are 0;
+    the rest: v's columns from a zero state), only the final ``[M | N]`` is written (``ht [N, HV, K, K + V]``). PASS 2:
+    no q, no output (SAVE's tensors and the final state only). SAVE 1: Vnew; 2: also the state before each chunk
+    (``h``, k's dtype, slots from ``chunk_offsets``)."""
     BS: tl.constexpr = 64
     TRANSITION: tl.constexpr = PASS == 1
     NCOL: tl.constexpr = K + V if TRANSITION else V
@@ -378,8 +378,9 @@ def states_from_pass(q, k, v, g_cum, beta, ai, scale, initial_state=None, cu_seq
                      num_chunks: int | None = None, config=None):
     """Vnew and the state before every 64-row chunk (``save`` 2's pair: ``(v_new, h)`` as ``fused_delta_pass``
     returns them) from the prep's ``g_cum``, Tm (``ai``) and the beta used: the forward's pass run again without its
-    output (``PASS_STATES``: no q read, the scores' and the output's products skipped). The GDN backward's recomputation when the forward kept FLA's saved set (no Vnew): one pass of the
-    forward's kind instead of W and U in HBM and the delta rule's state chain over them. ``config``: the pass's keys
+    output (``PASS_STATES``: no q read, the scores' and the output's products skipped). The GDN backward's
+    recomputation when the forward kept FLA's saved set (no Vnew): one pass of the forward's kind instead of W and U
+    in HBM and the delta rule's state chain over them. ``config``: the pass's keys
     (``fused_delta_fwd``'s ``ws`` and the ``tl`` pass's). Arguments as ``fused_delta_pass``."""
     cfg = config or {}
     ws_cfg = cfg["ws"] if isinstance(cfg.get("ws"), dict) else None
