@@ -164,10 +164,10 @@ if HAVE_GLUON:
                      SAVE: gl.constexpr, PASS: gl.constexpr, SLAB: gl.constexpr):
         """Consumer warpgroup CID: value columns ``col_v + CID BV ..`` of v / o / Vnew (``[.., HV * V]`` rows),
         ``col_h + CID BV ..`` of the state (h0 / ht ``[N, HV, K, V]`` fp32). PASS 1 (the transition): state columns
-        ``col_h + CID BV ..`` of ``[M | N]`` (``ht [N, HV, K, K + V]``): the first K start as the identity with values 0, the rest
-        are v's columns ``col_h - K ..`` from a zero state; no output, only the final state. PASS 2: no output (SAVE's
-        tensors and the final state alone). SAVE 1: Vnew out; 2:
-        also the 16-bit state before each chunk (the products' operand in shared memory, ``h_desc`` rows
+        ``col_h + CID BV ..`` of ``[M | N]`` (``ht [N, HV, K, K + V]``): the first K start as the identity with values
+        0, the rest are v's columns ``col_h - K ..`` from a zero state; no output, only the final state. PASS 2: no
+        output (SAVE's tensors and the final state alone). SAVE 1: Vnew out; 2: also the 16-bit state before each
+        chunk (the products' operand in shared memory, ``h_desc`` rows
         ``((boh + i) HV + i_hv) K``). SLAB > 0: the fp32 state before every chunk i = j SLAB, j >= 1, to
         ``hs [j - 1, i_nh]`` (``[.., N HV, K, V]``; the backward's slab starts)."""
         L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BV, 16])
@@ -405,12 +405,12 @@ def fused_delta_pass_ws(q, k, v, g_cum, beta, ai, scale, initial_state=None, out
     (fp32, log2, restarting every 64 rows), Tm (``ai``, q's dtype) and beta (all contiguous); the output's scores are
     formed in the kernel. ``save``: 1 Vnew, 2 also the state before each 64-row chunk (varlen: ``chunk_offsets`` /
     ``num_chunks`` of 64-row chunks). ``transition``: the pieces' ``[M | N]`` (``[N, HV, K, K + V]``, fp32) instead
-    of o, from no initial state, nothing saved. ``output`` False: no q read, no o (Vnew, the states and the final
-    state alone; the scores' and the output's products skipped). ``slab`` > 0 with ``slab_states`` (fp32 ``[S - 1, N HV, K, V]``,
-    S = ceil(chunks / slab), dense): the state before every ``slab``-th 64-row chunk but the first goes there (the
-    backward's slab starts, ``chunk.py``). Call only where ``ws_supported`` holds (same ``config``: launch keys
-    ``BV``, ``NCONS`` consumer warpgroups of BV columns each, ``STAGES``). Returns ``(o, final, v_new, h)`` as that
-    function does."""
+    of o, from no initial state, nothing saved. ``output`` False: no q read, no o (Vnew, the states and the final state
+    alone; the scores' and the output's products skipped). ``slab`` > 0 with ``slab_states`` (fp32 ``[S - 1, N HV, K,
+    V]``, S = ceil(chunks / slab), dense): the state before every ``slab``-th 64-row chunk but the first goes there (the
+    backward's slab starts, ``chunk.py``). Call only where ``ws_supported`` holds (same ``config``: launch keys ``BV``,
+    ``NCONS`` consumer warpgroups of BV columns each, ``STAGES``). Returns ``(o, final, v_new, h)`` as that function
+    does."""
     cfg = {**WS_DEFAULTS, **(config or {})}
     BV, NCONS = cfg["BV"], cfg["NCONS"]
     B, T, H, K = k.shape

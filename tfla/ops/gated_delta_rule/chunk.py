@@ -132,15 +132,16 @@ def chunk_gated_delta_rule_bwd(
     """Plain backward (no autograd) from the forward's saved ``g_cum`` (log2, restarting every 64 rows) and ``ai``
     (Tm); ``saved = (v_new, h)`` (the forward's Vnew and 64-row states) skips their recomputation; ``v_new`` alone
     turns the recomputation into the linear-attention state pass over Vnew; neither: the forward's pass again
-    (``states_from_pass``) for both; ``split`` (the forward's ``Split`` of its sequences into pieces, with ``saved``
-    or with neither) runs the state-gradient recurrence in those pieces in parallel (``_state_grad_in_pieces``) and,
-    without ``saved``, the pass again over the pieces from their start states (``_states_in_pieces``); ``act`` with the forward's ``g`` and ``beta_in`` (pre-activations; ``beta`` is then the
-    activated one): the gradients of the pre-activations, A_log and dt_bias (``gate_act.gate_epilogue``); ``l2 =
-    (q0, rstd_q, k0, rstd_k)``: q and k are ``l2norm_fwd`` of q0 and k0, and dq, dk are returned for q0 and k0 (the
-    l2norm's backward in the GVA sum's pass, or its own pass without grouped heads); ``slab = (n, states)`` with
-    ``v_new`` (the forward's slab starts, ``fused_delta_fwd``'s ``slab``): on Hopper the states, their gradients and
-    the chunk gradients run one slab of n 64-row chunks at a time, last first (``_ws_bwd_in_slabs``). Returns
-    ``(dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias)``: dq, dk ``[B, T, H, K]`` in q's dtype, dv in v's dtype, dg and
+    (``states_from_pass``) for both; ``split`` (the forward's ``Split`` of its sequences into pieces, with ``saved`` or
+    with neither) runs the state-gradient recurrence in those pieces in parallel (``_state_grad_in_pieces``) and,
+    without ``saved``, the pass again over the pieces from their start states (``_states_in_pieces``); ``act`` with the
+    forward's ``g`` and ``beta_in`` (pre-activations; ``beta`` is then the activated one): the gradients of the
+    pre-activations, A_log and dt_bias (``gate_act.gate_epilogue``); ``l2 = (q0, rstd_q, k0, rstd_k)``: q and k are
+    ``l2norm_fwd`` of q0 and k0, and dq, dk are returned for q0 and k0 (the l2norm's backward in the GVA sum's pass, or
+    its own pass without grouped heads); ``slab = (n, states)`` with ``v_new`` (the forward's slab starts,
+    ``fused_delta_fwd``'s ``slab``): on Hopper the states, their gradients and the chunk gradients run one slab of n
+    64-row chunks at a time, last first (``_ws_bwd_in_slabs``). Returns ``(dq, dk, dv, dg, dbeta, dh0, dA_log,
+    ddt_bias)``: dq, dk ``[B, T, H, K]`` in q's dtype, dv in v's dtype, dg and
     dbeta ``[B, T, HV]`` fp32, dh0 fp32 or None, dA_log and ddt_bias ``[HV]`` fp32 or None.
 
     Stages: recompute W (from Tm; not on Hopper), Vnew and the state at every 64-row chunk (or take them); the
@@ -538,10 +539,9 @@ def chunk_gated_delta_rule(
             ``flat`` / ``idx64`` force the large-input indexing, for tests; on Hopper ``fused``, ``state_bwd`` and
             ``dqkw`` take ``ws``: False for the ``tl`` kernels instead of the Gluon ones, or a dict of their launch;
             ``dqkw``'s Gluon kernel also runs the ``wy_bwd`` stage); ``slab``: ``{"chunks": n}``, the Hopper
-            backward's slab of n 64-row chunks with Vnew kept (``save_v_new=True``; ignored otherwise), dense sequences, on
-            Hopper (default 0: the states of
-            the whole sequences at once; a slab costs host time, saves memory: README of this op, memory).
-            ``scripts/tune.py`` searches them.
+            backward's slab of n 64-row chunks with Vnew kept (``save_v_new=True``; ignored otherwise), dense
+            sequences, on Hopper (default 0: the states of the whole sequences at once; a slab costs host time,
+            saves memory: README of this op, memory). ``scripts/tune.py`` searches them.
         use_beta_sigmoid_in_kernel: beta holds pre-activations; ``sigmoid(beta)`` is used (FLA 0.6.0's
             option; applied in fp32 by the gate's chunk-cumsum kernel, its gradient by the backward's last one:
             ``tfla/ops/common/gate_act.py``).
