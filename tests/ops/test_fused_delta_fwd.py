@@ -132,29 +132,32 @@ def test_op_segments_agree(device):
 
 
 def test_split_forward_keeps_consistent_tensors(device):
-    """With the sequence cut, a kept Vnew would not match the backward's state pass from the initial state (the
-    pieces start from the scan's states): the op then keeps the forward's own states too (as ``save_states``). The
-    gradients equal that path's (bitwise on the CPU)."""
+    """With the sequence cut, the default keeps the pieces' start states and the backward runs the pass again over
+    the same pieces; with ``save_v_new=True`` the op keeps the forward's own states too (a kept Vnew would not match
+    the backward's state pass from the initial state: the pieces start from the scan's states). Both give
+    ``save_states``' gradients (bitwise on the CPU)."""
     import tfla
 
     x = gdn_inputs(1, 300, 1, 32, 16, HV=2, dtype=torch.float16, device=device, initial_state=True, seed=4)
     names = ("q", "k", "v", "g", "beta", "initial_state")
     res = []
-    for kw in (dict(), dict(save_states=True)):
+    for kw in (dict(), dict(save_v_new=True), dict(save_states=True)):
         leaves = [x[n].clone().requires_grad_() for n in names]
         o, s = tfla.chunk_gated_delta_rule(*leaves[:5], initial_state=leaves[5], output_final_state=True,
                                            segments=4, **kw)
         res.append(torch.autograd.grad((o.float() ** 2).sum() + s.sum(), leaves))
-    for name, a, b in zip(names, *res):
-        if device == "cpu":
-            assert torch.equal(a, b), name
-        else:
-            assert_rel_close(name, a.float().cpu(), b.float().cpu().double(), 1e-3)
+    for got in res[:2]:
+        for name, a, b in zip(names, got, res[2]):
+            if device == "cpu":
+                assert torch.equal(a, b), name
+            else:
+                assert_rel_close(name, a.float().cpu(), b.float().cpu().double(), 1e-3)
 
 
 def test_forward_without_grad_keeps_nothing(device, monkeypatch):
-    """Under ``torch.no_grad`` (inputs that require grad or not) the fused pass writes only o and the final state;
-    with gradients it keeps Vnew (the default ``save_v_new``)."""
+    """Under ``torch.no_grad`` (inputs that require grad or not) the fused pass writes only o and the final state,
+    also with ``save_v_new=True``; with gradients it keeps Vnew where asked, and nothing by default (FLA's saved
+    set)."""
     import tfla
     import tfla.ops.gated_delta_rule.chunk as chunk
 
@@ -169,10 +172,11 @@ def test_forward_without_grad_keeps_nothing(device, monkeypatch):
     x = gdn_inputs(1, 70, 1, 16, 16, dtype=torch.float32, device=device)
     leaves = [x[n].clone().requires_grad_() for n in ("q", "k", "v", "g", "beta")]
     with torch.no_grad():
-        tfla.chunk_gated_delta_rule(*leaves)
-    tfla.chunk_gated_delta_rule(*(t.detach() for t in leaves))
+        tfla.chunk_gated_delta_rule(*leaves, save_v_new=True)
+    tfla.chunk_gated_delta_rule(*(t.detach() for t in leaves), save_v_new=True)
+    tfla.chunk_gated_delta_rule(*leaves, save_v_new=True)
     tfla.chunk_gated_delta_rule(*leaves)
-    assert seen == [0, 0, 1]
+    assert seen == [0, 0, 1, 0]
 
 
 @pytest.mark.parametrize("segments", [1, 3])
