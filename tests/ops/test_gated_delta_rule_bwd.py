@@ -512,10 +512,10 @@ def test_kept_v_new_rebuilds_the_forward_states(device):
 @pytest.mark.parametrize("B,T,H,HV,l2norm,h0", [(2, 1000, 2, 4, False, True), (1, 640, 2, 2, True, False),
                                                  (2, 512, 1, 1, False, True)])
 def test_bwd_in_slabs_gpu(monkeypatch, B, T, H, HV, l2norm, h0):
-    """The Hopper backward one slab of 64-row chunks at a time (``config={"slab": {"chunks": 3}}``: slabs of 192 rows,
-    the last one cut when T is not a multiple of 64) against the whole-sequence backward (``chunks`` 0) and the fp32
-    reference, bf16, GVA, l2norm, with and without the initial state, a cotangent for the final state; the slab path
-    runs (spied) and gives bitwise equal gradients twice."""
+    """The Hopper backward with Vnew kept one slab of 64-row chunks at a time (``config={"slab": {"chunks": 3}}``:
+    slabs of 192 rows, the last one cut when T is not a multiple of 64) against the whole-sequence backward
+    (``chunks`` 0) and the fp32 reference, bf16, GVA, l2norm, with and without the initial state, a cotangent for
+    the final state; the slab path runs (spied) and gives bitwise equal gradients twice."""
     from tfla.ops.gated_delta_rule import chunk as gdn_chunk
 
     calls = []
@@ -530,7 +530,8 @@ def test_bwd_in_slabs_gpu(monkeypatch, B, T, H, HV, l2norm, h0):
     def grads(chunks, up=False):
         leaves = [(x[n].float() if up else x[n]).clone().requires_grad_() for n in names]
         fn = (lambda *a, **kw: chunk_gated_delta_rule_ref(*a, chunk_size=64, **kw)) if up else (
-            lambda *a, **kw: tfla.chunk_gated_delta_rule(*a, config={"slab": {"chunks": chunks}}, **kw))
+            lambda *a, **kw: tfla.chunk_gated_delta_rule(*a, config={"slab": {"chunks": chunks}}, save_v_new=True,
+                                                         **kw))
         o, s = fn(*leaves[:5], initial_state=leaves[5] if h0 else None, output_final_state=True,
                   use_qk_l2norm_in_kernel=l2norm)
         return torch.autograd.grad((o * do.to(o.dtype)).sum() + (s * dht).sum(), leaves)
@@ -566,7 +567,7 @@ def test_bwd_in_slabs_holds_less_gpu(monkeypatch):
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
         # (one chain: at 16 heads per sequence the automatic split would cut them into pieces, which keep their states)
-        o, _ = tfla.chunk_gated_delta_rule(*leaves, config={"slab": {"chunks": chunks}}, segments=1)
+        o, _ = tfla.chunk_gated_delta_rule(*leaves, config={"slab": {"chunks": chunks}}, segments=1, save_v_new=True)
         torch.autograd.grad(o, leaves, do)
         return (torch.cuda.max_memory_allocated() - base) / 2 ** 20
 
