@@ -29,8 +29,9 @@ def shape_arg(s: str) -> tuple[int, ...]:
     return parts
 
 
-def host_profile(run) -> None:
-    """Host (Python) time per call without syncs, and the functions it goes to."""
+def host_profile(run, lines: int = 14) -> None:
+    """Host (Python) time per call without syncs, and the functions it goes to (the top ``lines`` by own time,
+    then by cumulative time)."""
     import cProfile
     import io
     import pstats
@@ -49,9 +50,10 @@ def host_profile(run) -> None:
         run()
     pr.disable()
     torch.cuda.synchronize()
-    buf = io.StringIO()
-    pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(14)
-    print("\n".join(buf.getvalue().splitlines()[-20:]))
+    for key in ("tottime", "cumulative"):
+        buf = io.StringIO()
+        pstats.Stats(pr, stream=buf).sort_stats(key).print_stats(lines)
+        print("\n".join(buf.getvalue().splitlines()[-(lines + 6):]))
 
 
 def main(argv=None):
@@ -66,6 +68,7 @@ def main(argv=None):
     p.add_argument("--gate", default="default", help="gate regime of the inputs (tfla.bench.inputs.GATES)")
     p.add_argument("--reps", type=int, default=5, help="profiled calls")
     p.add_argument("--host", action="store_true", help="also: host time per call and its top functions")
+    p.add_argument("--host-lines", type=int, default=14, help="functions listed by --host, per ordering")
     a = p.parse_args(argv)
     use_interpreter_without_gpu()
     for op in a.ops:
@@ -83,7 +86,7 @@ def main(argv=None):
         for name, t, n in rows:
             print(f"   {t:8.3f} ms  x{n:4.1f}  {name[:110]}")
         if a.host and torch.cuda.is_available():
-            host_profile(r.run)
+            host_profile(r.run, a.host_lines)
 
 
 if __name__ == "__main__":
