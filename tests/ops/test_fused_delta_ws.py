@@ -139,3 +139,30 @@ def test_ws_transitions_match_tl_and_recurrence(segments, lens, cfg, save):
         for name in ("v_new", "h"):
             assert outs[0][name].shape == outs[1][name].shape
             assert rel_l2(outs[0][name].float(), outs[1][name].float()) < 1e-2, name
+
+
+@pytest.mark.skipif(not HAVE_GLUON, reason="needs Triton's Gluon")
+def test_tma_desc_equals_the_checked_descriptor():
+    """``tma_desc`` (the descriptor filled in without ``TensorDescriptor``'s Python checks) holds what the checked
+    dataclass holds, and takes the checked path, which raises, where its conditions fail: a base off 16 bytes, a
+    non-contiguous tensor, too few elements for the matrix, fp32 elements."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from tfla.ops.common.fused_delta_ws import _smem_layout, tma_desc
+
+    x = torch.randn(2, 192, 3, 64).to(torch.bfloat16)
+    d = tma_desc(x, 2 * 192, 3 * 64, [64, 64], True)
+    ref = TensorDescriptor(x.view(384, 192), [384, 192], [192, 1], [64, 64], _smem_layout((64, 64), True))
+    assert isinstance(d, TensorDescriptor)
+    for name in ("shape", "strides", "block_shape", "layout", "padding", "round_f32_to_tf32"):  # (as this Triton has)
+        assert getattr(d, name, None) == getattr(ref, name, None), name
+    assert (d.base.data_ptr(), d.base.dtype) == (ref.base.data_ptr(), ref.base.dtype)
+    flat = torch.zeros(384 * 192 + 8, dtype=torch.bfloat16)
+    with pytest.raises(AssertionError, match="16-byte"):
+        tma_desc(flat[1:1 + 384 * 192], 384, 192, [64, 64], True)
+    with pytest.raises(RuntimeError):  # not viewable as the matrix
+        tma_desc(x.transpose(1, 2), 384, 192, [64, 64], True)
+    with pytest.raises(RuntimeError):
+        tma_desc(x[:1], 384, 192, [64, 64], True)
+    with pytest.raises(AssertionError):  # fp32 against a 16-bit layout
+        tma_desc(x.float(), 384, 192, [64, 64], True)

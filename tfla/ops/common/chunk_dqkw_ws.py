@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from tfla.ops.common.fused_delta_ws import HAVE_GLUON, _is_sm90, _smem_layout
+from tfla.ops.common.fused_delta_ws import HAVE_GLUON, _is_sm90, tma_desc
 from tfla.ops.common.utils import varlen_mode
 
 if HAVE_GLUON:
@@ -36,7 +36,6 @@ if HAVE_GLUON:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                   warpgroup_mma_wait)
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from tfla.ops.common.fused_delta_ws import _chunk_gates, _seq_rows, _tma_load, _tma_store
 
@@ -389,7 +388,7 @@ def gdn_bwd_chunk_ws(q, k, v, beta, ai, v_new, do, du, h_sub, dh_sub, g_cum, sca
     nrow = h_sub.numel() // V
 
     def desc(x, rows, cols, block):  # a 2-D [rows, cols] view, one chunk of one head per block
-        return TensorDescriptor(x.view(rows, cols), [rows, cols], [cols, 1], block, _smem_layout(tuple(block), bf16))
+        return tma_desc(x, rows, cols, block, bf16)
 
     _gdn_bwd_ws_kernel[(NT, B * HV)](
         desc(q, B * T, H * K, [BS, K]), desc(k, B * T, H * K, [BS, K]), desc(v_new, B * T, HV * V, [BS, BVC]),

@@ -366,6 +366,22 @@ def _smem_layout(block: tuple[int, int], bf16: bool):
     return gl.NVMMASharedLayout.get_default_for(list(block), gl.bfloat16 if bf16 else gl.float16)
 
 
+def tma_desc(x: torch.Tensor, rows: int, cols: int, block: list, bf16: bool):
+    """The Gluon kernels' TMA descriptor of ``x`` seen as a ``[rows, cols]`` matrix in blocks of ``block`` (16-bit
+    elements; ``bf16``: bfloat16, else float16). Where x is contiguous with ``rows * cols`` 16-bit elements, rows > 0,
+    its base 16-byte aligned and its rows a multiple of 16 bytes, the descriptor is filled in directly, with x itself
+    as its base (the launcher reads the base's address and dtype only): ``TensorDescriptor``'s own checks of the same
+    conditions cost ~3.7 us of host time each (H200 host, Triton 3.6; about 30 descriptors per GDN forward +
+    backward). Otherwise the dataclass is built as usual, and its checks raise for what fails."""
+    layout = _smem_layout(tuple(block), bf16)
+    if (rows > 0 and x.element_size() == 2 and x.numel() == rows * cols and cols % 8 == 0 and x.is_contiguous()
+            and x.data_ptr() % 16 == 0):
+        d = TensorDescriptor.__new__(TensorDescriptor)
+        d.base, d.shape, d.strides, d.block_shape, d.layout = x, [rows, cols], [cols, 1], list(block), layout
+        return d
+    return TensorDescriptor(x.view(rows, cols), [rows, cols], [cols, 1], list(block), layout)
+
+
 @functools.lru_cache(maxsize=None)
 def _is_sm90(index: int) -> bool:
     return torch.cuda.get_device_capability(index) == (9, 0)
@@ -430,7 +446,7 @@ def fused_delta_pass_ws(q, k, v, g_cum, beta, ai, scale, initial_state=None, out
     bf16 = q.dtype == torch.bfloat16
 
     def desc(x, rows, cols, block):  # a 2-D [rows, heads * dim] view, one chunk of one head per block
-        return TensorDescriptor(x.view(rows, cols), [rows, cols], [cols, 1], block, _smem_layout(tuple(block), bf16))
+        return tma_desc(x, rows, cols, block, bf16)
 
     v_desc = desc(v, B * T, HV * V, [BS, BV])
     o_desc = v_desc if o is None else desc(o, B * T, HV * V, [BS, BV])  # (no o: never stored to)

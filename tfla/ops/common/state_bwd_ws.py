@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from tfla.ops.common.fused_delta_ws import HAVE_GLUON, _is_sm90, _smem_layout
+from tfla.ops.common.fused_delta_ws import HAVE_GLUON, _is_sm90, tma_desc
 from tfla.ops.common.utils import num_sequences, varlen_mode
 
 if HAVE_GLUON:
@@ -30,7 +30,6 @@ if HAVE_GLUON:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                   warpgroup_mma_wait)
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from tfla.ops.common.fused_delta_ws import _chunk_rows, _seq_rows, _tma_load, _tma_store
 
@@ -260,7 +259,7 @@ def delta_state_bwd_ws(q, k, ai, beta, do, g_cum, scale, dht=None, need_dh0=Fals
     bf16 = k.dtype == torch.bfloat16
 
     def desc(x, rows, cols, block):  # a 2-D [rows, heads * dim] view, one chunk of one head per block
-        return TensorDescriptor(x.view(rows, cols), [rows, cols], [cols, 1], block, _smem_layout(tuple(block), bf16))
+        return tma_desc(x, rows, cols, block, bf16)
 
     do_desc = desc(do, B * T, HV * V, [BS, BV])
     du_desc = desc(du, B * T, HV * V, [BS, BV]) if store else do_desc  # (store False: never stored to)
