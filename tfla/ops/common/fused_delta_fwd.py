@@ -83,6 +83,13 @@ SAVE_NONE, SAVE_V_NEW, SAVE_STATES = 0, 1, 2
 PIECE_WS = {"BV": 64, "NCONS": 2}
 
 
+def piece_ws(ws, V: int):
+    """The Gluon launch of a kernel run over pieces: ``PIECE_WS`` where ``ws`` (a stage config's ``ws`` key) is the
+    default (True, or None for absent) and V is a multiple of its columns per CTA; else ``ws`` as given (False: the
+    ``tl`` kernel; a dict: the caller's launch)."""
+    return PIECE_WS if (ws is True or ws is None) and V % (PIECE_WS["BV"] * PIECE_WS["NCONS"]) == 0 else ws
+
+
 # T not specialized: Triton compiles an int argument equal to 1 as a constant, and that build of this kernel (dense,
 # 32-column tiles, 16-bit, states kept) hit an illegal memory access on an H100 under Triton 3.6 (2026-11-25;
 # varlen T = 1 and dense T = 200 were fine)
@@ -469,8 +476,7 @@ def fused_delta_fwd(q, k, v, g, beta, scale, initial_state=None, output_final_st
         # pieces: two 64-column consumer warpgroups per CTA unless the config sets the launch (H100, Triton 3.6, bf16,
         # one sequence of 65,536 tokens, H = 16, K = V = 128, forward, do_bench: 1.59 -> 1.24 ms; the layer unsplit
         # is faster with one: docs/performance.md)
-        if ws_cfg is None and V % (PIECE_WS["BV"] * PIECE_WS["NCONS"]) == 0:
-            ws_cfg = PIECE_WS
+        ws_cfg = piece_ws(ws_cfg, V)
         # (the pieces start from the scan's fp32 states)
         ws = use_ws and ws_supported(q, k, v, g is not None, None, seg_cu, save, ws_cfg)
         ws_mn = use_ws and ws_supported(q, k, v, g is not None, None, seg_cu, SAVE_NONE, ws_cfg)

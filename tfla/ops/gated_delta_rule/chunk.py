@@ -30,7 +30,7 @@ from tfla.ops.common.chunk_state import chunk_state_fwd
 from tfla.ops.common.chunk_state_bwd import chunk_state_bwd
 from tfla.ops.common.cumsum import chunk_local_cumsum
 from tfla.ops.common.custom_ops import varlen_index
-from tfla.ops.common.fused_delta_fwd import (PIECE_WS, SAVE_NONE, SAVE_STATES, SAVE_V_NEW, Split, fused_delta_fwd,
+from tfla.ops.common.fused_delta_fwd import (SAVE_NONE, SAVE_STATES, SAVE_V_NEW, Split, fused_delta_fwd, piece_ws,
                                             segment_scan, states_from_pass)
 from tfla.ops.common.gate_act import BETA_2SIGMOID, BETA_SIGMOID, NO_BETA, GateAct, gate_epilogue
 from tfla.ops.common.group_sum import group_sum
@@ -161,8 +161,8 @@ def chunk_gated_delta_rule_bwd(
     # the state-gradient recurrence on Hopper runs from Tm and beta (state_bwd_ws.py): no W to recompute for it
     in_pieces = split is not None and (saved is not None or v_new is None)
     sb_ws = (config.get("state_bwd") or {}).get("ws", True)
-    if in_pieces and sb_ws is True and v.shape[3] % (PIECE_WS["BV"] * PIECE_WS["NCONS"]) == 0:
-        sb_ws = PIECE_WS
+    if in_pieces:
+        sb_ws = piece_ws(sb_ws, v.shape[3])
     from_tm = sb_ws is not False and state_bwd_ws_supported(
         q, k, ai, beta, do, g_cum, None if in_pieces else dht, split.cu_seqlens if in_pieces else cu,
         sb_ws if isinstance(sb_ws, dict) else None)
@@ -180,11 +180,7 @@ def chunk_gated_delta_rule_bwd(
             torch.float64 if q.dtype == torch.float64 else torch.float32), cu=cu)
     if saved is not None:
         v_new, h_sub = saved
-        w = None if from_tm else w_from_tm(k, g_cum, beta, ai, L, cu_seqlens=cu, sub_indices=sub,
-                                           config=config.get("ut"))
-    elif v_new is not None:  # the forward's Vnew: W alone, and the states without the delta rule's W S product
-        w = None if from_tm else w_from_tm(k, g_cum, beta, ai, L, cu_seqlens=cu, sub_indices=sub,
-                                           config=config.get("ut"))
+    elif v_new is not None:  # the forward's Vnew: the states without the delta rule's W S product
         h_sub, _ = chunk_state_fwd(
             k, v_new, g_cum, L, initial_state=initial_state, cu_seqlens=cu,
             chunk_offsets=varlen.sub_offsets if varlen is not None else None,
@@ -192,15 +188,14 @@ def chunk_gated_delta_rule_bwd(
             config=config.get("state_lin"), store_every_sub_chunk=True, key_weights=True)
     elif in_pieces:  # FLA's saved set and a split: the pass again over the pieces, from their start states
         v_new, h_sub = _states_in_pieces(q, k, v, g_cum, beta, ai, scale, split, config.get("fused"))
-        w = None if from_tm else w_from_tm(k, g_cum, beta, ai, L, cu_seqlens=cu, sub_indices=sub,
-                                           config=config.get("ut"))
     else:  # FLA's saved set: the forward's pass again for Vnew and the 64-row states (save_states' pair)
         v_new, h_sub = states_from_pass(
             q, k, v, g_cum, beta, ai, scale, initial_state, cu,
             chunk_offsets=varlen.sub_offsets if varlen is not None else None,
             num_chunks=varlen.sub_indices.shape[0] if varlen is not None else None, config=config.get("fused"))
-        w = None if from_tm else w_from_tm(k, g_cum, beta, ai, L, cu_seqlens=cu, sub_indices=sub,
-                                           config=config.get("ut"))
+    # W for the recurrence where it does not run from Tm (off Hopper); dW later goes into its buffer
+    w = None if from_tm else w_from_tm(k, g_cum, beta, ai, L, cu_seqlens=cu, sub_indices=sub,
+                                       config=config.get("ut"))
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     if in_pieces:
         dh_sub, du, dh0 = _state_grad_in_pieces(q, k, w, do, g_cum, scale, dht, initial_state is not None, split,
@@ -348,9 +343,7 @@ def _states_in_pieces(q, k, v, g_cum, beta, ai, scale, split: Split, config):
     B, T, HV, V = v.shape
     K = q.shape[3]
     flat = [x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, g_cum, beta, ai)]
-    cfg = dict(config or {})
-    if cfg.get("ws", True) is True and V % (PIECE_WS["BV"] * PIECE_WS["NCONS"]) == 0:
-        cfg["ws"] = PIECE_WS
+    cfg = {**(config or {}), "ws": piece_ws((config or {}).get("ws", True), V)}
     v_new, h = states_from_pass(*flat, scale, split.starts, split.cu_seqlens, chunk_offsets=split.sub_offsets,
                                 num_chunks=split.num_chunks, config=cfg)
     return v_new.reshape(v.shape), h.reshape(B, -1, HV, K, V)
@@ -370,8 +363,7 @@ def _state_grad_in_pieces(q, k, w, do, g_cum, scale, dht, need_dh0, split: Split
     tm_kw = dict(ai=flat[5], beta=flat[6]) if ai is not None else {}
     # the Gluon recurrence (Hopper) at two 64-column consumers per CTA for pieces, as the forward's pass
     # (state_bwd_ws.STATE_BWD_WS_DEFAULTS), unless the config sets its launch
-    if (config or {}).get("ws", True) is True and V % (PIECE_WS["BV"] * PIECE_WS["NCONS"]) == 0:
-        config = {**(config or {}), "ws": PIECE_WS}
+    config = {**(config or {}), "ws": piece_ws((config or {}).get("ws", True), V)}
     kw = dict(cu_seqlens=split.cu_seqlens, sub_offsets=split.sub_offsets, num_sub_chunks=split.num_chunks,
               config=config)
     _, _, dn = chunk_state_bwd(*flat[:4], None, flat[4], scale, SUB_CHUNK, need_dh0=True, store=False, **kw,
