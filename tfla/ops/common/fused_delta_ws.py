@@ -452,8 +452,10 @@ def fused_delta_pass_ws(q, k, v, g_cum, beta, ai, scale, initial_state=None, out
     o_desc = v_desc if o is None else desc(o, B * T, HV * V, [BS, BV])  # (no o: never stored to)
     vn_desc = desc(v_new, B * T, HV * V, [BS, BV]) if v_new is not None else o_desc
     h_desc = desc(h, B * NT * HV * K, V, [K, BV]) if h is not None else o_desc
+    k_desc = desc(k, B * T, H * K, [BS, K])
+    q_desc = desc(q, B * T, H * K, [BS, K]) if mode == PASS_OUTPUT else k_desc  # (no output: q never read)
     _fused_delta_ws_kernel[(ncol // (NCONS * BV), N * HV)](
-        desc(k, B * T, H * K, [BS, K]), desc(q, B * T, H * K, [BS, K]), v_desc, desc(ai, B * T, HV * BS, [BS, BS]),
+        k_desc, q_desc, v_desc, desc(ai, B * T, HV * BS, [BS, BS]),
         o_desc, vn_desc, h_desc, g_cum, beta, o if o is not None else v, v_new if v_new is not None else v,
         initial_state if initial_state is not None else v, final if final is not None else v,
         slab_states if slab_states is not None else v,
