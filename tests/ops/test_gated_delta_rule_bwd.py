@@ -6,6 +6,7 @@ with tf32x3 on CUDA); float64: 1e-12 plus a gradcheck; fp16 on the CPU interpret
 (and FlashQLA's) own errors on the same inputs.
 """
 import math
+import time
 import os
 
 import pytest
@@ -598,3 +599,34 @@ def test_state_pass_over_row_pairs(device):
     hp, _ = chunk_state_fwd(*flat, 64, initial_state=h[:, 2].contiguous(), cu_seqlens=pairs, chunk_offsets=offs,
                                num_chunks=6, **kw)
     torch.testing.assert_close(hp.view(B, 3, HV, K, V), h[:, 2:5], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["default", "save_states", "pieces", "varlen_gva_l2norm"])
+def test_call_does_not_wait_for_the_device(case):
+    """A forward + backward call queues its kernels without waiting for the device (no host read of a device tensor,
+    no copy from pageable memory, both of which wait for every kernel queued before): behind a ~200 ms sleep kernel a
+    repeated call's host time stays far below 200 ms. A wait there would leave the GPU idle while the host prepares
+    the next launches (H200, 2026-11-28, 7a41b1e: 3.8 ms of host time for the MVE's call behind that sleep)."""
+    varlen = case == "varlen_gva_l2norm"
+    cu = torch.tensor([0, 1, 700, 700, 2048], device="cuda") if varlen else None
+    x = gdn_inputs(1 if varlen else 2, 2048, 2, 128, 128, HV=4 if varlen else 2, dtype=torch.bfloat16, device="cuda",
+                   initial_state=True, num_seqs=4 if varlen else None, seed=3)
+    names = ("q", "k", "v", "g", "beta", "initial_state")
+    leaves = [x[n].clone().requires_grad_() for n in names]
+    kw = dict(save_states=case == "save_states", segments=4 if case == "pieces" else 1, cu_seqlens=cu,
+              use_qk_l2norm_in_kernel=varlen)
+    do = torch.randn(leaves[2].shape, device="cuda").to(torch.bfloat16)
+
+    def call():
+        o, _ = tfla.chunk_gated_delta_rule(*leaves[:5], initial_state=leaves[5], **kw)
+        return torch.autograd.grad(o, leaves, do)
+
+    call()  # compiles, fills the caches of the host tables
+    torch.cuda.synchronize()
+    torch.cuda._sleep(400_000_000)  # cycles: >= 200 ms at SM clocks up to 2 GHz
+    t0 = time.perf_counter()
+    call()
+    host = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    assert host < 0.1, f"{case}: the call took {host * 1e3:.1f} ms on the host behind a ~200 ms sleep kernel"
