@@ -1,0 +1,72 @@
+"""``scripts/memory_peak.py``: the GDN forward + backward's memory on the Hopper path, predicted without a GPU (every
+launch a no-op, allocations tracked). The held memory is what the op's README promises per option (issue 24: the
+default holds FLA's saved set); the peak's largest buffers are the backward's 64-row states and their gradients."""
+import importlib.util
+import os
+
+import pytest
+import torch
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+
+
+@pytest.fixture(scope="module")
+def tool():
+    spec = importlib.util.spec_from_file_location("memory_peak", os.path.join(ROOT, "scripts", "memory_peak.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _inputs(B, T, H, HV, K, V):
+    from tfla.bench.gdn import Workload, workload_inputs
+
+    return workload_inputs(Workload(B, T, H, HV, K, V, "bf16"), "cpu", "default", 0)
+
+
+@pytest.mark.parametrize("T", [200, 256])
+def test_held_memory_per_option(tool, T):
+    """Held from forward to backward: the default keeps g's cumsum (fp32) and Tm (64 columns, input dtype) beyond the
+    inputs, as FLA does; ``save_v_new`` adds Vnew (v's size); ``save_states`` adds the state before every 64-row
+    chunk."""
+    B, H, HV, K, V = 2, 2, 4, 128, 128
+    x = _inputs(B, T, H, HV, K, V)
+    held = {}
+    for variant in ("default", "save_v_new", "save_states"):
+        with tool.hopper_without_launches():
+            held[variant] = tool.measure(x, variant)["held"]
+    assert held["default"] == B * T * HV * (4 + 64 * 2)
+    assert held["save_v_new"] - held["default"] == B * T * HV * V * 2
+    assert held["save_states"] - held["save_v_new"] == B * -(-T // 64) * HV * K * V * 2
+
+
+def test_peak_buffers_and_slabs(tool):
+    """The peak holds the 64-row states and their gradients (``B * ceil(T / 64) * HV * K * V`` each, 16-bit) beside
+    dq, dk, dv and Vnew; the backward in slabs of 64 chunks (``slab64``: Vnew kept) holds one slab's states and
+    gradients at a time (half of them at 128 chunks) and peaks lower by about that much. Launches restored afterwards."""
+    from triton.runtime.jit import JITFunction
+
+    run = JITFunction.run
+    B, T, H, K, V = 4, 8192, 16, 128, 128  # the MVE (dense, unsplit: the slabs' path); no values are computed
+    x = _inputs(B, T, H, H, K, V)
+    state_bytes = B * (T // 64) * H * K * V * 2
+    peaks = {}
+    for variant in ("default", "save_v_new", "slab64"):
+        with tool.hopper_without_launches():
+            r = tool.measure(x, variant)
+        peaks[variant] = r["peak"]
+        if variant == "default":
+            assert [n for n, _ in r["at_peak"][:2]] == [state_bytes, state_bytes], r["at_peak"][:4]
+            assert r["peak"] >= 2 * state_bytes + 4 * B * T * H * V * 2
+        if variant == "slab64":
+            assert max(n for n, _ in r["at_peak"]) < state_bytes, r["at_peak"][:4]
+    assert peaks["save_v_new"] == peaks["default"]
+    # half the states and half their gradients less, the slab starts (fp32, one state per sequence and head) more
+    assert peaks["save_v_new"] - peaks["slab64"] >= 0.9 * state_bytes
+    assert JITFunction.run is run
+
+
+def test_cli_prints_a_peak(tool, capsys):
+    assert tool.main(["--shape", "1,128,2,2,128,128", "--variants", "default", "--top", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "tfla default: peak" in out and "MiB" in out
