@@ -42,7 +42,7 @@ def test_held_memory_per_option(tool, T):
 
 def test_peak_buffers_and_slabs(tool):
     """The peak holds the 64-row states and their gradients (``B * ceil(T / 64) * HV * K * V`` each, 16-bit) beside
-    dq, dk, dv and Vnew; the backward in slabs of 64 chunks (``slab64``: Vnew kept) holds one slab's states and
+    dq, dk, dv and Vnew (the default's dq in Vnew's buffer); the backward in slabs of 64 chunks (``slab64``: Vnew kept) holds one slab's states and
     gradients at a time (half of them at 128 chunks) and peaks lower by about that much. Launches restored afterwards."""
     from triton.runtime.jit import JITFunction
 
@@ -60,7 +60,8 @@ def test_peak_buffers_and_slabs(tool):
             assert r["peak"] >= 2 * state_bytes + 4 * B * T * H * V * 2
         if variant == "slab64":
             assert max(n for n, _ in r["at_peak"]) < state_bytes, r["at_peak"][:4]
-    assert peaks["save_v_new"] == peaks["default"]
+    # the default forms Vnew in the backward and writes dq over it (dq_into_v_new); a kept Vnew stays
+    assert peaks["save_v_new"] - peaks["default"] == B * T * H * V * 2
     # half the states and half their gradients less, the slab starts (fp32, one state per sequence and head) more
     assert peaks["save_v_new"] - peaks["slab64"] >= 0.9 * state_bytes
     assert JITFunction.run is run
@@ -70,3 +71,15 @@ def test_cli_prints_a_peak(tool, capsys):
     assert tool.main(["--shape", "1,128,2,2,128,128", "--variants", "default", "--top", "2"]) == 0
     out = capsys.readouterr().out
     assert "tfla default: peak" in out and "MiB" in out
+
+
+def test_dq_into_v_new_refuses_what_it_cannot_alias():
+    """``gdn_bwd_chunk_ws(dq_into_v_new=True)`` raises before any launch where dq cannot take Vnew's buffer."""
+    from tfla.ops.common.chunk_dqkw_ws import gdn_bwd_chunk_ws
+
+    B, T, H, K, V = 1, 64, 1, 128, 64
+    e = lambda *s: torch.zeros(*s, dtype=torch.bfloat16)  # noqa: E731
+    q, k, v = e(B, T, H, K), e(B, T, H, K), e(B, T, H, V)
+    with pytest.raises(ValueError, match="dq_into_v_new"):
+        gdn_bwd_chunk_ws(q, k, v, e(B, T, H), e(B, T, H, 64), v.clone(), v, v.clone(), e(B, 1, H, K, V),
+                         e(B, 1, H, K, V), torch.zeros(B, T, H), 0.1, dq_into_v_new=True)

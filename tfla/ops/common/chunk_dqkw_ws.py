@@ -349,7 +349,7 @@ def gdn_bwd_ws_supported(q, k, v, beta, ai, v_new, do, du, h_sub, g_cum) -> bool
 
 def gdn_bwd_chunk_ws(q, k, v, beta, ai, v_new, do, du, h_sub, dh_sub, g_cum, scale, cu_seqlens=None,
                      tile_indices=None, sub_offsets=None, l2=None, dv_into_du: bool = False,
-                     config: dict | None = None, out=None):
+                     dq_into_v_new: bool = False, config: dict | None = None, out=None):
     """The delta rule's gradients after the state-gradient recurrence in one launch (module docstring), for
     ``chunk.chunk_gated_delta_rule_bwd``. Call only where ``gdn_bwd_ws_supported`` holds.
 
@@ -364,7 +364,11 @@ def gdn_bwd_chunk_ws(q, k, v, beta, ai, v_new, do, du, h_sub, dh_sub, g_cum, sca
     dv_into_du: dv is written over du (the caller's dU is dead after this call; one tensor of v's size less at the
     backward's peak): each CTA stores a dv tile only after its own TMA load of the same dU tile has landed; a CTA
     whose chunk a sequence's end cuts also loads the next rows (the next sequence's, dU or already dv: finite
-    either way), which Tm's zeroed rows keep out of every product it stores; config: ``num_warps``.
+    either way), which Tm's zeroed rows keep out of every product it stores; dq_into_v_new: dq is written over Vnew
+    (the caller's Vnew is dead after this call and K = V: one tensor of v's size less at the peak), on the same terms:
+    a CTA stores its dq tile after pass 2 has waited for its own loads of that Vnew tile, and the rows past a cut
+    chunk's end (Vnew or already dq, finite) enter only products the row masks multiply by zero or drop;
+    config: ``num_warps``.
     Returns ``(dq, dk, dv, dbeta, dgd, dgam)``: dq, dk ``[B, T, HV, K]`` per value head in q's dtype, dv like v,
     dbeta ``[B, T, HV]`` fp32, dgd (``q . dq - k . dk`` of the tiled product, ``chunk_dqkw_bwd``'s) and dgam (the
     state and WY parts of the gate gradient, the chunk's reverse sum included, ``wy_bwd``'s) ``[B, T, HV]`` fp32.
@@ -375,11 +379,13 @@ def gdn_bwd_chunk_ws(q, k, v, beta, ai, v_new, do, du, h_sub, dh_sub, g_cum, sca
     NT = (T + BS - 1) // BS if cu_seqlens is None else tile_indices.shape[0]
     if l2 is not None and HV != H:
         raise ValueError(f"l2 needs one value head per key head, got H = {H}, HV = {HV}")
+    if dq_into_v_new and (out is not None or K != V or v_new.dtype != q.dtype or not v_new.is_contiguous()):
+        raise ValueError("dq_into_v_new needs no `out`, K = V and a contiguous Vnew in q's dtype")
     if out is not None:
         dq, dk, dbeta, dgd, dgam = out
     else:
-        dq = torch.empty(B, T, HV, K, dtype=q.dtype, device=q.device)
-        dk = torch.empty_like(dq)
+        dq = v_new.view(B, T, HV, K) if dq_into_v_new else torch.empty(B, T, HV, K, dtype=q.dtype, device=q.device)
+        dk = torch.empty(B, T, HV, K, dtype=q.dtype, device=q.device)
         dbeta, dgd, dgam = (torch.empty(B, T, HV, dtype=torch.float32, device=q.device) for _ in range(3))
     dv = du if dv_into_du else torch.empty_like(v)
     if NT == 0:

@@ -178,6 +178,7 @@ def chunk_gated_delta_rule_bwd(
             l2 = None  # (done)
         return _bwd_epilogue(q, k, dq, dk, dv, dbeta, dgq, dgam, dh0, g, beta_in, act, l2, varlen, acc_dtype=(
             torch.float64 if q.dtype == torch.float64 else torch.float32), cu=cu)
+    own_v_new = saved is None and v_new is None  # Vnew formed below and dead after the chunk gradients
     if saved is not None:
         v_new, h_sub = saved
     elif v_new is not None:  # the forward's Vnew: the states without the delta rule's W S product
@@ -219,8 +220,8 @@ def chunk_gated_delta_rule_bwd(
             q, k, v, beta, ai, v_new, do, du, h_sub, dh_sub, g_cum, scale, cu_seqlens=cu,
             tile_indices=sub, sub_offsets=varlen.sub_offsets if varlen is not None else None,
             l2=(l2[1], l2[3]) if l2 is not None and HV == H else None, dv_into_du=True,
-            config=ws if isinstance(ws, dict) else None)
-        del w, h_sub, dh_sub, du
+            dq_into_v_new=own_v_new and K == v.shape[3], config=ws if isinstance(ws, dict) else None)
+        del w, h_sub, dh_sub, du, v_new
         if HV == H:
             l2 = None  # (done)
     else:
