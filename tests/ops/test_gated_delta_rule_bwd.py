@@ -6,8 +6,8 @@ with tf32x3 on CUDA); float64: 1e-12 plus a gradcheck; fp16 on the CPU interpret
 (and FlashQLA's) own errors on the same inputs.
 """
 import math
-import time
 import os
+import time
 
 import pytest
 import torch
