@@ -64,7 +64,8 @@ class StorageTracker(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         # views and in-place results share an input's storage: not an allocation
-        seen = {t.untyped_storage().data_ptr() for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        seen = {t.untyped_storage().data_ptr() for t in pytree.tree_leaves((args, kwargs))
+                if isinstance(t, torch.Tensor)}
         for t in pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.untyped_storage().data_ptr() not in seen:
                 self._track(t, func.overloadpacket.__name__)

@@ -42,8 +42,9 @@ def test_held_memory_per_option(tool, T):
 
 def test_peak_buffers_and_slabs(tool):
     """The peak holds the 64-row states and their gradients (``B * ceil(T / 64) * HV * K * V`` each, 16-bit) beside
-    dq, dk, dv and Vnew (the default's dq in Vnew's buffer); the backward in slabs of 64 chunks (``slab64``: Vnew kept) holds one slab's states and
-    gradients at a time (half of them at 128 chunks) and peaks lower by about that much. Launches restored afterwards."""
+    dq, dk, dv and Vnew (the default's dq in Vnew's buffer); the backward in slabs of 64 chunks (``slab64``: Vnew
+    kept) holds one slab's states and gradients at a time (half of them at 128 chunks) and peaks lower by about that
+    much. Launches restored afterwards."""
     from triton.runtime.jit import JITFunction
 
     run = JITFunction.run
