@@ -44,6 +44,8 @@ import functools
 import torch
 import triton
 
+from tfla.ops.common.utils import num_sequences, varlen_mode
+
 try:  # Gluon (triton.experimental.gluon); without it the tl pass runs everywhere
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -402,7 +404,7 @@ def ws_supported(q, k, v, has_gate: bool, initial_state, cu_seqlens, save: int, 
         return False
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
-    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    N = num_sequences(cu_seqlens, B)
     cols = cfg["BV"] * cfg["NCONS"]  # a CTA's state columns (the transitions' identity ones included)
     if K != 128 or K % cols or V % cols or N * HV > 65535 or N * HV == 0:
         return False
@@ -416,7 +418,7 @@ def ws_supported(q, k, v, has_gate: bool, initial_state, cu_seqlens, save: int, 
 def fused_delta_pass_ws(q, k, v, g_cum, beta, ai, scale, initial_state=None, output_final_state=False,
                         cu_seqlens=None, save: int = 0, config: dict | None = None, transition: bool = False,
                         chunk_offsets=None, num_chunks: int | None = None, slab_states=None, slab: int = 0,
-                        output: bool = True):
+                        output: bool = True, v_new_out=None):
     """``fused_delta_fwd.fused_delta_pass`` (no ``a``) on the warp-specialized kernel, from the prep's ``g_cum``
     (fp32, log2, restarting every 64 rows), Tm (``ai``, q's dtype) and beta (all contiguous); the output's scores are
     formed in the kernel. ``save``: 1 Vnew, 2 also the state before each 64-row chunk (varlen: ``chunk_offsets`` /
@@ -424,19 +426,21 @@ def fused_delta_pass_ws(q, k, v, g_cum, beta, ai, scale, initial_state=None, out
     of o, from no initial state, nothing saved. ``output`` False: no q read, no o (Vnew, the states and the final state
     alone; the scores' and the output's products skipped). ``slab`` > 0 with ``slab_states`` (fp32 ``[S - 1, N HV, K,
     V]``, S = ceil(chunks / slab), dense): the state before every ``slab``-th 64-row chunk but the first goes there (the
-    backward's slab starts, ``chunk.py``). Call only where ``ws_supported`` holds (same ``config``: launch keys ``BV``,
-    ``NCONS`` consumer warpgroups of BV columns each, ``STAGES``). Returns ``(o, final, v_new, h)`` as that function
-    does."""
+    backward's slab starts, ``chunk.py``). ``cu_seqlens`` may also be an ``[N, 2]`` table of (first row, end row)
+    pairs (``utils.varlen_mode`` 2: the backward's slabs, with ``chunk_offsets`` and ``num_chunks``); ``v_new_out``: a
+    buffer like v that Vnew's rows are written into (the rows of the sequences or pairs given; the rest untouched)
+    instead of a new one. Call only where ``ws_supported`` holds (same ``config``: launch keys ``BV``, ``NCONS``
+    consumer warpgroups of BV columns each, ``STAGES``). Returns ``(o, final, v_new, h)`` as that function does."""
     cfg = {**WS_DEFAULTS, **(config or {})}
     BV, NCONS = cfg["BV"], cfg["NCONS"]
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
-    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    N = num_sequences(cu_seqlens, B)
     ncol = K + V if transition else V
     save = 0 if transition else save
     mode = PASS_TRANSITION if transition else PASS_OUTPUT if output else PASS_STATES  # the kernel's PASS
     o = torch.empty_like(v) if mode == PASS_OUTPUT else None
-    v_new = torch.empty_like(v) if save else None
+    v_new = (v_new_out if v_new_out is not None else torch.empty_like(v)) if save else None
     NT = (T + BS - 1) // BS if cu_seqlens is None else num_chunks
     h = torch.empty(B, NT, HV, K, V, dtype=k.dtype, device=k.device) if save == 2 else None
     final = (torch.empty(N, HV, K, ncol, dtype=torch.float32, device=q.device)
@@ -460,7 +464,7 @@ def fused_delta_pass_ws(q, k, v, g_cum, beta, ai, scale, initial_state=None, out
         initial_state if initial_state is not None else v, final if final is not None else v,
         slab_states if slab_states is not None else v,
         cu_seqlens if cu_seqlens is not None else v, chunk_offsets if chunk_offsets is not None else v, T, scale,
-        H=H, HV=HV, K=K, V=V, BV=BV, NCONS=NCONS, STAGES=cfg["STAGES"], IS_VARLEN=cu_seqlens is not None,
+        H=H, HV=HV, K=K, V=V, BV=BV, NCONS=NCONS, STAGES=cfg["STAGES"], IS_VARLEN=varlen_mode(cu_seqlens),
         USE_H0=initial_state is not None and not transition, STORE_HT=final is not None, SAVE=save,
         PASS=mode, SLAB=slab if slab_states is not None else 0, num_warps=4)
     return o, final, v_new, h
