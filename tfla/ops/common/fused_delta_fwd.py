@@ -369,14 +369,17 @@ def _split_tables(cuts: tuple[int, ...], first: tuple[int, ...], device: torch.d
     return flat[:n], flat[n:2 * n], flat[2 * n:]
 
 
-def _slab_states(slab: int, save: int, cu_seqlens, q, v, out: dict) -> dict:
-    """The Gluon pass's slab arguments (``fused_delta_fwd``'s ``slab``), the kept states recorded in ``out``."""
-    B, T, HV, V = v.shape
+def _slab_states(slab: int, save: int, bounds, q, v, out: dict) -> dict:
+    """The Gluon pass's slab arguments (``fused_delta_fwd``'s ``slab``; ``bounds``: the sequences' row offsets on the
+    host, None for tables built on the device: no slabs), the kept states recorded in ``out``."""
+    HV, V = v.shape[2], v.shape[3]
     K = q.shape[3]
-    n = cdiv(T, SUB_CHUNK)
-    if slab <= 0 or save != SAVE_V_NEW or cu_seqlens is not None or n <= slab:
+    if bounds is None or slab <= 0 or save not in (SAVE_NONE, SAVE_V_NEW):
         return {}
-    states = torch.empty(cdiv(n, slab) - 1, B * HV, K, V, dtype=torch.float32, device=q.device)
+    n = max((cdiv(e - b, SUB_CHUNK) for b, e in zip(bounds[:-1], bounds[1:])), default=0)
+    if n <= slab:
+        return {}
+    states = torch.empty(cdiv(n, slab) - 1, (len(bounds) - 1) * HV, K, V, dtype=torch.float32, device=q.device)
     out["slab"] = (slab, states)
     return dict(slab_states=states, slab=slab)
 
@@ -421,15 +424,16 @@ def fused_delta_fwd(q, k, v, g, beta, scale, initial_state=None, output_final_st
     warp-specialized Gluon pass where ``fused_delta_ws.ws_supported`` holds), False (the ``tl`` pass always) or a
     dict of the Gluon pass's keys (``fused_delta_ws.WS_DEFAULTS``; pieces, transitions included, launch ``PIECE_WS``
     unless a dict is given);
-    ``slab``: with Vnew kept (``save`` 1), dense, unsplit, on the Gluon pass: also keep the fp32 state before every
-    ``slab``-th 64-row chunk, the starts of the backward's slabs (``chunk.py``: its states and their gradients then
-    live one slab at a time).
+    ``slab``: with ``save`` 0 or 1, unsplit, on the Gluon pass, the offsets on the host: also keep the fp32 state
+    before every ``slab``-th 64-row chunk of each sequence, the starts of the backward's slabs (``chunk.py``: its
+    states and their gradients, and without Vnew kept the Vnew it forms, then live one slab at a time).
 
     Returns a dict: ``o [B, T, HV, V]`` (v's dtype), ``final_state`` (fp32 or None), ``g_cum``, ``ai`` (the prep's
     log2 gates restarting every 64 rows and Tm, for the backward), ``beta`` (the one used: activated with ``act``), ``v_new`` (``save`` >= 1), ``h`` (``save`` 2:
     states before every 64-row chunk, ``[B, ceil(T/64), HV, K, V]``; varlen ``[1, chunks, HV, K, V]``), ``save``
     (the one used), ``split`` (a ``Split`` when a sequence was cut, else absent), ``slab`` (``(slab, states)``,
-    states ``[S - 1, B HV, K, V]`` fp32 before chunks ``slab, 2 slab, ..``, when kept, else absent)."""
+    states ``[S - 1, N HV, K, V]`` fp32 before chunks ``slab, 2 slab, ..`` of each sequence (slots past a shorter
+    sequence's end unwritten), when kept, else absent)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     cfg = config or {}
@@ -488,7 +492,7 @@ def fused_delta_fwd(q, k, v, g, beta, scale, initial_state=None, output_final_st
             o, final, v_new, h = fused_delta_pass_ws(
                 q, k, v, g_cum, beta, ai, scale, initial_state, output_final_state, cu_seqlens, save, ws_cfg,
                 chunk_offsets=offsets, num_chunks=num_chunks if save == SAVE_STATES else None,
-                **_slab_states(slab, save, cu_seqlens, q, v, out))
+                **_slab_states(slab, save, bounds, q, v, out))
         else:
             o, final, v_new, h = fused_delta_pass(
                 q, k, v, g_cum, beta, ai, scale, initial_state, output_final_state, cu_seqlens, offsets,

@@ -32,6 +32,7 @@ from tfla.ops.common.cumsum import chunk_local_cumsum
 from tfla.ops.common.custom_ops import varlen_index
 from tfla.ops.common.fused_delta_fwd import (SAVE_NONE, SAVE_STATES, SAVE_V_NEW, Split, fused_delta_fwd, piece_ws,
                                             segment_scan, states_from_pass)
+from tfla.ops.common.fused_delta_ws import fused_delta_pass_ws, ws_supported
 from tfla.ops.common.gate_act import BETA_2SIGMOID, BETA_SIGMOID, NO_BETA, GateAct, gate_epilogue
 from tfla.ops.common.group_sum import group_sum
 from tfla.ops.common.l2norm import l2norm, l2norm_bwd, l2norm_fwd
@@ -138,11 +139,11 @@ def chunk_gated_delta_rule_bwd(
     forward's ``g`` and ``beta_in`` (pre-activations; ``beta`` is then the activated one): the gradients of the
     pre-activations, A_log and dt_bias (``gate_act.gate_epilogue``); ``l2 = (q0, rstd_q, k0, rstd_k)``: q and k are
     ``l2norm_fwd`` of q0 and k0, and dq, dk are returned for q0 and k0 (the l2norm's backward in the GVA sum's pass, or
-    its own pass without grouped heads); ``slab = (n, states)`` with ``v_new`` (the forward's slab starts,
-    ``fused_delta_fwd``'s ``slab``): on Hopper the states, their gradients and the chunk gradients run one slab of n
-    64-row chunks at a time, last first (``_ws_bwd_in_slabs``). Returns ``(dq, dk, dv, dg, dbeta, dh0, dA_log,
-    ddt_bias)``: dq, dk ``[B, T, H, K]`` in q's dtype, dv in v's dtype, dg and
-    dbeta ``[B, T, HV]`` fp32, dh0 fp32 or None, dA_log and ddt_bias ``[HV]`` fp32 or None.
+    its own pass without grouped heads); ``slab = (n, states)`` (the forward's slab starts, ``fused_delta_fwd``'s
+    ``slab``), with ``v_new`` or with neither: on Hopper the states (with neither, Vnew too), their gradients and the
+    chunk gradients run one slab of n 64-row chunks at a time, last first (``_ws_bwd_in_slabs``). Returns ``(dq, dk,
+    dv, dg, dbeta, dh0, dA_log, ddt_bias)``: dq, dk ``[B, T, H, K]`` in q's dtype, dv in v's dtype, dg and dbeta
+    ``[B, T, HV]`` fp32, dh0 fp32 or None, dA_log and ddt_bias ``[HV]`` fp32 or None.
 
     Stages: recompute W (from Tm; not on Hopper), Vnew and the state at every 64-row chunk (or take them); the
     state-gradient recurrence (reverse; the output's gradient of Vnew formed inside it); dq, dk and the WY
@@ -168,12 +169,18 @@ def chunk_gated_delta_rule_bwd(
         sb_ws if isinstance(sb_ws, dict) else None)
     tm_kw = dict(ai=ai, beta=beta) if from_tm else {}
     ws = (config.get("dqkw") or {}).get("ws", True)
-    if (slab is not None and saved is None and v_new is not None and cu is None and from_tm and ws is not False
-            and gdn_bwd_ws_supported(q, k, v, beta, ai, v_new, do, v_new, v_new, g_cum)):
+    fused_cfg = config.get("fused") or {}
+    pass_cfg = fused_cfg["ws"] if isinstance(fused_cfg.get("ws"), dict) else None
+    if (slab is not None and saved is None and (cu is None or varlen.bounds is not None) and not in_pieces
+            and from_tm and ws is not False
+            and gdn_bwd_ws_supported(q, k, v, beta, ai, v, do, v, v, g_cum)
+            and (v_new is not None or fused_cfg.get("ws", True) is not False and ws_supported(
+                q, k, v, True, None, None, SAVE_STATES, pass_cfg))):
         dq, dk, dv, dbeta, dgq, dgam, dh0 = _ws_bwd_in_slabs(
             q, k, v, g_cum, beta, ai, v_new, do, dht, initial_state, scale, slab,
             l2=(l2[1], l2[3]) if l2 is not None and HV == H else None, config=config,
-            sb_cfg=sb_ws if isinstance(sb_ws, dict) else None, ws_cfg=ws if isinstance(ws, dict) else None)
+            sb_cfg=sb_ws if isinstance(sb_ws, dict) else None, ws_cfg=ws if isinstance(ws, dict) else None,
+            pass_cfg=pass_cfg, bounds=varlen.bounds if varlen is not None else None)
         if HV == H:
             l2 = None  # (done)
         return _bwd_epilogue(q, k, dq, dk, dv, dbeta, dgq, dgam, dh0, g, beta_in, act, l2, varlen, acc_dtype=(
@@ -260,75 +267,128 @@ def _bwd_epilogue(q, k, dq, dk, dv, dbeta, dgq, dgam, dh0, g, beta_in, act, l2, 
     return dq, dk, dv, dg, dbeta, dh0, dA_log, ddt
 
 
-# the backward's slab in 64-row chunks by default: 0, whole sequences. Slabs trade host time for memory: each costs
-# ~0.46 ms of host time per call (three launches, two of them with TMA descriptors built on the host) against the
-# states' memory (H100, bf16, K = V = 128, H = 16, forward + backward, 2026-11-25: B = 4, T = 8192 1.810 ms / 1224 MiB
-# whole, 1.937 / 976 at 64 chunks, 2.2-2.9 / 860 at 32 (host-bound); B = 4, T = 32768 7.217 / 4896, 7.822 / 3140,
-# 8.122 / 3044): config={"slab": {"chunks": n}}, README of this op
-BWD_SLAB = 0
+# the backward's slabs (unsplit sequences, Hopper): by default two per dense sequence for FLA's saved set (the
+# default) once the backward is large enough to hide their host time (B * HV * ceil(T / 64) >= BWD_SLAB_WORK: 64-row
+# states of 512 MiB at K = V = 128 in bf16), each slab at least BWD_SLAB_MIN 64-row chunks; whole sequences with Vnew
+# kept and for packed sequences unless config["slab"] asks. A slab holds its 64-row states and their gradients alone
+# and costs three launches of host time. NVIDIA H200, torch 2.11, Triton 3.6, bf16, H = 16, K = V = 128, forward +
+# backward, 2026-11-28 (docs/performance.md): B = 4, T = 32768 whole 6.796 ms / 4384 MiB peak, two slabs 6.802 /
+# 3368; B = 8, T = 8192 3.393 / 2192 and 3.481 / 1696; B = 4, T = 8192 (below the threshold, host-bound) whole
+# 1.717-1.938 / 1096, two slabs 1.773-2.310 / 848 on three machine starts
+BWD_SLABS = {SAVE_NONE: 2, SAVE_V_NEW: 1}
+BWD_SLAB_MIN = 32
+BWD_SLAB_WORK = 16384
 
 
-@functools.lru_cache(maxsize=16)
-def _slab_tables(B: int, T: int, n: int, device: torch.device):
-    """The slabs' index tables on the device, built once per shape (one host-to-device copy: a copy from pageable
-    host memory waits for the device's queue, which per slab and call cost ~1 ms on an H100): ``pairs [S, B, 2]``
-    int32 (slab j's (first row, end row) per sequence in the packed rows) and ``{full?: (offs, tiles)}``: each
-    sequence's first 64-row state slot in a slab's buffers (``b nc``) and the (sequence, chunk) table of the slab's
-    chunks, for the full slabs (True) and the last one (False)."""
-    NT = -(-T // SUB_CHUNK)
-    S = -(-NT // n)
-    rows = torch.arange(B, dtype=torch.int64)[None, :] * T
-    c = torch.arange(S, dtype=torch.int64)[:, None] * n
-    pairs = torch.stack([rows + c * SUB_CHUNK, torch.minimum(rows + (c + n) * SUB_CHUNK, rows + T)], 2)
-    last = NT - (S - 1) * n
-    host = [pairs.reshape(-1)]
-    for nc in (n, last):
-        host += [torch.arange(B, dtype=torch.int64) * nc,
-                 torch.stack([torch.arange(B).repeat_interleave(nc), torch.arange(nc).repeat(B)], 1).reshape(-1)]
-    flat = torch.cat(host).to(torch.int32).to(device)
-    sizes = [x.numel() for x in host]
-    parts = list(torch.split(flat, sizes))
-    tables = {True: (parts[1], parts[2].view(-1, 2)), False: (parts[3], parts[4].view(-1, 2))}
-    return parts[0].view(S, B, 2), tables
+def _slab_chunks(config: dict | None, save: int, nt: int, states: int, packed: bool = False) -> int:
+    """The backward's slab in 64-row chunks (0: whole sequences) from ``config["slab"]``: ``chunks`` (per slab) or
+    ``count`` (slabs of the longest sequence, ``nt`` 64-row chunks, at least ``BWD_SLAB_MIN`` chunks each), else
+    for dense sequences ``BWD_SLABS[save]`` where the backward holds at least ``BWD_SLAB_WORK`` 64-row states
+    (``states``: chunks of all sequences times value heads). Packed sequences (``packed``) take slabs only where the
+    config asks: every sequence shorter than a slab lies in the first one, so the peak drops less and the time rises
+    (the Qwen3-Next-style layer, two slabs: -231 MiB, +0.29 ms; docs/performance.md)."""
+    cfg = (config or {}).get("slab") or {}
+    if "chunks" in cfg:
+        return cfg["chunks"]
+    count = cfg.get("count", BWD_SLABS[save] if states >= BWD_SLAB_WORK and not packed else 1)
+    if count <= 1 or nt < count * BWD_SLAB_MIN:
+        return 0
+    return -(-nt // count)
+
+
+def _chunk_counts(B: int, T: int, HV: int, varlen: VarlenIndex | None) -> tuple[int, int]:
+    """The longest sequence's 64-row chunks and all sequences' chunks times HV (0 for tables built on the device)."""
+    if varlen is None:
+        return -(-T // SUB_CHUNK), B * -(-T // SUB_CHUNK) * HV
+    if varlen.bounds is None:
+        return 0, 0
+    b = varlen.bounds
+    return max((-(-(e - s) // SUB_CHUNK) for s, e in zip(b[:-1], b[1:])), default=0), \
+        int(varlen.sub_indices.shape[0]) * HV
+
+
+@functools.lru_cache(maxsize=64)
+def _slab_tables(bounds: tuple[int, ...], n: int, device: torch.device) -> list:
+    """The slabs' index tables for sequences at the packed row offsets ``bounds`` (dense: ``b T``), built once per
+    offsets and slab (one host-to-device copy: a copy from pageable host memory waits for the device's queue, which
+    per slab and call cost ~1 ms on an H100). Slab j covers 64-row chunks ``[j n, (j + 1) n)`` of every sequence (an
+    empty part where a sequence is shorter). Per slab, ``(pairs [N, 2], offs [N], tiles [C, 2], C)``: int32 (first
+    row, end row) of each sequence's part, each part's first 64-row state slot in the slab's buffers, the (part,
+    chunk) table of the slab's C chunks."""
+    lens = [-(-(e - b) // SUB_CHUNK) for b, e in zip(bounds[:-1], bounds[1:])]
+    host = []
+    for j in range(max(1, -(-max(lens, default=0) // n))):
+        pairs, offs, tiles = [], [], []
+        for i, (b, e) in enumerate(zip(bounds[:-1], bounds[1:])):
+            c0, c1 = min(j * n, lens[i]), min((j + 1) * n, lens[i])
+            pairs += [min(b + c0 * SUB_CHUNK, e), min(b + c1 * SUB_CHUNK, e)]
+            offs.append(len(tiles) // 2)
+            for c in range(c1 - c0):
+                tiles += [i, c]
+        host.append((pairs, offs, tiles))
+    flat = torch.tensor([x for part in host for xs in part for x in xs], dtype=torch.int32).to(device)
+    out, at = [], 0
+    for pairs, offs, tiles in host:
+        p, o, t = (flat[at + a:at + b] for a, b in ((0, len(pairs)), (len(pairs), len(pairs) + len(offs)),
+                                                       (len(pairs) + len(offs), len(pairs) + len(offs) + len(tiles))))
+        at += len(pairs) + len(offs) + len(tiles)
+        out.append((p.view(-1, 2), o, t.view(-1, 2), len(tiles) // 2))
+    return out
 
 
 def _ws_bwd_in_slabs(q, k, v, g_cum, beta, ai, v_new, do, dht, initial_state, scale, slab, l2, config, sb_cfg,
-                     ws_cfg):
-    """The Hopper backward of dense sequences one slab at a time (``chunk_gated_delta_rule_bwd``'s ``slab``): slab j
-    covers 64-row chunks ``[j n, (j + 1) n)`` of every sequence; last slab first, the states over it are rebuilt
-    from the forward's state at its start (``chunk_state_fwd`` over Vnew), the state-gradient recurrence runs over
-    it from the gradient at its end (the next slab's start gradient, or ``dht``), and the chunk gradients follow.
-    The kernels see the slab as B (first row, end row) pairs (``utils.varlen_mode`` 2). The 64-row states and their
-    gradients of one slab are held at a time instead of all: at B = 4, T = 8192, H = 16, K = V = 128, bf16 and
-    n = 32, 128 MiB instead of 512. Same products and order as the unsplit backward: results equal up to the order
-    of fp32 additions. Returns ``(dq, dk, dv, dbeta, dgd, dgam, dh0)`` as the chunk-gradient stage."""
+                     ws_cfg, pass_cfg=None, bounds=None):
+    """The Hopper backward one slab at a time (``chunk_gated_delta_rule_bwd``'s ``slab``), dense sequences or packed
+    ones (``bounds``: the host offsets of ``cu_seqlens``, q of shape ``[1, T, ..]``): slab j covers 64-row chunks
+    ``[j n, (j + 1) n)`` of every sequence (empty where a sequence is shorter); last slab first, the states over it
+    are rebuilt from the forward's fp32 state at its start (with the forward's Vnew, ``v_new``: ``chunk_state_fwd``
+    over it; without (None, FLA's saved set): the forward's pass again without its output, ``fused_delta_pass_ws``
+    with ``pass_cfg``, which forms the slab's Vnew rows too), the state-gradient recurrence runs over it from the
+    gradient at its end (the next slab's start gradient, which an empty part passes on unchanged, or ``dht``), and
+    the chunk gradients follow. The kernels see the slab as N (first row, end row) pairs (``utils.varlen_mode`` 2).
+    The 64-row states and their gradients of one slab are held at a time instead of all: at B = 4, T = 8192, H = 16,
+    K = V = 128, bf16 and n = 32, 128 MiB instead of 512. Without a kept Vnew and at K = V, dq is written over the
+    Vnew rows of its own slab (each chunk's CTA stores its dq tile after its own loads of that Vnew tile; a later
+    slab's pass writes only its own rows): no buffer of v's size for dq. Same products and order as the unsplit
+    backward: results equal up to the order of fp32 additions. Returns ``(dq, dk, dv, dbeta, dgd, dgam, dh0)`` as
+    the chunk-gradient stage."""
     n, states = slab
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
-    NT = -(-T // SUB_CHUNK)
+    bounds = tuple(bounds) if bounds is not None else tuple(b * T for b in range(B + 1))
+    N = len(bounds) - 1
     dev = q.device
-    flat = [x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, g_cum, beta, ai, v_new, do)]
+    flat = [x.reshape(1, B * T, *x.shape[2:]) if x is not None else None
+            for x in (q, k, v, g_cum, beta, ai, v_new, do)]
     qf, kf, vf, gf, bf, af, vnf, dof = flat
-    # a chunk that the sequence's end cuts loads the next rows of dU too (zero-weighted): finite memory there
-    du = (torch.zeros if T % SUB_CHUNK else torch.empty)(1, B * T, HV, V, dtype=k.dtype, device=dev)
-    dq = torch.empty(1, B * T, HV, K, dtype=q.dtype, device=dev)
+    # a chunk that a sequence's end cuts loads the next rows of dU (and of Vnew) too (zero-weighted), rows of
+    # another slab or sequence: finite memory there
+    fill = torch.zeros if any((e - b) % SUB_CHUNK for b, e in zip(bounds[:-1], bounds[1:])) else torch.empty
+    du = fill(1, B * T, HV, V, dtype=k.dtype, device=dev)
+    own_v_new = v_new is None
+    if own_v_new:
+        vnf = fill(1, B * T, HV, V, dtype=k.dtype, device=dev)
+    dq = vnf.view(1, B * T, HV, K) if own_v_new and K == V else torch.empty(1, B * T, HV, K, dtype=q.dtype,
+                                                                            device=dev)
     dk = torch.empty_like(dq)
     dbeta, dgd, dgam = (torch.empty(1, B * T, HV, dtype=torch.float32, device=dev) for _ in range(3))
     if l2 is not None:
         l2 = tuple(x.reshape(1, B * T, *x.shape[2:]) for x in l2)
     ds = dht
-    pairs_all, tables = _slab_tables(B, T, n, dev)
-    for j in reversed(range(-(-NT // n))):
-        c0, c1 = j * n, min(NT, (j + 1) * n)
-        nc = c1 - c0
-        pairs = pairs_all[j]
-        offs, tiles = tables[nc == n]
-        h0 = initial_state if j == 0 else states[j - 1].view(B, HV, K, V)
-        h_sub, _ = chunk_state_fwd(kf, vnf, gf, SUB_CHUNK, initial_state=h0, cu_seqlens=pairs,
-                                      chunk_offsets=offs, num_chunks=B * nc, config=config.get("state_lin"),
-                                      store_every_sub_chunk=True, key_weights=True)
+    tables = _slab_tables(bounds, n, dev)
+    for j in reversed(range(len(tables))):
+        pairs, offs, tiles, nch = tables[j]
+        h0 = initial_state if j == 0 else states[j - 1].view(N, HV, K, V)
+        if own_v_new:
+            _, _, _, h_sub = fused_delta_pass_ws(qf, kf, vf, gf, bf, af, scale, h0, False, pairs, SAVE_STATES,
+                                                 pass_cfg, chunk_offsets=offs, num_chunks=nch, output=False,
+                                                 v_new_out=vnf)
+        else:
+            h_sub, _ = chunk_state_fwd(kf, vnf, gf, SUB_CHUNK, initial_state=h0, cu_seqlens=pairs,
+                                       chunk_offsets=offs, num_chunks=nch, config=config.get("state_lin"),
+                                       store_every_sub_chunk=True, key_weights=True)
         dh_sub, _, ds = delta_state_bwd_ws(qf, kf, af, bf, dof, gf, scale, ds, j > 0 or initial_state is not None,
-                                           pairs, offs, B * nc, config=sb_cfg, du_out=du)
+                                           pairs, offs, nch, config=sb_cfg, du_out=du)
         gdn_bwd_chunk_ws(qf, kf, vf, bf, af, vnf, dof, du, h_sub, dh_sub, gf, scale, cu_seqlens=pairs,
                          tile_indices=tiles, sub_offsets=offs, l2=l2, dv_into_du=True, config=ws_cfg,
                          out=(dq, dk, dbeta, dgd, dgam))
@@ -402,9 +462,11 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
         q0 = k0 = rq = rk = None
         if opts.use_qk_l2norm_in_kernel:  # one Triton pass per tensor; its backward joins the GVA sum's pass
             (q0, k0), ((q, rq), (k, rk)) = (q, k), (l2norm_fwd(q), l2norm_fwd(k))
-        # with Vnew kept, dense sequences and config["slab"]: the forward also keeps the state at every n-th chunk,
-        # and the backward holds the 64-row states and their gradients of one slab at a time (_ws_bwd_in_slabs)
-        slab = ((opts.config or {}).get("slab") or {}).get("chunks", BWD_SLAB) if save == SAVE_V_NEW else 0
+        # dense sequences, FLA's saved set or Vnew kept, slabs (_slab_chunks): the forward also keeps the state at
+        # every n-th chunk, and the backward holds the 64-row states and their gradients of one slab at a time
+        # (_ws_bwd_in_slabs)
+        slab = _slab_chunks(opts.config, save, *_chunk_counts(q.shape[0], q.shape[1], v.shape[2], varlen),
+                            packed=varlen is not None) if grad and save != SAVE_STATES else 0
         o, final_state, inter = chunk_gated_delta_rule_fwd(
             q, k, v, g, beta, opts.scale, initial_state, opts.output_final_state, varlen,
             config=opts.config, save=save, split_save=split_save, segments=opts.segments, act=act, slab=slab)
@@ -531,10 +593,14 @@ def chunk_gated_delta_rule(
             ``num_warps``, ``num_stages``, ...: the keys each stage function in ``tfla/ops/common`` documents;
             ``flat`` / ``idx64`` force the large-input indexing, for tests; on Hopper ``fused``, ``state_bwd`` and
             ``dqkw`` take ``ws``: False for the ``tl`` kernels instead of the Gluon ones, or a dict of their launch;
-            ``dqkw``'s Gluon kernel also runs the ``wy_bwd`` stage); ``slab``: ``{"chunks": n}``, the Hopper
-            backward's slab of n 64-row chunks with Vnew kept (``save_v_new=True``; ignored otherwise), dense
-            sequences, on Hopper (default 0: the states of the whole sequences at once; a slab costs host time,
-            saves memory: README of this op, memory). ``scripts/tune.py`` searches them.
+            ``dqkw``'s Gluon kernel also runs the ``wy_bwd`` stage); ``slab``: ``{"chunks": n}`` (n 64-row chunks
+            per slab; 0: whole sequences) or ``{"count": n}`` (n slabs of the longest sequence, at least 32 chunks
+            each), the Hopper backward one slab at a time: one slab's 64-row states and their gradients in memory
+            instead of all, three launches of host time per slab (not with ``save_states``, a split into pieces, or
+            tables built on the device). Default: two slabs for dense sequences and FLA's saved set once
+            ``B * HV * ceil(T / 64) >= 16384`` and ``ceil(T / 64) >= 64``, else whole sequences. README of this
+            op, memory.
+            ``scripts/tune.py`` searches them.
         use_beta_sigmoid_in_kernel: beta holds pre-activations; ``sigmoid(beta)`` is used (FLA 0.6.0's
             option; applied in fp32 by the gate's chunk-cumsum kernel, its gradient by the backward's last one:
             ``tfla/ops/common/gate_act.py``).
@@ -609,6 +675,10 @@ def chunk_gated_delta_rule(
     if config is not None and (not isinstance(config, dict) or not set(config) <= set(CONFIG_STAGES)
                                or not all(isinstance(c, dict) for c in config.values())):
         raise ValueError(f"`config` must map stages of {CONFIG_STAGES} to dicts of launch overrides, got {config!r}")
+    slab_cfg = (config or {}).get("slab") or {}
+    if not set(slab_cfg) <= {"chunks", "count"} or not all(
+            isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in slab_cfg.values()):
+        raise ValueError(f'`config["slab"]` takes "chunks" and / or "count", ints >= 0, got {slab_cfg!r}')
     opts = GDNOptions(float(scale), bool(output_final_state), bool(use_qk_l2norm_in_kernel),
                       bool(save_states), save_v_new, segments, needs_grad,
                       config, act.beta if act is not None else NO_BETA, act is not None and act.A_log is not None)
