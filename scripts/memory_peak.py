@@ -91,8 +91,9 @@ def hopper_without_launches():
         return None
 
     patches = [(JITFunction, "run", no_launch), (InterpretedFunction, "run", no_launch), (fwd, "ws_supported", yes),
-               (chunk, "gdn_bwd_ws_supported", yes), (chunk, "state_bwd_ws_supported", yes),
-               (csb, "state_bwd_ws_supported", yes), (validation, "check_device", lambda name, t: None)]
+               (chunk, "ws_supported", yes), (chunk, "gdn_bwd_ws_supported", yes),
+               (chunk, "state_bwd_ws_supported", yes), (csb, "state_bwd_ws_supported", yes),
+               (validation, "check_device", lambda name, t: None)]
     saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
     try:
         for obj, name, value in patches:

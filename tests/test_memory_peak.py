@@ -42,9 +42,9 @@ def test_held_memory_per_option(tool, T):
 
 def test_peak_buffers_and_slabs(tool):
     """The peak holds the 64-row states and their gradients (``B * ceil(T / 64) * HV * K * V`` each, 16-bit) beside
-    dq, dk, dv and Vnew (the default's dq in Vnew's buffer); the backward in slabs of 64 chunks (``slab64``: Vnew
-    kept) holds one slab's states and gradients at a time (half of them at 128 chunks) and peaks lower by about that
-    much. Launches restored afterwards."""
+    dq, dk, dv and Vnew (FLA's saved set: dq in Vnew's buffer); the backward in slabs of 64 chunks (``slab64``: Vnew
+    kept; ``slabs2``: FLA's saved set, two slabs) holds one slab's states and gradients at a time (half of them at
+    128 chunks) and peaks lower by about that much. Launches restored afterwards."""
     from triton.runtime.jit import JITFunction
 
     run = JITFunction.run
@@ -52,19 +52,21 @@ def test_peak_buffers_and_slabs(tool):
     x = _inputs(B, T, H, H, K, V)
     state_bytes = B * (T // 64) * H * K * V * 2
     peaks = {}
-    for variant in ("default", "save_v_new", "slab64"):
+    for variant in ("whole", "save_v_new", "slab64", "slabs2"):
         with tool.hopper_without_launches():
             r = tool.measure(x, variant)
         peaks[variant] = r["peak"]
-        if variant == "default":
+        if variant == "whole":
             assert [n for n, _ in r["at_peak"][:2]] == [state_bytes, state_bytes], r["at_peak"][:4]
             assert r["peak"] >= 2 * state_bytes + 4 * B * T * H * V * 2
-        if variant == "slab64":
+        if variant.startswith("slab"):
             assert max(n for n, _ in r["at_peak"]) < state_bytes, r["at_peak"][:4]
-    # the default forms Vnew in the backward and writes dq over it (dq_into_v_new); a kept Vnew stays
-    assert peaks["save_v_new"] - peaks["default"] == B * T * H * V * 2
+    # FLA's saved set forms Vnew in the backward and writes dq over it (dq_into_v_new); a kept Vnew stays
+    assert peaks["save_v_new"] - peaks["whole"] == B * T * H * V * 2
     # half the states and half their gradients less, the slab starts (fp32, one state per sequence and head) more
     assert peaks["save_v_new"] - peaks["slab64"] >= 0.9 * state_bytes
+    # the same with FLA's saved set in two slabs (the slab's pass writes its Vnew rows, dq goes over them)
+    assert peaks["whole"] - peaks["slabs2"] >= 0.9 * state_bytes
     assert JITFunction.run is run
 
 

@@ -5,6 +5,7 @@ dg, dbeta, d initial_state). fp32: ``tolerance(torch.float32)`` (1e-5 with IEEE 
 with tf32x3 on CUDA); float64: 1e-12 plus a gradcheck; fp16 on the CPU interpreter; bf16 on the GPU against FLA's
 (and FlashQLA's) own errors on the same inputs.
 """
+import itertools
 import math
 import os
 import time
@@ -224,6 +225,65 @@ def test_save_v_new_keeps_what_it_says(device):
     assert len(counts[True]) == len(counts[False]) + 1
     with pytest.raises(TypeError, match="save_v_new"):
         tfla.chunk_gated_delta_rule(*leaves, save_v_new="yes")
+
+
+def test_backward_slab_rule():
+    """The backward's slab in 64-row chunks (0: whole sequences): two slabs by default for dense sequences and FLA's
+    saved set where the backward holds at least 16384 64-row states (chunks of all sequences times value heads) and
+    each slab at least 32 chunks; whole sequences with Vnew kept or packed sequences, ``config["slab"]``'s ``chunks``
+    or ``count`` (slabs of the longest sequence) otherwise; bad values raise before any launch."""
+    from tfla.ops.common.fused_delta_fwd import SAVE_NONE, SAVE_V_NEW
+    from tfla.ops.common.varlen import VarlenIndex
+    from tfla.ops.gated_delta_rule.chunk import _chunk_counts, _slab_chunks
+
+    assert _chunk_counts(4, 8192, 16, None) == (128, 8192)
+    cu = torch.tensor([0, 100, 100, 4196, 4197])
+    assert _chunk_counts(1, 4197, 32, VarlenIndex.build(cu, 64)) == (64, (2 + 64 + 1) * 32)
+    assert _slab_chunks(None, SAVE_NONE, 512, 4 * 512 * 16) == 256
+    assert _slab_chunks(None, SAVE_NONE, 128, 8 * 128 * 16) == 64
+    assert _slab_chunks(None, SAVE_NONE, 128, 4 * 128 * 16) == 0  # the MVE: 8192 states, host-bound with slabs
+    assert _slab_chunks(None, SAVE_NONE, 64, 20000) == 32
+    assert _slab_chunks(None, SAVE_NONE, 63, 20000) == 0  # not two slabs of 32 chunks
+    assert _slab_chunks(None, SAVE_V_NEW, 512, 4 * 512 * 16) == 0
+    assert _slab_chunks({"slab": {"count": 1}}, SAVE_NONE, 512, 4 * 512 * 16) == 0
+    assert _slab_chunks({"slab": {"count": 3}}, SAVE_NONE, 128, 128) == 43
+    assert _slab_chunks({"slab": {"count": 3}}, SAVE_V_NEW, 128, 128) == 43
+    assert _slab_chunks({"slab": {"count": 4}}, SAVE_NONE, 96, 96) == 0  # 24 chunks a slab: too few
+    assert _slab_chunks({"slab": {"chunks": 5}}, SAVE_NONE, 10, 10) == 5
+    assert _slab_chunks(None, SAVE_NONE, 512, 4 * 512 * 16, packed=True) == 0  # packed: where the config asks
+    assert _slab_chunks({"slab": {"count": 2}}, SAVE_NONE, 200, 200, packed=True) == 100
+    x = gdn_inputs(1, 64, 1, 16, 16, dtype=torch.float32, device="cpu", seed=0)
+    args = [x[n] for n in ("q", "k", "v", "g", "beta")]
+    for bad in ({"count": -1}, {"chunks": 2.0}, {"count": True}, {"slabs": 2}):
+        with pytest.raises(ValueError, match="slab"):
+            tfla.chunk_gated_delta_rule(*args, config={"slab": bad})
+
+
+def test_slab_tables():
+    """The backward's slab tables: slab j holds chunks ``[j n, (j + 1) n)`` of each sequence as a (first row, end row)
+    pair (empty where the sequence is shorter), each part's first state slot and the (part, chunk) table; every
+    64-row chunk of every sequence lands in exactly one slab."""
+    from tfla.ops.gated_delta_rule.chunk import _slab_tables
+
+    bounds = (0, 0, 1, 701, 831, 1831)  # lengths 0, 1, 700, 130, 1000
+    tables = _slab_tables(bounds, 3, torch.device("cpu"))
+    assert len(tables) == 6  # the longest: 16 chunks
+    seen = set()
+    for j, (pairs, offs, tiles, nch) in enumerate(tables):
+        assert pairs.dtype == offs.dtype == tiles.dtype == torch.int32
+        assert tiles.shape == (nch, 2)
+        for i, (b, e) in enumerate(zip(bounds[:-1], bounds[1:])):
+            r0, r1 = pairs[i].tolist()
+            assert (r0, r1) == (min(b + 192 * j, e), min(b + 192 * (j + 1), e))
+            mine = [c for s, c in tiles.tolist() if s == i]
+            assert mine == list(range(-(-(r1 - r0) // 64)))
+            if mine:
+                assert tiles[offs[i]].tolist() == [i, 0]
+            seen |= {(i, 3 * j + c) for c in mine}
+    assert seen == {(i, c) for i, (b, e) in enumerate(zip(bounds[:-1], bounds[1:])) for c in range(-(-(e - b) // 64))}
+    dense = _slab_tables((0, 640, 1280), 4, torch.device("cpu"))
+    assert [t[3] for t in dense] == [8, 8, 4]
+    assert dense[2][0].tolist() == [[512, 640], [1152, 1280]] and dense[1][1].tolist() == [0, 4]
 
 
 def test_fused_paths_reject_what_they_do_not_serve(device):
@@ -510,31 +570,40 @@ def test_kept_v_new_rebuilds_the_forward_states(device):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("B,T,H,HV,l2norm,h0", [(2, 1000, 2, 4, False, True), (1, 640, 2, 2, True, False),
-                                                 (2, 512, 1, 1, False, True)])
-def test_bwd_in_slabs_gpu(monkeypatch, B, T, H, HV, l2norm, h0):
-    """The Hopper backward with Vnew kept one slab of 64-row chunks at a time (``config={"slab": {"chunks": 3}}``:
-    slabs of 192 rows, the last one cut when T is not a multiple of 64) against the whole-sequence backward
+@pytest.mark.parametrize("keep", [True, False], ids=["save_v_new", "fla_saved_set"])
+@pytest.mark.parametrize("B,T,H,HV,l2norm,h0,lens", [
+    (2, 1000, 2, 4, False, True, None), (1, 640, 2, 2, True, False, None), (2, 512, 1, 1, False, True, None),
+    (3, 1000, 2, 2, False, False, None), (1, 2031, 2, 4, False, True, (0, 1, 700, 130, 1000, 200)),
+    (1, 1344, 1, 1, True, False, (640, 0, 704))])
+def test_bwd_in_slabs_gpu(monkeypatch, B, T, H, HV, l2norm, h0, lens, keep):
+    """The Hopper backward one slab of 64-row chunks at a time (``config={"slab": {"chunks": 3}}``: slabs of 192
+    rows, the last one cut when T is not a multiple of 64), with Vnew kept (the states rebuilt over it) and with
+    FLA's saved set (the forward's pass again per slab, dq over the slab's Vnew), against the whole-sequence backward
     (``chunks`` 0) and the fp32 reference, bf16, GVA, l2norm, with and without the initial state, a cotangent for
-    the final state; the slab path runs (spied) and gives bitwise equal gradients twice."""
+    the final state, dense and packed (``lens``: empty and one-token sequences, ones inside the first slab, ones
+    ending on a slab's border); the slab path runs (spied) and gives bitwise equal gradients twice."""
     from tfla.ops.gated_delta_rule import chunk as gdn_chunk
 
     calls = []
     real = gdn_chunk._ws_bwd_in_slabs
     monkeypatch.setattr(gdn_chunk, "_ws_bwd_in_slabs", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    x = gdn_inputs(B, T, H, 128, 128, HV=HV, dtype=torch.bfloat16, device="cuda", initial_state=h0, seed=T + HV)
+    N = len(lens) if lens else B
+    cu = torch.tensor([0] + list(itertools.accumulate(lens)), device="cuda") if lens else None
+    assert cu is None or cu[-1].item() == T
+    x = gdn_inputs(B, T, H, 128, 128, HV=HV, dtype=torch.bfloat16, device="cuda", initial_state=h0, num_seqs=N,
+                   seed=T + HV)
     names = ("q", "k", "v", "g", "beta") + (("initial_state",) if h0 else ())
     gen = torch.Generator(device="cuda").manual_seed(T)
     do = torch.randn(B, T, HV, 128, device="cuda", generator=gen).bfloat16()
-    dht = torch.randn(B, HV, 128, 128, device="cuda", generator=gen)
+    dht = torch.randn(N, HV, 128, 128, device="cuda", generator=gen)
 
     def grads(chunks, up=False):
         leaves = [(x[n].float() if up else x[n]).clone().requires_grad_() for n in names]
         fn = (lambda *a, **kw: chunk_gated_delta_rule_ref(*a, chunk_size=64, **kw)) if up else (
-            lambda *a, **kw: tfla.chunk_gated_delta_rule(*a, config={"slab": {"chunks": chunks}}, save_v_new=True,
-                                                         **kw))
+            lambda *a, **kw: tfla.chunk_gated_delta_rule(*a, config={"slab": {"chunks": chunks}}, save_v_new=keep,
+                                                         segments=1, **kw))
         o, s = fn(*leaves[:5], initial_state=leaves[5] if h0 else None, output_final_state=True,
-                  use_qk_l2norm_in_kernel=l2norm)
+                  use_qk_l2norm_in_kernel=l2norm, cu_seqlens=cu)
         return torch.autograd.grad((o * do.to(o.dtype)).sum() + (s * dht).sum(), leaves)
 
     whole = grads(0)
@@ -550,10 +619,11 @@ def test_bwd_in_slabs_gpu(monkeypatch, B, T, H, HV, l2norm, h0):
 
 
 @pytest.mark.gpu
-def test_bwd_in_slabs_holds_less_gpu(monkeypatch):
+@pytest.mark.parametrize("keep", [True, False], ids=["save_v_new", "fla_saved_set"])
+def test_bwd_in_slabs_holds_less_gpu(monkeypatch, keep):
     """The point of the slabs: the peak memory of forward + backward drops by most of the 64-row states and their
     gradients (B = 2, T = 8192, H = 8, K = V = 128, bf16: 2 x 64 MiB of them at once for whole sequences, a quarter
-    with slabs of 32 chunks)."""
+    with slabs of 32 chunks), with Vnew kept and with FLA's saved set."""
     from tfla.ops.gated_delta_rule import chunk as gdn_chunk
 
     calls = []
@@ -568,7 +638,8 @@ def test_bwd_in_slabs_holds_less_gpu(monkeypatch):
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
         # (one chain: at 16 heads per sequence the automatic split would cut them into pieces, which keep their states)
-        o, _ = tfla.chunk_gated_delta_rule(*leaves, config={"slab": {"chunks": chunks}}, segments=1, save_v_new=True)
+        o, _ = tfla.chunk_gated_delta_rule(*leaves, config={"slab": {"chunks": chunks}}, segments=1,
+                                           save_v_new=keep)
         torch.autograd.grad(o, leaves, do)
         return (torch.cuda.max_memory_allocated() - base) / 2 ** 20
 

@@ -147,7 +147,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--variants", type=_variants, default=None,
                    help="what tfla's forward keeps for the backward, comma-separated: default (FLA's saved set), "
                         "save_v_new (Vnew), save_states (Vnew and the 64-row states), slab64 / slab32 (Vnew, the "
-                        "backward in slabs of 64 / 32 chunks: less memory, more host time); default: default with "
+                        "backward in slabs of 64 / 32 chunks: less memory, more host time), whole / slabs2 / slabs3 / "
+                        "slabs4 (FLA's saved set, the backward in 1 to 4 slabs per dense sequence; the default "
+                        "takes 2 for large inputs); default: default with "
                         "--mode fwd (the forward is the same in all three), else the first three")
     p.add_argument("--impls", type=str, default="tfla,fla,flashqla",
                    help="comma-separated subset of tfla,fla,flashqla (peers only when installed)")

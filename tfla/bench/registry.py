@@ -43,7 +43,11 @@ VARIANTS = {"default": {}, "save_v_new": dict(save_v_new=True), "save_states": d
             # the backward in slabs of 64 / 32 chunks (Hopper, dense, Vnew kept: less memory, more host time; the op's
             # README)
             "slab64": dict(save_v_new=True, config={"slab": {"chunks": 64}}),
-            "slab32": dict(save_v_new=True, config={"slab": {"chunks": 32}})}
+            "slab32": dict(save_v_new=True, config={"slab": {"chunks": 32}}),
+            # FLA's saved set with the backward in 1 (whole sequences) / 2 / 3 / 4 slabs of the longest sequence
+            # (the default takes two for large dense inputs: the op's README)
+            "whole": dict(config={"slab": {"count": 1}}), "slabs2": dict(config={"slab": {"count": 2}}),
+            "slabs3": dict(config={"slab": {"count": 3}}), "slabs4": dict(config={"slab": {"count": 4}})}
 
 
 def tfla_impl(variant: str = "default") -> Impl:
