@@ -425,8 +425,8 @@ def fused_delta_pass_ws(q, k, v, g_cum, beta, ai, scale, initial_state=None, out
     ``num_chunks`` of 64-row chunks). ``transition``: the pieces' ``[M | N]`` (``[N, HV, K, K + V]``, fp32) instead
     of o, from no initial state, nothing saved. ``output`` False: no q read, no o (Vnew, the states and the final state
     alone; the scores' and the output's products skipped). ``slab`` > 0 with ``slab_states`` (fp32 ``[S - 1, N HV, K,
-    V]``, S = ceil(chunks / slab), dense): the state before every ``slab``-th 64-row chunk but the first goes there (the
-    backward's slab starts, ``chunk.py``). ``cu_seqlens`` may also be an ``[N, 2]`` table of (first row, end row)
+    V]``, S = ceil(the longest sequence's chunks / slab)): each sequence's state before every ``slab``-th 64-row chunk
+    but the first goes there (the backward's slab starts, ``chunk.py``). ``cu_seqlens`` may also be an ``[N, 2]`` table of (first row, end row)
     pairs (``utils.varlen_mode`` 2: the backward's slabs, with ``chunk_offsets`` and ``num_chunks``); ``v_new_out``: a
     buffer like v that Vnew's rows are written into (the rows of the sequences or pairs given; the rest untouched)
     instead of a new one. Call only where ``ws_supported`` holds (same ``config``: launch keys ``BV``, ``NCONS``
