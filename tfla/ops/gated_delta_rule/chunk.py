@@ -327,13 +327,8 @@ def _slab_tables(bounds: tuple[int, ...], n: int, device: torch.device) -> list:
                 tiles += [i, c]
         host.append((pairs, offs, tiles))
     flat = torch.tensor([x for part in host for xs in part for x in xs], dtype=torch.int32).to(device)
-    out, at = [], 0
-    for pairs, offs, tiles in host:
-        p, o, t = (flat[at + a:at + b] for a, b in ((0, len(pairs)), (len(pairs), len(pairs) + len(offs)),
-                                                       (len(pairs) + len(offs), len(pairs) + len(offs) + len(tiles))))
-        at += len(pairs) + len(offs) + len(tiles)
-        out.append((p.view(-1, 2), o, t.view(-1, 2), len(tiles) // 2))
-    return out
+    views = torch.split(flat, [len(xs) for part in host for xs in part])
+    return [(p.view(-1, 2), o, t.view(-1, 2), t.numel() // 2) for p, o, t in zip(*[iter(views)] * 3)]
 
 
 def _ws_bwd_in_slabs(q, k, v, g_cum, beta, ai, v_new, do, dht, initial_state, scale, slab, l2, config, sb_cfg,
