@@ -229,7 +229,7 @@ def test_save_v_new_keeps_what_it_says(device):
 
 def test_backward_slab_rule():
     """The backward's slab in 64-row chunks (0: whole sequences): two slabs by default for dense sequences and FLA's
-    saved set where the backward holds at least 16384 64-row states (chunks of all sequences times value heads) and
+    saved set where the backward holds at least 8192 64-row states (chunks of all sequences times value heads) and
     each slab at least 32 chunks; whole sequences with Vnew kept or packed sequences, ``config["slab"]``'s ``chunks``
     or ``count`` (slabs of the longest sequence) otherwise; bad values raise before any launch."""
     from tfla.ops.common.fused_delta_fwd import SAVE_NONE, SAVE_V_NEW
@@ -241,7 +241,8 @@ def test_backward_slab_rule():
     assert _chunk_counts(1, 4197, 32, VarlenIndex.build(cu, 64)) == (64, (2 + 64 + 1) * 32)
     assert _slab_chunks(None, SAVE_NONE, 512, 4 * 512 * 16) == 256
     assert _slab_chunks(None, SAVE_NONE, 128, 8 * 128 * 16) == 64
-    assert _slab_chunks(None, SAVE_NONE, 128, 4 * 128 * 16) == 0  # the MVE: 8192 states, host-bound with slabs
+    assert _slab_chunks(None, SAVE_NONE, 128, 4 * 128 * 16) == 64  # the MVE: 8192 states
+    assert _slab_chunks(None, SAVE_NONE, 128, 2 * 128 * 16) == 0  # 4096 states: whole
     assert _slab_chunks(None, SAVE_NONE, 64, 20000) == 32
     assert _slab_chunks(None, SAVE_NONE, 63, 20000) == 0  # not two slabs of 32 chunks
     assert _slab_chunks(None, SAVE_V_NEW, 512, 4 * 512 * 16) == 0

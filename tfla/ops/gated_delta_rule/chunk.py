@@ -268,16 +268,16 @@ def _bwd_epilogue(q, k, dq, dk, dv, dbeta, dgq, dgam, dh0, g, beta_in, act, l2, 
 
 
 # the backward's slabs (unsplit sequences, Hopper): by default two per dense sequence for FLA's saved set (the
-# default) once the backward is large enough to hide their host time (B * HV * ceil(T / 64) >= BWD_SLAB_WORK: 64-row
-# states of 512 MiB at K = V = 128 in bf16), each slab at least BWD_SLAB_MIN 64-row chunks; whole sequences with Vnew
-# kept and for packed sequences unless config["slab"] asks. A slab holds its 64-row states and their gradients alone
-# and costs three launches of host time. NVIDIA H200, torch 2.11, Triton 3.6, bf16, H = 16, K = V = 128, forward +
-# backward, 2026-11-28 (docs/performance.md): B = 4, T = 32768 whole 6.796 ms / 4384 MiB peak, two slabs 6.802 /
-# 3368; B = 8, T = 8192 3.393 / 2192 and 3.481 / 1696; B = 4, T = 8192 (below the threshold, host-bound) whole
-# 1.717-1.938 / 1096, two slabs 1.773-2.310 / 848 on three machine starts
+# default) where the backward holds at least BWD_SLAB_WORK 64-row states (B * HV * ceil(T / 64): 256 MiB at K = V =
+# 128 in bf16, the MVE's), each slab at least BWD_SLAB_MIN 64-row chunks; whole sequences with Vnew kept and for
+# packed sequences unless config["slab"] asks. A slab holds its 64-row states and their gradients alone and costs
+# three launches of host time. NVIDIA H200, torch 2.11, Triton 3.6, bf16, H = 16, K = V = 128, forward + backward,
+# 2026-11-28 (docs/performance.md): B = 4, T = 8192 whole 1.725 ms / 1096 MiB peak, two slabs 1.777 / 848 (device
+# time: 1.723 / 1.772 with the backward on the calling thread, host 0.75 / 1.09 ms per call); B = 4, T = 32768
+# 6.796 / 4384 and 6.802 / 3368; B = 8, T = 8192 3.393 / 2192 and 3.481 / 1696
 BWD_SLABS = {SAVE_NONE: 2, SAVE_V_NEW: 1}
 BWD_SLAB_MIN = 32
-BWD_SLAB_WORK = 16384
+BWD_SLAB_WORK = 8192
 
 
 def _slab_chunks(config: dict | None, save: int, nt: int, states: int, packed: bool = False) -> int:
@@ -593,7 +593,7 @@ def chunk_gated_delta_rule(
             each), the Hopper backward one slab at a time: one slab's 64-row states and their gradients in memory
             instead of all, three launches of host time per slab (not with ``save_states``, a split into pieces, or
             tables built on the device). Default: two slabs for dense sequences and FLA's saved set once
-            ``B * HV * ceil(T / 64) >= 16384`` and ``ceil(T / 64) >= 64``, else whole sequences. README of this
+            ``B * HV * ceil(T / 64) >= 8192`` and ``ceil(T / 64) >= 64``, else whole sequences. README of this
             op, memory.
             ``scripts/tune.py`` searches them.
         use_beta_sigmoid_in_kernel: beta holds pre-activations; ``sigmoid(beta)`` is used (FLA 0.6.0's
