@@ -277,6 +277,12 @@ def _run(args) -> tuple[list[dict], dict]:
         if row.get("status") == "ok":
             append_csv(args.csv, [csv_row(row, meta, "chunk_gated_delta_rule", chunk=row["chunk"], gate=row["gate"],
                                           version=None if row["impl"].startswith("tfla") else row["version"])])
+    if device == "cuda" and args.mode != "fwd":
+        # PyTorch's first torch.autograd.grad with a cotangent imports sympy (torch.fx.experimental.symbolic_shapes:
+        # 3.4 s on an H200 host without compiled bytecode, 2026-11-28): paid here, not by the first implementation's
+        # first call
+        x0 = torch.ones(2, device=device, requires_grad=True)
+        torch.autograd.grad(x0 * 2, x0, torch.ones_like(x0))
     with Progress(disable=args.no_progress, transient=True) as bar:
         task = bar.add_task("gdn", total=len(wls) * len(impls))
         for wl in wls:

@@ -1,0 +1,94 @@
+"""First calls compiled on a thread pool (``tfla/ops/common/precompile.py``): the dry run's routing of launches on
+any machine; on a GPU, in a fresh process with an empty Triton cache, a GDN forward + backward whose first call
+compiles every kernel inside the dry run, launches nothing there, and returns what the next call returns."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from tfla.ops.common import precompile
+
+
+def test_dry_run_routes_launches(monkeypatch):
+    """Inside a dry run (this context's list set) a launch becomes a warm-up compile whose kernel is collected and
+    nothing is returned; outside it, Triton's own ``run`` with the caller's arguments; CPU tensors never dry-run."""
+    seen = []
+
+    def fake_run(self, *args, grid, warmup, **kwargs):
+        seen.append((self, args, grid, warmup, kwargs))
+        return f"kernel-{len(seen)}"
+
+    monkeypatch.setattr(precompile, "_ORIG_RUN", fake_run)
+    assert precompile._dry_run("fn", 1, 2, grid=(3,), warmup=False, num_warps=4) == "kernel-1"
+    assert seen[-1] == ("fn", (1, 2), (3,), False, {"num_warps": 4})
+    kernels = []
+    token = precompile._DRY.set(kernels)
+    try:
+        assert precompile._dry_run("fn", 5, grid=(1, 2), warmup=False) is None
+    finally:
+        precompile._DRY.reset(token)
+    assert seen[-1] == ("fn", (5,), (1, 2), True, {}) and kernels == ["kernel-2"]
+    assert not precompile.enabled(torch.zeros(1))
+
+
+SCRIPT = textwrap.dedent("""
+    import json, sys
+    import torch, triton
+    from triton.runtime.jit import JITFunction
+    import tfla
+    from tfla.ops.common import precompile
+    from tfla.bench.inputs import gdn_inputs
+    phase = ["before"]
+    compiles = {"dry": 0, "real": 0}
+    launches = {"dry": 0, "real": 0}
+    orig = JITFunction._do_compile
+    def counted(self, *a, **k):
+        compiles["dry" if phase[0] == "dry" else "real"] += 1
+        return orig(self, *a, **k)
+    JITFunction._do_compile = counted
+    def hook(*a, **k):
+        launches["dry" if phase[0] == "dry" else "real"] += 1
+    triton.knobs.runtime.launch_enter_hook = hook
+    first = precompile.first_call
+    def marked(*a, **k):
+        phase[0] = "dry"
+        try:
+            return first(*a, **k)
+        finally:
+            phase[0] = "real"
+    precompile.first_call = marked
+    x = gdn_inputs(2, 1000, 2, 128, 128, HV=4, dtype=torch.bfloat16, device="cuda", gate="default",
+                   initial_state=True, num_seqs=2, seed=0)
+    leaves = [x[n].requires_grad_() for n in ("q", "k", "v", "g", "beta")]
+    do = torch.randn(2, 1000, 4, 128, device="cuda", dtype=torch.bfloat16)
+    def call():
+        o, s = tfla.chunk_gated_delta_rule(*leaves, initial_state=x["initial_state"], output_final_state=True,
+                                           use_qk_l2norm_in_kernel=True)
+        return [o, s, *torch.autograd.grad(o, leaves, do)]
+    a = call()
+    torch.cuda.synchronize()
+    after_first = dict(compiles=dict(compiles), launches=dict(launches))
+    b = call()
+    torch.cuda.synchronize()
+    print(json.dumps({**after_first, "equal": all(torch.equal(u, w) for u, w in zip(a, b))}))
+""")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_first_call_compiles_in_the_dry_run_gpu(tmp_path):
+    """A fresh process with an empty Triton cache: the GDN's first forward + backward (l2norm, initial and final
+    state, grouped value heads) compiles its kernels inside the dry run and none in the real call, launches nothing
+    in the dry run, and its results equal the second call's bitwise."""
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "cache")}
+    env.pop("TRITON_INTERPRET", None)
+    out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["compiles"]["dry"] >= 5 and r["compiles"]["real"] == 0, r
+    assert r["launches"]["dry"] == 0 and r["launches"]["real"] >= 5, r
+    assert r["equal"], r
