@@ -63,6 +63,25 @@ def _load(kernel, device: int) -> None:
             init()
 
 
+def dry_apply(apply: Callable, args: tuple, out_index: int = 0) -> None:
+    """A dry run's call of an autograd Function: ``apply(*args)`` on aliases of the tensors in ``args`` (detached,
+    ``requires_grad`` kept: the caller's tensors get no graph, hooks or gradients) and, where grad mode is on and the
+    output ``out_index`` requires grad, ``torch.autograd.grad`` of it (an unwritten cotangent) with respect to every
+    alias that requires grad: the launches of the forward and of the backward a training step runs."""
+    xs = [x.detach().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x for x in args]
+    out = apply(*xs)
+    o = out[out_index] if isinstance(out, (tuple, list)) else out
+    leaves = [x for x in xs if isinstance(x, torch.Tensor) and x.requires_grad]
+    if torch.is_grad_enabled() and leaves and isinstance(o, torch.Tensor) and o.requires_grad:
+        torch.autograd.grad(o, leaves, torch.empty_like(o), allow_unused=True)
+
+
+def signature(*tensors) -> tuple:
+    """Part of a ``first_call`` key: per tensor (or None) its dtype, its sizes past the first two (heads and head
+    dims for ``[B, T, ...]`` inputs, the state's dims for states) and whether it requires grad."""
+    return tuple(None if x is None else (x.dtype, tuple(x.shape[2:]), x.requires_grad) for x in tensors)
+
+
 def enabled(x: torch.Tensor) -> bool:
     """Whether ``first_call`` can run for inputs on ``x``'s device (a CUDA tensor, Triton's JIT with
     ``AsyncCompileMode``, no interpreter, no torch.compile tracing, no CUDA-graph capture)."""

@@ -24,6 +24,7 @@ import functools
 
 import torch
 
+from tfla.ops.common import precompile
 from tfla.ops.common.chunk_dqkw import chunk_dqkw_bwd
 from tfla.ops.common.chunk_dqkw_ws import gdn_bwd_chunk_ws, gdn_bwd_ws_supported
 from tfla.ops.common.chunk_state import chunk_state_fwd
@@ -35,7 +36,6 @@ from tfla.ops.common.fused_delta_fwd import (SAVE_NONE, SAVE_STATES, SAVE_V_NEW,
 from tfla.ops.common.fused_delta_ws import fused_delta_pass_ws, ws_supported
 from tfla.ops.common.gate_act import BETA_2SIGMOID, BETA_SIGMOID, NO_BETA, GateAct, gate_epilogue
 from tfla.ops.common.group_sum import group_sum
-from tfla.ops.common import precompile
 from tfla.ops.common.l2norm import l2norm, l2norm_bwd, l2norm_fwd
 from tfla.ops.common.state_bwd_ws import delta_state_bwd_ws, state_bwd_ws_supported
 from tfla.ops.common.utils import CHUNK_SIZES, SUB_CHUNK
@@ -692,23 +692,12 @@ def chunk_gated_delta_rule(
     else:
         args = (q, k, v, g, beta, initial_state, a_log, a_bias, varlen, opts)
         if precompile.enabled(q):  # the first call of a kind: its kernels compiled on a thread pool first
-            key = ("gdn", q.device, q.dtype, g.dtype, beta.dtype, None if initial_state is None else
-                   initial_state.dtype, H, v.shape[2], K, v.shape[3], T % SUB_CHUNK == 0, varlen is None,
-                   dataclasses.replace(opts, scale=1.0))
-            precompile.first_call(key, lambda: _dry_call(*args), q.device.index)
+            key = ("gdn", q.device, precompile.signature(q, v, g, beta, initial_state, a_log), T % SUB_CHUNK == 0,
+                   varlen is None, dataclasses.replace(opts, scale=1.0))
+            precompile.first_call(key, lambda: precompile.dry_apply(ChunkGatedDeltaRuleFunction.apply, args),
+                                  q.device.index)
         o, final_state = ChunkGatedDeltaRuleFunction.apply(*args)
     return o, state_in_fla_layout(final_state, state_v_first)
-
-
-def _dry_call(q, k, v, g, beta, initial_state, A_log, dt_bias, varlen, opts: GDNOptions) -> None:
-    """The op's forward and, where it needs gradients, its backward (a cotangent for o alone) on aliases of the
-    inputs, for ``precompile.first_call``: the caller's tensors get no graph, hooks or gradients."""
-    xs = [x.detach().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x
-          for x in (q, k, v, g, beta, initial_state, A_log, dt_bias)]
-    o, _ = ChunkGatedDeltaRuleFunction.apply(*xs, varlen, opts)
-    leaves = [x for x in xs if isinstance(x, torch.Tensor) and x.requires_grad]
-    if opts.needs_grad and leaves:
-        torch.autograd.grad(o, leaves, torch.empty_like(o), allow_unused=True)
 
 
 def _deprecated_chunk_size(chunk_size, warn: bool = True) -> None:

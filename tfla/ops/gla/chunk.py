@@ -16,6 +16,7 @@ import dataclasses
 
 import torch
 
+from tfla.ops.common import precompile
 from tfla.ops.common.chunk_output import chunk_tiled, output_config
 from tfla.ops.common.chunk_state import chunk_state_fwd
 from tfla.ops.common.chunk_state_bwd import chunk_state_bwd
@@ -285,7 +286,11 @@ def chunk_gla(
                                     cu_seqlens, opts.scale, opts.chunk_size, opts.output_final_state, opts.vec_f32,
                                     opts.vec_span, opts.tile_rows or 0)
         return o, state_in_fla_layout(final_state if output_final_state else None, state_v_first)
-    o, final_state = ChunkGLAFunction.apply(q, k, v, g, initial_state.contiguous() if initial_state is not None
-                                            else None, varlen, opts, positive)
+    args = (q, k, v, g, initial_state.contiguous() if initial_state is not None else None, varlen, opts, positive)
+    if precompile.enabled(q):  # the first call of a kind: its kernels compiled on a thread pool first
+        key = ("gla", q.device, precompile.signature(q, v, g, args[4]), q.shape[1] % 64 == 0, varlen is None,
+               dataclasses.replace(opts, scale=1.0))
+        precompile.first_call(key, lambda: precompile.dry_apply(ChunkGLAFunction.apply, args), q.device.index)
+    o, final_state = ChunkGLAFunction.apply(*args)
     raise_if_positive(positive)
     return o, state_in_fla_layout(final_state, state_v_first)

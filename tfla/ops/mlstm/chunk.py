@@ -37,6 +37,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from tfla.ops.common import precompile
 from tfla.ops.common.cumsum import chunk_local_cumsum
 from tfla.ops.common.linear_attn import chunk_simple_gla_bwd, chunk_simple_gla_fwd
 from tfla.ops.common.normalizer import normalizer_bwd_prep
@@ -495,7 +496,12 @@ def chunk_mlstm(
                                   opts.scale, opts.chunk_size, opts.output_final_state, opts.aug,
                                   opts.detach_normalizer)
     else:
-        h, C, n, m = ChunkMLSTMFunction.apply(q, k, v, i, f, C0, n0, m0, varlen, opts)
+        args = (q, k, v, i, f, C0, n0, m0, varlen, opts)
+        if precompile.enabled(q):  # the first call of a kind: its kernels compiled on a thread pool first
+            key = ("mlstm", q.device, precompile.signature(q, v, i, f, C0, n0, m0), q.shape[1] % 64 == 0,
+                   varlen is None, dataclasses.replace(opts, scale=1.0, eps=0.0))
+            precompile.first_call(key, lambda: precompile.dry_apply(ChunkMLSTMFunction.apply, args), q.device.index)
+        h, C, n, m = ChunkMLSTMFunction.apply(*args)
     if not output_final_state:
         return h, None
     return h, ((C, n, m) if input_gate == "exp" else (C, n))

@@ -19,6 +19,7 @@ import functools
 
 import torch
 
+from tfla.ops.common import precompile
 from tfla.ops.common.utils import SUPPORTED_DTYPES, cdiv, check_device, interpret_mode, next_pow2
 from tfla.ops.common.varlen import cached_bounds
 from tfla.ops.rnn import pointwise
@@ -386,6 +387,17 @@ def pad_index(bounds, lengths, T: int, device):
     return torch.where(valid, start[:, None] + t_idx[None, :], T), valid
 
 
+
+def _apply(opts: RNNOptions, x, R, b, *state0):
+    """``RNNFunction.apply``, its kernels compiled on a thread pool first at the first call of a kind (the cell, the
+    launch, the dtypes and head sizes; ``precompile.first_call``)."""
+    args = (opts, x, R, b, *state0)
+    if precompile.enabled(x):
+        key = ("rnn", x.device, precompile.signature(x, R, b, *state0), x.shape[1] % 16 == 0,
+               dataclasses.replace(opts, lengths=()))
+        precompile.first_call(key, lambda: precompile.dry_apply(RNNFunction.apply, args), x.device.index)
+    return RNNFunction.apply(*args)
+
 def rnn(cell: str, x, R, b, initial_state=None, output_final_state=False, *, cu_seqlens=None, config=None):
     """Shared entry of the four cells (see ``elman``, ``lstm``, ``gru``, ``slstm``); under ``torch.compile`` the
     custom ops of ``library.py``."""
@@ -403,13 +415,13 @@ def rnn(cell: str, x, R, b, initial_state=None, output_final_state=False, *, cu_
     fused = fused_launch(config, x.dtype, len(lengths), x.shape[3], x.shape[4], x.device, cell=cell)
     opts = RNNOptions(cell, lengths, output_final_state, fused=fused)
     if bounds is None:
-        out = RNNFunction.apply(opts, x, R, b, *state0)
+        out = _apply(opts, x, R, b, *state0)
         return out[0], (tuple(out[1:]) if output_final_state else None)
     # varlen: the packed sequences as a padded batch [N, Tm] gathered by index (pad rows read a zero row; they
     # run after each sequence's last step, so they change neither its outputs nor its final state)
     gather, valid = pad_index(bounds, lengths, x.shape[1], x.device)
     x_ext = torch.cat([x[0], x.new_zeros(1, *x.shape[2:])])
-    out = RNNFunction.apply(opts, x_ext[gather], R, b, *state0)
+    out = _apply(opts, x_ext[gather], R, b, *state0)
     h = out[0][valid].unsqueeze(0)  # [1, T, NH, D]: rows in packed order
     return h, (tuple(out[1:]) if output_final_state else None)
 

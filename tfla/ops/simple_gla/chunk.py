@@ -19,6 +19,7 @@ import dataclasses
 
 import torch
 
+from tfla.ops.common import precompile
 from tfla.ops.common.cumsum import positive_flag_for, raise_if_positive
 from tfla.ops.common.linear_attn import chunk_simple_gla_bwd, chunk_simple_gla_fwd
 from tfla.ops.common.normalizer import normalizer_bwd_prep
@@ -162,8 +163,12 @@ def _chunk_simple_gla(q, k, v, g, g_gamma, scale, initial_state, output_final_st
         o, final, _ = simple_gla_fwd(q, k, v, g, initial_state.contiguous() if initial_state is not None else None,
                                      cu_seqlens, opts.scale, opts.chunk_size, opts.output_final_state)
         return o, final if opts.output_final_state else None
-    out = ChunkSimpleGLAFunction.apply(q, k, v, g, initial_state.contiguous() if initial_state is not None else None,
-                                       varlen, opts, positive)
+    args = (q, k, v, g, initial_state.contiguous() if initial_state is not None else None, varlen, opts, positive)
+    if precompile.enabled(q):  # the first call of a kind: its kernels compiled on a thread pool first
+        key = ("simple_gla", q.device, precompile.signature(q, v, g, args[4]), q.shape[1] % 64 == 0,
+               varlen is None, dataclasses.replace(opts, scale=1.0))
+        precompile.first_call(key, lambda: precompile.dry_apply(ChunkSimpleGLAFunction.apply, args), q.device.index)
+    out = ChunkSimpleGLAFunction.apply(*args)
     # after the kernels are queued: the host waits once, at the end
     raise_if_positive(positive, "g" if g_gamma is None else "g_gamma")
     return out
@@ -351,7 +356,13 @@ def chunk_linear_attn(
         o, final_state, z_state, _ = linear_attn_fwd(q, k, v, kv_init, z_init, cu_seqlens, opts.scale,
                                                      opts.chunk_size, opts.output_final_state)
     else:
-        o, final_state, z_state = ChunkLinearAttnFunction.apply(q, k, v, kv_init, z_init, varlen, opts)
+        args = (q, k, v, kv_init, z_init, varlen, opts)
+        if precompile.enabled(q):  # the first call of a kind: its kernels compiled on a thread pool first
+            key = ("linear_attn", q.device, precompile.signature(q, v, kv_init, z_init), q.shape[1] % 64 == 0,
+                   varlen is None, dataclasses.replace(opts, scale=1.0))
+            precompile.first_call(key, lambda: precompile.dry_apply(ChunkLinearAttnFunction.apply, args),
+                                  q.device.index)
+        o, final_state, z_state = ChunkLinearAttnFunction.apply(*args)
     return o, (final_state if output_final_state else None, z_state)
 
 
