@@ -387,7 +387,6 @@ def pad_index(bounds, lengths, T: int, device):
     return torch.where(valid, start[:, None] + t_idx[None, :], T), valid
 
 
-
 def _apply(opts: RNNOptions, x, R, b, *state0):
     """``RNNFunction.apply``, its kernels compiled on a thread pool first at the first call of a kind (the cell, the
     launch, the dtypes and head sizes; ``precompile.first_call``)."""
@@ -397,6 +396,7 @@ def _apply(opts: RNNOptions, x, R, b, *state0):
                dataclasses.replace(opts, lengths=()))
         precompile.first_call(key, lambda: precompile.dry_apply(RNNFunction.apply, args), x.device.index)
     return RNNFunction.apply(*args)
+
 
 def rnn(cell: str, x, R, b, initial_state=None, output_final_state=False, *, cu_seqlens=None, config=None):
     """Shared entry of the four cells (see ``elman``, ``lstm``, ``gru``, ``slstm``); under ``torch.compile`` the
