@@ -35,6 +35,55 @@ def test_dry_run_routes_launches(monkeypatch):
     assert not precompile.enabled(torch.zeros(1))
 
 
+
+def test_first_call_once_per_key_restores_triton():
+    """``first_call`` runs a key's dry run once per process, drops the dry run's errors (the real call raises them),
+    runs it without autograd's device threads, and leaves Triton's ``JITFunction.run`` as it found it."""
+    from triton.runtime.jit import JITFunction
+
+    before = JITFunction.run
+    runs = []
+
+    def dry():
+        runs.append(torch.autograd.is_multithreading_enabled())
+        assert JITFunction.run is precompile._dry_run
+        raise RuntimeError("raised again by the real call")
+
+    key = ("test_first_call_once_per_key", object())
+    assert precompile.first_call(key, dry, 0, workers=2) is True
+    assert precompile.first_call(key, dry, 0, workers=2) is False
+    assert runs == [False] and JITFunction.run is before and torch.autograd.is_multithreading_enabled()
+
+
+def test_dry_apply_leaves_the_callers_tensors_alone():
+    """``dry_apply`` runs the Function and its backward on aliases: the caller's leaves get no gradient, their hooks
+    do not fire, and no graph hangs on them; without grad mode no backward runs."""
+    calls = []
+
+    class Square(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, y):
+            ctx.save_for_backward(x)
+            calls.append("forward")
+            return x * x + y, x.sum()
+
+        @staticmethod
+        def backward(ctx, do, ds):
+            calls.append("backward")
+            (x,) = ctx.saved_tensors
+            return 2 * x * do, do
+
+    x = torch.randn(3, requires_grad=True)
+    y = torch.randn(3)
+    fired = []
+    x.register_hook(lambda g: fired.append(g))
+    precompile.dry_apply(Square.apply, (x, y))
+    assert calls == ["forward", "backward"] and x.grad is None and not fired
+    with torch.no_grad():
+        precompile.dry_apply(Square.apply, (x, y))
+    assert calls == ["forward", "backward", "forward"]
+    assert precompile.signature(torch.zeros(2, 5, 3, 4), None) == ((torch.float32, (3, 4), False), None)
+
 SCRIPT = textwrap.dedent("""
     import json, sys
     import torch, triton
