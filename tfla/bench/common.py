@@ -32,6 +32,14 @@ def time_ms(fn, warmup_ms: float = 25, rep_ms: float = 100) -> float:
     return statistics.median(times)
 
 
+def warm_autograd(device: str) -> None:
+    """PyTorch's first ``torch.autograd.grad`` with a cotangent in a process imports what it imports lazily (sympy, via
+    ``torch.fx.experimental.symbolic_shapes``: 3.4 s on an H200 host without compiled bytecode, 2026-11-28): paid here,
+    before a bench times first calls, so that it does not land on the first implementation's."""
+    x = torch.ones(2, device=device, requires_grad=True)
+    torch.autograd.grad(x * 2, x, torch.ones_like(x))
+
+
 def host_ms(fn, calls: int = 10) -> float | None:
     """Median host (Python and launch) time of ``fn()`` in ms over ``calls`` back-to-back calls on CUDA, the device
     not waited for between them (one sync before and after); None without CUDA (the interpreter's calls are all

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from tfla.bench.common import (append_csv, check_csv, csv_row, env_info, error_status, fmt, held_mib, peak_mib,
-                               host_ms, rel_l2, time_ms, write_json)
+                               host_ms, rel_l2, time_ms, warm_autograd, write_json)
 from tfla.bench.inputs import GATES, gdn_inputs
 from tfla.bench.registry import gdn_impls
 from tfla.ops.gated_delta_rule.cost import gdn_bwd_cost, gdn_fwd_cost
@@ -277,12 +277,7 @@ def _run(args) -> tuple[list[dict], dict]:
         if row.get("status") == "ok":
             append_csv(args.csv, [csv_row(row, meta, "chunk_gated_delta_rule", chunk=row["chunk"], gate=row["gate"],
                                           version=None if row["impl"].startswith("tfla") else row["version"])])
-    if device == "cuda" and args.mode != "fwd":
-        # PyTorch's first torch.autograd.grad with a cotangent imports sympy (torch.fx.experimental.symbolic_shapes:
-        # 3.4 s on an H200 host without compiled bytecode, 2026-11-28): paid here, not by the first implementation's
-        # first call
-        x0 = torch.ones(2, device=device, requires_grad=True)
-        torch.autograd.grad(x0 * 2, x0, torch.ones_like(x0))
+    warm_autograd(device)
     with Progress(disable=args.no_progress, transient=True) as bar:
         task = bar.add_task("gdn", total=len(wls) * len(impls))
         for wl in wls:

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from tfla.bench.common import (append_csv, check_csv, csv_row, env_info, error_status, fmt, peak_mib, rel_l2,
-                               time_ms, write_json)
+                               time_ms, warm_autograd, write_json)
 from tfla.bench.inputs import DECAY_KINDS, GATES, linear_attn_inputs
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -280,6 +280,7 @@ def run(args) -> tuple[list[dict], dict]:
     check_csv(args.csv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     wls = workloads_from_args(args)
+    warm_autograd(device)
     want = names(args.impls)
     chunk_sizes = ints(args.chunk_sizes) if "tfla" in want else []
     peers = [p for p in want if p != "tfla"]

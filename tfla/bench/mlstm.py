@@ -42,7 +42,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from tfla.bench.common import append_csv, check_csv, csv_row, env_info, error_status, fmt, write_json
+from tfla.bench.common import (append_csv, check_csv, csv_row, env_info, error_status, fmt, warm_autograd,
+                               write_json)
 from tfla.bench.inputs import mlstm_inputs
 from tfla.bench.linear_attn import (
     DTYPES,
@@ -277,6 +278,7 @@ def run(args) -> tuple[list[dict], dict]:
     check_csv(args.csv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     wls = workloads_from_args(args)
+    warm_autograd(device)
     gates = names(args.input_gates)
     for g in gates:
         if g not in INPUT_GATES:

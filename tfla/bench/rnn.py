@@ -56,7 +56,7 @@ import torch
 import torch.nn.functional as F
 
 from tfla.bench.common import (append_csv, check_csv, csv_row, env_info, error_status, fmt, peak_mib, rel_l2,
-                               time_ms, write_json)
+                               time_ms, warm_autograd, write_json)
 from tfla.bench.inputs import RNN_GATES, rnn_inputs
 from tfla.bench.linear_attn import DTYPES, add_speedups, exit_code, ints, names, random_cotangent
 
@@ -386,6 +386,7 @@ def run(args) -> tuple[list[dict], dict]:
     check_csv(args.csv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     wls = workloads_from_args(args)
+    warm_autograd(device)
     cells, modes, want = names(args.cells), names(args.mode), names(args.impls)
     for c in cells:
         if c not in CELLS:
