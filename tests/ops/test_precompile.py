@@ -50,8 +50,8 @@ def test_first_call_once_per_key_restores_triton():
         raise RuntimeError("raised again by the real call")
 
     key = ("test_first_call_once_per_key", object())
-    assert precompile.first_call(key, dry, 0, workers=2) is True
-    assert precompile.first_call(key, dry, 0, workers=2) is False
+    assert precompile.first_call(key, dry, workers=2) is True
+    assert precompile.first_call(key, dry, workers=2) is False
     assert runs == [False] and JITFunction.run is before and torch.autograd.is_multithreading_enabled()
 
 

@@ -89,11 +89,12 @@ def enabled(x: torch.Tensor) -> bool:
             and not torch.cuda.is_current_stream_capturing() and _async_compile.active_mode.get() is None)
 
 
-def first_call(key: Hashable, dry: Callable[[], object], device: int, workers: int | None = None) -> bool:
+def first_call(key: Hashable, dry: Callable[[], object], workers: int | None = None) -> bool:
     """Run ``dry`` (the op's call, forward and backward as the real call will run them) as a dry run the first time
     ``key`` is seen in this process, compiling every kernel it launches on ``workers`` threads (default: the host's
     cores, at most 16), and wait for the compiles. Returns whether it ran. Errors inside the dry run are dropped:
-    the real call that follows meets them again and raises them itself. Call only where ``enabled`` holds."""
+    the real call that follows meets them again and raises them itself. The kernels are compiled and loaded for
+    the current CUDA device, as Triton launches them. Call only where ``enabled`` holds."""
     if key in _SEEN:
         return False
     with _LOCK:
@@ -115,6 +116,7 @@ def first_call(key: Hashable, dry: Callable[[], object], device: int, workers: i
             finally:
                 JITFunction.run = prev
                 _DRY.reset(token)
+            device = torch.cuda.current_device() if kernels else None  # the device Triton compiled them for
             for f in [pool.submit(_load, k, device) for k in kernels]:
                 try:
                     f.result()

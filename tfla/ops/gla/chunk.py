@@ -290,7 +290,7 @@ def chunk_gla(
     if precompile.enabled(q):  # the first call of a kind: its kernels compiled on a thread pool first
         key = ("gla", q.device, precompile.signature(q, v, g, args[4]), q.shape[1] % 64 == 0, varlen is None,
                dataclasses.replace(opts, scale=1.0))
-        precompile.first_call(key, lambda: precompile.dry_apply(ChunkGLAFunction.apply, args), q.device.index)
+        precompile.first_call(key, lambda: precompile.dry_apply(ChunkGLAFunction.apply, args))
     o, final_state = ChunkGLAFunction.apply(*args)
     raise_if_positive(positive)
     return o, state_in_fla_layout(final_state, state_v_first)

@@ -394,7 +394,7 @@ def _apply(opts: RNNOptions, x, R, b, *state0):
     if precompile.enabled(x):
         key = ("rnn", x.device, precompile.signature(x, R, b, *state0), x.shape[1] % 16 == 0,
                dataclasses.replace(opts, lengths=()))
-        precompile.first_call(key, lambda: precompile.dry_apply(RNNFunction.apply, args), x.device.index)
+        precompile.first_call(key, lambda: precompile.dry_apply(RNNFunction.apply, args))
     return RNNFunction.apply(*args)
 
 

@@ -167,7 +167,7 @@ def _chunk_simple_gla(q, k, v, g, g_gamma, scale, initial_state, output_final_st
     if precompile.enabled(q):  # the first call of a kind: its kernels compiled on a thread pool first
         key = ("simple_gla", q.device, precompile.signature(q, v, g, args[4]), q.shape[1] % 64 == 0,
                varlen is None, dataclasses.replace(opts, scale=1.0))
-        precompile.first_call(key, lambda: precompile.dry_apply(ChunkSimpleGLAFunction.apply, args), q.device.index)
+        precompile.first_call(key, lambda: precompile.dry_apply(ChunkSimpleGLAFunction.apply, args))
     out = ChunkSimpleGLAFunction.apply(*args)
     # after the kernels are queued: the host waits once, at the end
     raise_if_positive(positive, "g" if g_gamma is None else "g_gamma")
@@ -360,8 +360,7 @@ def chunk_linear_attn(
         if precompile.enabled(q):  # the first call of a kind: its kernels compiled on a thread pool first
             key = ("linear_attn", q.device, precompile.signature(q, v, kv_init, z_init), q.shape[1] % 64 == 0,
                    varlen is None, dataclasses.replace(opts, scale=1.0))
-            precompile.first_call(key, lambda: precompile.dry_apply(ChunkLinearAttnFunction.apply, args),
-                                  q.device.index)
+            precompile.first_call(key, lambda: precompile.dry_apply(ChunkLinearAttnFunction.apply, args))
         o, final_state, z_state = ChunkLinearAttnFunction.apply(*args)
     return o, (final_state if output_final_state else None, z_state)
 
