@@ -34,6 +34,11 @@ def test_dry_run_routes_launches(monkeypatch):
     assert seen[-1] == ("fn", (5,), (1, 2), True, {}) and kernels == ["kernel-2"]
     assert not precompile.enabled(torch.zeros(1))
 
+    def no_key():
+        raise AssertionError("a key is built only where enabled() holds")
+
+    assert precompile.apply(lambda a, b: a + b, (2, 3), torch.zeros(1), no_key) == 5  # CPU: the Function alone
+
 
 
 def test_first_call_once_per_key_restores_triton():

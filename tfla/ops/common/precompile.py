@@ -89,6 +89,16 @@ def enabled(x: torch.Tensor) -> bool:
             and not torch.cuda.is_current_stream_capturing() and _async_compile.active_mode.get() is None)
 
 
+def apply(fn: Callable, args: tuple, x: torch.Tensor, key: Callable[[], tuple]):
+    """``fn(*args)`` (an autograd Function's ``apply``), after ``first_call(key(), dry_apply(fn, args))`` where
+    ``enabled(x)`` holds: the ops' one entry to this module. ``key`` builds the call's kind only on the GPU path (the
+    op's name and ``signature`` of its tensors, its options); a key's options include its floats (scale, eps), so a
+    new value dry-runs again, over kernels already compiled."""
+    if enabled(x):
+        first_call((*key(), x.device), lambda: dry_apply(fn, args))
+    return fn(*args)
+
+
 def first_call(key: Hashable, dry: Callable[[], object], workers: int | None = None) -> bool:
     """Run ``dry`` (the op's call, forward and backward as the real call will run them) as a dry run the first time
     ``key`` is seen in this process, compiling every kernel it launches on ``workers`` threads (default: the host's

@@ -691,11 +691,10 @@ def chunk_gated_delta_rule(
         final_state = final_state if output_final_state else None
     else:
         args = (q, k, v, g, beta, initial_state, a_log, a_bias, varlen, opts)
-        if precompile.enabled(q):  # the first call of a kind: its kernels compiled on a thread pool first
-            key = ("gdn", q.device, precompile.signature(q, v, g, beta, initial_state, a_log), T % SUB_CHUNK == 0,
-                   varlen is None, dataclasses.replace(opts, scale=1.0))
-            precompile.first_call(key, lambda: precompile.dry_apply(ChunkGatedDeltaRuleFunction.apply, args))
-        o, final_state = ChunkGatedDeltaRuleFunction.apply(*args)
+        # the first call of a kind: its kernels compiled on a thread pool first
+        o, final_state = precompile.apply(ChunkGatedDeltaRuleFunction.apply, args, q, lambda: (
+            "gdn", precompile.signature(q, v, g, beta, initial_state, a_log), T % SUB_CHUNK == 0, varlen is None,
+            opts))
     return o, state_in_fla_layout(final_state, state_v_first)
 
 

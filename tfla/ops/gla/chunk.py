@@ -287,10 +287,7 @@ def chunk_gla(
                                     opts.vec_span, opts.tile_rows or 0)
         return o, state_in_fla_layout(final_state if output_final_state else None, state_v_first)
     args = (q, k, v, g, initial_state.contiguous() if initial_state is not None else None, varlen, opts, positive)
-    if precompile.enabled(q):  # the first call of a kind: its kernels compiled on a thread pool first
-        key = ("gla", q.device, precompile.signature(q, v, g, args[4]), q.shape[1] % 64 == 0, varlen is None,
-               dataclasses.replace(opts, scale=1.0))
-        precompile.first_call(key, lambda: precompile.dry_apply(ChunkGLAFunction.apply, args))
-    o, final_state = ChunkGLAFunction.apply(*args)
+    o, final_state = precompile.apply(ChunkGLAFunction.apply, args, q, lambda: (
+        "gla", precompile.signature(q, v, g, args[4]), q.shape[1] % 64 == 0, varlen is None, opts))
     raise_if_positive(positive)
     return o, state_in_fla_layout(final_state, state_v_first)

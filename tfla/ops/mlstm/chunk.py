@@ -497,11 +497,8 @@ def chunk_mlstm(
                                   opts.detach_normalizer)
     else:
         args = (q, k, v, i, f, C0, n0, m0, varlen, opts)
-        if precompile.enabled(q):  # the first call of a kind: its kernels compiled on a thread pool first
-            key = ("mlstm", q.device, precompile.signature(q, v, i, f, C0, n0, m0), q.shape[1] % 64 == 0,
-                   varlen is None, dataclasses.replace(opts, scale=1.0, eps=0.0))
-            precompile.first_call(key, lambda: precompile.dry_apply(ChunkMLSTMFunction.apply, args))
-        h, C, n, m = ChunkMLSTMFunction.apply(*args)
+        h, C, n, m = precompile.apply(ChunkMLSTMFunction.apply, args, q, lambda: (
+            "mlstm", precompile.signature(q, v, i, f, C0, n0, m0), q.shape[1] % 64 == 0, varlen is None, opts))
     if not output_final_state:
         return h, None
     return h, ((C, n, m) if input_gate == "exp" else (C, n))

@@ -390,12 +390,9 @@ def pad_index(bounds, lengths, T: int, device):
 def _apply(opts: RNNOptions, x, R, b, *state0):
     """``RNNFunction.apply``, its kernels compiled on a thread pool first at the first call of a kind (the cell, the
     launch, the dtypes and head sizes; ``precompile.first_call``)."""
-    args = (opts, x, R, b, *state0)
-    if precompile.enabled(x):
-        key = ("rnn", x.device, precompile.signature(x, R, b, *state0), x.shape[1] % 16 == 0,
-               dataclasses.replace(opts, lengths=()))
-        precompile.first_call(key, lambda: precompile.dry_apply(RNNFunction.apply, args))
-    return RNNFunction.apply(*args)
+    # (the key without the sequences' lengths, which vary between varlen batches)
+    return precompile.apply(RNNFunction.apply, (opts, x, R, b, *state0), x, lambda: (
+        "rnn", precompile.signature(x, R, b, *state0), x.shape[1] % 16 == 0, dataclasses.replace(opts, lengths=())))
 
 
 def rnn(cell: str, x, R, b, initial_state=None, output_final_state=False, *, cu_seqlens=None, config=None):

@@ -164,11 +164,8 @@ def _chunk_simple_gla(q, k, v, g, g_gamma, scale, initial_state, output_final_st
                                      cu_seqlens, opts.scale, opts.chunk_size, opts.output_final_state)
         return o, final if opts.output_final_state else None
     args = (q, k, v, g, initial_state.contiguous() if initial_state is not None else None, varlen, opts, positive)
-    if precompile.enabled(q):  # the first call of a kind: its kernels compiled on a thread pool first
-        key = ("simple_gla", q.device, precompile.signature(q, v, g, args[4]), q.shape[1] % 64 == 0,
-               varlen is None, dataclasses.replace(opts, scale=1.0))
-        precompile.first_call(key, lambda: precompile.dry_apply(ChunkSimpleGLAFunction.apply, args))
-    out = ChunkSimpleGLAFunction.apply(*args)
+    out = precompile.apply(ChunkSimpleGLAFunction.apply, args, q, lambda: (
+        "simple_gla", precompile.signature(q, v, g, args[4]), q.shape[1] % 64 == 0, varlen is None, opts))
     # after the kernels are queued: the host waits once, at the end
     raise_if_positive(positive, "g" if g_gamma is None else "g_gamma")
     return out
@@ -357,11 +354,9 @@ def chunk_linear_attn(
                                                      opts.chunk_size, opts.output_final_state)
     else:
         args = (q, k, v, kv_init, z_init, varlen, opts)
-        if precompile.enabled(q):  # the first call of a kind: its kernels compiled on a thread pool first
-            key = ("linear_attn", q.device, precompile.signature(q, v, kv_init, z_init), q.shape[1] % 64 == 0,
-                   varlen is None, dataclasses.replace(opts, scale=1.0))
-            precompile.first_call(key, lambda: precompile.dry_apply(ChunkLinearAttnFunction.apply, args))
-        o, final_state, z_state = ChunkLinearAttnFunction.apply(*args)
+        o, final_state, z_state = precompile.apply(ChunkLinearAttnFunction.apply, args, q, lambda: (
+            "linear_attn", precompile.signature(q, v, kv_init, z_init), q.shape[1] % 64 == 0, varlen is None,
+            opts))
     return o, (final_state if output_final_state else None, z_state)
 
 
