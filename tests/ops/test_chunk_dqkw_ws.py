@@ -38,7 +38,7 @@ def _inputs(B, T, H, HV, V, lens, dtype, seed):
         NS = (T + 63) // 64
     else:
         from tfla.ops.common.varlen import chunk_tables
-        idx, offs = chunk_tables(cu.tolist(), 64, cu.device)
+        idx, offs, _ = chunk_tables(cu.tolist(), 64, cu.device)
         NS = idx.shape[0]
         kw = dict(cu_seqlens=cu, tile_indices=idx, sub_offsets=offs)
     h = rnd(B, NS, HV, 128, V, s=0.5)

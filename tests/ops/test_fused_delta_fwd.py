@@ -248,13 +248,36 @@ def test_device_tables_match_host_tables(device, cu):
 
     T, N = cu[-1], len(cu) - 1
     got = VarlenIndex.on_device(torch.tensor(cu, device=device), T)
-    want_idx, want_first = chunk_tables(cu, 64, device)
+    want_idx, want_first, _ = chunk_tables(cu, 64, device)
     n = want_idx.shape[0]
     assert got.bounds is None and got.sub_indices.shape == (min(T // 64 + N, T), 2)
     assert torch.equal(got.sub_indices[:n], want_idx) and torch.equal(got.sub_offsets, want_first)
     assert torch.equal(got.cu_seqlens.cpu(), torch.tensor(cu))
     for s, c in got.sub_indices[n:].tolist():
         assert c * 64 >= cu[s + 1] - cu[s]
+
+
+@pytest.mark.parametrize("cu,order", [
+    ([0, 1, 1, 70, 200], [3, 2, 0, 1]),  # chunks 1, 0, 2, 3: longest first, ties (none here) in their order
+    ([0, 0, 1, 65, 194, 1100], [4, 3, 1, 2, 0]),  # chunks 0, 1, 1, 3, 15: the two 1-chunk sequences keep theirs
+    ([0, 200, 300, 301], []),  # chunks 4, 2, 1: in order already
+    ([0, 64, 128], []),  # a tie alone
+])
+def test_longest_first_order(device, cu, order):
+    """The chain kernels' program order (``varlen.longest_first_order``): sequences by 64-row chunk count, most
+    first, ties in their order; nothing where the offsets are in that order. ``VarlenIndex`` carries it as a device
+    table (None when empty), built in the same host-to-device copy as the chunk tables."""
+    from tfla.ops.common.varlen import VarlenIndex, chunk_tables, longest_first_order
+
+    assert longest_first_order(cu) == order
+    vl = VarlenIndex.build(torch.tensor(cu, device=device), 64)
+    idx, first, got = chunk_tables(cu, 64, device)
+    assert torch.equal(vl.sub_indices, idx) and torch.equal(vl.sub_offsets, first)
+    if order:
+        assert vl.seq_order.dtype == torch.int32 and vl.seq_order.tolist() == order and got.tolist() == order
+    else:
+        assert vl.seq_order is None and got is None
+    assert VarlenIndex.on_device(torch.tensor(cu, device=device), cu[-1]).seq_order is None
 
 
 def test_device_tables_clamp_malformed_offsets(device):

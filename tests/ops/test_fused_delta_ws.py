@@ -67,6 +67,32 @@ def test_ws_pass_matches_tl_pass_and_recurrence(B, T, H, HV, lens, gate, dtype, 
         assert got[3] is None
 
 
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("save", [0, SAVE_STATES])
+def test_ws_pass_longest_first_is_bitwise_the_same(save):
+    """Programs that take the packed sequences longest first (``varlen.longest_first_order``, the default wherever
+    the offsets are not in that order) change which CTA runs which sequence, not one product: o, the final state,
+    Vnew and the states equal the in-order launch's bit for bit."""
+    from tfla.ops.common.varlen import chunk_tables
+
+    lens = [0, 1, 64, 130, 5, 971]
+    bounds = [0] + torch.tensor(lens).cumsum(0).tolist()
+    cu = torch.tensor(bounds, device="cuda")
+    x = gdn_inputs(1, bounds[-1], 2, 128, 128, HV=4, dtype=torch.bfloat16, device="cuda", gate="default",
+                   initial_state=True, num_seqs=len(lens), seed=5)
+    idx, offs, order = chunk_tables(bounds, 64, "cuda")
+    assert order.tolist() == [5, 3, 1, 2, 4, 0]
+    got, want = (fused_delta_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], 128 ** -0.5, x["initial_state"], True,
+                                 cu_seqlens=cu, bounds=bounds, segments=1, save=save, sub_tables=(idx, offs, o))
+                 for o in (order, None))
+    for name in ("o", "final_state", "v_new", "h"):
+        if got[name] is None:
+            assert want[name] is None
+        else:
+            assert torch.equal(got[name], want[name]), name
+
+
 def test_ws_pass_not_taken_where_it_does_not_apply(device):
     """CPU tensors, fp32, K != 128, no gate, an unknown ``save``, too many (sequence, head) pairs: the tl pass."""
     x = gdn_inputs(1, 70, 1, 128, 128, dtype=torch.float16, device=device, seed=1)

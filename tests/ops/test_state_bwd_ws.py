@@ -57,7 +57,7 @@ def test_ws_state_bwd_matches_tl(B, T, H, HV, lens, cfg, with_dht, store):
     kw, idx = {}, None
     if cu is not None:
         from tfla.ops.common.varlen import chunk_tables
-        idx, offs = chunk_tables(cu.tolist(), 64, cu.device)
+        idx, offs, _ = chunk_tables(cu.tolist(), 64, cu.device)
         kw = dict(cu_seqlens=cu, sub_offsets=offs, num_sub_chunks=idx.shape[0])
     w = w_from_tm(k, g_cum, beta, ai, 64, cu_seqlens=cu, sub_indices=idx)
     res = [chunk_state_bwd(q, k, None, do, None, g_cum, 128 ** -0.5, 64, dht=dht, need_dh0=True, store=store,
@@ -70,6 +70,24 @@ def test_ws_state_bwd_matches_tl(B, T, H, HV, lens, cfg, with_dht, store):
             continue
         assert torch.isfinite(a).all(), name
         assert rel_l2(a.float(), b.float()) < 1e-2, f"{name}: {rel_l2(a.float(), b.float()):.3e}"
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_ws_state_bwd_longest_first_is_bitwise_the_same():
+    """Programs that take the packed sequences longest first (``varlen.longest_first_order``) give dS, dU and the
+    initial state's gradient of the in-order launch bit for bit."""
+    from tfla.ops.common.varlen import chunk_tables
+
+    lens = [0, 1, 64, 130, 5, 971]
+    q, k, ai, beta, do, g_cum, dht, cu = _inputs(1, sum(lens), 2, 4, lens, seed=3)
+    idx, offs, order = chunk_tables(cu.tolist(), 64, cu.device)
+    assert order.tolist() == [5, 3, 1, 2, 4, 0]
+    got, want = (chunk_state_bwd(q, k, None, do, None, g_cum, 128 ** -0.5, 64, dht=dht, need_dh0=True, cu_seqlens=cu,
+                                 sub_offsets=offs, num_sub_chunks=idx.shape[0], ai=ai, beta=beta, seq_order=o)
+                 for o in (order, None))
+    for name, a, b in zip(("dh", "du", "dh0"), got, want):
+        assert torch.equal(a, b), name
 
 
 def test_ws_state_bwd_not_taken_where_it_does_not_apply(device):

@@ -330,6 +330,7 @@ def chunk_state_bwd(
     store: bool = True,
     ai: torch.Tensor | None = None,
     beta: torch.Tensor | None = None,
+    seq_order: torch.Tensor | None = None,
 ):
     """State-gradient recurrence of the gated delta rule (reverse, 64-row sub-chunks, outer chunk L).
 
@@ -361,6 +362,8 @@ def chunk_state_bwd(
             ``idx64``, ``n_bk``, ``n_warps``, ``n_stages``) and ``ws``: True (default: the Gluon kernel where it
             applies, above), False (the ``tl`` kernel always) or a dict of that kernel's keys
             (``STATE_BWD_WS_DEFAULTS``).
+        seq_order: ``[N]`` int32, the order in which the Gluon kernel's programs take the sequences of
+            ``cu_seqlens`` (``varlen.longest_first_order``; the ``tl`` kernel ignores it) or None.
     Returns:
         ``dh [B, NS, HV, K, V]`` (gradient of the state after each 64-row sub-chunk, k's dtype),
         ``du [B, T, HV, V]`` (total gradient of U = Vnew's gradient, k's dtype), ``dh0 [N, HV, K, V]``
@@ -389,7 +392,7 @@ def chunk_state_bwd(
     if ai is not None and ws is not False and h_sub is None and state_bwd_ws_supported(
             q, k, ai, beta, do, g_cum, dht, cu_seqlens, ws if isinstance(ws, dict) else None):
         return delta_state_bwd_ws(q, k, ai, beta, do, g_cum, scale, dht, need_dh0, cu_seqlens, sub_offsets,
-                                  num_sub_chunks, store, ws if isinstance(ws, dict) else None)
+                                  num_sub_chunks, store, ws if isinstance(ws, dict) else None, seq_order=seq_order)
     if ai is not None and w is None:
         raise ValueError("w is needed where the Gluon recurrence from Tm does not run (state_bwd_ws_supported)")
     # measured (docs/performance.md): the delta rule at K <= 128 runs best on 64-column value tiles with 8 warps

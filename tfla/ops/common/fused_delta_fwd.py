@@ -385,20 +385,21 @@ def _slab_states(slab: int, save: int, bounds, q, v, out: dict) -> dict:
 
 
 def states_from_pass(q, k, v, g_cum, beta, ai, scale, initial_state=None, cu_seqlens=None, chunk_offsets=None,
-                     num_chunks: int | None = None, config=None):
+                     num_chunks: int | None = None, config=None, seq_order=None):
     """Vnew and the state before every 64-row chunk (``save`` 2's pair: ``(v_new, h)`` as ``fused_delta_pass``
     returns them) from the prep's ``g_cum``, Tm (``ai``) and the beta used: the forward's pass run again without its
     output (``PASS_STATES``: no q read, the scores' and the output's products skipped). The GDN backward's
     recomputation when the forward kept FLA's saved set (no Vnew): one pass of the forward's kind instead of W and U
     in HBM and the delta rule's state chain over them. ``config``: the pass's keys
-    (``fused_delta_fwd``'s ``ws`` and the ``tl`` pass's). Arguments as ``fused_delta_pass``."""
+    (``fused_delta_fwd``'s ``ws`` and the ``tl`` pass's); ``seq_order``: the Gluon pass's order of the sequences
+    (``fused_delta_pass_ws``). Arguments as ``fused_delta_pass``."""
     cfg = config or {}
     ws_cfg = cfg["ws"] if isinstance(cfg.get("ws"), dict) else None
     if cfg.get("ws", True) is not False and ws_supported(q, k, v, g_cum is not None, initial_state, cu_seqlens,
                                                          SAVE_STATES, ws_cfg):
         _, _, v_new, h = fused_delta_pass_ws(q, k, v, g_cum, beta, ai, scale, initial_state, False, cu_seqlens,
                                              SAVE_STATES, ws_cfg, chunk_offsets=chunk_offsets, num_chunks=num_chunks,
-                                             output=False)
+                                             output=False, seq_order=seq_order)
     else:
         _, _, v_new, h = fused_delta_pass(q, k, v, g_cum, beta, ai, scale, initial_state, False, cu_seqlens,
                                           chunk_offsets, num_chunks, SAVE_STATES, config=cfg, output=False)
@@ -412,8 +413,8 @@ def fused_delta_fwd(q, k, v, g, beta, scale, initial_state=None, output_final_st
     ``[B, T, HV, V]``, g ``[B, T, HV]`` natural-log decay or None, beta ``[B, T, HV]``, initial_state
     ``[N, HV, K, V]``; ``bounds``: the host copy of ``cu_seqlens`` (read from the device when None and
     ``sub_tables`` is None);
-    ``sub_tables``: the caller's ``(sub_indices, sub_offsets)`` of ``cu_seqlens`` at 64 rows (``VarlenIndex``), built
-    here when None; given with ``bounds`` None, the tables of ``VarlenIndex.on_device`` (no split then);
+    ``sub_tables``: the caller's ``(sub_indices, sub_offsets, seq_order)`` of ``cu_seqlens`` at 64 rows
+    (``VarlenIndex``; ``seq_order``: ``varlen.longest_first_order`` or None, the Gluon pass's order), built here when None; given with ``bounds`` None, the tables of ``VarlenIndex.on_device`` (no split then);
     ``segments``: pieces per sequence (1: no split; None: from the shape and the device, ``choose_piece``, at head
     dims K <= 128 only);
     ``split_save``: the ``save`` to use instead when a sequence is cut (a kept Vnew is consistent only with the
@@ -443,11 +444,11 @@ def fused_delta_fwd(q, k, v, g, beta, scale, initial_state=None, output_final_st
         if sub_tables is None:
             bounds = cached_bounds(cu_seqlens) if bounds is None else bounds
             sub_tables = chunk_tables(bounds, SUB_CHUNK, dev)
-        sub, offsets = sub_tables
+        sub, offsets, order = sub_tables
         num_chunks = sub.shape[0]  # (with tables built on the device: a bound, its last rows padding)
     else:
         bounds = [i * T for i in range(B + 1)]
-        sub = offsets = None
+        sub = offsets = order = None
         num_chunks = B * cdiv(T, SUB_CHUNK)
     if bounds is None:  # tables built on the device (CUDA-graph capture): no lengths on the host to cut pieces by
         if segments not in (None, 1):
@@ -491,7 +492,7 @@ def fused_delta_fwd(q, k, v, g, beta, scale, initial_state=None, output_final_st
         if ws:
             o, final, v_new, h = fused_delta_pass_ws(
                 q, k, v, g_cum, beta, ai, scale, initial_state, output_final_state, cu_seqlens, save, ws_cfg,
-                chunk_offsets=offsets, num_chunks=num_chunks if save == SAVE_STATES else None,
+                chunk_offsets=offsets, num_chunks=num_chunks if save == SAVE_STATES else None, seq_order=order,
                 **_slab_states(slab, save, bounds, q, v, out))
         else:
             o, final, v_new, h = fused_delta_pass(

@@ -292,17 +292,21 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _fused_delta_ws_kernel(k_desc, q_desc, v_desc, t_desc, o_desc, vn_desc, h_desc, g, beta, o, v_new, h0,
-                               ht, hs, cu_seqlens, chunk_offsets, T, scale, H: gl.constexpr, HV: gl.constexpr,
-                               K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, NCONS: gl.constexpr,
-                               STAGES: gl.constexpr, IS_VARLEN: gl.constexpr, USE_H0: gl.constexpr,
-                               STORE_HT: gl.constexpr, SAVE: gl.constexpr, PASS: gl.constexpr,
-                               SLAB: gl.constexpr = 0):
+                               ht, hs, cu_seqlens, chunk_offsets, seq_order, T, scale, H: gl.constexpr,
+                               HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr,
+                               NCONS: gl.constexpr, STAGES: gl.constexpr, IS_VARLEN: gl.constexpr,
+                               USE_H0: gl.constexpr, STORE_HT: gl.constexpr, SAVE: gl.constexpr, PASS: gl.constexpr,
+                               SLAB: gl.constexpr = 0, ORDERED: gl.constexpr = False):
         """Grid ``(NCOL / (NCONS BV), N HV)`` (NCOL: V, or K + V with PASS 1, the transition); dense rows
-        ``[B T, ..]`` or packed varlen (B = 1, ``cu_seqlens``)."""
+        ``[B T, ..]`` or packed varlen (B = 1, ``cu_seqlens``); ``ORDERED``: program row i runs sequence
+        ``seq_order[i // HV]`` (``varlen.longest_first_order``)."""
         i_v = gl.program_id(0)
         i_nh = gl.program_id(1)
         i_n = i_nh // HV
         i_hv = i_nh % HV
+        if ORDERED:
+            i_n = gl.load(seq_order + i_n)
+            i_nh = i_n * HV + i_hv
         i_h = i_hv // (HV // H)
         row0, T, boh = _seq_rows(cu_seqlens, chunk_offsets, i_n, T, IS_VARLEN, SAVE == 2)  # (boh: h's slots)
         n_chunks = gl.cdiv(T, 64)
@@ -418,7 +422,7 @@ def ws_supported(q, k, v, has_gate: bool, initial_state, cu_seqlens, save: int, 
 def fused_delta_pass_ws(q, k, v, g_cum, beta, ai, scale, initial_state=None, output_final_state=False,
                         cu_seqlens=None, save: int = 0, config: dict | None = None, transition: bool = False,
                         chunk_offsets=None, num_chunks: int | None = None, slab_states=None, slab: int = 0,
-                        output: bool = True, v_new_out=None):
+                        output: bool = True, v_new_out=None, seq_order=None):
     """``fused_delta_fwd.fused_delta_pass`` (no ``a``) on the warp-specialized kernel, from the prep's ``g_cum``
     (fp32, log2, restarting every 64 rows), Tm (``ai``, q's dtype) and beta (all contiguous); the output's scores are
     formed in the kernel. ``save``: 1 Vnew, 2 also the state before each 64-row chunk (varlen: ``chunk_offsets`` /
@@ -429,7 +433,8 @@ def fused_delta_pass_ws(q, k, v, g_cum, beta, ai, scale, initial_state=None, out
     but the first goes there (the backward's slab starts, ``chunk.py``). ``cu_seqlens`` may also be an ``[N, 2]`` table of (first row, end row)
     pairs (``utils.varlen_mode`` 2: the backward's slabs, with ``chunk_offsets`` and ``num_chunks``); ``v_new_out``: a
     buffer like v that Vnew's rows are written into (the rows of the sequences or pairs given; the rest untouched)
-    instead of a new one. Call only where ``ws_supported`` holds (same ``config``: launch keys ``BV``, ``NCONS``
+    instead of a new one; ``seq_order``: the order in which the programs take the sequences given by offsets
+    (``varlen.longest_first_order``, ``[N]`` int32; None: in order). Call only where ``ws_supported`` holds (same ``config``: launch keys ``BV``, ``NCONS``
     consumer warpgroups of BV columns each, ``STAGES``). Returns ``(o, final, v_new, h)`` as that function does."""
     cfg = {**WS_DEFAULTS, **(config or {})}
     BV, NCONS = cfg["BV"], cfg["NCONS"]
@@ -463,8 +468,9 @@ def fused_delta_pass_ws(q, k, v, g_cum, beta, ai, scale, initial_state=None, out
         o_desc, vn_desc, h_desc, g_cum, beta, o if o is not None else v, v_new if v_new is not None else v,
         initial_state if initial_state is not None else v, final if final is not None else v,
         slab_states if slab_states is not None else v,
-        cu_seqlens if cu_seqlens is not None else v, chunk_offsets if chunk_offsets is not None else v, T, scale,
-        H=H, HV=HV, K=K, V=V, BV=BV, NCONS=NCONS, STAGES=cfg["STAGES"], IS_VARLEN=varlen_mode(cu_seqlens),
-        USE_H0=initial_state is not None and not transition, STORE_HT=final is not None, SAVE=save,
-        PASS=mode, SLAB=slab if slab_states is not None else 0, num_warps=4)
+        cu_seqlens if cu_seqlens is not None else v, chunk_offsets if chunk_offsets is not None else v,
+        seq_order if seq_order is not None else v, T, scale, H=H, HV=HV, K=K, V=V, BV=BV, NCONS=NCONS,
+        STAGES=cfg["STAGES"], IS_VARLEN=varlen_mode(cu_seqlens), USE_H0=initial_state is not None and not transition,
+        STORE_HT=final is not None, SAVE=save, PASS=mode, SLAB=slab if slab_states is not None else 0,
+        ORDERED=seq_order is not None, num_warps=4)
     return o, final, v_new, h

@@ -159,15 +159,19 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _delta_state_bwd_ws_kernel(k_desc, q_desc, tm_desc, do_desc, dh_desc, du_desc, g, beta, du, dht, dh0,
-                                   cu_seqlens, sub_offsets, T, scale, H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr,
-                                   V: gl.constexpr, BV: gl.constexpr, NCONS: gl.constexpr, STAGES: gl.constexpr,
-                                   IS_VARLEN: gl.constexpr, USE_DHT: gl.constexpr, STORE_DH0: gl.constexpr,
-                                   STORE: gl.constexpr):
-        """Grid ``(V / (NCONS BV), N HV)``; dense rows ``[B T, ..]`` or packed varlen (B = 1, ``cu_seqlens``)."""
+                                   cu_seqlens, sub_offsets, seq_order, T, scale, H: gl.constexpr, HV: gl.constexpr,
+                                   K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, NCONS: gl.constexpr,
+                                   STAGES: gl.constexpr, IS_VARLEN: gl.constexpr, USE_DHT: gl.constexpr,
+                                   STORE_DH0: gl.constexpr, STORE: gl.constexpr, ORDERED: gl.constexpr = False):
+        """Grid ``(V / (NCONS BV), N HV)``; dense rows ``[B T, ..]`` or packed varlen (B = 1, ``cu_seqlens``);
+        ``ORDERED``: program row i runs sequence ``seq_order[i // HV]`` (``varlen.longest_first_order``)."""
         i_v = gl.program_id(0)
         i_nh = gl.program_id(1)
         i_n = i_nh // HV
         i_hv = i_nh % HV
+        if ORDERED:
+            i_n = gl.load(seq_order + i_n)
+            i_nh = i_n * HV + i_hv
         i_h = i_hv // (HV // H)
         row0, T, boh = _seq_rows(cu_seqlens, sub_offsets, i_n, T, IS_VARLEN, True)  # (boh: dh's slots)
         n_chunks = gl.cdiv(T, 64)
@@ -240,11 +244,12 @@ def state_bwd_ws_supported(q, k, ai, beta, do, g_cum, dht, cu_seqlens, config: d
 
 
 def delta_state_bwd_ws(q, k, ai, beta, do, g_cum, scale, dht=None, need_dh0=False, cu_seqlens=None, sub_offsets=None,
-                       num_sub_chunks=None, store=True, config: dict | None = None, du_out=None):
+                       num_sub_chunks=None, store=True, config: dict | None = None, du_out=None, seq_order=None):
     """``chunk_state_bwd`` for the delta rule (64-row chunks, dvo formed in the kernel) on the warp-specialized
     kernel, from Tm (``ai``) and beta instead of W. Call only where ``state_bwd_ws_supported`` holds. ``cu_seqlens``:
     offsets or (first row, end row) pairs (``utils.varlen_mode``); ``du_out``: du's buffer (the sequences' rows
-    written, the rest untouched). Returns ``(dh, du, dh0)`` as that function does: dh ``[B, NS, HV, K, V]`` and du
+    written, the rest untouched); ``seq_order``: the order in which the programs take the sequences given by offsets
+    (``varlen.longest_first_order``, ``[N]`` int32; None: in order). Returns ``(dh, du, dh0)`` as that function does: dh ``[B, NS, HV, K, V]`` and du
     ``[B, T, HV, V]`` in k's dtype (None with ``store`` False), dh0 ``[N, HV, K, V]`` fp32 or None."""
     cfg = {**STATE_BWD_WS_DEFAULTS, **(config or {})}
     BV, NCONS = cfg["BV"], cfg["NCONS"]
@@ -268,7 +273,7 @@ def delta_state_bwd_ws(q, k, ai, beta, do, g_cum, scale, dht=None, need_dh0=Fals
         desc(k, B * T, H * K, [BS, K]), desc(q, B * T, H * K, [BS, K]), desc(ai, B * T, HV * 64, [BS, 64]), do_desc,
         dh_desc, du_desc, g_cum, beta, du if store else do, dht if dht is not None else do,
         dh0 if dh0 is not None else do, cu_seqlens if cu_seqlens is not None else do,
-        sub_offsets if sub_offsets is not None else do, T, scale, H=H, HV=HV, K=K, V=V, BV=BV, NCONS=NCONS,
-        STAGES=cfg["STAGES"], IS_VARLEN=varlen_mode(cu_seqlens), USE_DHT=dht is not None, STORE_DH0=need_dh0,
-        STORE=store, num_warps=4)
+        sub_offsets if sub_offsets is not None else do, seq_order if seq_order is not None else do, T, scale, H=H,
+        HV=HV, K=K, V=V, BV=BV, NCONS=NCONS, STAGES=cfg["STAGES"], IS_VARLEN=varlen_mode(cu_seqlens),
+        USE_DHT=dht is not None, STORE_DH0=need_dh0, STORE=store, ORDERED=seq_order is not None, num_warps=4)
     return dh, du, dh0

@@ -81,26 +81,42 @@ def cached_bounds(cu_seqlens: torch.Tensor) -> list[int]:
     return bounds
 
 
+def longest_first_order(bounds) -> list[int]:
+    """The sequences at the offsets ``bounds`` ordered by their 64-row chunk count, most first (ties in their order):
+    the order in which the chain kernels (one program per sequence and head walking its chunks) start their
+    programs. The GPU starts a grid's programs in order as SMs free up, so a packed batch whose longest sequence
+    comes last leaves that sequence's chain to run after the others, on an otherwise idle GPU; longest first
+    (LPT scheduling) starts it at once. An empty list where the offsets are in that order already."""
+    n = [-(-(e - b) // SUB_CHUNK) for b, e in zip(bounds[:-1], bounds[1:])]
+    order = sorted(range(len(n)), key=lambda i: -n[i])
+    return [] if order == list(range(len(n))) else order
+
+
 @functools.lru_cache(maxsize=64)
 def _tables(bounds: tuple[int, ...], sizes: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
     """For each size in ``sizes``: the ``[NC, 2]`` int32 (sequence, chunk) table and the ``[N + 1]`` int32 first chunk
-    of each sequence, all from one host-to-device copy (views of one int32 buffer)."""
+    of each sequence; then ``longest_first_order`` as ``[N]`` int32 (None where the sequences are in that order),
+    all from one host-to-device copy (views of one int32 buffer)."""
     parts = []
     for size in sizes:
         rows = chunk_index_rows(bounds, size)
         parts.append([x for r in rows for x in r])
         parts.append(chunk_offset_rows(bounds, size))
+    parts.append(longest_first_order(bounds))
     flat = torch.tensor([x for p in parts for x in p], dtype=torch.int32).to(device)
     out, at = [], 0
     for i, p in enumerate(parts):
         t = flat[at:at + len(p)]
-        out.append(t.view(-1, 2) if i % 2 == 0 else t)
+        out.append(t.view(-1, 2) if i % 2 == 0 and i < len(parts) - 1 else t)
         at += len(p)
+    if not parts[-1]:
+        out[-1] = None
     return tuple(out)
 
 
-def chunk_tables(bounds, size: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(indices [NC, 2], offsets [N + 1])`` of chunks of ``size`` rows for the offsets ``bounds`` (cached)."""
+def chunk_tables(bounds, size: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(indices [NC, 2], offsets [N + 1], order [N] or None)`` of chunks of ``size`` rows for the offsets ``bounds``
+    (cached; ``order``: ``longest_first_order``)."""
     return _tables(tuple(bounds), (int(size),), torch.device(device))
 
 
@@ -114,6 +130,7 @@ class VarlenIndex:
     chunk_offsets: torch.Tensor  # first outer chunk of each sequence
     sub_indices: torch.Tensor  # (seq, 64-row sub-chunk) pairs
     sub_offsets: torch.Tensor  # first 64-row sub-chunk of each sequence
+    seq_order: torch.Tensor | None = None  # longest_first_order (None: in that order, or tables built on the device)
 
     @property
     def num_chunks(self) -> int:
@@ -160,6 +177,6 @@ class VarlenIndex:
                              "run it outside the graph (dense calls, and chunk_gated_delta_rule's forward without "
                              "gradients, can be captured)")
         bounds = cached_bounds(cu_seqlens) if bounds is None else bounds
-        ci, co, si, so = _tables(tuple(bounds), (int(chunk_size), SUB_CHUNK), cu_seqlens.device)
+        ci, co, si, so, order = _tables(tuple(bounds), (int(chunk_size), SUB_CHUNK), cu_seqlens.device)
         return cls(cu_seqlens=cu_seqlens, bounds=bounds, chunk_indices=ci, chunk_offsets=co, sub_indices=si,
-                   sub_offsets=so)
+                   sub_offsets=so, seq_order=order)

@@ -103,7 +103,8 @@ def chunk_gated_delta_rule_fwd(
     out = fused_delta_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens=cu,
                           bounds=varlen.bounds if varlen is not None else None, segments=segments, save=save,
                           split_save=split_save,
-                          sub_tables=(varlen.sub_indices, varlen.sub_offsets) if varlen is not None else None,
+                          sub_tables=(varlen.sub_indices, varlen.sub_offsets, varlen.seq_order)
+                          if varlen is not None else None,
                           act=act, slab=slab,
                           config={**config.get("fused", {}), **({"ut": config["ut"]} if "ut" in config else {})})
     return out["o"], out["final_state"], out
@@ -201,7 +202,8 @@ def chunk_gated_delta_rule_bwd(
         v_new, h_sub = states_from_pass(
             q, k, v, g_cum, beta, ai, scale, initial_state, cu,
             chunk_offsets=varlen.sub_offsets if varlen is not None else None,
-            num_chunks=varlen.sub_indices.shape[0] if varlen is not None else None, config=config.get("fused"))
+            num_chunks=varlen.sub_indices.shape[0] if varlen is not None else None, config=config.get("fused"),
+            seq_order=varlen.seq_order if varlen is not None else None)
     # W for the recurrence where it does not run from Tm (off Hopper); dW later goes into its buffer
     w = None if from_tm else w_from_tm(k, g_cum, beta, ai, L, cu_seqlens=cu, sub_indices=sub,
                                        config=config.get("ut"))
@@ -214,7 +216,7 @@ def chunk_gated_delta_rule_bwd(
             q, k, w, do, None, g_cum, scale, L, dht=dht, need_dh0=initial_state is not None, cu_seqlens=cu,
             sub_offsets=varlen.sub_offsets if varlen is not None else None,
             num_sub_chunks=varlen.sub_indices.shape[0] if varlen is not None else None,
-            config=config.get("state_bwd"), **tm_kw)
+            config=config.get("state_bwd"), seq_order=varlen.seq_order if varlen is not None else None, **tm_kw)
     # dq, dk and the WY backward's state terms from one read of S and dS (after the recurrence); dW goes into W's
     # buffer (recomputed here, dead after the recurrence). dq, dk and dk's tiled part (added to
     # the state / WY part in wy_bwd) per value head in the input dtype, as FLA's chunk_bwd_dqkwg: half the bytes of
@@ -694,7 +696,7 @@ def chunk_gated_delta_rule(
         # the first call of a kind: its kernels compiled on a thread pool first
         o, final_state = precompile.apply(ChunkGatedDeltaRuleFunction.apply, args, q, lambda: (
             "gdn", precompile.signature(q, v, g, beta, initial_state, a_log), T % SUB_CHUNK == 0, varlen is None,
-            opts))
+            varlen is not None and varlen.seq_order is not None, opts))
     return o, state_in_fla_layout(final_state, state_v_first)
 
 
