@@ -143,6 +143,20 @@ def test_bench_gdn_named_workloads(tmp_path, capsys):
     assert r["HV"] == 2 * r["H"] and r["err_o"] < 1e-5
 
 
+def test_bench_gdn_layer_lens(tmp_path, capsys):
+    """``--lens``: the layer's packed sequences in another order (the rows say which); a bad list or another
+    workload is a clear error."""
+    json_path = tmp_path / "w.json"
+    main(["bench", "gdn", "--workload", "qwen3-next", "--lens", "9,0,40,1,30", "--dtype", "fp32", "--impls", "tfla",
+          "--no-progress", "--json", str(json_path)])
+    r = json.loads(json_path.read_text())["rows"][0]
+    assert r["status"] == "ok" and r["T"] == 80 and r["lens"] == "9,0,40,1,30" and r["err_o"] < 1e-5
+    for argv, match in ((["--workload", "qwen3-next", "--lens", "0,0"], "--lens"), (["--workload", "mve", "--lens",
+                                                                                     "5,6"], "qwen3-next")):
+        with pytest.raises(ValueError, match=match):
+            main(["bench", "gdn", *argv, "--impls", "tfla", "--no-progress"])
+
+
 def test_bench_gdn_sweep_plot(tmp_path, capsys):
     """``--workload sweep --plot``: one timed row per T, and the plot file written."""
     pytest.importorskip("matplotlib")

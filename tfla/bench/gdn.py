@@ -13,6 +13,7 @@ outputs). ``--plot``: time against T and, on a GPU, peak and held memory against
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import time
 from dataclasses import dataclass
@@ -132,6 +133,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a named workload (overrides --B/--T/--H/--HV/--K/--V): mve, qwen3-next (packed varlen, "
                         "HV = 2H, l2norm and gate in the op, initial states), long (B = 1, T = 65536), sweep "
                         "(T = 2048 .. 65536 at 65,536 tokens)")
+    p.add_argument("--lens", type=str, default=None,
+                   help="with --workload qwen3-next: the packed sequences' lengths, comma-separated, in packing order "
+                        "(default 12767,8192,6000,4000,1808,1: longest first)")
     p.add_argument("--mode", choices=["fwd", "fwdbwd", "bwd"], default="fwd",
                    help="what to time: forward only, forward+backward, or backward only (graph kept)")
     p.add_argument("--B", type=int, default=4 if gpu else 1, help="batch size (ignored with --tokens)")
@@ -173,8 +177,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def workloads_from_args(args) -> list[Workload]:
+    if getattr(args, "lens", None) and args.workload != "qwen3-next":
+        raise ValueError("--lens applies to --workload qwen3-next")
     if args.workload:
-        return named_workloads(args.workload, torch.cuda.is_available(), args.dtype)
+        wls = named_workloads(args.workload, torch.cuda.is_available(), args.dtype)
+        if getattr(args, "lens", None):
+            lens = tuple(_ints(args.lens))
+            if not lens or min(lens) < 0 or sum(lens) == 0:
+                raise ValueError(f"--lens takes lengths >= 0 with a positive sum, got {args.lens!r}")
+            wls = [dataclasses.replace(w, T=sum(lens), lens=lens) for w in wls]
+        return wls
     out = []
     for H in _ints(args.H):
         HV = args.HV or H
@@ -276,7 +288,8 @@ def _run(args) -> tuple[list[dict], dict]:
         write_json(rows, meta, args.json)
         if row.get("status") == "ok":
             append_csv(args.csv, [csv_row(row, meta, "chunk_gated_delta_rule", chunk=row["chunk"], gate=row["gate"],
-                                          version=None if row["impl"].startswith("tfla") else row["version"])])
+                                          version=None if row["impl"].startswith("tfla") else row["version"],
+                                          lens=row.get("lens"))])
     warm_autograd(device)
     with Progress(disable=args.no_progress, transient=True) as bar:
         task = bar.add_task("gdn", total=len(wls) * len(impls))
@@ -299,6 +312,8 @@ def _run(args) -> tuple[list[dict], dict]:
                        "B": wl.B, "T": wl.T, "H": wl.H, "HV": wl.HV, "K": wl.K, "V": wl.V, "dtype": wl.dtype,
                        "gate": "qwen3-next in op" if wl.layer else args.gate, "workload": args.workload or "custom",
                        "label": wl.label()}
+                if wl.lens:
+                    row["lens"] = ",".join(map(str, wl.lens))
                 try:
                     t0 = time.perf_counter()  # the first call at this workload: compiles what it has not yet
                     o, s, grads = _run_impl(impl, x, do)
