@@ -280,6 +280,37 @@ def test_longest_first_order(device, cu, order):
     assert VarlenIndex.on_device(torch.tensor(cu, device=device), cu[-1]).seq_order is None
 
 
+@pytest.mark.parametrize("flat", [False, True])
+def test_longest_first_tl_kernels_are_bitwise_the_same(device, flat):
+    """The ``tl`` pass and the ``tl`` state-gradient recurrence of the delta rule with their programs taking the
+    sequences longest first (``seq_order``, ``grid.ordered_row``; also on the flat grid): the same o, final state,
+    Vnew, states, dS, dU and initial-state gradient, bit for bit, as in the given order."""
+    from tfla.ops.common.chunk_state_bwd import chunk_state_bwd
+    from tfla.ops.common.ut_transform import w_from_tm
+    from tfla.ops.common.varlen import chunk_tables
+
+    bounds = [0, 1, 1, 70, 130, 300]  # chunks 1, 0, 2, 1, 3: order 4, 2, 0, 3, 1
+    cu = torch.tensor(bounds, device=device)
+    x = gdn_inputs(1, bounds[-1], 1, 32, 16, HV=2, dtype=torch.float32, device=device, initial_state=True,
+                   num_seqs=5, seed=3)
+    idx, offs, order = chunk_tables(bounds, 64, device)
+    assert order.tolist() == [4, 2, 0, 3, 1]
+    cfg = {"ws": False, "flat": flat}
+    got, want = (fused_delta_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], 0.2, x["initial_state"], True,
+                                 cu_seqlens=cu, bounds=bounds, segments=1, save=2, sub_tables=(idx, offs, o),
+                                 config=cfg) for o in (order, None))
+    for name in ("o", "final_state", "v_new", "h"):
+        assert torch.equal(got[name], want[name]), name
+    w = w_from_tm(x["k"], got["g_cum"], got["beta"], got["ai"], 64, cu_seqlens=cu, sub_indices=idx)
+    do = torch.randn_like(x["v"])
+    dht = torch.randn_like(got["final_state"])
+    got_b, want_b = (chunk_state_bwd(x["q"], x["k"], w, do, None, got["g_cum"], 0.2, 64, dht=dht, need_dh0=True,
+                                     cu_seqlens=cu, sub_offsets=offs, num_sub_chunks=idx.shape[0],
+                                     config={"ws": False, "flat": flat}, seq_order=o) for o in (order, None))
+    for name, a, b in zip(("dh", "du", "dh0"), got_b, want_b):
+        assert torch.equal(a, b), name
+
+
 def test_device_tables_clamp_malformed_offsets(device):
     """Offsets that are not a partition of [0, T] (unchecked under capture) become one: every row the kernels can
     touch lies inside the tensors."""

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tfla.ops.common.grid import needs_int64, program_pair, tile_grid
+from tfla.ops.common.grid import needs_int64, ordered_row, program_pair, tile_grid
 from tfla.ops.common.utils import SUB_CHUNK, acc_dtype, cdiv, dot_precision, dot_tile, num_sequences, varlen_mode
 
 
@@ -133,11 +133,14 @@ def _sequence_slots(cu_seqlens, offsets, i_n, T, SLOT: tl.constexpr, IS_VARLEN: 
 
 @triton.jit
 def _state_tile(cu_seqlens, offsets, T, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                BK: tl.constexpr, BV: tl.constexpr, SLOT: tl.constexpr, IS_VARLEN: tl.constexpr, FLAT: tl.constexpr):
+                BK: tl.constexpr, BV: tl.constexpr, SLOT: tl.constexpr, IS_VARLEN: tl.constexpr, FLAT: tl.constexpr,
+                seq_order=None, ORDERED: tl.constexpr = False):
     """The ``[BK, BV]`` state tile of a (value tile, sequence x value head) program of the state recurrences (forward
     and reverse): ``(i_v, i_nh, i_h, i_hv, bos, T, boh, o_k, o_v, m_k, m_v, m_kv, o_kv)`` with the sequence's rows
-    and state slots as ``_sequence_slots``, o_kv the tile's offsets in a ``[K, V]`` state."""
+    and state slots as ``_sequence_slots``, o_kv the tile's offsets in a ``[K, V]`` state; ORDERED: the sequences in
+    ``seq_order`` (``grid.ordered_row``)."""
     i_v, i_nh = program_pair((V + BV - 1) // BV, FLAT)  # (value tile, sequence x head): 2-D or flat grid
+    i_nh = ordered_row(i_nh, seq_order, HV, ORDERED)
     i_hv = i_nh % HV
     i_h = i_hv // (HV // H)
     bos, T, boh = _sequence_slots(cu_seqlens, offsets, i_nh // HV, T, SLOT, IS_VARLEN)

@@ -220,7 +220,8 @@ def _delta_state_bwd_kernel(q, k, w, do, g, du, dh, dht, dh0, cu_seqlens, sub_of
                             USE_G: tl.constexpr, USE_FINAL_STATE_GRADIENT: tl.constexpr,
                             STORE_INITIAL_STATE_GRADIENT: tl.constexpr, IS_VARLEN: tl.constexpr,
                             DOT_PREC: tl.constexpr, ACC: tl.constexpr, QSPLIT: tl.constexpr = True,
-                            IDX64: tl.constexpr = False, FLAT: tl.constexpr = False, STORE: tl.constexpr = True):
+                            IDX64: tl.constexpr = False, FLAT: tl.constexpr = False, STORE: tl.constexpr = True,
+                            seq_order=None, ORDERED: tl.constexpr = False):
     """The delta rule's reverse state-gradient recurrence (the step helper shared with ``_chunk_state_bwd_kernel``,
     with its W^T dU term; 64-row chunks, a scalar gate or none): per chunk, last first, dU = dvo + 2^(G_n - G) (K dS)
     with the output's intra-chunk gradient of Vnew ``dvo`` formed from this step's q, k and dO tiles, and
@@ -229,7 +230,7 @@ def _delta_state_bwd_kernel(q, k, w, do, g, du, dh, dht, dh0, cu_seqlens, sub_of
     i + 1's loads are issued during step i (a nested loop of one sub-chunk per chunk waited for its own loads)."""
     BS: tl.constexpr = 64
     i_v, i_nh, i_h, i_hv, bos, T, boh, o_k, o_v, m_k, m_v, m_kv, o_kv = _state_tile(
-        cu_seqlens, sub_offsets, T, H, HV, K, V, BK, BV, BS, IS_VARLEN, FLAT)
+        cu_seqlens, sub_offsets, T, H, HV, K, V, BK, BV, BS, IS_VARLEN, FLAT, seq_order, ORDERED)
     o_c = tl.arange(0, BS)
     b_dh = tl.zeros([BK, BV], dtype=ACC)
     if USE_FINAL_STATE_GRADIENT:
@@ -362,8 +363,8 @@ def chunk_state_bwd(
             ``idx64``, ``n_bk``, ``n_warps``, ``n_stages``) and ``ws``: True (default: the Gluon kernel where it
             applies, above), False (the ``tl`` kernel always) or a dict of that kernel's keys
             (``STATE_BWD_WS_DEFAULTS``).
-        seq_order: ``[N]`` int32, the order in which the Gluon kernel's programs take the sequences of
-            ``cu_seqlens`` (``varlen.longest_first_order``; the ``tl`` kernel ignores it) or None.
+        seq_order: ``[N]`` int32, the order in which the delta rule's programs take the sequences of
+            ``cu_seqlens`` (``varlen.longest_first_order``; the linear-attention kernels ignore it) or None.
     Returns:
         ``dh [B, NS, HV, K, V]`` (gradient of the state after each 64-row sub-chunk, k's dtype),
         ``du [B, T, HV, V]`` (total gradient of U = Vnew's gradient, k's dtype), ``dh0 [N, HV, K, V]``
@@ -452,7 +453,8 @@ def chunk_state_bwd(
             BV=BV, USE_G=g_cum is not None, USE_FINAL_STATE_GRADIENT=dht is not None,
             STORE_INITIAL_STATE_GRADIENT=need_dh0, IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(k.dtype),
             ACC=acc_dtype(k.dtype), QSPLIT=cfg.get("qsplit", True), IDX64=idx64, FLAT=flat, STORE=store,
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            seq_order=seq_order, ORDERED=seq_order is not None, num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"],
         )
     else:
         common = dict(H=H, HV=HV, K=K, V=V, BT=chunk_size, BK=BK, BV=BV, USE_FINAL_STATE_GRADIENT=dht is not None,

@@ -30,7 +30,7 @@ from tfla.ops.common.cumsum import chunk_local_cumsum
 from tfla.ops.common.fused_delta_ws import (PASS_OUTPUT, PASS_STATES, PASS_TRANSITION, fused_delta_pass_ws,
                                             ws_supported)
 from tfla.ops.common.gate_act import NO_BETA, gate_prologue
-from tfla.ops.common.grid import check_varlen_batch, program_pair, tile_grid
+from tfla.ops.common.grid import check_varlen_batch, ordered_row, program_pair, tile_grid
 from tfla.ops.common.utils import (
     LOG_DECAY_FLOOR,
     RCP_LN2,
@@ -99,16 +99,18 @@ def _fused_delta_fwd_kernel(q, k, v, g, beta, ai, a, o, v_new, h, h0, ht, cu_seq
                             BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr,
                             USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
                             IS_VARLEN: tl.constexpr, SAVE: tl.constexpr, PASS: tl.constexpr,
-                            DOT_PREC: tl.constexpr, ACC: tl.constexpr, IDX64: tl.constexpr, FLAT: tl.constexpr):
+                            DOT_PREC: tl.constexpr, ACC: tl.constexpr, IDX64: tl.constexpr, FLAT: tl.constexpr,
+                            seq_order=None, ORDERED: tl.constexpr = False):
     """One program: value columns ``[i_v BV, (i_v + 1) BV)`` of one (sequence, value head). PASS 1 (the
     transition): the columns run over ``K + V`` (the first K: the state starts as the identity and the values are 0;
     the rest: v's columns from a zero state), only the final ``[M | N]`` is written (``ht [N, HV, K, K + V]``). PASS 2:
     no q, no output (SAVE's tensors and the final state only). SAVE 1: Vnew; 2: also the state before each chunk
-    (``h``, k's dtype, slots from ``chunk_offsets``)."""
+    (``h``, k's dtype, slots from ``chunk_offsets``). ORDERED: the sequences in ``seq_order`` (``grid.ordered_row``)."""
     BS: tl.constexpr = 64
     TRANSITION: tl.constexpr = PASS == 1
     NCOL: tl.constexpr = K + V if TRANSITION else V
     i_v, i_nh = program_pair((NCOL + BV - 1) // BV, FLAT)  # (value tile, sequence x head)
+    i_nh = ordered_row(i_nh, seq_order, HV, ORDERED)
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
     bos, T, boh = _sequence_slots(cu_seqlens, chunk_offsets, i_n, T, BS, IS_VARLEN)
@@ -247,10 +249,11 @@ def fused_delta_prep(q, k, g, beta, scale, cu_seqlens=None, sub_indices=None, co
 
 def fused_delta_pass(q, k, v, g_cum, beta, ai, scale, initial_state=None, output_final_state=False,
                      cu_seqlens=None, chunk_offsets=None, num_chunks=None, save=SAVE_NONE, transition=False,
-                     a=None, config=None, output: bool = True):
+                     a=None, config=None, output: bool = True, seq_order=None):
     """One fused pass over the sequences (or pieces) of ``cu_seqlens`` from the prep's ``g_cum``, ``ai`` and
     ``a`` (the output's scores; not read with ``transition`` or without ``output``). ``output`` False: no q read and
-    no output formed (Vnew, the states and the final state only).
+    no output formed (Vnew, the states and the final state only). ``seq_order``: ``[N]`` int32, the order in which
+    the programs take the sequences (``varlen.longest_first_order``) or None (in order).
     Returns ``(o, final, v_new, h)``: o ``[B, T, HV, V]`` in v's dtype (None with ``transition`` or without
     ``output``), final
     ``[N, HV, K, V]`` (``[N, HV, K, K + V]`` = ``[M | N]`` with ``transition``) in fp32 or None, v_new like v
@@ -288,7 +291,8 @@ def fused_delta_pass(q, k, v, g_cum, beta, ai, scale, initial_state=None, output
         STORE_FINAL_STATE=final is not None, IS_VARLEN=cu_seqlens is not None, SAVE=save, PASS=mode,
         DOT_PREC=dot_precision(q.dtype), ACC=acc_dtype(q.dtype),
         IDX64=cfg.get("idx64", False) or _idx64(T, H, HV, K, V),
-        FLAT=flat, num_warps=cfg["mn_warps" if transition else "num_warps"], num_stages=stages,
+        FLAT=flat, seq_order=seq_order, ORDERED=seq_order is not None,
+        num_warps=cfg["mn_warps" if transition else "num_warps"], num_stages=stages,
     )
     return o, final, v_new, h
 
@@ -391,8 +395,7 @@ def states_from_pass(q, k, v, g_cum, beta, ai, scale, initial_state=None, cu_seq
     output (``PASS_STATES``: no q read, the scores' and the output's products skipped). The GDN backward's
     recomputation when the forward kept FLA's saved set (no Vnew): one pass of the forward's kind instead of W and U
     in HBM and the delta rule's state chain over them. ``config``: the pass's keys
-    (``fused_delta_fwd``'s ``ws`` and the ``tl`` pass's); ``seq_order``: the Gluon pass's order of the sequences
-    (``fused_delta_pass_ws``). Arguments as ``fused_delta_pass``."""
+    (``fused_delta_fwd``'s ``ws`` and the ``tl`` pass's). Arguments as ``fused_delta_pass``."""
     cfg = config or {}
     ws_cfg = cfg["ws"] if isinstance(cfg.get("ws"), dict) else None
     if cfg.get("ws", True) is not False and ws_supported(q, k, v, g_cum is not None, initial_state, cu_seqlens,
@@ -402,7 +405,8 @@ def states_from_pass(q, k, v, g_cum, beta, ai, scale, initial_state=None, cu_seq
                                              output=False, seq_order=seq_order)
     else:
         _, _, v_new, h = fused_delta_pass(q, k, v, g_cum, beta, ai, scale, initial_state, False, cu_seqlens,
-                                          chunk_offsets, num_chunks, SAVE_STATES, config=cfg, output=False)
+                                          chunk_offsets, num_chunks, SAVE_STATES, config=cfg, output=False,
+                                          seq_order=seq_order)
     return v_new, h
 
 
@@ -414,7 +418,9 @@ def fused_delta_fwd(q, k, v, g, beta, scale, initial_state=None, output_final_st
     ``[N, HV, K, V]``; ``bounds``: the host copy of ``cu_seqlens`` (read from the device when None and
     ``sub_tables`` is None);
     ``sub_tables``: the caller's ``(sub_indices, sub_offsets, seq_order)`` of ``cu_seqlens`` at 64 rows
-    (``VarlenIndex``; ``seq_order``: ``varlen.longest_first_order`` or None, the Gluon pass's order), built here when None; given with ``bounds`` None, the tables of ``VarlenIndex.on_device`` (no split then);
+    (``VarlenIndex``; ``seq_order``: ``varlen.longest_first_order`` or None, the order in which the pass's programs
+    take the sequences), built here when None; given with ``bounds`` None, the tables of ``VarlenIndex.on_device`` (no
+    split then);
     ``segments``: pieces per sequence (1: no split; None: from the shape and the device, ``choose_piece``, at head
     dims K <= 128 only);
     ``split_save``: the ``save`` to use instead when a sequence is cut (a kept Vnew is consistent only with the
@@ -497,7 +503,7 @@ def fused_delta_fwd(q, k, v, g, beta, scale, initial_state=None, output_final_st
         else:
             o, final, v_new, h = fused_delta_pass(
                 q, k, v, g_cum, beta, ai, scale, initial_state, output_final_state, cu_seqlens, offsets,
-                num_chunks, save, a=a, config=cfg)
+                num_chunks, save, a=a, config=cfg, seq_order=order)
         out.update(o=o, final_state=final, v_new=v_new, h=h)
         return out
     # pieces: B sequences of T rows become one packed batch

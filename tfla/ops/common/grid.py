@@ -87,6 +87,17 @@ def program_rows(T, BR: tl.constexpr, HV: tl.constexpr, IS_VARLEN: tl.constexpr,
 
 
 @triton.jit
+def ordered_row(i_nh, seq_order, HV: tl.constexpr, ORDERED: tl.constexpr):
+    """The (sequence x value head) row a chain kernel's program row ``i_nh`` runs: with ORDERED, sequence
+    ``seq_order[i_nh // HV]`` (``varlen.longest_first_order``: the longest sequences' programs start first), else
+    ``i_nh`` itself."""
+    if ORDERED:
+        return tl.load(seq_order + i_nh // HV).to(tl.int64) * HV + i_nh % HV
+    else:
+        return i_nh
+
+
+@triton.jit
 def program_pair(NI: tl.constexpr, FLAT: tl.constexpr):
     """(inner, outer) index of this program, int64, on a grid ``(NI, N)``."""
     if FLAT:
