@@ -124,6 +124,47 @@ def test_cumsum_and_vector_gate_state_flat_equal_default(device, varlen):
         _equal(x, y, f"vector-gate state {name}")
 
 
+@pytest.mark.parametrize("gate", ["scalar", "split", "vector"])
+def test_linear_state_kernels_longest_first_equal_given_order(device, gate):
+    """The linear-attention state pass (with the normalizer state for split gates) and its state-gradient recurrence
+    (with the rows of <S, dS>) with programs taking the packed sequences longest first (``seq_order``): bitwise the
+    results of the given order."""
+    from tfla.ops.common.chunk_state_bwd import chunk_state_bwd
+
+    bounds = [0, 1, 1, 70, 130, 300]  # 64-row chunks 1, 0, 2, 1, 3
+    cu = torch.tensor(bounds, device=device)
+    T, H, K, V = bounds[-1], 2, 32, 16
+    gen = torch.Generator().manual_seed(11)
+    q, k = (torch.randn(1, T, H, K, generator=gen).to(device) for _ in range(2))
+    v, do = (torch.randn(1, T, H, V, generator=gen).to(device) for _ in range(2))
+    h0 = torch.randn(5, H, K, V, generator=gen).to(device)
+    vl = VarlenIndex.build(cu, 64)
+    assert vl.seq_order.tolist() == [4, 2, 0, 3, 1]
+    g_cum = chunk_local_cumsum(-torch.rand(1, T, H, generator=gen).to(device), 64, scale=1.4426950408889634,
+                               cu_seqlens=cu, bounds=bounds)
+    kw = dict(initial_state=h0, output_final_state=True, cu_seqlens=cu, chunk_offsets=vl.sub_offsets,
+              num_chunks=vl.sub_indices.shape[0], store_every_sub_chunk=True)
+    bkw = dict(dht=torch.randn(5, H, K, V, generator=gen).to(device), need_dh0=True, cu_seqlens=cu,
+               sub_offsets=vl.sub_offsets, num_sub_chunks=vl.sub_indices.shape[0])
+    if gate == "vector":
+        kw["gv_cum"] = bkw["gv_cum"] = chunk_local_cumsum(-torch.rand(1, T, H, K, generator=gen).to(device), 64,
+                                                          cu_seqlens=cu, bounds=bounds)
+        g_cum, dvo = None, torch.randn(1, T, H, V, generator=gen).to(device)
+    else:
+        dvo = None
+        if gate == "split":
+            kw.update(gk_cum=g_cum - 0.5, gb=torch.zeros(1, T, H, device=device), n_state=True)
+            bkw.update(gk_cum=g_cum - 0.5, gb=torch.zeros(1, T, H, device=device))
+    res = []
+    for order in (vl.seq_order, None):
+        fwd = chunk_state_fwd(k, v, g_cum, 64, seq_order=order, **kw)
+        h_sub = fwd[0].clone()
+        bwd = chunk_state_bwd(q, k, None, do, dvo, g_cum, 0.3, 64, h_sub=h_sub, sds=True, seq_order=order, **bkw)
+        res.append(tuple(fwd) + tuple(bwd) + (h_sub,))
+    for i, (a, b) in enumerate(zip(*res)):
+        assert (a is None and b is None) or torch.equal(a, b), f"{gate} gate: output {i} changed with the order"
+
+
 def test_public_gdn_config_reaches_every_stage(device):
     """``chunk_gated_delta_rule(config=..)``: forced large-input indexing in every stage gives bitwise the default's
     outputs and gradients; a config that names no stage is an error."""

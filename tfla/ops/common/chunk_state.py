@@ -191,11 +191,13 @@ def _chunk_state_fwd_kernel(
     IDX64: tl.constexpr = False,
     FLAT: tl.constexpr = False,
     KEY_W: tl.constexpr = False,
+    seq_order=None,
+    ORDERED: tl.constexpr = False,
 ):
     BS: tl.constexpr = 64
     SLOT: tl.constexpr = BS if STORE_SUB else BT  # rows per stored state
     i_v, i_nh, i_h, i_hv, bos, T, boh, o_k, o_v, m_k, m_v, m_kv, o_kv = _state_tile(
-        cu_seqlens, chunk_offsets, T, H, HV, K, V, BK, BV, SLOT, IS_VARLEN, FLAT)
+        cu_seqlens, chunk_offsets, T, H, HV, K, V, BK, BV, SLOT, IS_VARLEN, FLAT, seq_order, ORDERED)
     o_c = tl.arange(0, BS)
 
     b_h = tl.zeros([BK, BV], dtype=ACC)
@@ -271,6 +273,7 @@ def chunk_state_fwd(
     initial_n: torch.Tensor | None = None,
     gv_cum: torch.Tensor | None = None,
     key_weights: bool = False,
+    seq_order: torch.Tensor | None = None,
 ):
     """States at every outer-chunk start (or every 64 rows) of the linear recurrence over the values v: linear
     attention's, the mLSTM's, and the delta rule's over its kept Vnew (the GDN backward). (The delta rule's own chain
@@ -298,6 +301,8 @@ def chunk_state_fwd(
         key_weights: the scalar gate's weights ``2^(G_n - G)`` go on K instead of V in the state update (as the
             delta rule's fused pass does: the GDN backward's states over its kept Vnew then equal the forward's bit
             for bit).
+        seq_order: ``[N]`` int32, the order in which the programs take the sequences of ``cu_seqlens`` offsets
+            (``varlen.longest_first_order``: the longest chains start first) or None (in order).
     Returns:
         ``h [B, NT, HV, K, V]`` (varlen: ``[1, total chunks, HV, K, V]``) and ``final_state [N, HV, K, V]`` fp32
         or None; with ``n_state`` two more:
@@ -345,7 +350,7 @@ def chunk_state_fwd(
         IS_VARLEN=varlen_mode(cu_seqlens), DOT_PREC=dot_precision(k.dtype), ACC=acc_dtype(k.dtype),
         UNROLL=cfg["unroll"], STORE_SUB=store_every_sub_chunk, N_STATE=n_state,
         gv=gv_cum, VEC_G=gv_cum is not None, IDX64=cfg.get("idx64", False) or _idx64(T, H, HV, K, V), FLAT=flat,
-        KEY_W=key_weights,
+        KEY_W=key_weights, seq_order=seq_order, ORDERED=seq_order is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return rets

@@ -128,7 +128,8 @@ def _linear_state_bwd(q, k, do, dvo, g, du, dh, dht, dh0, gk, gb, sds, rl, gv, c
                       HAS_GB: tl.constexpr, USE_FINAL_STATE_GRADIENT: tl.constexpr,
                       STORE_INITIAL_STATE_GRADIENT: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
                       ACC: tl.constexpr, VEC_G: tl.constexpr, INTRA: tl.constexpr, SDS: tl.constexpr,
-                      QSPLIT: tl.constexpr, ROWLOG: tl.constexpr, IDX64: tl.constexpr, FLAT: tl.constexpr):
+                      QSPLIT: tl.constexpr, ROWLOG: tl.constexpr, IDX64: tl.constexpr, FLAT: tl.constexpr,
+                      seq_order, ORDERED: tl.constexpr):
     """Reverse state-gradient recurrence of linear attention (the delta rule's: ``_delta_state_bwd_kernel``, the same
     step helper with the W^T dU term). ``b_dh`` is the gradient of the state after the current sub-chunk; per
     sub-chunk (reverse): dU = dvo + 2^(G_n - G) (K dS) (the whole gradient of V), dS <- 2^(G_n - G_c) dS; at each
@@ -151,7 +152,7 @@ def _linear_state_bwd(q, k, do, dvo, g, du, dh, dht, dh0, gk, gb, sds, rl, gv, c
     neither S nor a second ``[B, NS, HV, K, V]`` buffer (peak memory: one such buffer less)."""
     BS: tl.constexpr = 64
     i_v, i_nh, i_h, i_hv, bos, T, boh, o_k, o_v, m_k, m_v, m_kv, o_kv = _state_tile(
-        cu_seqlens, sub_offsets, T, H, HV, K, V, BK, BV, BS, IS_VARLEN, FLAT)
+        cu_seqlens, sub_offsets, T, H, HV, K, V, BK, BV, BS, IS_VARLEN, FLAT, seq_order, ORDERED)
     o_c = tl.arange(0, BS)
 
     b_dh = tl.zeros([BK, BV], dtype=ACC)
@@ -191,13 +192,13 @@ def _chunk_state_bwd_kernel(q, k, do, dvo, g, du, dh, dht, dh0, gk, gb, sds, rl,
                             STORE_INITIAL_STATE_GRADIENT: tl.constexpr, IS_VARLEN: tl.constexpr,
                             DOT_PREC: tl.constexpr, ACC: tl.constexpr, INTRA: tl.constexpr, SDS: tl.constexpr,
                             QSPLIT: tl.constexpr, ROWLOG: tl.constexpr, IDX64: tl.constexpr = False,
-                            FLAT: tl.constexpr = False):
+                            FLAT: tl.constexpr = False, seq_order=None, ORDERED: tl.constexpr = False):
     """``_linear_state_bwd`` with a scalar gate, split gates (``gk``, ``gb``: the mLSTM) or none: simple GLA,
     linear attention and the mLSTM."""
     _linear_state_bwd(q, k, do, dvo, g, du, dh, dht, dh0, gk, gb, sds, rl, None, cu_seqlens, sub_offsets, scale, T,
                       H, HV, K, V, BT, BK, BV, USE_G, SPLIT_G, HAS_GB, USE_FINAL_STATE_GRADIENT,
                       STORE_INITIAL_STATE_GRADIENT, IS_VARLEN, DOT_PREC, ACC, False, INTRA, SDS, QSPLIT, ROWLOG,
-                      IDX64, FLAT)
+                      IDX64, FLAT, seq_order, ORDERED)
 
 
 @triton.jit
@@ -206,12 +207,13 @@ def _vec_state_bwd_kernel(q, k, do, dvo, du, dh, dht, dh0, gv, sds, cu_seqlens, 
                           BK: tl.constexpr, BV: tl.constexpr, USE_FINAL_STATE_GRADIENT: tl.constexpr,
                           STORE_INITIAL_STATE_GRADIENT: tl.constexpr, IS_VARLEN: tl.constexpr,
                           DOT_PREC: tl.constexpr, ACC: tl.constexpr, SDS: tl.constexpr, QSPLIT: tl.constexpr,
-                          IDX64: tl.constexpr = False, FLAT: tl.constexpr = False):
+                          IDX64: tl.constexpr = False, FLAT: tl.constexpr = False, seq_order=None,
+                          ORDERED: tl.constexpr = False):
     """``_linear_state_bwd`` with a vector gate ``gv [B, T, HV, K]`` (GLA; dvo from its own launch)."""
     _linear_state_bwd(q, k, do, dvo, None, du, dh, dht, dh0, None, None, sds, None, gv, cu_seqlens, sub_offsets, scale,
                       T, H, HV, K, V, BT, BK, BV, False, False, False, USE_FINAL_STATE_GRADIENT,
                       STORE_INITIAL_STATE_GRADIENT, IS_VARLEN, DOT_PREC, ACC, True, False, SDS, QSPLIT, False,
-                      IDX64, FLAT)
+                      IDX64, FLAT, seq_order, ORDERED)
 
 
 @triton.jit
@@ -363,8 +365,9 @@ def chunk_state_bwd(
             ``idx64``, ``n_bk``, ``n_warps``, ``n_stages``) and ``ws``: True (default: the Gluon kernel where it
             applies, above), False (the ``tl`` kernel always) or a dict of that kernel's keys
             (``STATE_BWD_WS_DEFAULTS``).
-        seq_order: ``[N]`` int32, the order in which the delta rule's programs take the sequences of
-            ``cu_seqlens`` (``varlen.longest_first_order``; the linear-attention kernels ignore it) or None.
+        seq_order: ``[N]`` int32, the order in which the programs take the sequences of ``cu_seqlens`` offsets
+            (``varlen.longest_first_order``: the longest chains start first; the normalizer state's launch ignores it)
+            or None (in order).
     Returns:
         ``dh [B, NS, HV, K, V]`` (gradient of the state after each 64-row sub-chunk, k's dtype),
         ``du [B, T, HV, V]`` (total gradient of U = Vnew's gradient, k's dtype), ``dh0 [N, HV, K, V]``
@@ -460,8 +463,8 @@ def chunk_state_bwd(
         common = dict(H=H, HV=HV, K=K, V=V, BT=chunk_size, BK=BK, BV=BV, USE_FINAL_STATE_GRADIENT=dht is not None,
                       STORE_INITIAL_STATE_GRADIENT=need_dh0, IS_VARLEN=cu_seqlens is not None,
                       DOT_PREC=dot_precision(k.dtype), ACC=acc_dtype(k.dtype), SDS=sds_on,
-                      QSPLIT=cfg.get("qsplit", True), IDX64=idx64, FLAT=flat, num_warps=cfg["num_warps"],
-                      num_stages=cfg["num_stages"])
+                      QSPLIT=cfg.get("qsplit", True), IDX64=idx64, FLAT=flat, seq_order=seq_order,
+                      ORDERED=seq_order is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         if gv_cum is not None:  # GLA's vector gate (no scalar or split gate with it; dvo given)
             _vec_state_bwd_kernel[grid](q, k, do, dvo, du, dh, dht, dh0, gv_cum, sds_t, cu_seqlens, sub_offsets, scale,
                                         T, **common)

@@ -38,7 +38,7 @@ def chunk_simple_gla_fwd(q, k, v, g, scale, initial_state, output_final_state, c
         k, v, g_cum, chunk_size, initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu,
         chunk_offsets=varlen.chunk_offsets if varlen is not None else None,
         num_chunks=varlen.num_chunks if varlen is not None else None, gk_cum=gk_cum, gb=gb, n_state=n_state,
-        initial_n=initial_n)
+        initial_n=initial_n, seq_order=varlen.seq_order if varlen is not None else None)
     hn, final_n = ns if n_state else (None, None)
     ocfg = output_config(chunk_size, q.shape[-1], v.shape[-1])
     o = chunk_output_fwd(q, k, v, h, g_cum, scale, chunk_size, cu_seqlens=cu, out_dtype=out_dtype,
@@ -88,7 +88,7 @@ def chunk_simple_gla_bwd(q, k, v, g_cum, scale, initial_state, do, dht, chunk_si
             k, v, g_cum, L, initial_state=initial_state, cu_seqlens=cu,
             chunk_offsets=varlen.sub_offsets if varlen is not None else None,
             num_chunks=varlen.sub_indices.shape[0] if varlen is not None else None, store_every_sub_chunk=True,
-            gk_cum=gk_cum, gb=gb, n_state=n_state, initial_n=initial_n)
+            gk_cum=gk_cum, gb=gb, n_state=n_state, initial_n=initial_n, seq_order=varlen.seq_order if varlen is not None else None)
         hn_sub = ns[0] if n_state else None
     tiled = dict(cu_seqlens=cu, gk_cum=gk_cum, gb=gb)
     if varlen is not None:
@@ -125,7 +125,8 @@ def chunk_simple_gla_bwd(q, k, v, g_cum, scale, initial_state, do, dht, chunk_si
         q, k, None, do, dvo, g_cum, scale, L, dht=dht, need_dh0=initial_state is not None, cu_seqlens=cu,
         sub_offsets=varlen.sub_offsets if varlen is not None else None,
         num_sub_chunks=varlen.sub_indices.shape[0] if varlen is not None else None, gk_cum=gk_cum, gb=gb,
-        dden=dden, dnt=dnt, h_sub=h_sub, sds=gate_grad, do_row_log2=do_row_log2, config=state_bwd_config)
+        dden=dden, dnt=dnt, h_sub=h_sub, sds=gate_grad, do_row_log2=do_row_log2, config=state_bwd_config,
+        seq_order=varlen.seq_order if varlen is not None else None)
     del dvo  # not needed by wy_bwd: freed before its outputs are allocated (peak memory)
     dhn_sub, dn0 = rest[:2] if n_state else (None, None)
     sds_sub = rest[-1] if gate_grad else None

@@ -120,6 +120,14 @@ def chunk_tables(bounds, size: int, device) -> tuple[torch.Tensor, torch.Tensor,
     return _tables(tuple(bounds), (int(size),), torch.device(device))
 
 
+def table_kind(varlen: "VarlenIndex | None") -> str:
+    """Which kernel variants a call's sequences take, for keys of compiled kinds (``precompile.apply``): "dense",
+    "packed" or "packed, longest first" (``seq_order`` given)."""
+    if varlen is None:
+        return "dense"
+    return "packed" if varlen.seq_order is None else "packed, longest first"
+
+
 @dataclasses.dataclass
 class VarlenIndex:
     """Index tables for ``cu_seqlens`` (cached: see the module's docstring)."""

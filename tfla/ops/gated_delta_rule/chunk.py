@@ -41,7 +41,7 @@ from tfla.ops.common.state_bwd_ws import delta_state_bwd_ws, state_bwd_ws_suppor
 from tfla.ops.common.utils import CHUNK_SIZES, SUB_CHUNK
 from tfla.ops.common.ut_transform import w_from_tm
 from tfla.ops.common.wy_bwd import wy_bwd
-from tfla.ops.common.varlen import VarlenIndex
+from tfla.ops.common.varlen import VarlenIndex, table_kind
 from tfla.utils.validation import (
     check_common,
     check_cotangent,
@@ -195,7 +195,8 @@ def chunk_gated_delta_rule_bwd(
             k, v_new, g_cum, L, initial_state=initial_state, cu_seqlens=cu,
             chunk_offsets=varlen.sub_offsets if varlen is not None else None,
             num_chunks=varlen.sub_indices.shape[0] if varlen is not None else None,
-            config=config.get("state_lin"), store_every_sub_chunk=True, key_weights=True)
+            config=config.get("state_lin"), store_every_sub_chunk=True, key_weights=True,
+            seq_order=varlen.seq_order if varlen is not None else None)
     elif in_pieces:  # FLA's saved set and a split: the pass again over the pieces, from their start states
         v_new, h_sub = _states_in_pieces(q, k, v, g_cum, beta, ai, scale, split, config.get("fused"))
     else:  # FLA's saved set: the forward's pass again for Vnew and the 64-row states (save_states' pair)
@@ -695,8 +696,8 @@ def chunk_gated_delta_rule(
         args = (q, k, v, g, beta, initial_state, a_log, a_bias, varlen, opts)
         # the first call of a kind: its kernels compiled on a thread pool first
         o, final_state = precompile.apply(ChunkGatedDeltaRuleFunction.apply, args, q, lambda: (
-            "gdn", precompile.signature(q, v, g, beta, initial_state, a_log), T % SUB_CHUNK == 0, varlen is None,
-            varlen is not None and varlen.seq_order is not None, opts))
+            "gdn", precompile.signature(q, v, g, beta, initial_state, a_log), T % SUB_CHUNK == 0,
+            table_kind(varlen), opts))
     return o, state_in_fla_layout(final_state, state_v_first)
 
 

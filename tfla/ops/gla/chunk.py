@@ -23,7 +23,7 @@ from tfla.ops.common.chunk_state_bwd import chunk_state_bwd
 from tfla.ops.common.cumsum import chunk_local_cumsum, positive_flag_for, raise_if_positive
 from tfla.ops.common.wy_bwd import wy_bwd
 from tfla.ops.common.utils import LOG_DECAY_FLOOR, RCP_LN2, SUB_CHUNK, next_pow2
-from tfla.ops.common.varlen import VarlenIndex
+from tfla.ops.common.varlen import VarlenIndex, table_kind
 from tfla.utils.validation import (
     check_cotangent,
     check_common,
@@ -113,7 +113,8 @@ def chunk_gla_fwd(q, k, v, g, scale, initial_state, output_final_state, chunk_si
     h, final_state = chunk_state_fwd(
         k, v, None, chunk_size, initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu,
         chunk_offsets=varlen.chunk_offsets if varlen is not None else None,
-        num_chunks=varlen.num_chunks if varlen is not None else None, gv_cum=gv_cum, config=_state_cfg(k))
+        num_chunks=varlen.num_chunks if varlen is not None else None, gv_cum=gv_cum, config=_state_cfg(k),
+        seq_order=varlen.seq_order if varlen is not None else None)
     o = chunk_tiled(q, k, v, None, scale, chunk_size, h=h, gv_cum=gv_cum,
                     **_tiled_args(chunk_size, q, v.shape[-1], varlen, varlen.chunk_offsets if varlen else None,
                                   opts=opts))
@@ -134,7 +135,7 @@ def chunk_gla_bwd(q, k, v, gv_cum, scale, initial_state, do, dht, chunk_size, va
         k, v, None, L, initial_state=initial_state, cu_seqlens=cu,
         chunk_offsets=varlen.sub_offsets if varlen is not None else None,
         num_chunks=varlen.sub_indices.shape[0] if varlen is not None else None, store_every_sub_chunk=True,
-        gv_cum=gv_cum, config=_state_cfg(k))
+        gv_cum=gv_cum, config=_state_cfg(k), seq_order=varlen.seq_order if varlen is not None else None)
     offs = varlen.sub_offsets if varlen is not None else None
     K, V = q.shape[-1], v.shape[-1]
     # the tiled parts of dv and dk stay fp32 until the state parts are added (one rounding to the input
@@ -151,7 +152,8 @@ def chunk_gla_bwd(q, k, v, gv_cum, scale, initial_state, do, dht, chunk_size, va
         q, k, None, do, dvo, None, scale, L, dht=dht, need_dh0=initial_state is not None, cu_seqlens=cu,
         sub_offsets=varlen.sub_offsets if varlen is not None else None,
         num_sub_chunks=varlen.sub_indices.shape[0] if varlen is not None else None, gv_cum=gv_cum,
-        config=_state_cfg(k), h_sub=h_sub, sds=True)  # dS in S's buffer, with the rows of <S, dS>
+        config=_state_cfg(k), h_sub=h_sub, sds=True,  # dS in S's buffer, with the rows of <S, dS>
+        seq_order=varlen.seq_order if varlen is not None else None)
     del dvo  # freed before wy_bwd's outputs are allocated (peak memory)
     h_sub = h_sub if sds_sub is None else None  # S only where the recurrence did not take <S, dS>
     # dk = dko + the state part, added in wy_bwd's kernel and rounded once to k's dtype (three fp32 passes of
@@ -288,6 +290,6 @@ def chunk_gla(
         return o, state_in_fla_layout(final_state if output_final_state else None, state_v_first)
     args = (q, k, v, g, initial_state.contiguous() if initial_state is not None else None, varlen, opts, positive)
     o, final_state = precompile.apply(ChunkGLAFunction.apply, args, q, lambda: (
-        "gla", precompile.signature(q, v, g, args[4]), q.shape[1] % 64 == 0, varlen is None, opts))
+        "gla", precompile.signature(q, v, g, args[4]), q.shape[1] % 64 == 0, table_kind(varlen), opts))
     raise_if_positive(positive)
     return o, state_in_fla_layout(final_state, state_v_first)
