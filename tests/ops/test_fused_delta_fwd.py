@@ -311,6 +311,29 @@ def test_longest_first_tl_kernels_are_bitwise_the_same(device, flat):
         assert torch.equal(a, b), name
 
 
+def test_pieces_longest_first_is_bitwise_the_same(device, monkeypatch):
+    """A split's pieces taken longest first by the pass, the transitions and the backward's pass and recurrence over
+    the pieces (``Split.seq_order``): the op's outputs and gradients bitwise those of the pieces in order."""
+    import tfla
+    import tfla.ops.common.fused_delta_fwd as fdf
+
+    bounds = [0, 5, 70, 330]  # segments=2: pieces of 5, 64, 1, 192 and 68 rows (order 3, 4, 0, 1, 2)
+    cu = torch.tensor(bounds, device=device)
+    x = gdn_inputs(1, bounds[-1], 1, 32, 16, HV=2, dtype=torch.float32, device=device, initial_state=True,
+                   num_seqs=3, seed=4)
+    outs = []
+    for order in (fdf.longest_first_order, lambda b: []):
+        monkeypatch.setattr(fdf, "longest_first_order", order)
+        fdf._split_tables.cache_clear()
+        leaves = [x[n].clone().requires_grad_() for n in ("q", "k", "v", "g", "beta", "initial_state")]
+        o, s = tfla.chunk_gated_delta_rule(*leaves[:5], initial_state=leaves[5], output_final_state=True,
+                                           cu_seqlens=cu, segments=2)
+        outs.append((o, s) + torch.autograd.grad((o * o).sum() + (s * s).sum(), leaves))
+    fdf._split_tables.cache_clear()
+    for i, (a, b) in enumerate(zip(*outs)):
+        assert torch.equal(a, b), f"output {i}"
+
+
 def test_device_tables_clamp_malformed_offsets(device):
     """Offsets that are not a partition of [0, T] (unchecked under capture) become one: every row the kernels can
     touch lies inside the tensors."""

@@ -43,7 +43,7 @@ from tfla.ops.common.utils import (
     next_pow2,
     sm_count,
 )
-from tfla.ops.common.varlen import cached_bounds, chunk_tables
+from tfla.ops.common.varlen import cached_bounds, chunk_tables, longest_first_order
 from tfla.ops.common.ut_transform import ut_inverse, ut_inverse_and_scores, ut_inverse_with_cumsum
 
 # launch of the fused pass (docs/performance.md). Value tiles: "BV" None picks 64 columns where the pass has
@@ -58,7 +58,8 @@ class Split(NamedTuple):
     ``cu_seqlens`` / ``sub_offsets`` of the pieces (a packed batch of ``B * T`` rows), ``first`` (each sequence's
     first piece, ``[N + 1]``), ``num_chunks`` (64-row chunks in all), ``mn [P, HV, K, K + V]`` (each piece's
     ``[M | N]``, fp32) and ``starts [P, HV, K, V]`` (each piece's exact start state from the scan, fp32: the
-    backward's pass over the pieces starts there when the forward kept neither Vnew nor the states)."""
+    backward's pass over the pieces starts there when the forward kept neither Vnew nor the states); ``seq_order``
+    the pieces longest first (``varlen.longest_first_order``, int32) or None."""
 
     cu_seqlens: torch.Tensor
     sub_offsets: torch.Tensor
@@ -66,6 +67,7 @@ class Split(NamedTuple):
     num_chunks: int
     mn: torch.Tensor
     starts: torch.Tensor
+    seq_order: torch.Tensor | None = None
 
 
 def wide_tiles(pairs: int, V: int, sms: int) -> int:
@@ -366,11 +368,13 @@ def choose_piece(bounds: list[int], HV: int, V: int, sms: int, BV: int = 32) -> 
 @functools.lru_cache(maxsize=64)
 def _split_tables(cuts: tuple[int, ...], first: tuple[int, ...], device: torch.device):
     """The pieces' offsets (a ``cu_seqlens``), their first 64-row chunks and each sequence's first piece, int64 on
-    the device from one host-to-device copy; cached per split, so a repeated call copies nothing (a copy waits for
-    the device's queue)."""
-    flat = torch.tensor(list(cuts) + chunk_offset_rows(cuts, SUB_CHUNK) + list(first), dtype=torch.int64).to(device)
-    n = len(cuts)
-    return flat[:n], flat[n:2 * n], flat[2 * n:]
+    the device from one host-to-device copy, and the pieces' ``longest_first_order`` (int32, None where they are in
+    that order); cached per split, so a repeated call copies nothing (a copy waits for the device's queue)."""
+    order = longest_first_order(cuts)
+    flat = torch.tensor(list(cuts) + chunk_offset_rows(cuts, SUB_CHUNK) + list(first) + order,
+                        dtype=torch.int64).to(device)
+    n, m = len(cuts), len(first)
+    return flat[:n], flat[n:2 * n], flat[2 * n:2 * n + m], flat[2 * n + m:].to(torch.int32) if order else None
 
 
 def _slab_states(slab: int, save: int, bounds, q, v, out: dict) -> dict:
@@ -483,7 +487,7 @@ def fused_delta_fwd(q, k, v, g, beta, scale, initial_state=None, output_final_st
     if first is None:
         ws = use_ws and ws_supported(q, k, v, g is not None, initial_state, cu_seqlens, save, ws_cfg)
     else:
-        seg_cu, seg_off, first_t = _split_tables(tuple(cuts), tuple(first), dev)
+        seg_cu, seg_off, first_t, seg_order = _split_tables(tuple(cuts), tuple(first), dev)
         # pieces: two 64-column consumer warpgroups per CTA unless the config sets the launch (H100, Triton 3.6, bf16,
         # one sequence of 65,536 tokens, H = 16, K = V = 128, forward, do_bench: 1.59 -> 1.24 ms; the layer unsplit
         # is faster with one: docs/performance.md)
@@ -511,21 +515,21 @@ def fused_delta_fwd(q, k, v, g, beta, scale, initial_state=None, output_final_st
     qf, kf, vf, gf, bf, af, sf = flat
     if ws_mn:
         _, mn, _, _ = fused_delta_pass_ws(qf, kf, vf, gf, bf, af, scale, None, True, seg_cu, config=ws_cfg,
-                                          transition=True)
+                                          transition=True, seq_order=seg_order)
     else:
         _, mn, _, _ = fused_delta_pass(qf, kf, vf, gf, bf, af, scale, None, True, seg_cu, seg_off, transition=True,
-                                       config=cfg)
+                                       config=cfg, seq_order=seg_order)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     h0 = initial_state.to(acc).contiguous() if initial_state is not None else None
     starts, final = segment_scan(mn, h0, first_t, V, output_final_state, cfg)
     num_chunks = sum(cdiv(e - b, SUB_CHUNK) for b, e in zip(cuts[:-1], cuts[1:]))
     if ws:
         o, _, v_new, h = fused_delta_pass_ws(qf, kf, vf, gf, bf, af, scale, starts, False, seg_cu, save, ws_cfg,
-                                             chunk_offsets=seg_off, num_chunks=num_chunks)
+                                             chunk_offsets=seg_off, num_chunks=num_chunks, seq_order=seg_order)
     else:
         o, _, v_new, h = fused_delta_pass(qf, kf, vf, gf, bf, af, scale, starts, False, seg_cu, seg_off, num_chunks,
-                                          save, a=sf, config=cfg)
+                                          save, a=sf, config=cfg, seq_order=seg_order)
     out.update(o=o.reshape(B, T, HV, V), final_state=final, v_new=None if v_new is None else v_new.reshape(v.shape),
                h=None if h is None else h.reshape(B, -1, HV, K, V),
-               split=Split(seg_cu, seg_off, first_t, num_chunks, mn, starts))
+               split=Split(seg_cu, seg_off, first_t, num_chunks, mn, starts, seg_order))
     return out

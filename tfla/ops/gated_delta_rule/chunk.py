@@ -405,7 +405,7 @@ def _states_in_pieces(q, k, v, g_cum, beta, ai, scale, split: Split, config):
     flat = [x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, g_cum, beta, ai)]
     cfg = {**(config or {}), "ws": piece_ws((config or {}).get("ws", True), V)}
     v_new, h = states_from_pass(*flat, scale, split.starts, split.cu_seqlens, chunk_offsets=split.sub_offsets,
-                                num_chunks=split.num_chunks, config=cfg)
+                                num_chunks=split.num_chunks, config=cfg, seq_order=split.seq_order)
     return v_new.reshape(v.shape), h.reshape(B, -1, HV, K, V)
 
 
@@ -425,7 +425,7 @@ def _state_grad_in_pieces(q, k, w, do, g_cum, scale, dht, need_dh0, split: Split
     # (state_bwd_ws.STATE_BWD_WS_DEFAULTS), unless the config sets its launch
     config = {**(config or {}), "ws": piece_ws((config or {}).get("ws", True), V)}
     kw = dict(cu_seqlens=split.cu_seqlens, sub_offsets=split.sub_offsets, num_sub_chunks=split.num_chunks,
-              config=config)
+              config=config, seq_order=split.seq_order)
     _, _, dn = chunk_state_bwd(*flat[:4], None, flat[4], scale, SUB_CHUNK, need_dh0=True, store=False, **kw,
                                **tm_kw)
     ends, dh0 = segment_scan(split.mn, dht, split.first, V, need_dh0, config, dn=dn)
