@@ -267,10 +267,12 @@ def test_longest_first_order(device, cu, order):
     """The chain kernels' program order (``varlen.longest_first_order``): sequences by 64-row chunk count, most
     first, ties in their order; nothing where the offsets are in that order. ``VarlenIndex`` carries it as a device
     table (None when empty), built in the same host-to-device copy as the chunk tables."""
-    from tfla.ops.common.varlen import VarlenIndex, chunk_tables, longest_first_order
+    from tfla.ops.common.varlen import VarlenIndex, chunk_tables, longest_first_order, table_kind
 
     assert longest_first_order(cu) == order
     vl = VarlenIndex.build(torch.tensor(cu, device=device), 64)
+    # the kernels' variant, in the compiled kinds' keys (precompile.apply)
+    assert table_kind(vl) == ("packed, longest first" if order else "packed") and table_kind(None) == "dense"
     idx, first, got = chunk_tables(cu, 64, device)
     assert torch.equal(vl.sub_indices, idx) and torch.equal(vl.sub_offsets, first)
     if order:
