@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 import tfla
 from tfla.bench.inputs import gdn_inputs, random_cu_seqlens
+from tfla.ops.common.precompile import in_dry_run
 from tfla.ops.gated_delta_rule.reference import chunk_gated_delta_rule_ref, recurrent_gated_delta_rule_ref
 from tfla.utils.testing import assert_rel_close, rel_l2, tolerance
 
@@ -58,6 +59,16 @@ def _grads(device, B, T, H, HV, K, V, dtype=torch.float32, gate="default", h0=Tr
         rloss = rloss + (rs * dht.double()).sum()
     ref = torch.autograd.grad(rloss, ref_leaves)
     return dict(zip(NAMES, got)), dict(zip(NAMES, ref))
+
+
+def _spy(calls: list, real):
+    """``real``, appending to ``calls`` on each call outside precompile's dry run (on a GPU the first call of a kind
+    runs the op once as a dry run before the real call)."""
+    def spied(*args, **kwargs):
+        if not in_dry_run():
+            calls.append(1)
+        return real(*args, **kwargs)
+    return spied
 
 
 def _check(got, ref, tol):
@@ -160,9 +171,9 @@ def test_bwd_in_pieces_matches_recurrence(device, poison_empty, monkeypatch, seg
     the scan's terms would not be checked)."""
     import tfla.ops.gated_delta_rule.chunk as chunk
 
-    calls = []
+    calls = []  # the real backward's calls (on a GPU the first call of a kind runs a dry run before it)
     real = chunk._state_grad_in_pieces
-    monkeypatch.setattr(chunk, "_state_grad_in_pieces", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(chunk, "_state_grad_in_pieces", _spy(calls, real))
     T = 300
     cu = torch.tensor([0, 0, 1, 130, T], device=device) if varlen else None
     got, ref = _grads(device, 1 if varlen else 2, T, 2, 4, 32, 16, gate=gate, h0=h0, final=final,
@@ -227,7 +238,7 @@ def test_save_v_new_keeps_what_it_says(device):
         tfla.chunk_gated_delta_rule(*leaves, save_v_new="yes")
 
 
-def test_backward_slab_rule():
+def test_backward_slab_rule(device):
     """The backward's slab in 64-row chunks (0: whole sequences): two slabs by default for dense sequences and FLA's
     saved set where the backward holds at least 8192 64-row states (chunks of all sequences times value heads) and
     each slab at least 32 chunks; whole sequences with Vnew kept or packed sequences, ``config["slab"]``'s ``chunks``
@@ -253,7 +264,7 @@ def test_backward_slab_rule():
     assert _slab_chunks({"slab": {"chunks": 5}}, SAVE_NONE, 10, 10) == 5
     assert _slab_chunks(None, SAVE_NONE, 512, 4 * 512 * 16, packed=True) == 0  # packed: where the config asks
     assert _slab_chunks({"slab": {"count": 2}}, SAVE_NONE, 200, 200, packed=True) == 100
-    x = gdn_inputs(1, 64, 1, 16, 16, dtype=torch.float32, device="cpu", seed=0)
+    x = gdn_inputs(1, 64, 1, 16, 16, dtype=torch.float32, device=device, seed=0)
     args = [x[n] for n in ("q", "k", "v", "g", "beta")]
     for bad in ({"count": -1}, {"chunks": 2.0}, {"count": True}, {"slabs": 2}):
         with pytest.raises(ValueError, match="slab"):
@@ -587,7 +598,8 @@ def test_bwd_in_slabs_gpu(monkeypatch, B, T, H, HV, l2norm, h0, lens, keep):
 
     calls = []
     real = gdn_chunk._ws_bwd_in_slabs
-    monkeypatch.setattr(gdn_chunk, "_ws_bwd_in_slabs", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setattr(gdn_chunk, "_ws_bwd_in_slabs",
+                        _spy(calls, real))
     N = len(lens) if lens else B
     cu = torch.tensor([0] + list(itertools.accumulate(lens)), device="cuda") if lens else None
     assert cu is None or cu[-1].item() == T
@@ -629,7 +641,8 @@ def test_bwd_in_slabs_holds_less_gpu(monkeypatch, keep):
 
     calls = []
     real = gdn_chunk._ws_bwd_in_slabs
-    monkeypatch.setattr(gdn_chunk, "_ws_bwd_in_slabs", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setattr(gdn_chunk, "_ws_bwd_in_slabs",
+                        _spy(calls, real))
     x = gdn_inputs(2, 8192, 8, 128, 128, dtype=torch.bfloat16, device="cuda", seed=3)
     do = torch.randn_like(x["v"])
 

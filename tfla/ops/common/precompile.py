@@ -53,6 +53,12 @@ def _dry_run(self, *args, grid, warmup, **kwargs):
     return None
 
 
+def in_dry_run() -> bool:
+    """Whether this thread runs inside ``first_call``'s dry run (launches become compiles there): for code, tests
+    among it, that counts the op's real calls."""
+    return _DRY.get() is not None
+
+
 def _load(kernel, device: int) -> None:
     """Finish one compile on a pool thread: its launcher (built by the host compiler on first use) and its module
     loaded into the device's context."""
