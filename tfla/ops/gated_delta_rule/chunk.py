@@ -587,7 +587,7 @@ def chunk_gated_delta_rule(
             (``segments``) with gradients keeps by default each piece's start state and transition (fp32, ``K*(K+2V)``
             elements per piece and value head) and the backward runs the pass again over the pieces; with
             ``save_v_new=True`` it keeps Vnew and the 64-row states. README of this op.
-        config: launch overrides per stage (keyword-only, for tuning; results do not depend on it): a dict whose keys
+        config: launch overrides per stage (keyword-only, for tuning; results equal up to rounding): a dict whose keys
             are stages of ``CONFIG_STAGES`` and whose values are that stage's launch config (``BK``, ``BV``,
             ``num_warps``, ``num_stages``, ...: the keys each stage function in ``tfla/ops/common`` documents;
             ``flat`` / ``idx64`` force the large-input indexing, for tests; on Hopper ``fused``, ``state_bwd`` and

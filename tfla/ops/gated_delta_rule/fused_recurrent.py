@@ -391,8 +391,8 @@ def fused_recurrent_gated_delta_rule(
             ``ssm_state_indices`` the state after token t of sequence n to slot ``idx[n, t]`` (tokens past the
             columns are not kept; slots < 0 skipped), with 1-D indices (or none) the final state to the slot read.
             Other slots are untouched.
-        config (keyword-only): launch overrides ``{"BV": value tile, "num_warps": int}`` (results do not depend
-            on it).
+        config (keyword-only): launch overrides ``{"BV": value tile, "num_warps": int}``; results equal up to
+            rounding (the warps' split of the K sums changes their order: not bitwise the same).
 
     Returns:
         ``o [B, T, HV, V]`` in q's dtype (zeros for skipped sequences), and ``final_state``: with

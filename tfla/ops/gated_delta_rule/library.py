@@ -8,7 +8,7 @@ autograd formula registered between them. Eager calls keep ``ChunkGatedDeltaRule
 Under compilation the forward keeps FLA's saved set (inputs, cumulative gates, Tm: the eager default; ``save_v_new``
 and ``save_states`` are ignored there) and runs every sequence in one chain (no ``segments`` split); the backward
 recomputes Vnew and the states by the forward's pass without its output. ``config`` is ignored there (launch tuning
-only; results do not depend on it).
+only; results equal up to rounding).
 """
 from __future__ import annotations
 
