@@ -60,6 +60,30 @@ def host_ms(fn, calls: int = 10) -> float | None:
     return statistics.median(times)
 
 
+def graph_ms(fn, warmup_ms: float = 25, rep_ms: float = 100) -> float | None:
+    """Median device time of one ``fn()`` in ms, replayed from a CUDA graph (``torch.cuda.CUDAGraph``, captured after
+    two calls on a side stream) by ``triton.testing.do_bench``: the call without its host side, as serving stacks
+    run decode steps. None without CUDA. ``fn`` must be capturable (no host reads, no allocation it frees)."""
+    if not torch.cuda.is_available():
+        return None
+    from triton.testing import do_bench
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    torch.cuda.synchronize()
+    try:
+        return float(do_bench(graph.replay, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+    finally:
+        del graph
+
+
 def _tensor_bytes(out) -> int:
     """Bytes of the tensors in ``out`` (a tensor or nested tuples / lists of them)."""
     if isinstance(out, torch.Tensor):

@@ -21,13 +21,18 @@ same as ``tfla bench gdn``), not finite, or (pool) with any other slot changed, 
 
 Timing: median ``triton.testing.do_bench`` of one call (one decode step of T tokens per sequence; do_bench clears
 the L2 cache before each call, so states come from HBM), column ``us`` in microseconds per step (``ms`` in the
-JSON / CSV rows); ``first_s``: wall time of the first call at the workload (the check call: it compiles what
-Triton's cache and earlier rows have not). On a GPU only: the bytes floor, each state read and written once
+JSON / CSV rows). At small batches an eager call is bound by its host side (Python and the kernel launch, ~40-130
+us per call on the machines measured, varying between hosts and runs), so on a GPU the same call is also replayed
+from a CUDA graph (``graph us``, ``graph_ms``: device time alone, as vLLM and SGLang run decode steps), and the
+columns below use that time. ``first_s``: wall time of the first call at the workload (the check call: it compiles
+what Triton's cache and earlier rows have not). On a GPU only: the bytes floor, each state read and written once
 (``2 B HV K V * 4``) plus q, k, v, g, beta read and o written once, as GB/s achieved and as ``x floor`` = time /
-(bytes / bandwidth), with the bandwidth assumed to be the H100 SXM's 3.35 TB/s (``--hbm-tbps``; nothing is
-measured). ``vs FLA``: FLA's state-mode time at the same B and T over the row's time (for both modes: FLA has no
-pool). Without a GPU the times are the interpreter's wall-clock median of a few calls, and the floor columns are
-empty.
+(bytes / bandwidth), with the bandwidth the GPU's HBM specification (``HBM_TBPS`` by device name, e.g. H100 SXM
+3.35 TB/s, H200 4.8; ``--hbm-tbps`` sets it, and without a known name the column stays empty); and ``x copy`` =
+time / the measured time of ``copy_`` between two fp32 tensors of the states' size (``copy us``: the same
+bytes read and written once by PyTorch's copy kernel, the floor this GPU attains). ``vs FLA``: FLA's state-mode
+time at the same B and T over the row's time (graph times on a GPU; for both modes: FLA has no pool). Without a
+GPU the times are the interpreter's wall-clock median of a few calls, and the graph and floor columns are empty.
 """
 from __future__ import annotations
 
@@ -40,14 +45,27 @@ from typing import Callable
 import torch
 
 from tfla.bench import gdn
-from tfla.bench.common import append_csv, check_csv, csv_row, env_info, error_status, fmt, rel_l2, time_ms, write_json
+from tfla.bench.common import (
+    append_csv,
+    check_csv,
+    csv_row,
+    env_info,
+    error_status,
+    fmt,
+    graph_ms,
+    rel_l2,
+    time_ms,
+    write_json,
+)
 from tfla.bench.gdn import DTYPES, TOLERANCE
 from tfla.bench.inputs import as_reference, gdn_inputs
 from tfla.bench.registry import _version, fla_flash_qla_off, import_peer, missing_note
 
 MODES = ("state", "pool")
 IMPLS = ("tfla", "fla")
-HBM_TBPS = 3.35  # assumed HBM bandwidth of the x-floor column, TB/s (H100 SXM5, HBM3)
+# HBM bandwidth by the specification of the GPU (TB/s), for the x-floor column: the first entry whose words all
+# appear in the device name (NVIDIA's data sheets: H100 SXM5 HBM3, H100 PCIe HBM2e, H100 NVL, H200 HBM3e)
+HBM_TBPS = ((("H100", "PCIe"), 2.0), (("H100", "NVL"), 3.9), (("H100",), 3.35), (("H200",), 4.8))
 OP = "fused_recurrent_gated_delta_rule"
 
 
@@ -64,6 +82,24 @@ class Workload(gdn.Workload):
         vo = 2 * self.B * self.T * self.HV * self.V * item
         gates = self.B * self.T * self.HV * (4 + item)
         return state + qk + vo + gates
+
+    def copy_floor_ms(self, warmup: float, rep: float) -> float:
+        """Median ``do_bench`` time (ms) of ``copy_`` between two fp32 tensors of the states' size: each state's bytes
+        read and written once by PyTorch's copy kernel."""
+        src = torch.randn(self.B, self.HV, self.K, self.V, device="cuda")
+        dst = torch.empty_like(src)
+        try:
+            return time_ms(lambda: dst.copy_(src), warmup, rep)
+        finally:
+            del src, dst
+
+
+def spec_tbps(device_name: str) -> float | None:
+    """The HBM bandwidth of ``HBM_TBPS`` for a CUDA device name, or None for a GPU not in the table."""
+    for words, tbps in HBM_TBPS:
+        if all(w in device_name for w in words):
+            return tbps
+    return None
 
 
 def _list_of(kind: Callable, allowed: tuple | None, what: str) -> Callable[[str], list]:
@@ -110,8 +146,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "ssm_state_indices, inplace_final_state")
     p.add_argument("--impls", type=_list_of(str, IMPLS, f"implementations from {', '.join(IMPLS)}"),
                    default="tfla,fla", help="comma-separated (fla only when installed, state mode only)")
-    p.add_argument("--hbm-tbps", type=float, default=HBM_TBPS,
-                   help="HBM bandwidth assumed by the x-floor column, TB/s (GPU only)")
+    p.add_argument("--hbm-tbps", type=float, default=None,
+                   help="HBM bandwidth of the x-floor column, TB/s (GPU only; default: the GPU's specification "
+                        "for H100 and H200 devices, else no x-floor column)")
     p.add_argument("--warmup", type=float, default=25.0, help="do_bench warm-up, ms")
     p.add_argument("--rep", type=float, default=100.0, help="do_bench repetition time, ms")
     p.add_argument("--csv", type=str, default=None,
@@ -235,7 +272,7 @@ def run(args) -> tuple[list[dict], dict]:
             impls.append(peer)
     meta = env_info()
     meta["missing_peers"] = ",".join(missing) or "-"
-    meta["hbm_tbps"] = args.hbm_tbps if gpu else None
+    meta["hbm_tbps"] = (args.hbm_tbps or spec_tbps(torch.cuda.get_device_name())) if gpu else None
     rows = []
 
     def keep(row):  # written after every row, so a run cut short keeps what it measured
@@ -244,6 +281,8 @@ def run(args) -> tuple[list[dict], dict]:
         if row.get("status") == "ok":
             append_csv(args.csv, [csv_row(row, meta, OP, first_s=f"{row['first_s']:.2f}",
                                           x_floor=None if row.get("x_floor") is None else f"{row['x_floor']:.2f}",
+                                          graph_ms=None if row.get("graph_ms") is None else f"{row['graph_ms']:.4f}",
+                                          copy_ms=None if row.get("copy_ms") is None else f"{row['copy_ms']:.4f}",
                                           version=None if row["impl"] == "tfla" else row["version"])])
 
     runs = [(m, i) for m in args.modes for i in impls if m in i.modes]
@@ -256,7 +295,7 @@ def run(args) -> tuple[list[dict], dict]:
                 bar.update(task, description=f"{impl.name} {mode} | {wl.label()}")
                 row = {"impl": impl.name, "version": impl.version, "mode": mode, "B": wl.B, "T": wl.T, "H": wl.H,
                        "HV": wl.HV, "K": wl.K, "V": wl.V, "dtype": wl.dtype, "label": wl.label(), "op": impl.note}
-                keep(_check_and_time(impl, x, mode, device, wl, row, ref_o, ref_s, args))
+                keep(_check_and_time(impl, x, mode, device, wl, row, ref_o, ref_s, args, meta["hbm_tbps"]))
                 bar.advance(task)
                 gc.collect()
             del x, ref_o, ref_s
@@ -266,7 +305,7 @@ def run(args) -> tuple[list[dict], dict]:
     return rows, meta
 
 
-def _check_and_time(impl, x, mode, device, wl, row, ref_o, ref_s, args) -> dict:
+def _check_and_time(impl, x, mode, device, wl, row, ref_o, ref_s, args, hbm_tbps) -> dict:
     """``row`` with the first call's time and errors, then (when within tolerance) the timing columns and status."""
     try:
         row["first_s"], o, s, untouched = checked_call(impl, x, mode, device)
@@ -284,37 +323,48 @@ def _check_and_time(impl, x, mode, device, wl, row, ref_o, ref_s, args) -> dict:
     row["ms"] = time_ms(timed_call(impl, x, mode), args.warmup, args.rep)
     row["us"] = row["ms"] * 1e3
     if device == "cuda":
+        row["graph_ms"] = graph_ms(timed_call(impl, x, mode), args.warmup, args.rep)
+        row["graph_us"] = row["graph_ms"] * 1e3
+        row["copy_ms"] = wl.copy_floor_ms(args.warmup, args.rep)
         row["floor_bytes"] = wl.floor_bytes()
-        row["gbps"] = row["floor_bytes"] / (row["ms"] * 1e-3) / 1e9
-        row["x_floor"] = row["ms"] * 1e-3 / (row["floor_bytes"] / (args.hbm_tbps * 1e12))
+        row["gbps"] = row["floor_bytes"] / (row["graph_ms"] * 1e-3) / 1e9
+        row["x_copy"] = row["graph_ms"] / row["copy_ms"]
+        if hbm_tbps:
+            row["x_floor"] = row["graph_ms"] * 1e-3 / (row["floor_bytes"] / (hbm_tbps * 1e12))
     row["status"] = "ok"
     return row
 
 
 def _add_speedups(rows: list[dict]) -> None:
-    """``speedup_vs_fla``: FLA's state-mode time at the same workload over the row's time."""
+    """``speedup_vs_fla``: FLA's state-mode time at the same workload over the row's time (graph times where both
+    rows have one, else eager times)."""
     keyf = ("B", "T", "H", "HV", "K", "V", "dtype")
-    base = {tuple(r[k] for k in keyf): r["ms"] for r in rows if r["impl"] == "fla" and r.get("ms")}
+    base = {tuple(r[k] for k in keyf): r for r in rows if r["impl"] == "fla" and r.get("ms")}
     for r in rows:
         b = base.get(tuple(r[k] for k in keyf))
-        r["speedup_vs_fla"] = (b / r["ms"]) if (b and r.get("ms")) else None
+        t = "graph_ms" if b and b.get("graph_ms") and r.get("graph_ms") else "ms"
+        r["speedup_vs_fla"] = (b[t] / r[t]) if (b and r.get(t)) else None
 
 
 def print_table(rows: list[dict], meta: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    floor = (f"x floor: time / (each fp32 state read and written once + q, k, v, g, beta, o) at an assumed "
-             f"{meta['hbm_tbps']} TB/s" if meta.get("hbm_tbps") else "floor columns: GPU only")
+    gpu = any(r.get("graph_ms") for r in rows)
+    floor = ("graph us: one call replayed from a CUDA graph (device time); GB/s, x floor, x copy and vs FLA use it; "
+             "x floor: graph time / (each fp32 state read and written once + q, k, v, g, beta, o) at the HBM "
+             f"specification's {meta.get('hbm_tbps') or '(unknown: --hbm-tbps)'} TB/s; x copy: graph time / copy us "
+             "(copy_ of the states' bytes, measured)" if gpu else "graph and floor columns: GPU only")
     t = Table(title=f"Gated DeltaNet decode ({OP}) | {meta['device']} | torch {meta['torch']} | triton "
-                    f"{meta['triton']}\nus per step: median do_bench of one call; {floor}", title_justify="left")
-    for col in ("impl", "mode", "workload", "us", "first call s", "GB/s", "x floor", "err o", "err state", "vs FLA",
-                "status"):
+                    f"{meta['triton']}\nus per step: median do_bench of one eager call; {floor}", title_justify="left")
+    for col in ("impl", "mode", "workload", "us", "graph us", "copy us", "first call s", "GB/s", "x floor", "x copy",
+                "err o", "err state", "vs FLA", "status"):
         t.add_column(col, justify="left" if col in ("impl", "mode", "workload", "status") else "right")
     for r in rows:
-        t.add_row(r["impl"], r["mode"], r["label"], fmt(r.get("us"), ".1f"), fmt(r.get("first_s"), ".2f"),
-                  fmt(r.get("gbps"), ".0f"), fmt(r.get("x_floor"), ".2f"), fmt(r.get("err_o"), ".2e"),
-                  fmt(r.get("err_state"), ".2e"),
+        t.add_row(r["impl"], r["mode"], r["label"], fmt(r.get("us"), ".1f"), fmt(r.get("graph_us"), ".1f"),
+                  fmt(None if r.get("copy_ms") is None else r["copy_ms"] * 1e3, ".1f"), fmt(r.get("first_s"), ".2f"),
+                  fmt(r.get("gbps"), ".0f"), fmt(r.get("x_floor"), ".2f"), fmt(r.get("x_copy"), ".2f"),
+                  fmt(r.get("err_o"), ".2e"), fmt(r.get("err_state"), ".2e"),
                   (fmt(r.get("speedup_vs_fla"), ".2f") + "x") if r.get("speedup_vs_fla") else "-", r.get("status", ""))
     console = Console(width=max(170, Console().width))
     console.print(t)
