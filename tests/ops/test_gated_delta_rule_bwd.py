@@ -598,8 +598,7 @@ def test_bwd_in_slabs_gpu(monkeypatch, B, T, H, HV, l2norm, h0, lens, keep):
 
     calls = []
     real = gdn_chunk._ws_bwd_in_slabs
-    monkeypatch.setattr(gdn_chunk, "_ws_bwd_in_slabs",
-                        _spy(calls, real))
+    monkeypatch.setattr(gdn_chunk, "_ws_bwd_in_slabs", _spy(calls, real))
     N = len(lens) if lens else B
     cu = torch.tensor([0] + list(itertools.accumulate(lens)), device="cuda") if lens else None
     assert cu is None or cu[-1].item() == T
@@ -641,8 +640,7 @@ def test_bwd_in_slabs_holds_less_gpu(monkeypatch, keep):
 
     calls = []
     real = gdn_chunk._ws_bwd_in_slabs
-    monkeypatch.setattr(gdn_chunk, "_ws_bwd_in_slabs",
-                        _spy(calls, real))
+    monkeypatch.setattr(gdn_chunk, "_ws_bwd_in_slabs", _spy(calls, real))
     x = gdn_inputs(2, 8192, 8, 128, 128, dtype=torch.bfloat16, device="cuda", seed=3)
     do = torch.randn_like(x["v"])
 

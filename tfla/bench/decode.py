@@ -21,10 +21,10 @@ same as ``tfla bench gdn``), not finite, or (pool) with any other slot changed, 
 
 Timing: median ``triton.testing.do_bench`` of one call (one decode step of T tokens per sequence; do_bench clears
 the L2 cache before each call, so states come from HBM), column ``us`` in microseconds per step (``ms`` in the
-JSON / CSV rows). At small batches an eager call is bound by its host side (Python and the kernel launch, ~40-130
-us per call on the machines measured, varying between hosts and runs), so on a GPU the same call is also replayed
-from a CUDA graph (``graph us``, ``graph_ms``: device time alone, as vLLM and SGLang run decode steps), and the
-columns below use that time. ``first_s``: wall time of the first call at the workload (the check call: it compiles
+JSON / CSV rows). At small batches an eager call is bound by its host side (Python and the kernel launch, ~40-160
+us per call on the H200 machines measured, varying between runs), so on a GPU the same call is also replayed from a
+CUDA graph (``graph us``, ``graph_ms``: device time alone, as vLLM and SGLang run decode steps), and the columns
+below use that time (an implementation that cannot be captured keeps its eager time there, and the table says so). ``first_s``: wall time of the first call at the workload (the check call: it compiles
 what Triton's cache and earlier rows have not). On a GPU only: the bytes floor, each state read and written once
 (``2 B HV K V * 4``) plus q, k, v, g, beta read and o written once, as GB/s achieved and as ``x floor`` = time /
 (bytes / bandwidth), with the bandwidth the GPU's HBM specification (``HBM_TBPS`` by device name, e.g. H100 SXM
@@ -323,14 +323,18 @@ def _check_and_time(impl, x, mode, device, wl, row, ref_o, ref_s, args, hbm_tbps
     row["ms"] = time_ms(timed_call(impl, x, mode), args.warmup, args.rep)
     row["us"] = row["ms"] * 1e3
     if device == "cuda":
-        row["graph_ms"] = graph_ms(timed_call(impl, x, mode), args.warmup, args.rep)
-        row["graph_us"] = row["graph_ms"] * 1e3
+        try:
+            row["graph_ms"] = graph_ms(timed_call(impl, x, mode), args.warmup, args.rep)
+            row["graph_us"] = row["graph_ms"] * 1e3
+        except Exception as e:  # a peer that cannot be captured: its eager time stands in, and the row says so
+            row["graph_ms"], row["graph_note"] = None, f"not captured ({error_status(e)})"
+        device_ms = row["graph_ms"] or row["ms"]
         row["copy_ms"] = wl.copy_floor_ms(args.warmup, args.rep)
         row["floor_bytes"] = wl.floor_bytes()
-        row["gbps"] = row["floor_bytes"] / (row["graph_ms"] * 1e-3) / 1e9
-        row["x_copy"] = row["graph_ms"] / row["copy_ms"]
+        row["gbps"] = row["floor_bytes"] / (device_ms * 1e-3) / 1e9
+        row["x_copy"] = device_ms / row["copy_ms"]
         if hbm_tbps:
-            row["x_floor"] = row["graph_ms"] * 1e-3 / (row["floor_bytes"] / (hbm_tbps * 1e12))
+            row["x_floor"] = device_ms * 1e-3 / (row["floor_bytes"] / (hbm_tbps * 1e12))
     row["status"] = "ok"
     return row
 
@@ -365,7 +369,8 @@ def print_table(rows: list[dict], meta: dict) -> None:
                   fmt(None if r.get("copy_ms") is None else r["copy_ms"] * 1e3, ".1f"), fmt(r.get("first_s"), ".2f"),
                   fmt(r.get("gbps"), ".0f"), fmt(r.get("x_floor"), ".2f"), fmt(r.get("x_copy"), ".2f"),
                   fmt(r.get("err_o"), ".2e"), fmt(r.get("err_state"), ".2e"),
-                  (fmt(r.get("speedup_vs_fla"), ".2f") + "x") if r.get("speedup_vs_fla") else "-", r.get("status", ""))
+                  (fmt(r.get("speedup_vs_fla"), ".2f") + "x") if r.get("speedup_vs_fla") else "-",
+                  r.get("status", "") + (f"; eager times: {r['graph_note']}" if r.get("graph_note") else ""))
     console = Console(width=max(170, Console().width))
     console.print(t)
     if meta.get("missing_peers", "-") != "-":
