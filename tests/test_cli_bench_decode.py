@@ -117,20 +117,19 @@ def test_bench_decode_help():
 
 def test_uncapturable_impl_keeps_eager_times(monkeypatch, device):
     """An implementation whose call cannot be captured in a CUDA graph keeps its row: graph_ms None, the derived
-    columns from its eager time, the table naming why (the GPU path run with the capture and the copy stubbed)."""
+    columns from its eager time, the table naming why (the GPU path run with the capture stubbed and the copy floor given)."""
     from tfla.bench import decode
 
     def no_capture(*a, **kw):
         raise RuntimeError("operation not permitted when stream is capturing")
 
     monkeypatch.setattr(decode, "graph_ms", no_capture)
-    monkeypatch.setattr(decode.Workload, "copy_floor_ms", lambda self, w, r: 0.5)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     wl = decode.Workload(1, 1, 1, 2, 16, 16, "fp32")
     x = decode.decode_inputs(wl, device, 0)
     ref_o, ref_s = decode.reference(x)
     args = types.SimpleNamespace(warmup=1, rep=5)
-    row = decode._check_and_time(decode.tfla_impl(), x, "state", "cuda", wl, {}, ref_o, ref_s, args, 3.35)
+    row = decode._check_and_time(decode.tfla_impl(), x, "state", "cuda", wl, {}, ref_o, ref_s, args, 3.35, 0.5)
     assert row["status"] == "ok" and row["graph_ms"] is None and "stream is capturing" in row["graph_note"]
     assert row["x_copy"] == pytest.approx(row["ms"] / 0.5)
     assert row["x_floor"] == pytest.approx(row["ms"] * 1e-3 / (wl.floor_bytes() / 3.35e12))
