@@ -356,7 +356,7 @@ def print_table(rows: list[dict], meta: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    gpu = any(r.get("graph_ms") for r in rows)
+    gpu = any(r.get("copy_ms") for r in rows)  # (set on a GPU even where no call could be captured)
     floor = ("graph us: one call replayed from a CUDA graph (device time); GB/s, x floor, x copy and vs FLA use it; "
              "x floor: graph time / (each fp32 state read and written once + q, k, v, g, beta, o) at the HBM "
              f"specification's {meta.get('hbm_tbps') or '(unknown: --hbm-tbps)'} TB/s; x copy: graph time / copy us "
