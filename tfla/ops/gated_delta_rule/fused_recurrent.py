@@ -50,6 +50,24 @@ def _in_pool(o, i_slot, n_slots):
     return (b_s >= 0) & (b_s < n_slots)
 
 
+@triton.jit
+def _token_inputs(q, k, v, g, beta, row, live, i_h, i_hv, o_k, o_v, m_k, m_v, H: tl.constexpr, HV: tl.constexpr,
+                  K: tl.constexpr, V: tl.constexpr, USE_G: tl.constexpr, ACC: tl.constexpr):
+    """Row ``row``'s q, k ``[BK]``, v ``[BV]``, beta and the gate's factor ``e^g`` (1 without a gate), zeros where
+    ``live`` is false (a row past the sequence: loaded ahead of its use, never used)."""
+    m_tk = m_k & (o_k * 0 + live.to(tl.int32) > 0)
+    m_tv = m_v & (o_v * 0 + live.to(tl.int32) > 0)
+    b_q = tl.load(q + (row * H + i_h) * K + o_k, mask=m_tk, other=0.0).to(ACC)
+    b_k = tl.load(k + (row * H + i_h) * K + o_k, mask=m_tk, other=0.0).to(ACC)
+    b_v = tl.load(v + (row * HV + i_hv) * V + o_v, mask=m_tv, other=0.0).to(ACC)
+    b_beta = tl.load(beta + row * HV + i_hv, mask=live, other=0.0).to(ACC)
+    if USE_G:
+        b_eg = tl.exp(tl.load(g + row * HV + i_hv, mask=live, other=0.0).to(ACC))
+    else:
+        b_eg = b_beta * 0 + 1.0
+    return b_q, b_k, b_v, b_beta, b_eg
+
+
 @triton.jit(do_not_specialize=["T", "n_slots"])
 def _gdn_fused_recurrent_fwd_kernel(
     q, k, v, g, beta, o, h0, ht, cu_seqlens, state_idx, num_acc,
@@ -78,6 +96,11 @@ def _gdn_fused_recurrent_fwd_kernel(
     m_v = o_v < V
     m_h = m_k[:, None] & m_v[None, :]
 
+    # the first token's inputs go out before the slot's and the state's loads (they do not depend on them): at T =
+    # 1 the state's load then waits on the slot's alone, not on the inputs' round trip too
+    b_q, b_k, b_v, b_beta, b_eg = _token_inputs(q, k, v, g, beta, bos, bos < eos, i_h, i_hv, o_k, o_v, m_k, m_v,
+                                                H, HV, K, V, USE_G, ACC)
+
     # the slot this sequence starts from (the pool's row; the sequence itself without indices)
     if USE_IDX:
         if USE_ACC:
@@ -98,12 +121,11 @@ def _gdn_fused_recurrent_fwd_kernel(
 
     for i_t in range(0, eos - bos):
         row = bos + i_t
-        b_q = tl.load(q + (row * H + i_h) * K + o_k, mask=m_k, other=0.0).to(ACC)  # [BK]
-        b_k = tl.load(k + (row * H + i_h) * K + o_k, mask=m_k, other=0.0).to(ACC)  # [BK]
-        b_v = tl.load(v + (row * HV + i_hv) * V + o_v, mask=m_v, other=0.0).to(ACC)  # [BV]
-        b_beta = tl.load(beta + row * HV + i_hv).to(ACC)
+        # the next token's inputs, loaded while this token's are used (speculative decode, prefill)
+        n_q, n_k, n_v, n_beta, n_eg = _token_inputs(q, k, v, g, beta, row + 1, row + 1 < eos, i_h, i_hv, o_k, o_v,
+                                                    m_k, m_v, H, HV, K, V, USE_G, ACC)
         if USE_G:
-            b_h = b_h * tl.exp(tl.load(g + row * HV + i_hv).to(ACC))
+            b_h = b_h * b_eg
         b_u = b_beta * (b_v - tl.sum(b_h * b_k[:, None], 0))  # [BV]
         b_h = b_h + b_k[:, None] * b_u[None, :]
         b_o = tl.sum(b_h * b_q[:, None], 0) * scale  # [BV]
@@ -115,6 +137,7 @@ def _gdn_fused_recurrent_fwd_kernel(
                 m_w = m_lk & _in_pool(o_k, i_w, n_slots) & (o_k * 0 + i_t < NS)  # [BK]
                 p_w = ht + i_w * s_ht_n + i_hv * s_ht_h + o_k[:, None] * s_ht_k + o_v[None, :] * s_ht_v
                 tl.store(p_w, b_h.to(ht.dtype.element_ty), mask=m_h & m_w[:, None])
+        b_q, b_k, b_v, b_beta, b_eg = n_q, n_k, n_v, n_beta, n_eg
 
     if STORE_HT:
         if INPLACE:
