@@ -9,8 +9,8 @@ One program per (sequence, value head, value tile of BV columns) loops over its 
 (T = 1) or a few speculative tokens. The launch depends on shapes only (grid ``V/BV x N*HV``, flattened past CUDA's
 axis limits), and nothing is read back to the host, so a call can be captured in a CUDA graph (the GPU test
 ``test_cuda_graph_decode_with_pool``: replay equal to eager; ``tfla bench decode`` times the replays). A program
-loads its first token's inputs before its slot index and state (independent of them), and the next token's while it
-uses this one's: one memory round trip less per program (H200, graph time, B = 64: 78.6 -> 72.2 us;
+loads its first token's inputs before its slot index and state (independent of them): one memory round trip less per
+program (H200, graph time, B = 64: 78.6 -> 72.2 us;
 ``docs/performance.md``, "Decode: the token's inputs loaded before the state").
 
 State pool (vLLM / SGLang): with ``ssm_state_indices`` the states live in a pool ``[slots, HV, K, V]`` (the
@@ -124,9 +124,6 @@ def _gdn_fused_recurrent_fwd_kernel(
 
     for i_t in range(0, eos - bos):
         row = bos + i_t
-        # the next token's inputs, loaded while this token's are used (speculative decode, prefill)
-        n_q, n_k, n_v, n_beta, n_eg = _token_inputs(q, k, v, g, beta, row + 1, row + 1 < eos, i_h, i_hv, o_k, o_v,
-                                                    m_k, m_v, H, HV, K, V, USE_G, ACC)
         if USE_G:
             b_h = b_h * b_eg
         b_u = b_beta * (b_v - tl.sum(b_h * b_k[:, None], 0))  # [BV]
@@ -140,7 +137,10 @@ def _gdn_fused_recurrent_fwd_kernel(
                 m_w = m_lk & _in_pool(o_k, i_w, n_slots) & (o_k * 0 + i_t < NS)  # [BK]
                 p_w = ht + i_w * s_ht_n + i_hv * s_ht_h + o_k[:, None] * s_ht_k + o_v[None, :] * s_ht_v
                 tl.store(p_w, b_h.to(ht.dtype.element_ty), mask=m_h & m_w[:, None])
-        b_q, b_k, b_v, b_beta, b_eg = n_q, n_k, n_v, n_beta, n_eg
+        # the next token's inputs (speculative decode, prefill), loaded after this token's products: loaded at the
+        # loop's top, ahead of them, they kept 162 registers live instead of 128 (6 programs per SM instead of 8)
+        b_q, b_k, b_v, b_beta, b_eg = _token_inputs(q, k, v, g, beta, row + 1, row + 1 < eos, i_h, i_hv, o_k, o_v,
+                                                    m_k, m_v, H, HV, K, V, USE_G, ACC)
 
     if STORE_HT:
         if INPLACE:
