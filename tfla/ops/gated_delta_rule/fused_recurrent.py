@@ -31,7 +31,7 @@ import triton.language as tl
 
 from tfla.ops.common.grid import program_pair, tile_grid
 from tfla.ops.common.l2norm import l2norm
-from tfla.ops.common.utils import SUB_CHUNK, acc_dtype, next_pow2, seqlens_to_list, sm_count
+from tfla.ops.common.utils import SUB_CHUNK, acc_dtype, cdiv, next_pow2, seqlens_to_list, sm_count
 from tfla.ops.gated_delta_rule.chunk import _fla_options
 from tfla.utils.validation import (
     check_common,
@@ -164,7 +164,7 @@ def launch_config(V: int, config: dict | None = None, pairs: int = 0, sms: int =
     ~3.35 TB/s: 80 us), 99.5 at 32 / 1, 98.9 at 64 / 4, 102.3 at 16 / 2; B = 256 441.9 / 375.0 (floor 320 us),
     366.0 at 64 / 2; from a pool of 2B slots (``ssm_state_indices``, in place) B = 64 124.5 / 102.9, B = 256
     474.4 / 389.8. At B = 1 and 8 the call is bound by its launch (18-135 us in any tiling, noisy)."""
-    wide = pairs * triton.cdiv(V, 32) >= 2 * sms
+    wide = pairs * cdiv(V, 32) >= 2 * sms
     cfg = {"BV": min(32, next_pow2(V)), "num_warps": 2} if wide else {"BV": min(8, next_pow2(V)), "num_warps": 1}
     cfg.update(config or {})
     return cfg
@@ -200,7 +200,7 @@ def fused_recurrent_gated_delta_rule_fwd(
     NS = ssm_state_indices.shape[1] if ssm_state_indices is not None else 1
     cfg = launch_config(V, config, N * HV, sm_count(q))
     BK, BV = next_pow2(K), cfg["BV"]
-    NV = triton.cdiv(V, BV)
+    NV = cdiv(V, BV)
     o = torch.empty(B, T, HV, V, dtype=q.dtype, device=q.device)
     ht = None
     if inplace_final_state:

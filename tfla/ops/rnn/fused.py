@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tfla.ops.common.utils import dot_precision, dot_tile
+from tfla.ops.common.utils import cdiv, dot_precision, dot_tile
 from tfla.ops.rnn.pointwise import SLSTM, _cell_bwd, _cell_fwd, _states_in, _states_out, _store_gates
 
 MAX_FUSED_D = 128  # the largest head dim the fused path takes (chosen by default up to 64: cells.py)
@@ -263,7 +263,7 @@ def _run(kernel, grid, *args, **kw):
 
 def _launch(N: int, NH: int, D: int, dtype: torch.dtype, BB: int, num_warps: int, num_stages: int):
     BD = dot_tile(D, MAX_FUSED_D, dtype)
-    return (triton.cdiv(N, BB), NH), dict(BB=BB, BD=BD, DOT=_DOT[dtype], PREC=dot_precision(dtype),
+    return (cdiv(N, BB), NH), dict(BB=BB, BD=BD, DOT=_DOT[dtype], PREC=dot_precision(dtype),
                                           STAGES=num_stages, num_warps=num_warps)
 
 

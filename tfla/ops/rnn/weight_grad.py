@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tfla.ops.common.utils import interpret_mode, next_pow2, sm_count
+from tfla.ops.common.utils import cdiv, interpret_mode, next_pow2, sm_count
 
 
 @triton.jit
@@ -100,15 +100,15 @@ def dR_db(states: torch.Tensor, drh: torch.Tensor):
     BM, BN = _tiles(GD, D)
     BK = 64 if BM * BN < 64 * 64 else 32  # (operand registers)
     rows = Tm * N
-    tiles = triton.cdiv(GD, BM) * triton.cdiv(D, BN) * NH
+    tiles = cdiv(GD, BM) * cdiv(D, BN) * NH
     # enough programs for ~4 per SM, each over at least 8 row blocks
-    splits = max(1, min(triton.cdiv(4 * sm_count(drh), tiles), triton.cdiv(rows, 8 * BK)))
-    per = triton.cdiv(triton.cdiv(rows, splits), BK) * BK
-    splits = triton.cdiv(rows, per)
+    splits = max(1, min(cdiv(4 * sm_count(drh), tiles), cdiv(rows, 8 * BK)))
+    per = cdiv(cdiv(rows, splits), BK) * BK
+    splits = cdiv(rows, per)
     dR_p = torch.empty(splits, NH, GD, D, device=drh.device, dtype=torch.float32)
     db_p = torch.empty(splits, NH, GD, device=drh.device, dtype=torch.float32)
     h = states[:, 0]
-    _rnn_dR_db_kernel[(triton.cdiv(GD, BM) * triton.cdiv(D, BN), splits, NH)](
+    _rnn_dR_db_kernel[(cdiv(GD, BM) * cdiv(D, BN), splits, NH)](
         drh, h, dR_p, db_p, N, D, GD, rows, per,
         drh.stride(0), drh.stride(1), drh.stride(2), h.stride(0), h.stride(1), h.stride(2),
         BM=BM, BN=BN, BK=BK, SPLIT=not interpret_mode(), PREC="ieee", num_warps=4)

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from tfla.ops.common.grid import program_pair, tile_grid
-from tfla.ops.common.utils import SUB_CHUNK, acc_dtype, next_pow2, sm_count
+from tfla.ops.common.utils import SUB_CHUNK, acc_dtype, cdiv, next_pow2, sm_count
 from tfla.ops.gated_delta_rule.fused_recurrent import launch_config
 from tfla.ops.simple_gla.chunk import _check
 from tfla.utils.validation import state_in_fla_layout, state_in_kv_layout
@@ -109,7 +109,7 @@ def _fwd(q, k, v, g, g_gamma, scale, initial_state, output_final_state, reverse,
     # the GDN decode kernel's launch rule (32 columns on 2 warps where the batch fills the SMs, else 8 on one warp)
     cfg = launch_config(V, None, N * H, sm_count(q))
     BV = cfg["BV"]
-    NV = triton.cdiv(V, BV)
+    NV = cdiv(V, BV)
     grid, flat = tile_grid(NV, N * H)
     _simple_gla_fused_recurrent_fwd_kernel[grid](
         q, k, v, g, g_gamma, o, initial_state, ht, cu_seqlens, scale, T,
