@@ -264,7 +264,7 @@ def _run(kernel, grid, *args, **kw):
 def _launch(N: int, NH: int, D: int, dtype: torch.dtype, BB: int, num_warps: int, num_stages: int):
     BD = dot_tile(D, MAX_FUSED_D, dtype)
     return (cdiv(N, BB), NH), dict(BB=BB, BD=BD, DOT=_DOT[dtype], PREC=dot_precision(dtype),
-                                          STAGES=num_stages, num_warps=num_warps)
+                                   STAGES=num_stages, num_warps=num_warps)
 
 
 def rnn_fused_fwd(cell_id: int, x, Wt, b_acc, states, rh, o, BB: int, num_warps: int, num_stages: int):
