@@ -55,19 +55,25 @@ def _in_pool(o, i_slot, n_slots):
 
 @triton.jit
 def _token_inputs(q, k, v, g, beta, row, live, i_h, i_hv, o_k, o_v, m_k, m_v, H: tl.constexpr, HV: tl.constexpr,
-                  K: tl.constexpr, V: tl.constexpr, USE_G: tl.constexpr, ACC: tl.constexpr):
-    """Row ``row``'s q, k ``[BK]``, v ``[BV]``, beta and the gate's factor ``e^g`` (1 without a gate), zeros where
-    ``live`` is false (a row past the sequence: loaded ahead of its use, never used)."""
+                  K: tl.constexpr, V: tl.constexpr, USE_G: tl.constexpr, USE_BETA: tl.constexpr, ACC: tl.constexpr):
+    """Row ``row``'s q, k ``[BK]`` (key head i_h of H), v ``[BV]``, beta and the gate's factor ``e^g`` (value head i_hv
+    of HV; 1 without ``USE_G`` / ``USE_BETA``), zeros where ``live`` is false (a row outside the sequence: loaded ahead
+    of its use, never used). Shared by the decode kernels (``tfla/ops/simple_gla/fused_recurrent.py``: HV = H, no
+    beta)."""
     m_tk = m_k & (o_k * 0 + live.to(tl.int32) > 0)
     m_tv = m_v & (o_v * 0 + live.to(tl.int32) > 0)
     b_q = tl.load(q + (row * H + i_h) * K + o_k, mask=m_tk, other=0.0).to(ACC)
     b_k = tl.load(k + (row * H + i_h) * K + o_k, mask=m_tk, other=0.0).to(ACC)
     b_v = tl.load(v + (row * HV + i_hv) * V + o_v, mask=m_tv, other=0.0).to(ACC)
-    b_beta = tl.load(beta + row * HV + i_hv, mask=live, other=0.0).to(ACC)
+    b_one = tl.sum(b_q, 0) * 0 + 1.0
+    if USE_BETA:
+        b_beta = tl.load(beta + row * HV + i_hv, mask=live, other=0.0).to(ACC)
+    else:
+        b_beta = b_one
     if USE_G:
         b_eg = tl.exp(tl.load(g + row * HV + i_hv, mask=live, other=0.0).to(ACC))
     else:
-        b_eg = b_beta * 0 + 1.0
+        b_eg = b_one
     return b_q, b_k, b_v, b_beta, b_eg
 
 
@@ -102,7 +108,7 @@ def _gdn_fused_recurrent_fwd_kernel(
     # the first token's inputs go out before the slot's and the state's loads (they do not depend on them): at T =
     # 1 the state's load then waits on the slot's alone, not on the inputs' round trip too
     b_q, b_k, b_v, b_beta, b_eg = _token_inputs(q, k, v, g, beta, bos, bos < eos, i_h, i_hv, o_k, o_v, m_k, m_v,
-                                                H, HV, K, V, USE_G, ACC)
+                                                H, HV, K, V, USE_G, True, ACC)
 
     # the slot this sequence starts from (the pool's row; the sequence itself without indices)
     if USE_IDX:
@@ -140,7 +146,7 @@ def _gdn_fused_recurrent_fwd_kernel(
         # the next token's inputs (speculative decode, prefill), loaded after this token's products: loaded at the
         # loop's top, ahead of them, they kept 162 registers live instead of 128 (6 programs per SM instead of 8)
         b_q, b_k, b_v, b_beta, b_eg = _token_inputs(q, k, v, g, beta, row + 1, row + 1 < eos, i_h, i_hv, o_k, o_v,
-                                                    m_k, m_v, H, HV, K, V, USE_G, ACC)
+                                                    m_k, m_v, H, HV, K, V, USE_G, True, ACC)
 
     if STORE_HT:
         if INPLACE:

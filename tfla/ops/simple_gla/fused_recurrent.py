@@ -14,26 +14,9 @@ import triton.language as tl
 
 from tfla.ops.common.grid import program_pair, tile_grid
 from tfla.ops.common.utils import SUB_CHUNK, acc_dtype, cdiv, next_pow2, sm_count
-from tfla.ops.gated_delta_rule.fused_recurrent import launch_config
+from tfla.ops.gated_delta_rule.fused_recurrent import _token_inputs, launch_config
 from tfla.ops.simple_gla.chunk import _check
 from tfla.utils.validation import state_in_fla_layout, state_in_kv_layout
-
-
-@triton.jit
-def _token_inputs(q, k, v, g, row, live, i_h, o_k, o_v, m_k, m_v, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                  USE_G: tl.constexpr, ACC: tl.constexpr):
-    """Row ``row``'s q, k ``[BK]``, v ``[BV]`` and the gate's factor ``e^g`` (1 without ``USE_G``), zeros where
-    ``live`` is false (a row outside the sequence: loaded ahead of its use, never used)."""
-    m_tk = m_k & (o_k * 0 + live.to(tl.int32) > 0)
-    m_tv = m_v & (o_v * 0 + live.to(tl.int32) > 0)
-    b_q = tl.load(q + (row * H + i_h) * K + o_k, mask=m_tk, other=0.0).to(ACC)
-    b_k = tl.load(k + (row * H + i_h) * K + o_k, mask=m_tk, other=0.0).to(ACC)
-    b_v = tl.load(v + (row * H + i_h) * V + o_v, mask=m_tv, other=0.0).to(ACC)
-    if USE_G:
-        b_eg = tl.exp(tl.load(g + row * H + i_h, mask=live, other=0.0).to(ACC))
-    else:
-        b_eg = tl.sum(b_q, 0) * 0 + 1.0
-    return b_q, b_k, b_v, b_eg
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -60,7 +43,8 @@ def _simple_gla_fused_recurrent_fwd_kernel(
     # the first token's inputs go out before the state's load (independent of it), as in the GDN decode kernel: one
     # memory round trip less per program at T = 1
     row = eos - 1 if REVERSE else bos
-    b_q, b_k, b_v, b_eg = _token_inputs(q, k, v, g, row, bos < eos, i_h, o_k, o_v, m_k, m_v, H, K, V, USE_G, ACC)
+    b_q, b_k, b_v, _, b_eg = _token_inputs(q, k, v, g, q, row, bos < eos, i_h, i_h, o_k, o_v, m_k, m_v, H, H, K, V,
+                                           USE_G, False, ACC)
     b_h = tl.zeros([BK, BV], dtype=ACC)
     if USE_H0:
         b_h += tl.load(h0 + p_s, mask=m_h, other=0.0).to(ACC)
@@ -78,8 +62,8 @@ def _simple_gla_fused_recurrent_fwd_kernel(
         b_o = tl.sum(b_h * b_q[:, None], 0) * scale
         tl.store(o + (row * H + i_h) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
         nxt = row - 1 if REVERSE else row + 1  # the next token's inputs, after this one's products
-        b_q, b_k, b_v, b_eg = _token_inputs(q, k, v, g, nxt, i_t + 1 < eos - bos, i_h, o_k, o_v, m_k, m_v, H, K, V,
-                                            USE_G, ACC)
+        b_q, b_k, b_v, _, b_eg = _token_inputs(q, k, v, g, q, nxt, i_t + 1 < eos - bos, i_h, i_h, o_k, o_v, m_k, m_v,
+                                               H, H, K, V, USE_G, False, ACC)
     if STORE_HT:
         tl.store(ht + p_s, b_h.to(ht.dtype.element_ty), mask=m_h)
 
