@@ -65,7 +65,7 @@ def _token_inputs(q, k, v, g, beta, row, live, i_h, i_hv, o_k, o_v, m_k, m_v, H:
     b_q = tl.load(q + (row * H + i_h) * K + o_k, mask=m_tk, other=0.0).to(ACC)
     b_k = tl.load(k + (row * H + i_h) * K + o_k, mask=m_tk, other=0.0).to(ACC)
     b_v = tl.load(v + (row * HV + i_hv) * V + o_v, mask=m_tv, other=0.0).to(ACC)
-    b_one = tl.sum(b_q, 0) * 0 + 1.0
+    b_one = tl.full((), 1.0, ACC)
     if USE_BETA:
         b_beta = tl.load(beta + row * HV + i_hv, mask=live, other=0.0).to(ACC)
     else:
