@@ -5,10 +5,11 @@ gradient's WY part) in one Gluon kernel, chosen by ``chunk.chunk_gated_delta_rul
 ``gdn_bwd_ws_supported`` holds; the same results up to the order of fp32 additions and where 16-bit roundings fall
 (dk's WY part is rounded once before it joins the rest; dW, dk's parts and the state terms never reach HBM).
 
-One CTA of two warpgroups (8 warps; the key columns split between them: ``[64, 128]`` fp32 accumulators of 32
-registers per thread) per (64-row chunk, batch x value head) tile, one CTA per SM. Per tile, with S the state at the
-chunk's start, dS the gradient of the state after it, G the cumulative gate (log2, restarting every 64 rows), n the
-last row, Tm = (I + A)^-1 (``ut_transform.py``), X_k = beta 2^G k, X_v = beta v (notation of ``chunk_dqkw``,
+A persistent grid of one CTA per SM walks the (64-row chunk, batch x value head) tiles; in each CTA two consumer
+warpgroups (8 warps; the key columns split between them: ``[64, 128]`` fp32 accumulators of 32 registers per
+thread) run the tiles one after another and a producer warp loads the next tile's inputs. Per tile, with S the state
+at the chunk's start, dS the gradient of the state after it, G the cumulative gate (log2, restarting every 64 rows),
+n the last row, Tm = (I + A)^-1 (``ut_transform.py``), X_k = beta 2^G k, X_v = beta v (notation of ``chunk_dqkw``,
 ``wy_bwd``):
 
 1. pass 1 over the value columns (64 at a time): ``dW = -dU S^T``, ``dU V^T``, ``dX_v = Tm^T dU`` (dv =
@@ -19,17 +20,24 @@ last row, Tm = (I + A)^-1 (``ut_transform.py``), X_k = beta 2^G k, X_v = beta v 
 4. ``q k^T``, the scores ``P = s o 2^(G_r - G_s)`` (strictly lower), ``dq = scale (2^G dq_state + P k + diag(s) k)``,
    ``dk = scale (P^T q + diag(s) q) + 2^(G_n - G) dk_state +`` the WY part, the gate gradient's row sums.
 
-Every input tile of a chunk stays in shared memory (200 KB at V = 128): all of a tile's loads are issued at its
-start, so no pass waits on a load after the first (a persistent form that issued the next tile's loads early spilled
-and was slower: docs/performance.md). Whole chunks leave through TMA stores, a chunk cut by its sequence's end through masked stores; Tm's rows past the
-sequence's end (the next sequence's) are zeroed in shared memory before they enter a product.
+Every input tile of a chunk has one buffer in shared memory (200 KB at V = 128, so one CTA per SM). The producer
+refills each group of buffers for the next tile as soon as the consumers have released it (``_bwd_producer``): v, dU
+and Tm after the UT / WY backward, S, dS, dO and Vnew after pass 2, q and k after the last product; it also places
+the tile's indices and row vectors (gate, beta, l2norm's 1 / norm) in shared memory, so a tile starts without a
+global load and its loads overlap the previous tile's later stages. The consumers' tile loop keeps loop-invariant
+code inside (``disable_licm``: hoisted, it kept values live across the loop and spilled 40 B at the 240 registers the
+consumers get). Against one CTA per tile with all loads at its start (f5ba0b2's form; a persistent form issuing the
+next tile's loads from the consumers spilled and was slower): docs/performance.md, "The chunk gradients
+persistent". Whole chunks leave through TMA stores, a chunk cut by its sequence's end through masked stores; Tm's
+rows past the sequence's end (the next sequence's) are zeroed in shared memory before they enter a product.
 """
 from __future__ import annotations
 
 import torch
+import triton.language as tl
 
 from tfla.ops.common.fused_delta_ws import HAVE_GLUON, _is_sm90, tma_desc
-from tfla.ops.common.utils import varlen_mode
+from tfla.ops.common.utils import sm_count, varlen_mode
 
 if HAVE_GLUON:
     from triton.experimental import gluon
@@ -37,7 +45,7 @@ if HAVE_GLUON:
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                   warpgroup_mma_wait)
 
-    from tfla.ops.common.fused_delta_ws import _chunk_gates, _seq_rows, _tma_load, _tma_store
+    from tfla.ops.common.fused_delta_ws import _seq_rows, _tma_load, _tma_store
 
     # a CTA-wide barrier: ``gl.thread_barrier`` in Triton 3.6, ``gl.barrier`` in newer releases
     _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
@@ -143,36 +151,74 @@ if HAVE_GLUON:
         return row0 + i_t * 64, i_t * 64, T, (boh + i_t) * HV + i_hv, i_hv, i_hv // (HV // H)
 
     @gluon.jit
-    def _issue_tile_loads(v_desc, du_desc, h_desc, dh_desc, tm_desc, do_desc, vn_desc, v_s, du_s, h_s, dh_s, tm_s,
-                          do_s, vn_s, bar_w, bar_v, r, slot, i_hv, K: gl.constexpr, V: gl.constexpr):
-        """A tile's value-column tiles (pass 1: v, dU, S, dS, and Tm with the first; pass 2: dO, Vnew), one barrier
-        per pass and 64 columns."""
+    def _bwd_producer(q_desc, k_desc, v_desc, du_desc, h_desc, dh_desc, tm_desc, do_desc, vn_desc, q_s, k_s, v_s,
+                      du_s, h_s, dh_s, tm_s, do_s, vn_s, rows_s, idx_s, f_r, f_a, f_c, f_d, f_e, e_r, e_a, e_c, e_e,
+                      g, beta, rstd_q, rstd_k, cu_seqlens, tile_indices, sub_offsets, T, NT, n_tiles,
+                      H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, IS_VARLEN: gl.constexpr,
+                      L2: gl.constexpr):
+        """One warp: each of the CTA's tiles' inputs into the single buffers, each group as soon as the consumers
+        have released the previous tile's: v, dU and Tm (``f_a``) after the WY stage, S and dS (``f_c``, per 64
+        columns) and dO and Vnew (``f_d``) after pass 2, q and k (``f_e``) after the tile's last product; and the
+        tile's row vectors (the gate and beta rows, l2norm's 1 / norm) and indices through shared memory (``f_r``),
+        so the consumers' tiles start without a global load."""
         NV: gl.constexpr = V // 64
-        nb_w: gl.constexpr = (v_desc.block_type.nbytes + du_desc.block_type.nbytes + h_desc.block_type.nbytes
-                              + dh_desc.block_type.nbytes)
-        nb_v: gl.constexpr = do_desc.block_type.nbytes + vn_desc.block_type.nbytes
-        for iv in gl.static_range(NV):
-            c = i_hv * V + iv * 64
-            if iv == 0:
-                mbarrier.expect(bar_w.index(iv), nb_w + tm_desc.block_type.nbytes)
-                _tma_load(tm_desc, [r, i_hv * 64], bar_w.index(iv), tm_s)
-            else:
-                mbarrier.expect(bar_w.index(iv), nb_w)
-            _tma_load(v_desc, [r, c], bar_w.index(iv), v_s.index(iv))
-            _tma_load(du_desc, [r, c], bar_w.index(iv), du_s.index(iv))
-            _tma_load(h_desc, [slot * K, iv * 64], bar_w.index(iv), h_s.index(iv))
-            _tma_load(dh_desc, [slot * K, iv * 64], bar_w.index(iv), dh_s.index(iv))
-        for iv in gl.static_range(NV):
-            c = i_hv * V + iv * 64
-            mbarrier.expect(bar_v.index(iv), nb_v)
-            _tma_load(do_desc, [r, c], bar_v.index(iv), do_s.index(iv))
-            _tma_load(vn_desc, [r, c], bar_v.index(iv), vn_s.index(iv))
+        LP: gl.constexpr = gl.BlockedLayout([2], [32], [1], [0])
+        LI: gl.constexpr = gl.BlockedLayout([8], [32], [1], [0])
+        nb_a: gl.constexpr = tm_desc.block_type.nbytes + NV * (v_desc.block_type.nbytes + du_desc.block_type.nbytes)
+        nb_c: gl.constexpr = h_desc.block_type.nbytes + dh_desc.block_type.nbytes
+        nb_d: gl.constexpr = do_desc.block_type.nbytes + vn_desc.block_type.nbytes
+        nb_e: gl.constexpr = q_desc.block_type.nbytes + k_desc.block_type.nbytes
+        n = 0
+        for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+            r, t0, Tn, slot, i_hv, i_h = _tile_rows(tile, NT, T, cu_seqlens, tile_indices, sub_offsets, H, HV,
+                                                    IS_VARLEN)
+            ph = (n & 1) ^ 1  # (the first tile does not wait)
+            o = gl.arange(0, 64, layout=LP)
+            m = (t0 + o) < Tn
+            b_g = gl.load(g + (r + o) * HV + i_hv, mask=m, other=0.0)
+            b_b = gl.load(beta + (r + o) * HV + i_hv, mask=m, other=0.0).to(gl.float32)
+            b_gn = gl.load(g + (r + gl.minimum(64, Tn - t0) - 1) * HV + i_hv)
+            if L2:
+                b_rq = gl.load(rstd_q + (r + o) * H + i_h, mask=m, other=0.0)
+                b_rk = gl.load(rstd_k + (r + o) * H + i_h, mask=m, other=0.0)
+            o8 = gl.arange(0, 8, layout=LI)
+            b_i = gl.where(o8 == 0, r, gl.where(o8 == 1, t0, gl.where(o8 == 2, Tn, gl.where(
+                o8 == 3, i_hv, gl.where(o8 == 4, i_h, b_gn.to(gl.int32, bitcast=True))))))
+            mbarrier.wait(e_r, ph)
+            rows_s.slice(0, 64).store(b_g)
+            rows_s.slice(64, 64).store(b_b)
+            if L2:
+                rows_s.slice(128, 64).store(b_rq)
+                rows_s.slice(192, 64).store(b_rk)
+            idx_s.store(b_i)
+            _cta_barrier()  # (this warp's stores before its arrive)
+            mbarrier.arrive(f_r, count=1)
+            mbarrier.wait(e_a, ph)
+            mbarrier.expect(f_a, nb_a)
+            _tma_load(tm_desc, [r, i_hv * 64], f_a, tm_s)
+            for iv in gl.static_range(NV):
+                _tma_load(v_desc, [r, i_hv * V + iv * 64], f_a, v_s.index(iv))
+                _tma_load(du_desc, [r, i_hv * V + iv * 64], f_a, du_s.index(iv))
+            mbarrier.wait(e_c, ph)
+            for iv in gl.static_range(NV):
+                mbarrier.expect(f_c.index(iv), nb_c)
+                _tma_load(h_desc, [slot * K, iv * 64], f_c.index(iv), h_s.index(iv))
+                _tma_load(dh_desc, [slot * K, iv * 64], f_c.index(iv), dh_s.index(iv))
+            for iv in gl.static_range(NV):
+                mbarrier.expect(f_d.index(iv), nb_d)
+                _tma_load(do_desc, [r, i_hv * V + iv * 64], f_d.index(iv), do_s.index(iv))
+                _tma_load(vn_desc, [r, i_hv * V + iv * 64], f_d.index(iv), vn_s.index(iv))
+            mbarrier.wait(e_e, ph)
+            mbarrier.expect(f_e, nb_e)
+            _tma_load(q_desc, [r, i_h * K], f_e, q_s)
+            _tma_load(k_desc, [r, i_h * K], f_e, k_s)
+            n += 1
 
     @gluon.jit
-    def _issue_qk_loads(q_desc, k_desc, q_s, k_s, bar_qk, r, i_h, K: gl.constexpr):
-        mbarrier.expect(bar_qk, q_desc.block_type.nbytes + k_desc.block_type.nbytes)
-        _tma_load(q_desc, [r, i_h * K], bar_qk, q_s)
-        _tma_load(k_desc, [r, i_h * K], bar_qk, k_s)
+    def _release(bar):
+        """Every warp of the consumers is done with the buffers ``bar`` guards: the producer may refill them."""
+        _cta_barrier()
+        mbarrier.arrive(bar, count=1)
 
     @gluon.jit
     def _l2norm_rows(b_x, y_s, b_r, L: gl.constexpr):
@@ -182,25 +228,149 @@ if HAVE_GLUON:
         return b_r[:, None] * (b_x - b_y * gl.sum(b_y * b_x, 1)[:, None])
 
     @gluon.jit
-    def _gdn_bwd_ws_kernel(q_desc, k_desc, vn_desc, do_desc, du_desc, h_desc, dh_desc, dq_desc, dk_desc, v_desc,
-                           tm_desc, dv_desc, g, beta, dq, dk, dv, dgd, dbeta, dgam, rstd_q, rstd_k, cu_seqlens,
-                           tile_indices, sub_offsets, scale, T, NT, H: gl.constexpr,
-                           HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, IS_VARLEN: gl.constexpr,
-                           L2: gl.constexpr):
-        """Grid ``(NT, B HV)``: one CTA per (64-row chunk, batch x value head) (varlen: NT chunks from
-        ``tile_indices``, B = 1); 8 warps. Writes dq, dk ``[B T, HV K]`` (per value head; with L2, HV = H, the
-        gradients of l2norm's inputs), dv ``[B T, HV V]``, and fp32 ``[B T, HV]`` rows: dgd (``q . dq - k . dk`` of
-        the tiled product, r = s terms out), dbeta and dgam (the state and WY parts of the gate gradient, the
-        chunk's reverse sum included)."""
+    def _bwd_consumer(q_s, k_s, v_s, du_s, h_s, dh_s, tm_s, do_s, vn_s, p_s, dv_s, out_s, rows_s, idx_s, f_r, f_a,
+                      f_c, f_d, f_e, e_r, e_a, e_c, e_e, dq_desc, dk_desc, dv_desc, dq, dk, dv, dgd, dbeta, dgam,
+                      scale, n_tiles, H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr,
+                      L2: gl.constexpr):
+        """Two warpgroups: the CTA's tiles one after another (module docstring), each buffer group released to the
+        producer after its last reader."""
         L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 64, 16])
         LS: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16])
         LR: gl.constexpr = gl.SliceLayout(1, L)
         LSR: gl.constexpr = gl.SliceLayout(1, LS)
         LSC: gl.constexpr = gl.SliceLayout(0, LS)
         LB: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])  # [32, 64] slices of S and dS
+        LI: gl.constexpr = gl.BlockedLayout([8], [32], [8], [0])  # the tile's indices, all in every thread
+        NV: gl.constexpr = V // 64
+        o8 = gl.arange(0, 8, layout=LI)
+        n = 0
+        for tile in tl.range(gl.program_id(0), n_tiles, gl.num_programs(0), disable_licm=True):
+            ph = n & 1
+            # the tile's indices and row vectors, from the producer (_bwd_producer)
+            mbarrier.wait(f_r, ph)
+            b_i = idx_s.load(LI)
+            r = gl.sum(gl.where(o8 == 0, b_i, 0), 0)
+            t0 = gl.sum(gl.where(o8 == 1, b_i, 0), 0)
+            Tn = gl.sum(gl.where(o8 == 2, b_i, 0), 0)
+            i_hv = gl.sum(gl.where(o8 == 3, b_i, 0), 0)
+            i_h = gl.sum(gl.where(o8 == 4, b_i, 0), 0)
+            b_gn = gl.sum(gl.where(o8 == 5, b_i, 0), 0).to(gl.float32, bitcast=True)
+            b_g = rows_s.slice(0, 64).load(LR)
+            b_gr = rows_s.slice(0, 64).load(LSR)
+            b_gc = rows_s.slice(0, 64).load(LSC)
+            b_bv = rows_s.slice(64, 64).load(LSR)
+            if L2:
+                b_rq = rows_s.slice(128, 64).load(LR)
+                b_rk = rows_s.slice(192, 64).load(LR)
+            _release(e_r)
+            full = t0 + 64 <= Tn
+            # row indices in the sequence
+            o_r = t0 + gl.arange(0, 64, layout=LR)
+            o_sr = t0 + gl.arange(0, 64, layout=LSR)
+            o_sc = t0 + gl.arange(0, 64, layout=LSC)
+            m_r = o_r < Tn
+            m_sr = o_sr < Tn
+            m_sc = o_sc < Tn
+
+            # 1. pass 1: dW (as dU S^T), dU V^T, dv, <S, dS>
+            b_dw = gl.zeros([64, K], dtype=gl.float32, layout=L)
+            b_duv = gl.zeros([64, 64], dtype=gl.float32, layout=LS)
+            b_db = gl.zeros([64], dtype=gl.float32, layout=LSR)
+            b_sds = gl.zeros([32, 64], dtype=gl.float32, layout=LB)
+            mbarrier.wait(f_a, ph)
+            if not full:  # Tm's rows past the sequence (the next one's) must not enter Tm^T (..)
+                _to_smem(tm_s, gl.where(m_sr[:, None], tm_s.load(LS).to(gl.float32), 0.0))
+            for iv in gl.static_range(NV):
+                mbarrier.wait(f_c.index(iv), ph)
+                b_dw = warpgroup_mma(du_s.index(iv), h_s.index(iv).permute((1, 0)), b_dw, is_async=True)
+                b_duv = warpgroup_mma(du_s.index(iv), v_s.index(iv).permute((1, 0)), b_duv, is_async=True)
+                b_dxv = warpgroup_mma(tm_s.permute((1, 0)), du_s.index(iv),
+                                      gl.zeros([64, 64], dtype=gl.float32, layout=LS), use_acc=False,
+                                      is_async=True)  # Tm^T dU
+                for i in gl.static_range(K // 32):
+                    b_sds += (h_s.index(iv).slice(i * 32, 32).load(LB).to(gl.float32)
+                              * dh_s.index(iv).slice(i * 32, 32).load(LB).to(gl.float32))
+                b_dw, b_duv, b_dxv = warpgroup_mma_wait(num_outstanding=0, deps=(b_dw, b_duv, b_dxv))
+                b_db += gl.sum(b_dxv * v_s.index(iv).load(LS).to(gl.float32), 1)
+                _wait_store(full)  # the previous dv store has read dv_s
+                _store_tile(dv_desc, dv_s, dv, b_dxv * b_bv[:, None], r, i_hv * V + iv * 64, m_sr, full, HV * V,
+                            LS)
+            b_sdsum = gl.sum(gl.sum(b_sds, 1), 0)
+
+            # 2. the UT / WY backward (dk's WY part left in out_s); then v, dU, Tm are free
+            mbarrier.wait(f_e, ph)
+            _wait_store(True)  # the previous tile's dk store has read out_s
+            b_db, b_dgr = _wy_stage(k_s, tm_s, du_s.index(0), out_s, b_dw, b_duv, b_db, b_g, b_gr, b_gc, b_bv,
+                                    o_sr, o_sc, m_r, m_sr, m_sc, K, L, LS)
+            _release(e_a)
+            gl.store(dbeta + (r - t0 + o_r) * HV + i_hv, b_db, mask=m_r)
+
+            # 3. pass 2: dO Vnew^T, dO S^T, Vnew dS^T; then S, dS, dO, Vnew are free
+            b_s = gl.zeros([64, 64], dtype=gl.float32, layout=LS)
+            b_dq = gl.zeros([64, K], dtype=gl.float32, layout=L)
+            b_dks = gl.zeros([64, K], dtype=gl.float32, layout=L)
+            for iv in gl.static_range(NV):
+                mbarrier.wait(f_d.index(iv), ph)
+                b_s = warpgroup_mma(do_s.index(iv), vn_s.index(iv).permute((1, 0)), b_s, is_async=True)
+                b_dq = warpgroup_mma(do_s.index(iv), h_s.index(iv).permute((1, 0)), b_dq, is_async=True)
+                b_dks = warpgroup_mma(vn_s.index(iv), dh_s.index(iv).permute((1, 0)), b_dks, is_async=True)
+                b_s, b_dq, b_dks = warpgroup_mma_wait(num_outstanding=0, deps=(b_s, b_dq, b_dks))
+            _release(e_c)
+            # 4. the scores P (queries r in rows, keys s in columns), dq, dk, the gate gradient's rows
+            b_sd = gl.sum(gl.where((o_sr[:, None] == o_sc[None, :]) & m_sr[:, None], b_s, 0.0), 1)  # dO_r . Vnew_r
+            m_lo = (o_sr[:, None] > o_sc[None, :]) & m_sr[:, None] & m_sc[None, :]
+            b_p = b_s * gl.exp2(gl.where(m_lo, b_gr[:, None] - b_gc[None, :], float("-inf")))
+            _to_smem(p_s, b_p)
+            b_sd = gl.convert_layout(b_sd, LR) * scale
+            b_dq = b_dq * gl.exp2(gl.where(m_r, b_g, float("-inf")))[:, None]
+            b_dks = b_dks * gl.exp2(gl.where(m_r, b_gn - b_g, float("-inf")))[:, None]
+            # q . dq_state, and sum_s P_rs (q_r . k_s) - sum_r P_rs (q_r . k_s) from the fp32 scores and an fp32
+            # q k^T (chunk_dqkw's kernel: not from the 16-bit P in dq / dk)
+            b_qk = warpgroup_mma(q_s, k_s.permute((1, 0)), gl.zeros([64, 64], dtype=gl.float32, layout=LS),
+                                 use_acc=False)
+            b_pa = b_p * b_qk
+            b_pd = gl.sum(b_pa, 1) - gl.convert_layout(gl.sum(b_pa, 0), LSR)
+            b_dg = (gl.sum(q_s.load(L).to(gl.float32) * b_dq, 1) + gl.convert_layout(b_pd, LR)) * scale
+            gl.store(dgd + (r - t0 + o_r) * HV + i_hv, b_dg, mask=m_r)
+            # the chunk's gate gradient of the state and WY parts, reverse-summed (wy_bwd's): for rows t,
+            # sum_{s < t} k_s . dk_state_s + sum_{r >= t} dgr_r + 2^(G_n) <S, dS>, sums over masks
+            b_pc = gl.convert_layout(gl.sum(k_s.load(L).to(gl.float32) * b_dks, 1), LSC)
+            b_dgc = gl.convert_layout(b_dgr, LSC)
+            m_ge = o_sc[None, :] >= o_sr[:, None]  # [t, r]: r >= t
+            b_dgm = gl.sum(gl.where(m_ge, 0.0, b_pc[None, :]) + gl.where(m_ge, b_dgc[None, :], 0.0), 1)
+            gl.store(dgam + (r - t0 + o_sr) * HV + i_hv, b_dgm + gl.exp2(b_gn) * b_sdsum, mask=m_sr)
+            b_dks += out_s.load(L).to(gl.float32)  # + dk's WY part
+            _cta_barrier()  # out_s read by every warp before dq's store writes it
+            b_dq = warpgroup_mma(p_s, k_s, b_dq)
+            b_dq = b_dq * scale + b_sd[:, None] * k_s.load(L).to(gl.float32)
+            if L2:  # (one value head per key head)
+                b_dq = _l2norm_rows(b_dq, q_s, b_rq, L)
+            _store_tile(dq_desc, out_s, dq, b_dq, r, i_hv * K, m_r, full, HV * K, L)
+            b_dk = warpgroup_mma(p_s.permute((1, 0)), q_s, gl.zeros([64, K], dtype=gl.float32, layout=L),
+                                 use_acc=False)
+            b_dk = b_dk * scale + b_sd[:, None] * q_s.load(L).to(gl.float32) + b_dks  # (q loaded again: registers)
+            if L2:
+                b_dk = _l2norm_rows(b_dk, k_s, b_rk, L)
+            _release(e_e)  # q, k read by every warp
+            _wait_store(full)
+            _store_tile(dk_desc, out_s, dk, b_dk, r, i_hv * K, m_r, full, HV * K, L)
+            n += 1
+        tma.store_wait(0)
+
+    @gluon.jit
+    def _gdn_bwd_ws_kernel(q_desc, k_desc, vn_desc, do_desc, du_desc, h_desc, dh_desc, dq_desc, dk_desc, v_desc,
+                           tm_desc, dv_desc, g, beta, dq, dk, dv, dgd, dbeta, dgam, rstd_q, rstd_k, cu_seqlens,
+                           tile_indices, sub_offsets, scale, T, NT, n_tiles, H: gl.constexpr,
+                           HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, IS_VARLEN: gl.constexpr,
+                           L2: gl.constexpr):
+        """Persistent grid of at most one CTA per SM over the ``n_tiles = NT B HV`` tiles (64-row chunk, batch x value
+        head; chunk-major, varlen: NT chunks from ``tile_indices``, B = 1), CTA i taking tiles i, i + grid, ..;
+        8 consumer warps and a producer warp. Writes dq, dk ``[B T, HV K]`` (per value head; with L2, HV = H, the
+        gradients of l2norm's inputs), dv ``[B T, HV V]``, and fp32 ``[B T, HV]`` rows: dgd (``q . dq - k . dk`` of
+        the tiled product, r = s terms out), dbeta and dgam (the state and WY parts of the gate gradient, the
+        chunk's reverse sum included)."""
         dt: gl.constexpr = q_desc.dtype
         NV: gl.constexpr = V // 64
-
         q_s = gl.allocate_shared_memory(dt, q_desc.block_type.shape, q_desc.layout)
         k_s = gl.allocate_shared_memory(dt, k_desc.block_type.shape, k_desc.layout)
         v_s = gl.allocate_shared_memory(dt, [NV] + v_desc.block_type.shape, v_desc.layout)
@@ -213,116 +383,38 @@ if HAVE_GLUON:
         p_s = gl.allocate_shared_memory(dt, tm_desc.block_type.shape, tm_desc.layout)
         dv_s = gl.allocate_shared_memory(dt, dv_desc.block_type.shape, dv_desc.layout)
         out_s = gl.allocate_shared_memory(dt, dq_desc.block_type.shape, dq_desc.layout)
-        bar_qk = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        bar_w = gl.allocate_shared_memory(gl.int64, [NV, 1], mbarrier.MBarrierLayout())
-        bar_v = gl.allocate_shared_memory(gl.int64, [NV, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(bar_qk, count=1)
+        plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+        rows_s = gl.allocate_shared_memory(gl.float32, [4 * 64], plain)
+        idx_s = gl.allocate_shared_memory(gl.int32, [8], plain)
+        # full (loads landed) and empty (buffers released) barriers of the buffer groups (_bwd_producer)
+        f_r = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        e_r = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        f_a = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        f_c = gl.allocate_shared_memory(gl.int64, [NV, 1], mbarrier.MBarrierLayout())
+        f_d = gl.allocate_shared_memory(gl.int64, [NV, 1], mbarrier.MBarrierLayout())
+        f_e = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        e_a = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        e_c = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        e_e = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(f_r, count=1)
+        mbarrier.init(e_r, count=1)
+        mbarrier.init(f_a, count=1)
+        mbarrier.init(f_e, count=1)
+        mbarrier.init(e_a, count=1)
+        mbarrier.init(e_c, count=1)
+        mbarrier.init(e_e, count=1)
         for iv in gl.static_range(NV):
-            mbarrier.init(bar_w.index(iv), count=1)
-            mbarrier.init(bar_v.index(iv), count=1)
-
-        tile = gl.program_id(1) * NT + gl.program_id(0)
-        ph = 0  # (each barrier completes once per CTA)
-        r, t0, Tn, slot, i_hv, i_h = _tile_rows(tile, NT, T, cu_seqlens, tile_indices, sub_offsets, H, HV, IS_VARLEN)
-        _issue_tile_loads(v_desc, du_desc, h_desc, dh_desc, tm_desc, do_desc, vn_desc, v_s, du_s, h_s, dh_s, tm_s,
-                          do_s, vn_s, bar_w, bar_v, r, slot, i_hv, K, V)
-        _issue_qk_loads(q_desc, k_desc, q_s, k_s, bar_qk, r, i_h, K)
-        full = t0 + 64 <= Tn
-        # row indices in the sequence
-        o_r = t0 + gl.arange(0, 64, layout=LR)
-        o_sr = t0 + gl.arange(0, 64, layout=LSR)
-        o_sc = t0 + gl.arange(0, 64, layout=LSC)
-        m_r = o_r < Tn
-        m_sr = o_sr < Tn
-        m_sc = o_sc < Tn
-        # the row vectors (global loads, strided by the heads) go out with the TMA loads: their latency hides behind
-        # pass 1's wait instead of stalling the WY stage (Nsight Compute, 2026-11-25: 30% of the stalls waited on
-        # them when the gates were loaded after pass 1)
-        b_bv = gl.load(beta + (r - t0 + o_sr) * HV + i_hv, mask=m_sr, other=0.0).to(gl.float32)
-        b_g, b_gn, b_gr, b_gc = _chunk_gates(g, r, t0, Tn, i_hv, HV, LR, LSR, LSC)
-        if L2:
-            b_rq = gl.load(rstd_q + (r - t0 + o_r) * H + i_h, mask=m_r, other=0.0)
-            b_rk = gl.load(rstd_k + (r - t0 + o_r) * H + i_h, mask=m_r, other=0.0)
-
-        # 1. pass 1: dW (as dU S^T), dU V^T, dv, <S, dS>
-        b_dw = gl.zeros([64, K], dtype=gl.float32, layout=L)
-        b_duv = gl.zeros([64, 64], dtype=gl.float32, layout=LS)
-        b_db = gl.zeros([64], dtype=gl.float32, layout=LSR)
-        b_sds = gl.zeros([32, 64], dtype=gl.float32, layout=LB)
-        for iv in gl.static_range(NV):
-            mbarrier.wait(bar_w.index(iv), ph)
-            if iv == 0:
-                if not full:  # Tm's rows past the sequence (the next one's) must not enter Tm^T (..)
-                    _to_smem(tm_s, gl.where(m_sr[:, None], tm_s.load(LS).to(gl.float32), 0.0))
-            b_dw = warpgroup_mma(du_s.index(iv), h_s.index(iv).permute((1, 0)), b_dw, is_async=True)
-            b_duv = warpgroup_mma(du_s.index(iv), v_s.index(iv).permute((1, 0)), b_duv, is_async=True)
-            b_dxv = warpgroup_mma(tm_s.permute((1, 0)), du_s.index(iv),
-                                  gl.zeros([64, 64], dtype=gl.float32, layout=LS), use_acc=False,
-                                  is_async=True)  # Tm^T dU
-            for i in gl.static_range(K // 32):
-                b_sds += (h_s.index(iv).slice(i * 32, 32).load(LB).to(gl.float32)
-                          * dh_s.index(iv).slice(i * 32, 32).load(LB).to(gl.float32))
-            b_dw, b_duv, b_dxv = warpgroup_mma_wait(num_outstanding=0, deps=(b_dw, b_duv, b_dxv))
-            b_db += gl.sum(b_dxv * v_s.index(iv).load(LS).to(gl.float32), 1)
-            _wait_store(full)  # the previous dv store has read dv_s
-            _store_tile(dv_desc, dv_s, dv, b_dxv * b_bv[:, None], r, i_hv * V + iv * 64, m_sr, full, HV * V,
-                        LS)
-        b_sdsum = gl.sum(gl.sum(b_sds, 1), 0)
-
-        # 2. the UT / WY backward (dk's WY part left in out_s)
-        mbarrier.wait(bar_qk, ph)
-        b_db, b_dgr = _wy_stage(k_s, tm_s, du_s.index(0), out_s, b_dw, b_duv, b_db, b_g, b_gr, b_gc, b_bv,
-                                o_sr, o_sc, m_r, m_sr, m_sc, K, L, LS)
-        gl.store(dbeta + (r - t0 + o_r) * HV + i_hv, b_db, mask=m_r)
-
-        # 3. pass 2: dO Vnew^T, dO S^T, Vnew dS^T
-        b_s = gl.zeros([64, 64], dtype=gl.float32, layout=LS)
-        b_dq = gl.zeros([64, K], dtype=gl.float32, layout=L)
-        b_dks = gl.zeros([64, K], dtype=gl.float32, layout=L)
-        for iv in gl.static_range(NV):
-            mbarrier.wait(bar_v.index(iv), ph)
-            b_s = warpgroup_mma(do_s.index(iv), vn_s.index(iv).permute((1, 0)), b_s, is_async=True)
-            b_dq = warpgroup_mma(do_s.index(iv), h_s.index(iv).permute((1, 0)), b_dq, is_async=True)
-            b_dks = warpgroup_mma(vn_s.index(iv), dh_s.index(iv).permute((1, 0)), b_dks, is_async=True)
-            b_s, b_dq, b_dks = warpgroup_mma_wait(num_outstanding=0, deps=(b_s, b_dq, b_dks))
-        # 4. the scores P (queries r in rows, keys s in columns), dq, dk, the gate gradient's rows
-        b_sd = gl.sum(gl.where((o_sr[:, None] == o_sc[None, :]) & m_sr[:, None], b_s, 0.0), 1)  # dO_r . Vnew_r
-        m_lo = (o_sr[:, None] > o_sc[None, :]) & m_sr[:, None] & m_sc[None, :]
-        b_p = b_s * gl.exp2(gl.where(m_lo, b_gr[:, None] - b_gc[None, :], float("-inf")))
-        _to_smem(p_s, b_p)
-        b_sd = gl.convert_layout(b_sd, LR) * scale
-        b_dq = b_dq * gl.exp2(gl.where(m_r, b_g, float("-inf")))[:, None]
-        b_dks = b_dks * gl.exp2(gl.where(m_r, b_gn - b_g, float("-inf")))[:, None]
-        # q . dq_state, and sum_s P_rs (q_r . k_s) - sum_r P_rs (q_r . k_s) from the fp32 scores and an fp32
-        # q k^T (chunk_dqkw's kernel: not from the 16-bit P in dq / dk)
-        b_qk = warpgroup_mma(q_s, k_s.permute((1, 0)), gl.zeros([64, 64], dtype=gl.float32, layout=LS),
-                             use_acc=False)
-        b_pa = b_p * b_qk
-        b_pd = gl.sum(b_pa, 1) - gl.convert_layout(gl.sum(b_pa, 0), LSR)
-        b_dg = (gl.sum(q_s.load(L).to(gl.float32) * b_dq, 1) + gl.convert_layout(b_pd, LR)) * scale
-        gl.store(dgd + (r - t0 + o_r) * HV + i_hv, b_dg, mask=m_r)
-        # the chunk's gate gradient of the state and WY parts, reverse-summed (wy_bwd's): for rows t,
-        # sum_{s < t} k_s . dk_state_s + sum_{r >= t} dgr_r + 2^(G_n) <S, dS>, sums over masks
-        b_pc = gl.convert_layout(gl.sum(k_s.load(L).to(gl.float32) * b_dks, 1), LSC)
-        b_dgc = gl.convert_layout(b_dgr, LSC)
-        m_ge = o_sc[None, :] >= o_sr[:, None]  # [t, r]: r >= t
-        b_dgm = gl.sum(gl.where(m_ge, 0.0, b_pc[None, :]) + gl.where(m_ge, b_dgc[None, :], 0.0), 1)
-        gl.store(dgam + (r - t0 + o_sr) * HV + i_hv, b_dgm + gl.exp2(b_gn) * b_sdsum, mask=m_sr)
-        b_dks += out_s.load(L).to(gl.float32)  # + dk's WY part
-        _cta_barrier()  # out_s read by every warp before dq's store writes it
-        b_dq = warpgroup_mma(p_s, k_s, b_dq)
-        b_dq = b_dq * scale + b_sd[:, None] * k_s.load(L).to(gl.float32)
-        if L2:  # (one value head per key head)
-            b_dq = _l2norm_rows(b_dq, q_s, b_rq, L)
-        _store_tile(dq_desc, out_s, dq, b_dq, r, i_hv * K, m_r, full, HV * K, L)
-        b_dk = warpgroup_mma(p_s.permute((1, 0)), q_s, gl.zeros([64, K], dtype=gl.float32, layout=L),
-                             use_acc=False)
-        b_dk = b_dk * scale + b_sd[:, None] * q_s.load(L).to(gl.float32) + b_dks  # (q loaded again: registers)
-        if L2:
-            b_dk = _l2norm_rows(b_dk, k_s, b_rk, L)
-        _wait_store(full)
-        _store_tile(dk_desc, out_s, dk, b_dk, r, i_hv * K, m_r, full, HV * K, L)
-        _wait_store(full)
+            mbarrier.init(f_c.index(iv), count=1)
+            mbarrier.init(f_d.index(iv), count=1)
+        gl.warp_specialize([
+            (_bwd_consumer, (q_s, k_s, v_s, du_s, h_s, dh_s, tm_s, do_s, vn_s, p_s, dv_s, out_s, rows_s, idx_s, f_r,
+                             f_a, f_c, f_d, f_e, e_r, e_a, e_c, e_e, dq_desc, dk_desc, dv_desc, dq, dk, dv, dgd, dbeta,
+                             dgam, scale, n_tiles, H, HV, K, V, L2)),
+            (_bwd_producer, (q_desc, k_desc, v_desc, du_desc, h_desc, dh_desc, tm_desc, do_desc, vn_desc, q_s, k_s,
+                             v_s, du_s, h_s, dh_s, tm_s, do_s, vn_s, rows_s, idx_s, f_r, f_a, f_c, f_d, f_e, e_r, e_a,
+                             e_c, e_e, g, beta, rstd_q, rstd_k, cu_seqlens, tile_indices, sub_offsets, T, NT, n_tiles,
+                             H, HV, K, V, IS_VARLEN, L2)),
+        ], [1], [40])
 
 
 def gdn_bwd_ws_supported(q, k, v, beta, ai, v_new, do, du, h_sub, g_cum) -> bool:
@@ -396,7 +488,8 @@ def gdn_bwd_chunk_ws(q, k, v, beta, ai, v_new, do, du, h_sub, dh_sub, g_cum, sca
     def desc(x, rows, cols, block):  # a 2-D [rows, cols] view, one chunk of one head per block
         return tma_desc(x, rows, cols, block, bf16)
 
-    _gdn_bwd_ws_kernel[(NT, B * HV)](
+    n_tiles = NT * B * HV
+    _gdn_bwd_ws_kernel[(min(n_tiles, sm_count(q)),)](
         desc(q, B * T, H * K, [BS, K]), desc(k, B * T, H * K, [BS, K]), desc(v_new, B * T, HV * V, [BS, BVC]),
         desc(do, B * T, HV * V, [BS, BVC]), desc(du, B * T, HV * V, [BS, BVC]), desc(h_sub, nrow, V, [K, BVC]),
         desc(dh_sub, nrow, V, [K, BVC]), desc(dq, B * T, HV * K, [BS, K]), desc(dk, B * T, HV * K, [BS, K]),
@@ -404,6 +497,6 @@ def gdn_bwd_chunk_ws(q, k, v, beta, ai, v_new, do, du, h_sub, dh_sub, g_cum, sca
         g_cum, beta, dq, dk, dv, dgd, dbeta, dgam, l2[0] if l2 is not None else g_cum,
         l2[1] if l2 is not None else g_cum, cu_seqlens if cu_seqlens is not None else g_cum,
         tile_indices if tile_indices is not None else g_cum, sub_offsets if sub_offsets is not None else g_cum,
-        scale, T, NT, H=H, HV=HV, K=K, V=V, IS_VARLEN=varlen_mode(cu_seqlens), L2=l2 is not None,
+        scale, T, NT, n_tiles, H=H, HV=HV, K=K, V=V, IS_VARLEN=varlen_mode(cu_seqlens), L2=l2 is not None,
         num_warps=cfg["num_warps"])
     return dq, dk, dv, dbeta, dgd, dgam
