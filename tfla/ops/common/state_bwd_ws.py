@@ -21,6 +21,7 @@ register stores of dU).
 from __future__ import annotations
 
 import torch
+import triton.language as tl
 
 from tfla.ops.common.fused_delta_ws import HAVE_GLUON, _is_sm90, tma_desc
 from tfla.ops.common.utils import num_sequences, varlen_mode
@@ -94,7 +95,10 @@ if HAVE_GLUON:
         o_sr = gl.arange(0, 64, layout=LSR)
         o_sc = gl.arange(0, 64, layout=LSC)
         nb_g, nb_gn, nb_b = _chunk_rows(g, beta, row0 + (n_chunks - 1) * 64, (n_chunks - 1) * 64, T, i_hv, HV, LR)
-        for j in range(n_chunks):
+        # loop-invariant code left inside the loop: hoisted, it stayed live across the chunk steps (spills of the
+        # pieces' two 64-column consumers 172-284 -> 40-160 B, one consumer 52-104 -> 0; the pieces' recurrence at
+        # B = 1, T = 65536 1.07 -> 0.95 ms, the layer's 0.67 -> 0.64, H200, bitwise the same)
+        for j in tl.range(n_chunks, disable_licm=True):
             s = j % STAGES
             c = n_chunks - 1 - j
             r = row0 + c * 64
