@@ -91,6 +91,37 @@ def test_ws_bwd_matches_tl(B, T, H, HV, V, lens, dtype, l2):
             assert torch.equal(a, b), name
 
 
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("lens,l2", [(None, False), ([0, 1, 64, 130, 5, 971], True)])
+def test_ws_bwd_persistent_grid_sizes(monkeypatch, lens, l2):
+    """The persistent kernel walks its tiles in CTAs of any count with the same results: grids of 1, 3 and 7 CTAs
+    (many tiles per CTA, counts not a multiple of the grid; the producer's and consumers' barrier phases over many
+    tiles) bitwise equal to the grid of one CTA per SM, also with dv written over dU."""
+    import tfla.ops.common.chunk_dqkw_ws as cw
+
+    B, T, H, HV = (2, 300, 2, 4) if lens is None else (1, 1171, 2, 2)
+    args, kw = _inputs(B, T, H, HV, 128, lens, torch.bfloat16, seed=11)
+    q, k, vn, do, du, h, dh, g_cum = args
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    v = torch.randn(vn.shape, device="cuda", generator=gen).to(torch.bfloat16)
+    beta = torch.rand(B, T, HV, device="cuda", generator=gen).to(torch.bfloat16)
+    ai = (torch.randn(B, T, HV, 64, device="cuda", generator=gen) * 0.2).to(torch.bfloat16)
+    rq, rk = (torch.rand(B, T, H, device="cuda", generator=gen) + 0.5 for _ in range(2))
+
+    def run(sms, into_du=False):
+        monkeypatch.setattr(cw, "sm_count", lambda x: sms)
+        return gdn_bwd_chunk_ws(q, k, v, beta, ai, vn, do, du.clone() if into_du else du, h, dh, g_cum, 128 ** -0.5,
+                                kw.get("cu_seqlens"), kw.get("tile_indices"), kw.get("sub_offsets"),
+                                l2=(rq, rk) if l2 else None, dv_into_du=into_du)
+
+    ref = run(torch.cuda.get_device_properties(0).multi_processor_count)
+    for sms, into_du in ((1, False), (3, True), (7, False)):
+        got = run(sms, into_du)
+        for name, a, b in zip(("dq", "dk", "dv", "dbeta", "dgd", "dgam"), got, ref):
+            assert torch.equal(a, b), f"{name}, {sms} CTAs"
+
+
 def test_ws_bwd_not_taken_where_it_does_not_apply(device):
     def args(K=128, V=128, dtype=torch.bfloat16):
         q, k = (torch.randn(1, 70, 1, K, device=device, dtype=dtype) for _ in range(2))
