@@ -45,7 +45,7 @@ if HAVE_GLUON:
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                   warpgroup_mma_wait)
 
-    from tfla.ops.common.fused_delta_ws import _seq_rows, _tma_load, _tma_store
+    from tfla.ops.common.fused_delta_ws import _chunk_rows, _seq_rows, _tma_load, _tma_store
 
     # a CTA-wide barrier: ``gl.thread_barrier`` in Triton 3.6, ``gl.barrier`` in newer releases
     _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
@@ -173,12 +173,10 @@ if HAVE_GLUON:
             r, t0, Tn, slot, i_hv, i_h = _tile_rows(tile, NT, T, cu_seqlens, tile_indices, sub_offsets, H, HV,
                                                     IS_VARLEN)
             ph = (n & 1) ^ 1  # (the first tile does not wait)
-            o = gl.arange(0, 64, layout=LP)
-            m = (t0 + o) < Tn
-            b_g = gl.load(g + (r + o) * HV + i_hv, mask=m, other=0.0)
-            b_b = gl.load(beta + (r + o) * HV + i_hv, mask=m, other=0.0).to(gl.float32)
-            b_gn = gl.load(g + (r + gl.minimum(64, Tn - t0) - 1) * HV + i_hv)
+            b_g, b_gn, b_b = _chunk_rows(g, beta, r, t0, Tn, i_hv, HV, LP)  # (0 past the sequence's end)
             if L2:
+                o = gl.arange(0, 64, layout=LP)
+                m = (t0 + o) < Tn
                 b_rq = gl.load(rstd_q + (r + o) * H + i_h, mask=m, other=0.0)
                 b_rk = gl.load(rstd_k + (r + o) * H + i_h, mask=m, other=0.0)
             o8 = gl.arange(0, 8, layout=LI)
