@@ -173,16 +173,20 @@ def _record_state_bwd_ws(dtype, T, K, V):
 
 def _record_gdn_bwd_ws(dtype, T, K, V):
     """The Gluon chunk-gradient kernel's launches (``gdn_bwd_chunk_ws``): grouped value heads (2 per key head) dense
-    (T not a multiple of 64) and varlen; one value head per key head with l2norm's backward (dense) and without
-    (varlen)."""
+    (T not a multiple of 64) and varlen, per value head and summed in the kernel (``gva_sum``, dense with l2norm's
+    backward, varlen without); one value head per key head with l2norm's backward (dense) and without (varlen); the
+    slabs' pairs per value head and summed."""
     from tfla.ops.common import chunk_dqkw_ws as cw
 
     cu = torch.tensor([0, T // 3, T], dtype=torch.int32)
     ns = (T // 3 + 63) // 64 + (T - T // 3 + 63) // 64
     tiles = torch.zeros(ns, 2, dtype=torch.int32)
     offs = torch.tensor([0, (T // 3 + 63) // 64])
-    for HV, varlen, l2 in ((4, False, False), (4, True, False), (2, False, True), (2, True, False)):
+    for HV, varlen, l2, gva in ((4, False, False, False), (4, True, False, False), (2, False, True, False),
+                                (2, True, False, False), (4, False, True, True), (4, True, False, True)):
         H = 2
+        if gva and (K, V) != (128, 128):
+            continue
         q, k = torch.randn(1, T, H, K, dtype=dtype), torch.randn(1, T, H, K, dtype=dtype)
         v, vn, do, du = (torch.randn(1, T, HV, V, dtype=dtype) for _ in range(4))
         g = torch.randn(1, T, HV)
@@ -190,16 +194,18 @@ def _record_gdn_bwd_ws(dtype, T, K, V):
         rstd = torch.rand(1, T, H)
         cw.gdn_bwd_chunk_ws(q, k, v, torch.rand(1, T, HV, dtype=dtype), torch.randn(1, T, HV, 64, dtype=dtype), vn,
                             do, du, h, h, g, 0.1, cu if varlen else None, tiles if varlen else None,
-                            offs if varlen else None, l2=(rstd, rstd) if l2 else None)
+                            offs if varlen else None, l2=(rstd, rstd) if l2 else None, gva_sum=gva)
     # the backward's slabs: (first row, end row) pairs, outputs into given buffers
     pairs = torch.tensor([[0, 128], [T // 2, T // 2 + 128]], dtype=torch.int32)
     tiles = torch.tensor([[0, 0], [0, 1], [1, 0], [1, 1]], dtype=torch.int32)
     h = torch.randn(1, 4, HV, K, V, dtype=dtype)
-    outs = (torch.empty(1, T, HV, K, dtype=dtype), torch.empty(1, T, HV, K, dtype=dtype),
-            *(torch.empty(1, T, HV) for _ in range(3)))
-    cw.gdn_bwd_chunk_ws(q, k, v, torch.rand(1, T, HV, dtype=dtype), torch.randn(1, T, HV, 64, dtype=dtype), vn, do,
-                        du, h, h, g, 0.1, pairs, tiles, torch.tensor([0, 2], dtype=torch.int32), dv_into_du=True,
-                        out=outs)
+    for gva in (False, True) if (K, V) == (128, 128) else (False,):
+        HQ = H if gva else HV
+        outs = (torch.empty(1, T, HQ, K, dtype=dtype), torch.empty(1, T, HQ, K, dtype=dtype),
+                *(torch.empty(1, T, HV) for _ in range(3)))
+        cw.gdn_bwd_chunk_ws(q, k, v, torch.rand(1, T, HV, dtype=dtype), torch.randn(1, T, HV, 64, dtype=dtype), vn,
+                            do, du, h, h, g, 0.1, pairs, tiles, torch.tensor([0, 2], dtype=torch.int32),
+                            dv_into_du=True, gva_sum=gva, out=outs)
 
 
 def main(argv=None):
@@ -298,7 +304,7 @@ def main(argv=None):
     over = False
     flags = ("VEC_G", "VEC_ROWDOT", "ROWDOT", "REVERSE", "HAS_STATE", "STORE_SUB", "N_STATE", "NORM", "ROWADD", "NCONS",
              "IS_VARLEN", "USE_H0", "SAVE", "TRANSITION", "PASS", "USE_DHT", "STORE", "BV", "HV", "L2",
-             "VEC_SPAN", "CELL", "BB", "BD", "BC", "SYNC")
+             "VEC_SPAN", "CELL", "BB", "BD", "BC", "SYNC", "GVA")
     print(f"{args.op} {args.dtype} T={T} K={K} V={V} L={L}, sm_90, Triton {triton.__version__}")
     for fn, a, kw in launches:
         name = fn.fn.__name__

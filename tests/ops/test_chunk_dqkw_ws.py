@@ -122,6 +122,68 @@ def test_ws_bwd_persistent_grid_sizes(monkeypatch, lens, l2):
             assert torch.equal(a, b), f"{name}, {sms} CTAs"
 
 
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("B,T,H,HV,lens,l2", [
+    (2, 300, 2, 4, None, False),
+    (1, 1171, 2, 4, [0, 1, 64, 130, 5, 971], True),
+    (1, 257, 1, 4, None, True),
+])
+def test_ws_bwd_gva_sum(monkeypatch, B, T, H, HV, lens, l2):
+    """Grouped value heads summed in the kernel (``gva_sum``: a CTA runs a key head's value heads in turn, the partial
+    sums through its scratch rows) against the kernel per value head followed by ``group_sum`` (with l2norm's
+    backward there): dq and dk within the 16-bit rounding of the per-head parts, every other output bitwise equal;
+    bitwise equal across grids of 1, 3 and 7 CTAs (several units per CTA, the partial sums' barrier phases over many
+    tiles) and repeat calls."""
+    import tfla.ops.common.chunk_dqkw_ws as cw
+    from tfla.ops.common.group_sum import group_sum
+
+    args, kw = _inputs(B, T, H, HV, 128, lens, torch.bfloat16, seed=T + 7)
+    q, k, vn, do, du, h, dh, g_cum = args
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    v = torch.randn(vn.shape, device="cuda", generator=gen).to(torch.bfloat16)
+    beta = torch.rand(B, T, HV, device="cuda", generator=gen).to(torch.bfloat16)
+    ai = (torch.randn(B, T, HV, 64, device="cuda", generator=gen) * 0.2).to(torch.bfloat16)
+    rq, rk = (torch.rand(B, T, H, device="cuda", generator=gen) + 0.5 for _ in range(2))
+
+    def run(gva, sms=None):
+        if sms is not None:
+            monkeypatch.setattr(cw, "sm_count", lambda x: sms)
+        return gdn_bwd_chunk_ws(q, k, v, beta, ai, vn, do, du, h, dh, g_cum, 128 ** -0.5, kw.get("cu_seqlens"),
+                                kw.get("tile_indices"), kw.get("sub_offsets"), l2=(rq, rk) if l2 and gva else None,
+                                gva_sum=gva)
+
+    ref = run(False)
+    dq = group_sum(ref[0], H, q.dtype, l2=(q.float() / rq[..., None], rq) if l2 else None)
+    dk = group_sum(ref[1], H, k.dtype, l2=(k.float() / rk[..., None], rk) if l2 else None)
+    got = run(True)
+    for name, a, b in zip(("dq", "dk"), got, (dq, dk)):
+        assert a.shape == (B, T, H, 128) and a.dtype == b.dtype, name
+        assert torch.isfinite(a).all(), name
+        assert rel_l2(a.float(), b.float()) < 4e-3, f"{name}: {rel_l2(a.float(), b.float()):.3e}"
+    for name, a, b in zip(("dv", "dbeta", "dgd", "dgam"), got[2:], ref[2:]):
+        assert torch.equal(a, b), name
+    for sms in (None, 1, 3, 7):
+        again = run(True, sms)
+        for name, a, b in zip(("dq", "dk", "dv", "dbeta", "dgd", "dgam"), again, got):
+            assert torch.equal(a, b), f"{name}, {sms} CTAs"
+
+
+def test_ws_bwd_gva_sum_rejects(device):
+    """``gva_sum`` where it does not apply raises before any launch: one value head per key head, V = 64, with
+    ``dq_into_v_new``."""
+    def call(HV=4, V=128, **kw):
+        q, k = (torch.randn(1, 70, 2, 128, device=device, dtype=torch.bfloat16) for _ in range(2))
+        v, vn, do, du = (torch.randn(1, 70, HV, V, device=device, dtype=torch.bfloat16) for _ in range(4))
+        h = torch.randn(1, 2, HV, 128, V, device=device, dtype=torch.bfloat16)
+        return gdn_bwd_chunk_ws(q, k, v, torch.rand(1, 70, HV, device=device), torch.randn(1, 70, HV, 64, device=device),
+                                vn, do, du, h, h, torch.zeros(1, 70, HV, device=device), 0.1, gva_sum=True, **kw)
+
+    for kw in (dict(HV=2), dict(V=64), dict(dq_into_v_new=True)):
+        with pytest.raises(ValueError, match="gva_sum"):
+            call(**kw)
+
+
 def test_ws_bwd_not_taken_where_it_does_not_apply(device):
     def args(K=128, V=128, dtype=torch.bfloat16):
         q, k = (torch.randn(1, 70, 1, K, device=device, dtype=dtype) for _ in range(2))
@@ -145,15 +207,16 @@ def test_ws_bwd_not_taken_where_it_does_not_apply(device):
 
 @pytest.mark.gpu
 @needs_sm90
-@pytest.mark.parametrize("varlen,segments,l2norm,HV", [(False, 1, False, 4), (True, 1, False, 4), (False, 3, False, 4),
-                                                        (True, 3, False, 4), (True, 1, True, 4), (False, 3, True, 2),
-                                                        (True, 1, True, 2)])
-def test_op_with_ws_bwd(varlen, segments, l2norm, HV):
+@pytest.mark.parametrize("varlen,segments,l2norm,HV,slab", [
+    (False, 1, False, 4, False), (True, 1, False, 4, False), (False, 3, False, 4, False), (True, 3, False, 4, False),
+    (True, 1, True, 4, False), (False, 3, True, 2, False), (True, 1, True, 2, False), (False, 1, True, 4, True)])
+def test_op_with_ws_bwd(varlen, segments, l2norm, HV, slab):
     """The op with the one-kernel chunk gradients (default on Hopper) against the op on the ``tl`` kernels
     (``config={"dqkw": {"ws": False}}``) and the float64 recurrence's gradients: bf16, grouped value heads (HV = 4,
-    H = 2) and not, initial and final state, whole sequences and pieces, with and without
-    ``use_qk_l2norm_in_kernel`` (without grouped heads its backward runs in the kernel)."""
-    *res, ref = gdn_op_grads([{"dqkw": {"ws": ws}} for ws in (True, False)], varlen, segments, seed=17,
+    H = 2: summed in the kernel) and not, initial and final state, whole sequences, pieces and the backward's slabs
+    (4 chunks each), with and without ``use_qk_l2norm_in_kernel`` (its backward runs in the kernel)."""
+    extra = {"slab": {"chunks": 4}} if slab else {}
+    *res, ref = gdn_op_grads([{"dqkw": {"ws": ws}, **extra} for ws in (True, False)], varlen, segments, seed=17,
                              reference=True, l2norm=l2norm, HV=HV)
     for name, a_, b_, rf in zip(GDN_OP_NAMES, res[0][2:], res[1][2:], ref):
         assert torch.isfinite(a_).all(), name

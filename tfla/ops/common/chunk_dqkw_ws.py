@@ -50,6 +50,18 @@ if HAVE_GLUON:
     # a CTA-wide barrier: ``gl.thread_barrier`` in Triton 3.6, ``gl.barrier`` in newer releases
     _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
+    # a [64, 128] tile (desc's layout) over a buffer of two [64, 64] ones (the same bytes: 128-byte swizzle atoms of
+    # 64 columns):
+    # ``_reinterpret`` in Triton 3.6, ``reinterpret`` in newer releases
+    if hasattr(gl.shared_memory_descriptor, "reinterpret"):
+        @gluon.jit
+        def _as_tile(buf, desc):
+            return buf.reinterpret(buf.dtype, [64, 128], desc.layout)
+    else:
+        @gluon.jit
+        def _as_tile(buf, desc):
+            return buf._reinterpret(buf.dtype, [64, 128], desc.layout)
+
 BS = 64  # rows per chunk
 BVC = 64  # value columns per load
 GDN_BWD_WS_DEFAULTS = {"num_warps": 8}
@@ -72,6 +84,13 @@ if HAVE_GLUON:
             o_c = gl.arange(0, b_x.shape[1], layout=gl.SliceLayout(0, L))
             gl.store(ptr + (r + o_r)[:, None] * C + col + o_c[None, :], b_x.to(ptr.dtype.element_ty),
                      mask=m_r[:, None])
+
+    @gluon.jit
+    def _tma_stores_done():
+        """Every TMA store this thread issued has reached global memory (``tma.store_wait`` waits only until the
+        stores have read their sources), so another TMA load may read what they wrote."""
+        gl.inline_asm_elementwise("cp.async.bulk.wait_group 0;\nmov.u32 $0, 0;", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)
 
     @gluon.jit
     def _wait_store(full):
@@ -135,12 +154,28 @@ if HAVE_GLUON:
         return b_db, b_dgr
 
     @gluon.jit
-    def _tile_rows(tile, NT, T, cu_seqlens, tile_indices, sub_offsets, H: gl.constexpr, HV: gl.constexpr,
-                   IS_VARLEN: gl.constexpr):
-        """Tile ``tile`` (chunk-major within a batch x value head): its first row r, the chunk's first row t0 in a
-        sequence of T rows, its state slot, and the value and key head."""
-        i_t = tile % NT
-        i_bh = tile // NT
+    def _n_work(n_tiles, H: gl.constexpr, HV: gl.constexpr, GVA: gl.constexpr):
+        """How many tiles this CTA runs: tiles i, i + grid, .. of the ``n_tiles``; with ``GVA`` units of the HV / H
+        tiles of a key head's chunk (its value heads) back to back."""
+        if GVA:
+            n_units = n_tiles // (HV // H)
+            return (n_units - gl.program_id(0) + gl.num_programs(0) - 1) // gl.num_programs(0) * (HV // H)
+        else:
+            return (n_tiles - gl.program_id(0) + gl.num_programs(0) - 1) // gl.num_programs(0)
+
+    @gluon.jit
+    def _tile_rows(j, NT, T, cu_seqlens, tile_indices, sub_offsets, H: gl.constexpr, HV: gl.constexpr,
+                   IS_VARLEN: gl.constexpr, GVA: gl.constexpr):
+        """The CTA's j-th tile (tiles chunk-major within a batch x value head; ``_n_work``): its first row r, the
+        chunk's first row t0 in a sequence of T rows, its state slot, and the value and key head."""
+        if GVA:
+            unit = gl.program_id(0) + (j // (HV // H)) * gl.num_programs(0)
+            i_t = unit % NT
+            i_bh = (unit // NT) * (HV // H) + j % (HV // H)  # batch x key head's value heads in turn
+        else:
+            tile = gl.program_id(0) + j * gl.num_programs(0)
+            i_t = tile % NT
+            i_bh = tile // NT
         i_hv = i_bh % HV
         if IS_VARLEN:
             i_n = gl.load(tile_indices + i_t * 2).to(gl.int32)
@@ -152,15 +187,18 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _bwd_producer(q_desc, k_desc, v_desc, du_desc, h_desc, dh_desc, tm_desc, do_desc, vn_desc, q_s, k_s, v_s,
-                      du_s, h_s, dh_s, tm_s, do_s, vn_s, rows_s, idx_s, f_r, f_a, f_c, f_d, f_e, e_r, e_a, e_c, e_e,
-                      g, beta, rstd_q, rstd_k, cu_seqlens, tile_indices, sub_offsets, T, NT, n_tiles,
+                      du_s, h_s, dh_s, tm_s, do_s, vn_s, rows_s, idx_s, f_r, f_a, f_c, f_d, f_e, f_p, e_r, e_a, e_c,
+                      e_e, sc_desc, g, beta, rstd_q, rstd_k, cu_seqlens, tile_indices, sub_offsets, T, NT, n_tiles,
                       H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, IS_VARLEN: gl.constexpr,
-                      L2: gl.constexpr):
+                      L2: gl.constexpr, GVA: gl.constexpr):
         """One warp: each of the CTA's tiles' inputs into the single buffers, each group as soon as the consumers
         have released the previous tile's: v, dU and Tm (``f_a``) after the WY stage, S and dS (``f_c``, per 64
         columns) and dO and Vnew (``f_d``) after pass 2, q and k (``f_e``) after the tile's last product; and the
         tile's row vectors (the gate and beta rows, l2norm's 1 / norm) and indices through shared memory (``f_r``),
-        so the consumers' tiles start without a global load."""
+        so the consumers' tiles start without a global load. With ``GVA``, a tile after the first of its key head
+        also needs the partial dq and dk of the value heads before it (the CTA's rows of the scratch ``sc_desc``):
+        they go into dO's and Vnew's buffers once its pass 2 is done (``f_p``), and the next tile's dO and Vnew
+        wait until its last product has read them."""
         NV: gl.constexpr = V // 64
         LP: gl.constexpr = gl.BlockedLayout([2], [32], [1], [0])
         LI: gl.constexpr = gl.BlockedLayout([8], [32], [1], [0])
@@ -168,10 +206,11 @@ if HAVE_GLUON:
         nb_c: gl.constexpr = h_desc.block_type.nbytes + dh_desc.block_type.nbytes
         nb_d: gl.constexpr = do_desc.block_type.nbytes + vn_desc.block_type.nbytes
         nb_e: gl.constexpr = q_desc.block_type.nbytes + k_desc.block_type.nbytes
-        n = 0
-        for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-            r, t0, Tn, slot, i_hv, i_h = _tile_rows(tile, NT, T, cu_seqlens, tile_indices, sub_offsets, H, HV,
-                                                    IS_VARLEN)
+        nb_p: gl.constexpr = 2 * sc_desc.block_type.nbytes
+        n_work = _n_work(n_tiles, H, HV, GVA)
+        for n in range(0, n_work):
+            r, t0, Tn, slot, i_hv, i_h = _tile_rows(n, NT, T, cu_seqlens, tile_indices, sub_offsets, H, HV,
+                                                    IS_VARLEN, GVA)
             ph = (n & 1) ^ 1  # (the first tile does not wait)
             b_g, b_gn, b_b = _chunk_rows(g, beta, r, t0, Tn, i_hv, HV, LP)  # (0 past the sequence's end)
             if L2:
@@ -198,10 +237,20 @@ if HAVE_GLUON:
                 _tma_load(v_desc, [r, i_hv * V + iv * 64], f_a, v_s.index(iv))
                 _tma_load(du_desc, [r, i_hv * V + iv * 64], f_a, du_s.index(iv))
             mbarrier.wait(e_c, ph)
+            part = False  # the previous tile adds the partial sums of its key head's value heads before it
+            if GVA:
+                part = (n > 0) & ((n - 1) % (HV // H) != 0)
+            if part:
+                mbarrier.expect(f_p, nb_p)
+                _tma_load(sc_desc, [gl.program_id(0) * 64, 0], f_p, _as_tile(do_s, sc_desc))
+                _tma_load(sc_desc, [(gl.num_programs(0) + gl.program_id(0)) * 64, 0], f_p,
+                          _as_tile(vn_s, sc_desc))
             for iv in gl.static_range(NV):
                 mbarrier.expect(f_c.index(iv), nb_c)
                 _tma_load(h_desc, [slot * K, iv * 64], f_c.index(iv), h_s.index(iv))
                 _tma_load(dh_desc, [slot * K, iv * 64], f_c.index(iv), dh_s.index(iv))
+            if part:
+                mbarrier.wait(e_e, ph)  # the previous tile's last product has read the partial sums
             for iv in gl.static_range(NV):
                 mbarrier.expect(f_d.index(iv), nb_d)
                 _tma_load(do_desc, [r, i_hv * V + iv * 64], f_d.index(iv), do_s.index(iv))
@@ -210,7 +259,13 @@ if HAVE_GLUON:
             mbarrier.expect(f_e, nb_e)
             _tma_load(q_desc, [r, i_h * K], f_e, q_s)
             _tma_load(k_desc, [r, i_h * K], f_e, k_s)
-            n += 1
+        if GVA:  # the CTA's last tile is a key head's last value head: its partial sums after its pass 2
+            if n_work > 0:
+                mbarrier.wait(e_c, (n_work & 1) ^ 1)
+                mbarrier.expect(f_p, nb_p)
+                _tma_load(sc_desc, [gl.program_id(0) * 64, 0], f_p, _as_tile(do_s, sc_desc))
+                _tma_load(sc_desc, [(gl.num_programs(0) + gl.program_id(0)) * 64, 0], f_p,
+                          _as_tile(vn_s, sc_desc))
 
     @gluon.jit
     def _release(bar):
@@ -227,11 +282,13 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _bwd_consumer(q_s, k_s, v_s, du_s, h_s, dh_s, tm_s, do_s, vn_s, p_s, dv_s, out_s, rows_s, idx_s, f_r, f_a,
-                      f_c, f_d, f_e, e_r, e_a, e_c, e_e, dq_desc, dk_desc, dv_desc, dq, dk, dv, dgd, dbeta, dgam,
-                      scale, n_tiles, H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr,
-                      L2: gl.constexpr):
+                      f_c, f_d, f_e, f_p, e_r, e_a, e_c, e_e, dq_desc, dk_desc, dv_desc, sc_desc, dq, dk, dv, dgd,
+                      dbeta, dgam, scale, n_tiles, H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr,
+                      V: gl.constexpr, L2: gl.constexpr, GVA: gl.constexpr):
         """Two warpgroups: the CTA's tiles one after another (module docstring), each buffer group released to the
-        producer after its last reader."""
+        producer after its last reader. With ``GVA`` (the value heads of a key head's chunk in turn), dq and dk of
+        a value head before the last go to the CTA's scratch rows (16-bit, TMA) and the next value head's tile adds
+        them (from the producer); the last writes the sum (with l2norm's backward) to dq and dk ``[.., H K]``."""
         L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 64, 16])
         LS: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16])
         LR: gl.constexpr = gl.SliceLayout(1, L)
@@ -240,10 +297,13 @@ if HAVE_GLUON:
         LB: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])  # [32, 64] slices of S and dS
         LI: gl.constexpr = gl.BlockedLayout([8], [32], [8], [0])  # the tile's indices, all in every thread
         NV: gl.constexpr = V // 64
+        HQ: gl.constexpr = H if GVA else HV  # dq's and dk's heads
         o8 = gl.arange(0, 8, layout=LI)
-        n = 0
-        for tile in tl.range(gl.program_id(0), n_tiles, gl.num_programs(0), disable_licm=True):
+        for n in tl.range(0, _n_work(n_tiles, H, HV, GVA), disable_licm=True):
             ph = n & 1
+            sub = 0  # the value head's place in its key head's group (GVA), 0 .. HV / H - 1
+            if GVA:
+                sub = n % (HV // H)
             # the tile's indices and row vectors, from the producer (_bwd_producer)
             mbarrier.wait(f_r, ph)
             b_i = idx_s.load(LI)
@@ -313,6 +373,9 @@ if HAVE_GLUON:
                 b_dq = warpgroup_mma(do_s.index(iv), h_s.index(iv).permute((1, 0)), b_dq, is_async=True)
                 b_dks = warpgroup_mma(vn_s.index(iv), dh_s.index(iv).permute((1, 0)), b_dks, is_async=True)
                 b_s, b_dq, b_dks = warpgroup_mma_wait(num_outstanding=0, deps=(b_s, b_dq, b_dks))
+            if GVA:
+                if sub > 0:  # the previous tile's partial sums written before the producer loads them
+                    _tma_stores_done()
             _release(e_c)
             # 4. the scores P (queries r in rows, keys s in columns), dq, dk, the gate gradient's rows
             b_sd = gl.sum(gl.where((o_sr[:, None] == o_sc[None, :]) & m_sr[:, None], b_s, 0.0), 1)  # dO_r . Vnew_r
@@ -341,32 +404,55 @@ if HAVE_GLUON:
             _cta_barrier()  # out_s read by every warp before dq's store writes it
             b_dq = warpgroup_mma(p_s, k_s, b_dq)
             b_dq = b_dq * scale + b_sd[:, None] * k_s.load(L).to(gl.float32)
-            if L2:  # (one value head per key head)
-                b_dq = _l2norm_rows(b_dq, q_s, b_rq, L)
-            _store_tile(dq_desc, out_s, dq, b_dq, r, i_hv * K, m_r, full, HV * K, L)
+            last = True  # dq and dk complete after this tile (else partial sums for the next value head)
+            col = i_hv * K
+            if GVA:
+                last = sub == HV // H - 1
+                col = i_h * K
+                if sub > 0:  # + the partial sums of the value heads before (the previous tile's)
+                    mbarrier.wait(f_p, (n - n // (HV // H) - 1) & 1)
+                    b_dq += _as_tile(do_s, sc_desc).load(L).to(gl.float32)
+            if L2:
+                if last:
+                    b_dq = _l2norm_rows(b_dq, q_s, b_rq, L)
+            if last:
+                _store_tile(dq_desc, out_s, dq, b_dq, r, col, m_r, full, HQ * K, L)
+            else:
+                _store_tile(sc_desc, out_s, dq, b_dq, gl.program_id(0) * 64, 0, m_r, True, K, L)
             b_dk = warpgroup_mma(p_s.permute((1, 0)), q_s, gl.zeros([64, K], dtype=gl.float32, layout=L),
                                  use_acc=False)
             b_dk = b_dk * scale + b_sd[:, None] * q_s.load(L).to(gl.float32) + b_dks  # (q loaded again: registers)
+            if GVA:
+                if sub > 0:
+                    b_dk += _as_tile(vn_s, sc_desc).load(L).to(gl.float32)
             if L2:
-                b_dk = _l2norm_rows(b_dk, k_s, b_rk, L)
-            _release(e_e)  # q, k read by every warp
-            _wait_store(full)
-            _store_tile(dk_desc, out_s, dk, b_dk, r, i_hv * K, m_r, full, HV * K, L)
-            n += 1
+                if last:
+                    b_dk = _l2norm_rows(b_dk, k_s, b_rk, L)
+            _release(e_e)  # q, k (and the partial sums) read by every warp
+            tma_st = full  # (dk's store below goes through out_s and TMA)
+            if GVA:
+                tma_st = full | (sub != HV // H - 1)
+            _wait_store(tma_st)
+            if last:
+                _store_tile(dk_desc, out_s, dk, b_dk, r, col, m_r, full, HQ * K, L)
+            else:
+                _store_tile(sc_desc, out_s, dk, b_dk, (gl.num_programs(0) + gl.program_id(0)) * 64, 0, m_r, True,
+                            K, L)
         tma.store_wait(0)
 
     @gluon.jit
     def _gdn_bwd_ws_kernel(q_desc, k_desc, vn_desc, do_desc, du_desc, h_desc, dh_desc, dq_desc, dk_desc, v_desc,
-                           tm_desc, dv_desc, g, beta, dq, dk, dv, dgd, dbeta, dgam, rstd_q, rstd_k, cu_seqlens,
-                           tile_indices, sub_offsets, scale, T, NT, n_tiles, H: gl.constexpr,
+                           tm_desc, dv_desc, sc_desc, g, beta, dq, dk, dv, dgd, dbeta, dgam, rstd_q, rstd_k,
+                           cu_seqlens, tile_indices, sub_offsets, scale, T, NT, n_tiles, H: gl.constexpr,
                            HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, IS_VARLEN: gl.constexpr,
-                           L2: gl.constexpr):
+                           L2: gl.constexpr, GVA: gl.constexpr):
         """Persistent grid of at most one CTA per SM over the ``n_tiles = NT B HV`` tiles (64-row chunk, batch x value
-        head; chunk-major, varlen: NT chunks from ``tile_indices``, B = 1), CTA i taking tiles i, i + grid, ..;
-        8 consumer warps and a producer warp. Writes dq, dk ``[B T, HV K]`` (per value head; with L2, HV = H, the
-        gradients of l2norm's inputs), dv ``[B T, HV V]``, and fp32 ``[B T, HV]`` rows: dgd (``q . dq - k . dk`` of
-        the tiled product, r = s terms out), dbeta and dgam (the state and WY parts of the gate gradient, the
-        chunk's reverse sum included)."""
+        head; chunk-major, varlen: NT chunks from ``tile_indices``, B = 1), CTA i taking tiles i, i + grid, ..
+        (``GVA``: units of a key head's HV / H value heads, ``_n_work``); 8 consumer warps and a producer warp.
+        Writes dq, dk ``[B T, HV K]`` (per value head; ``GVA``: ``[B T, H K]``, summed over each key head's value
+        heads through the scratch ``sc_desc``, ``[2 grid 64, K]``; with L2 the gradients of l2norm's inputs), dv
+        ``[B T, HV V]``, and fp32 ``[B T, HV]`` rows: dgd (``q . dq - k . dk`` of the tiled product, r = s terms out),
+        dbeta and dgam (the state and WY parts of the gate gradient, the chunk's reverse sum included)."""
         dt: gl.constexpr = q_desc.dtype
         NV: gl.constexpr = V // 64
         q_s = gl.allocate_shared_memory(dt, q_desc.block_type.shape, q_desc.layout)
@@ -394,6 +480,8 @@ if HAVE_GLUON:
         e_a = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         e_c = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         e_e = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        f_p = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(f_p, count=1)
         mbarrier.init(f_r, count=1)
         mbarrier.init(e_r, count=1)
         mbarrier.init(f_a, count=1)
@@ -406,12 +494,12 @@ if HAVE_GLUON:
             mbarrier.init(f_d.index(iv), count=1)
         gl.warp_specialize([
             (_bwd_consumer, (q_s, k_s, v_s, du_s, h_s, dh_s, tm_s, do_s, vn_s, p_s, dv_s, out_s, rows_s, idx_s, f_r,
-                             f_a, f_c, f_d, f_e, e_r, e_a, e_c, e_e, dq_desc, dk_desc, dv_desc, dq, dk, dv, dgd, dbeta,
-                             dgam, scale, n_tiles, H, HV, K, V, L2)),
+                             f_a, f_c, f_d, f_e, f_p, e_r, e_a, e_c, e_e, dq_desc, dk_desc, dv_desc, sc_desc, dq, dk,
+                             dv, dgd, dbeta, dgam, scale, n_tiles, H, HV, K, V, L2, GVA)),
             (_bwd_producer, (q_desc, k_desc, v_desc, du_desc, h_desc, dh_desc, tm_desc, do_desc, vn_desc, q_s, k_s,
-                             v_s, du_s, h_s, dh_s, tm_s, do_s, vn_s, rows_s, idx_s, f_r, f_a, f_c, f_d, f_e, e_r, e_a,
-                             e_c, e_e, g, beta, rstd_q, rstd_k, cu_seqlens, tile_indices, sub_offsets, T, NT, n_tiles,
-                             H, HV, K, V, IS_VARLEN, L2)),
+                             v_s, du_s, h_s, dh_s, tm_s, do_s, vn_s, rows_s, idx_s, f_r, f_a, f_c, f_d, f_e, f_p, e_r,
+                             e_a, e_c, e_e, sc_desc, g, beta, rstd_q, rstd_k, cu_seqlens, tile_indices, sub_offsets, T,
+                             NT, n_tiles, H, HV, K, V, IS_VARLEN, L2, GVA)),
         ], [1], [40])
 
 
@@ -439,7 +527,7 @@ def gdn_bwd_ws_supported(q, k, v, beta, ai, v_new, do, du, h_sub, g_cum) -> bool
 
 def gdn_bwd_chunk_ws(q, k, v, beta, ai, v_new, do, du, h_sub, dh_sub, g_cum, scale, cu_seqlens=None,
                      tile_indices=None, sub_offsets=None, l2=None, dv_into_du: bool = False,
-                     dq_into_v_new: bool = False, config: dict | None = None, out=None):
+                     dq_into_v_new: bool = False, gva_sum: bool = False, config: dict | None = None, out=None):
     """The delta rule's gradients after the state-gradient recurrence in one launch (module docstring), for
     ``chunk.chunk_gated_delta_rule_bwd``. Call only where ``gdn_bwd_ws_supported`` holds.
 
@@ -448,7 +536,8 @@ def gdn_bwd_chunk_ws(q, k, v, beta, ai, v_new, do, du, h_sub, dh_sub, g_cum, sca
     h_sub / dh_sub: the state at / the state gradient after every 64-row chunk ``[B, NS, HV, K, V]``
     (``[1, NS_total, HV, K, V]`` varlen); cu_seqlens, tile_indices, sub_offsets: varlen (B = 1), the (sequence,
     64-row chunk) table and each sequence's first chunk; l2: ``(rstd_q, rstd_k)`` (``[B, T, H]`` fp32, from
-    ``l2norm_fwd``) when q and k are l2norm's outputs and HV = H: dq and dk are then the gradients of its inputs;
+    ``l2norm_fwd``) when q and k are l2norm's outputs and HV = H or ``gva_sum``: dq and dk are then the gradients of
+    its inputs;
     out: ``(dq, dk, dbeta, dgd, dgam)`` buffers to write into (the tiles' rows written, the rest untouched; with
     ``cu_seqlens`` as (first row, end row) pairs, ``utils.varlen_mode``: the GDN backward's slabs);
     dv_into_du: dv is written over du (the caller's dU is dead after this call; one tensor of v's size less at the
@@ -458,24 +547,34 @@ def gdn_bwd_chunk_ws(q, k, v, beta, ai, v_new, do, du, h_sub, dh_sub, g_cum, sca
     (the caller's Vnew is dead after this call and K = V: one tensor of v's size less at the peak), on the same terms:
     a CTA stores its dq tile after pass 2 has waited for its own loads of that Vnew tile, and the rows past a cut
     chunk's end (Vnew or already dq, finite) enter only products the row masks multiply by zero or drop;
+    gva_sum: grouped value heads (HV a multiple of H, HV > H; K = V = 128) summed in the kernel: dq and dk
+    ``[B, T, H, K]`` (with ``l2``, whose rows are then the key heads', l2norm's backward after the sum), no
+    ``group_sum`` after it; a CTA runs a key head's value heads of a chunk in turn, passing the partial sums (16-bit,
+    as ``group_sum``'s inputs) through its rows of a scratch tensor that stays in L2;
     config: ``num_warps``.
-    Returns ``(dq, dk, dv, dbeta, dgd, dgam)``: dq, dk ``[B, T, HV, K]`` per value head in q's dtype, dv like v,
+    Returns ``(dq, dk, dv, dbeta, dgd, dgam)``: dq, dk ``[B, T, HV, K]`` per value head (``[B, T, H, K]`` with
+    ``gva_sum``) in q's dtype, dv like v,
     dbeta ``[B, T, HV]`` fp32, dgd (``q . dq - k . dk`` of the tiled product, ``chunk_dqkw_bwd``'s) and dgam (the
     state and WY parts of the gate gradient, the chunk's reverse sum included, ``wy_bwd``'s) ``[B, T, HV]`` fp32.
-    Raises ValueError for ``l2`` with HV != H (the grouped heads' sum comes first: ``group_sum``)."""
+    Raises ValueError for ``l2`` with HV != H without ``gva_sum`` (the grouped heads' sum comes first:
+    ``group_sum``), for ``gva_sum`` where it does not apply (HV = H, K or V not 128, with ``dq_into_v_new``)."""
     cfg = {**GDN_BWD_WS_DEFAULTS, **(config or {})}
     B, T, H, K = q.shape
     HV, V = do.shape[2], do.shape[3]
     NT = (T + BS - 1) // BS if cu_seqlens is None else tile_indices.shape[0]
-    if l2 is not None and HV != H:
-        raise ValueError(f"l2 needs one value head per key head, got H = {H}, HV = {HV}")
+    if gva_sum and (HV == H or HV % H or K != 128 or V != 128 or dq_into_v_new):
+        raise ValueError(f"gva_sum needs HV a multiple of H above it and K = V = 128, without dq_into_v_new; got "
+                         f"H = {H}, HV = {HV}, K = {K}, V = {V}, dq_into_v_new = {dq_into_v_new}")
+    if l2 is not None and HV != H and not gva_sum:
+        raise ValueError(f"l2 needs one value head per key head or gva_sum, got H = {H}, HV = {HV}")
+    HQ = H if gva_sum else HV  # dq's and dk's heads
     if dq_into_v_new and (out is not None or K != V or v_new.dtype != q.dtype or not v_new.is_contiguous()):
         raise ValueError("dq_into_v_new needs no `out`, K = V and a contiguous Vnew in q's dtype")
     if out is not None:
         dq, dk, dbeta, dgd, dgam = out
     else:
-        dq = v_new.view(B, T, HV, K) if dq_into_v_new else torch.empty(B, T, HV, K, dtype=q.dtype, device=q.device)
-        dk = torch.empty(B, T, HV, K, dtype=q.dtype, device=q.device)
+        dq = v_new.view(B, T, HV, K) if dq_into_v_new else torch.empty(B, T, HQ, K, dtype=q.dtype, device=q.device)
+        dk = torch.empty(B, T, HQ, K, dtype=q.dtype, device=q.device)
         dbeta, dgd, dgam = (torch.empty(B, T, HV, dtype=torch.float32, device=q.device) for _ in range(3))
     dv = du if dv_into_du else torch.empty_like(v)
     if NT == 0:
@@ -487,14 +586,21 @@ def gdn_bwd_chunk_ws(q, k, v, beta, ai, v_new, do, du, h_sub, dh_sub, g_cum, sca
         return tma_desc(x, rows, cols, block, bf16)
 
     n_tiles = NT * B * HV
-    _gdn_bwd_ws_kernel[(min(n_tiles, sm_count(q)),)](
+    grid = min(n_tiles // (HV // H) if gva_sum else n_tiles, sm_count(q))
+    dq_desc = desc(dq, B * T, HQ * K, [BS, K])
+    if gva_sum:  # each CTA's rows of partial dq, then of partial dk (L2-resident: 4.3 MB on 132 SMs)
+        sc = torch.empty(2 * grid * BS, K, dtype=q.dtype, device=q.device)
+        sc_desc = desc(sc, 2 * grid * BS, K, [BS, K])
+    else:
+        sc_desc = dq_desc  # (not used)
+    _gdn_bwd_ws_kernel[(grid,)](
         desc(q, B * T, H * K, [BS, K]), desc(k, B * T, H * K, [BS, K]), desc(v_new, B * T, HV * V, [BS, BVC]),
         desc(do, B * T, HV * V, [BS, BVC]), desc(du, B * T, HV * V, [BS, BVC]), desc(h_sub, nrow, V, [K, BVC]),
-        desc(dh_sub, nrow, V, [K, BVC]), desc(dq, B * T, HV * K, [BS, K]), desc(dk, B * T, HV * K, [BS, K]),
+        desc(dh_sub, nrow, V, [K, BVC]), dq_desc, desc(dk, B * T, HQ * K, [BS, K]),
         desc(v, B * T, HV * V, [BS, BVC]), desc(ai, B * T, HV * 64, [BS, 64]), desc(dv, B * T, HV * V, [BS, BVC]),
-        g_cum, beta, dq, dk, dv, dgd, dbeta, dgam, l2[0] if l2 is not None else g_cum,
+        sc_desc, g_cum, beta, dq, dk, dv, dgd, dbeta, dgam, l2[0] if l2 is not None else g_cum,
         l2[1] if l2 is not None else g_cum, cu_seqlens if cu_seqlens is not None else g_cum,
         tile_indices if tile_indices is not None else g_cum, sub_offsets if sub_offsets is not None else g_cum,
         scale, T, NT, n_tiles, H=H, HV=HV, K=K, V=V, IS_VARLEN=varlen_mode(cu_seqlens), L2=l2 is not None,
-        num_warps=cfg["num_warps"])
+        GVA=gva_sum, num_warps=cfg["num_warps"])
     return dq, dk, dv, dbeta, dgd, dgam

@@ -140,8 +140,8 @@ def chunk_gated_delta_rule_bwd(
     without ``saved``, the pass again over the pieces from their start states (``_states_in_pieces``); ``act`` with the
     forward's ``g`` and ``beta_in`` (pre-activations; ``beta`` is then the activated one): the gradients of the
     pre-activations, A_log and dt_bias (``gate_act.gate_epilogue``); ``l2 = (q0, rstd_q, k0, rstd_k)``: q and k are
-    ``l2norm_fwd`` of q0 and k0, and dq, dk are returned for q0 and k0 (the l2norm's backward in the GVA sum's pass, or
-    its own pass without grouped heads); ``slab = (n, states)`` (the forward's slab starts, ``fused_delta_fwd``'s
+    ``l2norm_fwd`` of q0 and k0, and dq, dk are returned for q0 and k0 (the l2norm's backward in Hopper's chunk-gradient
+    kernel, else in the GVA sum's pass, or its own pass without grouped heads); ``slab = (n, states)`` (the forward's slab starts, ``fused_delta_fwd``'s
     ``slab``), with ``v_new`` or with neither: on Hopper the states (with neither, Vnew too), their gradients and the
     chunk gradients run one slab of n 64-row chunks at a time, last first (``_ws_bwd_in_slabs``). Returns ``(dq, dk,
     dv, dg, dbeta, dh0, dA_log, ddt_bias)``: dq, dk ``[B, T, H, K]`` in q's dtype, dv in v's dtype, dg and dbeta
@@ -178,12 +178,13 @@ def chunk_gated_delta_rule_bwd(
             and gdn_bwd_ws_supported(q, k, v, beta, ai, v, do, v, v, g_cum)
             and (v_new is not None or fused_cfg.get("ws", True) is not False and ws_supported(
                 q, k, v, True, None, None, SAVE_STATES, pass_cfg))):
+        gva = _gva_sum(H, HV, K, v.shape[3])
         dq, dk, dv, dbeta, dgq, dgam, dh0 = _ws_bwd_in_slabs(
             q, k, v, g_cum, beta, ai, v_new, do, dht, initial_state, scale, slab,
-            l2=(l2[1], l2[3]) if l2 is not None and HV == H else None, config=config,
+            l2=(l2[1], l2[3]) if l2 is not None and (HV == H or gva) else None, config=config,
             sb_cfg=sb_ws if isinstance(sb_ws, dict) else None, ws_cfg=ws if isinstance(ws, dict) else None,
-            pass_cfg=pass_cfg, bounds=varlen.bounds if varlen is not None else None)
-        if HV == H:
+            pass_cfg=pass_cfg, bounds=varlen.bounds if varlen is not None else None, gva_sum=gva)
+        if HV == H or gva:
             l2 = None  # (done)
         return _bwd_epilogue(q, k, dq, dk, dv, dbeta, dgq, dgam, dh0, g, beta_in, act, l2, varlen, acc_dtype=(
             torch.float64 if q.dtype == torch.float64 else torch.float32), cu=cu)
@@ -226,14 +227,16 @@ def chunk_gated_delta_rule_bwd(
     # FlashQLA's with fp32 per-head parts; docs/performance.md)
     if ws is not False and gdn_bwd_ws_supported(q, k, v, beta, ai, v_new, do, du, h_sub, g_cum):
         # on Hopper: the stage below and the UT / WY backward in one kernel (chunk_dqkw_ws.py): dW, dk's parts and
-        # the state terms of the gate gradient stay on chip; without grouped value heads l2norm's backward too
+        # the state terms of the gate gradient stay on chip; the GVA sum (K = V = 128) and l2norm's backward too
+        gva = _gva_sum(H, HV, K, v.shape[3])
         dq, dk, dv, dbeta, dgq, dgam = gdn_bwd_chunk_ws(
             q, k, v, beta, ai, v_new, do, du, h_sub, dh_sub, g_cum, scale, cu_seqlens=cu,
             tile_indices=sub, sub_offsets=varlen.sub_offsets if varlen is not None else None,
-            l2=(l2[1], l2[3]) if l2 is not None and HV == H else None, dv_into_du=True,
-            dq_into_v_new=own_v_new and K == v.shape[3], config=ws if isinstance(ws, dict) else None)
+            l2=(l2[1], l2[3]) if l2 is not None and (HV == H or gva) else None, dv_into_du=True,
+            dq_into_v_new=own_v_new and K == v.shape[3] and not gva, gva_sum=gva,
+            config=ws if isinstance(ws, dict) else None)
         del w, h_sub, dh_sub, du, v_new
-        if HV == H:
+        if HV == H or gva:
             l2 = None  # (done)
     else:
         dq, dko, dw, dgq, pst, sdst = chunk_dqkw_bwd(
@@ -251,8 +254,15 @@ def chunk_gated_delta_rule_bwd(
     return _bwd_epilogue(q, k, dq, dk, dv, dbeta, dgq, dgam, dh0, g, beta_in, act, l2, varlen, acc, cu)
 
 
+def _gva_sum(H: int, HV: int, K: int, V: int) -> bool:
+    """Whether the Hopper chunk-gradient kernel sums grouped value heads itself (``gdn_bwd_chunk_ws``'s ``gva_sum``)
+    instead of ``group_sum`` after it: HV > H with K = V = 128."""
+    return HV != H and K == 128 and V == 128
+
+
 def _bwd_epilogue(q, k, dq, dk, dv, dbeta, dgq, dgam, dh0, g, beta_in, act, l2, varlen, acc_dtype, cu):
-    """The backward's last passes: dg (and the activations' gradients), the GVA sum and l2norm's backward."""
+    """The backward's last passes: dg (and the activations' gradients), the GVA sum and l2norm's backward where the
+    chunk gradients left them (dq, dk per value head)."""
     H, HV = q.shape[2], dq.shape[2]
     # + the delta part's gradient of g (its reverse cumsum over the chunk done in wy_bwd), in the same pass, and the
     # activations' backward there too
@@ -336,7 +346,7 @@ def _slab_tables(bounds: tuple[int, ...], n: int, device: torch.device) -> list:
 
 
 def _ws_bwd_in_slabs(q, k, v, g_cum, beta, ai, v_new, do, dht, initial_state, scale, slab, l2, config, sb_cfg,
-                     ws_cfg, pass_cfg=None, bounds=None):
+                     ws_cfg, pass_cfg=None, bounds=None, gva_sum: bool = False):
     """The Hopper backward one slab at a time (``chunk_gated_delta_rule_bwd``'s ``slab``), dense sequences or packed
     ones (``bounds``: the host offsets of ``cu_seqlens``, q of shape ``[1, T, ..]``): slab j covers 64-row chunks
     ``[j n, (j + 1) n)`` of every sequence (empty where a sequence is shorter); last slab first, the states over it
@@ -346,11 +356,11 @@ def _ws_bwd_in_slabs(q, k, v, g_cum, beta, ai, v_new, do, dht, initial_state, sc
     gradient at its end (the next slab's start gradient, which an empty part passes on unchanged, or ``dht``), and
     the chunk gradients follow. The kernels see the slab as N (first row, end row) pairs (``utils.varlen_mode`` 2).
     The 64-row states and their gradients of one slab are held at a time instead of all: at B = 4, T = 8192, H = 16,
-    K = V = 128, bf16 and n = 32, 128 MiB instead of 512. Without a kept Vnew and at K = V, dq is written over the
-    Vnew rows of its own slab (each chunk's CTA stores its dq tile after its own loads of that Vnew tile; a later
+    K = V = 128, bf16 and n = 32, 128 MiB instead of 512. Without a kept Vnew and at K = V (per value head: not
+    ``gva_sum``, which sums a key head's value heads in the kernel), dq is written over the Vnew rows of its own slab (each chunk's CTA stores its dq tile after its own loads of that Vnew tile; a later
     slab's pass writes only its own rows): no buffer of v's size for dq. Same products and order as the unsplit
     backward: results equal up to the order of fp32 additions. Returns ``(dq, dk, dv, dbeta, dgd, dgam, dh0)`` as
-    the chunk-gradient stage."""
+    the chunk-gradient stage (dq, dk per key head with ``gva_sum``)."""
     n, states = slab
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -367,8 +377,9 @@ def _ws_bwd_in_slabs(q, k, v, g_cum, beta, ai, v_new, do, dht, initial_state, sc
     own_v_new = v_new is None
     if own_v_new:
         vnf = fill(1, B * T, HV, V, dtype=k.dtype, device=dev)
-    dq = vnf.view(1, B * T, HV, K) if own_v_new and K == V else torch.empty(1, B * T, HV, K, dtype=q.dtype,
-                                                                            device=dev)
+    HQ = H if gva_sum else HV  # dq's and dk's heads (gva_sum: summed over each key head's value heads)
+    dq = vnf.view(1, B * T, HV, K) if own_v_new and K == V and not gva_sum else torch.empty(
+        1, B * T, HQ, K, dtype=q.dtype, device=dev)
     dk = torch.empty_like(dq)
     dbeta, dgd, dgam = (torch.empty(1, B * T, HV, dtype=torch.float32, device=dev) for _ in range(3))
     if l2 is not None:
@@ -389,10 +400,10 @@ def _ws_bwd_in_slabs(q, k, v, g_cum, beta, ai, v_new, do, dht, initial_state, sc
         dh_sub, _, ds = delta_state_bwd_ws(qf, kf, af, bf, dof, gf, scale, ds, j > 0 or initial_state is not None,
                                            pairs, offs, nch, config=sb_cfg, du_out=du)
         gdn_bwd_chunk_ws(qf, kf, vf, bf, af, vnf, dof, du, h_sub, dh_sub, gf, scale, cu_seqlens=pairs,
-                         tile_indices=tiles, sub_offsets=offs, l2=l2, dv_into_du=True, config=ws_cfg,
-                         out=(dq, dk, dbeta, dgd, dgam))
+                         tile_indices=tiles, sub_offsets=offs, l2=l2, dv_into_du=True, gva_sum=gva_sum,
+                         config=ws_cfg, out=(dq, dk, dbeta, dgd, dgam))
         del h_sub, dh_sub
-    return (dq.view(B, T, HV, K), dk.view(B, T, HV, K), du.view(B, T, HV, V), dbeta.view(B, T, HV),
+    return (dq.view(B, T, HQ, K), dk.view(B, T, HQ, K), du.view(B, T, HV, V), dbeta.view(B, T, HV),
             dgd.view(B, T, HV), dgam.view(B, T, HV), ds if initial_state is not None else None)
 
 
