@@ -30,6 +30,12 @@ consumers get). Against one CTA per tile with all loads at its start (f5ba0b2's 
 next tile's loads from the consumers spilled and was slower): docs/performance.md, "The chunk gradients
 persistent". Whole chunks leave through TMA stores, a chunk cut by its sequence's end through masked stores; Tm's
 rows past the sequence's end (the next sequence's) are zeroed in shared memory before they enter a product.
+
+Grouped value heads (``gva_sum``, K = V = 128): a CTA runs the value heads of one key head's chunk as consecutive
+tiles; each but the last stores its dq and dk (16-bit) to the CTA's rows of a scratch tensor (L2-resident), the
+producer loads them back into dO's and Vnew's buffers once the next tile's pass 2 has read those, and the last adds
+them, takes l2norm's backward of the sum and writes ``[B, T, H, K]`` (no ``group_sum`` pass; docs/performance.md, "The
+GVA sum inside the chunk-gradient kernel").
 """
 from __future__ import annotations
 

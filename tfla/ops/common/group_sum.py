@@ -1,6 +1,7 @@
 """Sum over each key head's group of value heads (grouped value heads, GVA), with the cast to the output dtype, in one
 pass: ``x [B, T, HV, D]`` (gradients per value head, in the input dtype or fp32) -> ``[B, T, H, D]``. The gradients of
-q and k with HV > H are formed per value head and summed here once in fp32 (instead of a strided PyTorch ``sum`` plus
+q and k with HV > H are formed per value head and summed here once in fp32 (except on Hopper at K = V = 128, where the
+chunk-gradient kernel sums them itself: ``chunk_dqkw_ws.py``'s ``gva_sum``) (instead of a strided PyTorch ``sum`` plus
 a dtype copy: two passes). With ``use_qk_l2norm_in_kernel`` the l2norm's backward follows in the same pass
 (``dx = r (dy - y (y . dy))``, ``y = x r``: ``tfla/ops/common/l2norm.py``), so the summed gradient of the normalized
 rows is never written."""
