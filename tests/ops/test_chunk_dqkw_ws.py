@@ -46,6 +46,16 @@ def _inputs(B, T, H, HV, V, lens, dtype, seed):
     return (q, k, vn, do, du, h, dh, g_cum), kw
 
 
+def _ws_inputs(B, T, H, HV, vn, dtype):
+    """v, beta, Tm (``ai``) and l2norm's row factors (rstd of q and k) for ``gdn_bwd_chunk_ws`` beside ``_inputs``."""
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    v = torch.randn(vn.shape, device="cuda", generator=gen).to(dtype)
+    beta = torch.rand(B, T, HV, device="cuda", generator=gen).to(dtype)
+    ai = (torch.randn(B, T, HV, 64, device="cuda", generator=gen) * 0.2).to(dtype)
+    rq, rk = (torch.rand(B, T, H, device="cuda", generator=gen) + 0.5 for _ in range(2))
+    return v, beta, ai, rq, rk
+
+
 
 @pytest.mark.gpu
 @needs_sm90
@@ -64,11 +74,7 @@ def test_ws_bwd_matches_tl(B, T, H, HV, V, lens, dtype, l2):
     across calls."""
     args, kw = _inputs(B, T, H, HV, V, lens, dtype, seed=T + V + 1)
     q, k, vn, do, du, h, dh, g_cum = args
-    gen = torch.Generator(device="cuda").manual_seed(5)
-    v = torch.randn(vn.shape, device="cuda", generator=gen).to(dtype)
-    beta = torch.rand(B, T, HV, device="cuda", generator=gen).to(dtype)
-    ai = (torch.randn(B, T, HV, 64, device="cuda", generator=gen) * 0.2).to(dtype)
-    rq, rk = (torch.rand(B, T, H, device="cuda", generator=gen) + 0.5 for _ in range(2))
+    v, beta, ai, rq, rk = _ws_inputs(B, T, H, HV, vn, dtype)
     assert gdn_bwd_ws_supported(q, k, v, beta, ai, vn, do, du, h, g_cum)
     got = gdn_bwd_chunk_ws(q, k, v, beta, ai, vn, do, du, h, dh, g_cum, 128 ** -0.5, kw.get("cu_seqlens"),
                            kw.get("tile_indices"), kw.get("sub_offsets"), l2=(rq, rk) if l2 else None)
@@ -103,11 +109,7 @@ def test_ws_bwd_persistent_grid_sizes(monkeypatch, lens, l2):
     B, T, H, HV = (2, 300, 2, 4) if lens is None else (1, 1171, 2, 2)
     args, kw = _inputs(B, T, H, HV, 128, lens, torch.bfloat16, seed=11)
     q, k, vn, do, du, h, dh, g_cum = args
-    gen = torch.Generator(device="cuda").manual_seed(5)
-    v = torch.randn(vn.shape, device="cuda", generator=gen).to(torch.bfloat16)
-    beta = torch.rand(B, T, HV, device="cuda", generator=gen).to(torch.bfloat16)
-    ai = (torch.randn(B, T, HV, 64, device="cuda", generator=gen) * 0.2).to(torch.bfloat16)
-    rq, rk = (torch.rand(B, T, H, device="cuda", generator=gen) + 0.5 for _ in range(2))
+    v, beta, ai, rq, rk = _ws_inputs(B, T, H, HV, vn, torch.bfloat16)
 
     def run(sms, into_du=False):
         monkeypatch.setattr(cw, "sm_count", lambda x: sms)
@@ -140,11 +142,7 @@ def test_ws_bwd_gva_sum(monkeypatch, B, T, H, HV, lens, l2):
 
     args, kw = _inputs(B, T, H, HV, 128, lens, torch.bfloat16, seed=T + 7)
     q, k, vn, do, du, h, dh, g_cum = args
-    gen = torch.Generator(device="cuda").manual_seed(5)
-    v = torch.randn(vn.shape, device="cuda", generator=gen).to(torch.bfloat16)
-    beta = torch.rand(B, T, HV, device="cuda", generator=gen).to(torch.bfloat16)
-    ai = (torch.randn(B, T, HV, 64, device="cuda", generator=gen) * 0.2).to(torch.bfloat16)
-    rq, rk = (torch.rand(B, T, H, device="cuda", generator=gen) + 0.5 for _ in range(2))
+    v, beta, ai, rq, rk = _ws_inputs(B, T, H, HV, vn, torch.bfloat16)
 
     def run(gva, sms=None):
         if sms is not None:
