@@ -160,28 +160,29 @@ if HAVE_GLUON:
         return b_db, b_dgr
 
     @gluon.jit
-    def _n_work(n_tiles, H: gl.constexpr, HV: gl.constexpr, GVA: gl.constexpr):
-        """How many tiles this CTA runs: tiles i, i + grid, .. of the ``n_tiles``; with ``GVA`` units of the HV / H
-        tiles of a key head's chunk (its value heads) back to back."""
+    def _work_range(n_tiles, H: gl.constexpr, HV: gl.constexpr, GVA: gl.constexpr):
+        """``(start, end, step)`` of this CTA's loop over its work: tiles i, i + grid, .. of the ``n_tiles``; with
+        ``GVA`` units of the HV / H tiles of a key head's chunk (its value heads), run back to back, counted 0, 1, ..
+        (``_tile_rows``)."""
         if GVA:
             n_units = n_tiles // (HV // H)
-            return (n_units - gl.program_id(0) + gl.num_programs(0) - 1) // gl.num_programs(0) * (HV // H)
+            n_mine = (n_units - gl.program_id(0) + gl.num_programs(0) - 1) // gl.num_programs(0)
+            return 0, n_mine * (HV // H), 1
         else:
-            return (n_tiles - gl.program_id(0) + gl.num_programs(0) - 1) // gl.num_programs(0)
+            return gl.program_id(0), n_tiles, gl.num_programs(0)
 
     @gluon.jit
-    def _tile_rows(j, NT, T, cu_seqlens, tile_indices, sub_offsets, H: gl.constexpr, HV: gl.constexpr,
+    def _tile_rows(it, NT, T, cu_seqlens, tile_indices, sub_offsets, H: gl.constexpr, HV: gl.constexpr,
                    IS_VARLEN: gl.constexpr, GVA: gl.constexpr):
-        """The CTA's j-th tile (tiles chunk-major within a batch x value head; ``_n_work``): its first row r, the
-        chunk's first row t0 in a sequence of T rows, its state slot, and the value and key head."""
+        """The tile of loop index ``it`` (``_work_range``; tiles chunk-major within a batch x value head): its first
+        row r, the chunk's first row t0 in a sequence of T rows, its state slot, and the value and key head."""
         if GVA:
-            unit = gl.program_id(0) + (j // (HV // H)) * gl.num_programs(0)
+            unit = gl.program_id(0) + (it // (HV // H)) * gl.num_programs(0)
             i_t = unit % NT
-            i_bh = (unit // NT) * (HV // H) + j % (HV // H)  # batch x key head's value heads in turn
+            i_bh = (unit // NT) * (HV // H) + it % (HV // H)  # batch x key head's value heads in turn
         else:
-            tile = gl.program_id(0) + j * gl.num_programs(0)
-            i_t = tile % NT
-            i_bh = tile // NT
+            i_t = it % NT
+            i_bh = it // NT
         i_hv = i_bh % HV
         if IS_VARLEN:
             i_n = gl.load(tile_indices + i_t * 2).to(gl.int32)
@@ -213,9 +214,10 @@ if HAVE_GLUON:
         nb_d: gl.constexpr = do_desc.block_type.nbytes + vn_desc.block_type.nbytes
         nb_e: gl.constexpr = q_desc.block_type.nbytes + k_desc.block_type.nbytes
         nb_p: gl.constexpr = 2 * sc_desc.block_type.nbytes
-        n_work = _n_work(n_tiles, H, HV, GVA)
-        for n in range(0, n_work):
-            r, t0, Tn, slot, i_hv, i_h = _tile_rows(n, NT, T, cu_seqlens, tile_indices, sub_offsets, H, HV,
+        lo, hi, step = _work_range(n_tiles, H, HV, GVA)
+        n = 0
+        for it in range(lo, hi, step):
+            r, t0, Tn, slot, i_hv, i_h = _tile_rows(it, NT, T, cu_seqlens, tile_indices, sub_offsets, H, HV,
                                                     IS_VARLEN, GVA)
             ph = (n & 1) ^ 1  # (the first tile does not wait)
             b_g, b_gn, b_b = _chunk_rows(g, beta, r, t0, Tn, i_hv, HV, LP)  # (0 past the sequence's end)
@@ -265,9 +267,10 @@ if HAVE_GLUON:
             mbarrier.expect(f_e, nb_e)
             _tma_load(q_desc, [r, i_h * K], f_e, q_s)
             _tma_load(k_desc, [r, i_h * K], f_e, k_s)
+            n += 1
         if GVA:  # the CTA's last tile is a key head's last value head: its partial sums after its pass 2
-            if n_work > 0:
-                mbarrier.wait(e_c, (n_work & 1) ^ 1)
+            if n > 0:
+                mbarrier.wait(e_c, (n & 1) ^ 1)
                 mbarrier.expect(f_p, nb_p)
                 _tma_load(sc_desc, [gl.program_id(0) * 64, 0], f_p, _as_tile(do_s, sc_desc))
                 _tma_load(sc_desc, [(gl.num_programs(0) + gl.program_id(0)) * 64, 0], f_p,
@@ -305,7 +308,9 @@ if HAVE_GLUON:
         NV: gl.constexpr = V // 64
         HQ: gl.constexpr = H if GVA else HV  # dq's and dk's heads
         o8 = gl.arange(0, 8, layout=LI)
-        for n in tl.range(0, _n_work(n_tiles, H, HV, GVA), disable_licm=True):
+        lo, hi, step = _work_range(n_tiles, H, HV, GVA)
+        n = 0
+        for it in tl.range(lo, hi, step, disable_licm=True):
             ph = n & 1
             sub = 0  # the value head's place in its key head's group (GVA), 0 .. HV / H - 1
             if GVA:
@@ -444,6 +449,7 @@ if HAVE_GLUON:
             else:
                 _store_tile(sc_desc, out_s, dk, b_dk, (gl.num_programs(0) + gl.program_id(0)) * 64, 0, m_r, True,
                             K, L)
+            n += 1
         tma.store_wait(0)
 
     @gluon.jit
@@ -454,7 +460,7 @@ if HAVE_GLUON:
                            L2: gl.constexpr, GVA: gl.constexpr):
         """Persistent grid of at most one CTA per SM over the ``n_tiles = NT B HV`` tiles (64-row chunk, batch x value
         head; chunk-major, varlen: NT chunks from ``tile_indices``, B = 1), CTA i taking tiles i, i + grid, ..
-        (``GVA``: units of a key head's HV / H value heads, ``_n_work``); 8 consumer warps and a producer warp.
+        (``GVA``: units of a key head's HV / H value heads, ``_work_range``); 8 consumer warps and a producer warp.
         Writes dq, dk ``[B T, HV K]`` (per value head; ``GVA``: ``[B T, H K]``, summed over each key head's value
         heads through the scratch ``sc_desc``, ``[2 grid 64, K]``; with L2 the gradients of l2norm's inputs), dv
         ``[B T, HV V]``, and fp32 ``[B T, HV]`` rows: dgd (``q . dq - k . dk`` of the tiled product, r = s terms out),
