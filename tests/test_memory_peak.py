@@ -86,3 +86,37 @@ def test_dq_into_v_new_refuses_what_it_cannot_alias():
     with pytest.raises(ValueError, match="dq_into_v_new"):
         gdn_bwd_chunk_ws(q, k, v, e(B, T, H), e(B, T, H, 64), v.clone(), v, v.clone(), e(B, 1, H, K, V),
                          e(B, 1, H, K, V), torch.zeros(B, T, H), 0.1, dq_into_v_new=True)
+
+
+@pytest.mark.parametrize("V,l2norm,slab", [(128, True, False), (128, False, True), (64, True, False)])
+def test_gva_sum_wiring_on_hopper_path(tool, monkeypatch, V, l2norm, slab):
+    """On the Hopper path (launches no-ops) the backward with grouped value heads at K = V = 128 asks the chunk-gradient
+    kernel for the sum over each key head's value heads (``gva_sum``, l2norm's backward there too, also per slab) and
+    runs no ``group_sum``; at V = 64 it keeps the kernel per value head and ``group_sum`` after it. The gradients of q
+    and k have q's and k's shapes either way."""
+    import tfla
+    import tfla.ops.gated_delta_rule.chunk as ch
+
+    calls = {"ws": [], "group_sum": 0}
+    ws, gs = ch.gdn_bwd_chunk_ws, ch.group_sum
+
+    def spy_ws(*a, **k):
+        calls["ws"].append((k.get("gva_sum", False), k.get("l2") is not None))
+        return ws(*a, **k)
+
+    def spy_gs(*a, **k):
+        calls["group_sum"] += 1
+        return gs(*a, **k)
+
+    monkeypatch.setattr(ch, "gdn_bwd_chunk_ws", spy_ws)
+    monkeypatch.setattr(ch, "group_sum", spy_gs)
+    x = _inputs(1, 4096 if slab else 300, 2, 4, 128, V)
+    leaves = [x[n].clone().requires_grad_() for n in ("q", "k", "v", "g", "beta")]
+    with tool.hopper_without_launches():
+        o, _ = tfla.chunk_gated_delta_rule(*leaves, use_qk_l2norm_in_kernel=l2norm, segments=1,
+                                           config={"slab": {"count": 2}} if slab else None)
+        grads = torch.autograd.grad(o, leaves, torch.zeros_like(o))
+    assert [g.shape for g in grads] == [t.shape for t in leaves]
+    gva = V == 128
+    assert calls["ws"] == [(gva, l2norm and gva)] * (2 if slab else 1), calls  # (gva_sum, l2norm's backward inside)
+    assert calls["group_sum"] == (0 if gva else 2)
