@@ -205,7 +205,8 @@ if HAVE_GLUON:
         so the consumers' tiles start without a global load. With ``GVA``, a tile after the first of its key head
         also needs the partial dq and dk of the value heads before it (the CTA's rows of the scratch ``sc_desc``):
         they go into dO's and Vnew's buffers once its pass 2 is done (``f_p``), and the next tile's dO and Vnew
-        wait until its last product has read them."""
+        wait until its last product has read them; its q and k are the tile before's, left in their buffers (the
+        consumers only read them; ``f_e`` completes without a load)."""
         NV: gl.constexpr = V // 64
         LP: gl.constexpr = gl.BlockedLayout([2], [32], [1], [0])
         LI: gl.constexpr = gl.BlockedLayout([8], [32], [1], [0])
@@ -264,9 +265,15 @@ if HAVE_GLUON:
                 _tma_load(do_desc, [r, i_hv * V + iv * 64], f_d.index(iv), do_s.index(iv))
                 _tma_load(vn_desc, [r, i_hv * V + iv * 64], f_d.index(iv), vn_s.index(iv))
             mbarrier.wait(e_e, ph)
-            mbarrier.expect(f_e, nb_e)
-            _tma_load(q_desc, [r, i_h * K], f_e, q_s)
-            _tma_load(k_desc, [r, i_h * K], f_e, k_s)
+            same_qk = False  # q and k in their buffers already: the tile before was the same chunk's key head
+            if GVA:
+                same_qk = n % (HV // H) != 0
+            if same_qk:
+                mbarrier.arrive(f_e, count=1)
+            else:
+                mbarrier.expect(f_e, nb_e)
+                _tma_load(q_desc, [r, i_h * K], f_e, q_s)
+                _tma_load(k_desc, [r, i_h * K], f_e, k_s)
             n += 1
         if GVA:  # the CTA's last tile is a key head's last value head: its partial sums after its pass 2
             if n > 0:
