@@ -174,8 +174,9 @@ def test_ws_bwd_gva_sum_rejects(device):
         q, k = (torch.randn(1, 70, 2, 128, device=device, dtype=torch.bfloat16) for _ in range(2))
         v, vn, do, du = (torch.randn(1, 70, HV, V, device=device, dtype=torch.bfloat16) for _ in range(4))
         h = torch.randn(1, 2, HV, 128, V, device=device, dtype=torch.bfloat16)
-        return gdn_bwd_chunk_ws(q, k, v, torch.rand(1, 70, HV, device=device), torch.randn(1, 70, HV, 64, device=device),
-                                vn, do, du, h, h, torch.zeros(1, 70, HV, device=device), 0.1, gva_sum=True, **kw)
+        beta, ai = torch.rand(1, 70, HV, device=device), torch.randn(1, 70, HV, 64, device=device)
+        return gdn_bwd_chunk_ws(q, k, v, beta, ai, vn, do, du, h, h, torch.zeros(1, 70, HV, device=device), 0.1,
+                                gva_sum=True, **kw)
 
     for kw in (dict(HV=2), dict(V=64), dict(dq_into_v_new=True)):
         with pytest.raises(ValueError, match="gva_sum"):

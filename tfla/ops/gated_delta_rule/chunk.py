@@ -140,12 +140,13 @@ def chunk_gated_delta_rule_bwd(
     without ``saved``, the pass again over the pieces from their start states (``_states_in_pieces``); ``act`` with the
     forward's ``g`` and ``beta_in`` (pre-activations; ``beta`` is then the activated one): the gradients of the
     pre-activations, A_log and dt_bias (``gate_act.gate_epilogue``); ``l2 = (q0, rstd_q, k0, rstd_k)``: q and k are
-    ``l2norm_fwd`` of q0 and k0, and dq, dk are returned for q0 and k0 (the l2norm's backward in Hopper's chunk-gradient
-    kernel, else in the GVA sum's pass, or its own pass without grouped heads); ``slab = (n, states)`` (the forward's slab starts, ``fused_delta_fwd``'s
-    ``slab``), with ``v_new`` or with neither: on Hopper the states (with neither, Vnew too), their gradients and the
-    chunk gradients run one slab of n 64-row chunks at a time, last first (``_ws_bwd_in_slabs``). Returns ``(dq, dk,
-    dv, dg, dbeta, dh0, dA_log, ddt_bias)``: dq, dk ``[B, T, H, K]`` in q's dtype, dv in v's dtype, dg and dbeta
-    ``[B, T, HV]`` fp32, dh0 fp32 or None, dA_log and ddt_bias ``[HV]`` fp32 or None.
+    ``l2norm_fwd`` of q0 and k0, and dq, dk are returned for q0 and k0 (the l2norm's backward in Hopper's
+    chunk-gradient kernel, else in the GVA sum's pass, or its own pass without grouped heads); ``slab = (n,
+    states)`` (the forward's slab starts, ``fused_delta_fwd``'s ``slab``), with ``v_new`` or with neither: on Hopper
+    the states (with neither, Vnew too), their gradients and the chunk gradients run one slab of n 64-row chunks at a
+    time, last first (``_ws_bwd_in_slabs``). Returns ``(dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias)``: dq, dk
+    ``[B, T, H, K]`` in q's dtype, dv in v's dtype, dg and dbeta ``[B, T, HV]`` fp32, dh0 fp32 or None, dA_log and
+    ddt_bias ``[HV]`` fp32 or None.
 
     Stages: recompute W (from Tm; not on Hopper), Vnew and the state at every 64-row chunk (or take them); the
     state-gradient recurrence (reverse; the output's gradient of Vnew formed inside it); dq, dk and the WY
@@ -357,8 +358,9 @@ def _ws_bwd_in_slabs(q, k, v, g_cum, beta, ai, v_new, do, dht, initial_state, sc
     the chunk gradients follow. The kernels see the slab as N (first row, end row) pairs (``utils.varlen_mode`` 2).
     The 64-row states and their gradients of one slab are held at a time instead of all: at B = 4, T = 8192, H = 16,
     K = V = 128, bf16 and n = 32, 128 MiB instead of 512. Without a kept Vnew and at K = V (per value head: not
-    ``gva_sum``, which sums a key head's value heads in the kernel), dq is written over the Vnew rows of its own slab (each chunk's CTA stores its dq tile after its own loads of that Vnew tile; a later
-    slab's pass writes only its own rows): no buffer of v's size for dq. Same products and order as the unsplit
+    ``gva_sum``, which sums a key head's value heads in the kernel), dq is written over the Vnew rows of its own slab
+    (each chunk's CTA stores its dq tile after its own loads of that Vnew tile; a later slab's pass writes only its
+    own rows): no buffer of v's size for dq. Same products and order as the unsplit
     backward: results equal up to the order of fp32 additions. Returns ``(dq, dk, dv, dbeta, dgd, dgam, dh0)`` as
     the chunk-gradient stage (dq, dk per key head with ``gva_sum``)."""
     n, states = slab
