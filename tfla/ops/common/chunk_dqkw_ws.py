@@ -193,6 +193,14 @@ if HAVE_GLUON:
         return row0 + i_t * 64, i_t * 64, T, (boh + i_t) * HV + i_hv, i_hv, i_hv // (HV // H)
 
     @gluon.jit
+    def _load_partials(sc_desc, do_s, vn_s, f_p):
+        """The CTA's partial dq and dk (its two row blocks of the GVA scratch) into dO's and Vnew's buffers, on
+        ``f_p``."""
+        mbarrier.expect(f_p, 2 * sc_desc.block_type.nbytes)
+        _tma_load(sc_desc, [gl.program_id(0) * 64, 0], f_p, _as_tile(do_s, sc_desc))
+        _tma_load(sc_desc, [(gl.num_programs(0) + gl.program_id(0)) * 64, 0], f_p, _as_tile(vn_s, sc_desc))
+
+    @gluon.jit
     def _bwd_producer(q_desc, k_desc, v_desc, du_desc, h_desc, dh_desc, tm_desc, do_desc, vn_desc, q_s, k_s, v_s,
                       du_s, h_s, dh_s, tm_s, do_s, vn_s, rows_s, idx_s, f_r, f_a, f_c, f_d, f_e, f_p, e_r, e_a, e_c,
                       e_e, sc_desc, g, beta, rstd_q, rstd_k, cu_seqlens, tile_indices, sub_offsets, T, NT, n_tiles,
@@ -214,7 +222,6 @@ if HAVE_GLUON:
         nb_c: gl.constexpr = h_desc.block_type.nbytes + dh_desc.block_type.nbytes
         nb_d: gl.constexpr = do_desc.block_type.nbytes + vn_desc.block_type.nbytes
         nb_e: gl.constexpr = q_desc.block_type.nbytes + k_desc.block_type.nbytes
-        nb_p: gl.constexpr = 2 * sc_desc.block_type.nbytes
         lo, hi, step = _work_range(n_tiles, H, HV, GVA)
         n = 0
         for it in range(lo, hi, step):
@@ -250,10 +257,7 @@ if HAVE_GLUON:
             if GVA:
                 part = (n > 0) & ((n - 1) % (HV // H) != 0)
             if part:
-                mbarrier.expect(f_p, nb_p)
-                _tma_load(sc_desc, [gl.program_id(0) * 64, 0], f_p, _as_tile(do_s, sc_desc))
-                _tma_load(sc_desc, [(gl.num_programs(0) + gl.program_id(0)) * 64, 0], f_p,
-                          _as_tile(vn_s, sc_desc))
+                _load_partials(sc_desc, do_s, vn_s, f_p)
             for iv in gl.static_range(NV):
                 mbarrier.expect(f_c.index(iv), nb_c)
                 _tma_load(h_desc, [slot * K, iv * 64], f_c.index(iv), h_s.index(iv))
@@ -278,10 +282,7 @@ if HAVE_GLUON:
         if GVA:  # the CTA's last tile is a key head's last value head: its partial sums after its pass 2
             if n > 0:
                 mbarrier.wait(e_c, (n & 1) ^ 1)
-                mbarrier.expect(f_p, nb_p)
-                _tma_load(sc_desc, [gl.program_id(0) * 64, 0], f_p, _as_tile(do_s, sc_desc))
-                _tma_load(sc_desc, [(gl.num_programs(0) + gl.program_id(0)) * 64, 0], f_p,
-                          _as_tile(vn_s, sc_desc))
+                _load_partials(sc_desc, do_s, vn_s, f_p)
 
     @gluon.jit
     def _release(bar):
