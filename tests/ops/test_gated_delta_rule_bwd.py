@@ -8,6 +8,8 @@ with tf32x3 on CUDA); float64: 1e-12 plus a gradcheck; fp16 on the CPU interpret
 import itertools
 import math
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -682,6 +684,27 @@ def test_state_pass_over_row_pairs(device):
     hp, _ = chunk_state_fwd(*flat, 64, initial_state=h[:, 2].contiguous(), cu_seqlens=pairs, chunk_offsets=offs,
                                num_chunks=6, **kw)
     torch.testing.assert_close(hp.view(B, 3, HV, K, V), h[:, 2:5], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.gpu
+def test_backward_in_a_fresh_process():
+    """The first backward of a fresh process, on autograd's device thread, whose first CUDA work is then a Gluon
+    launch (Hopper): Triton encodes the launch's TMA descriptors before its launcher makes a CUDA context current on
+    that thread, which raised "invalid device context" (H200, Triton 3.6, 2026-11-29) until the Gluon wrappers made
+    the context current themselves (``fused_delta_ws.context_current``). Run in a subprocess: in this one an earlier
+    test may have done CUDA work on that thread already."""
+    code = (
+        "import torch, tfla\n"
+        "q, k, v = (torch.randn(2, 256, 2, 128, device='cuda', dtype=torch.bfloat16, requires_grad=True) "
+        "for _ in range(3))\n"
+        "g = torch.nn.functional.logsigmoid(torch.randn(2, 256, 2, device='cuda')).requires_grad_()\n"
+        "beta = torch.rand(2, 256, 2, device='cuda').requires_grad_()\n"
+        "o, _ = tfla.chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)\n"
+        "grads = torch.autograd.grad(o, (q, k, v, g, beta), torch.randn_like(o))\n"
+        "assert all(bool(x.isfinite().all()) for x in grads)\n"
+        "print('ok')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
 
 
 @pytest.mark.gpu

@@ -42,7 +42,7 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-from tfla.ops.common.fused_delta_ws import HAVE_GLUON, _is_sm90, tma_desc
+from tfla.ops.common.fused_delta_ws import HAVE_GLUON, _is_sm90, context_current, tma_desc
 from tfla.ops.common.utils import sm_count, varlen_mode
 
 if HAVE_GLUON:
@@ -607,6 +607,7 @@ def gdn_bwd_chunk_ws(q, k, v, beta, ai, v_new, do, du, h_sub, dh_sub, g_cum, sca
 
     n_tiles = NT * B * HV
     grid = min(n_tiles // (HV // H) if gva_sum else n_tiles, sm_count(q))
+    context_current(q.device)
     dq_desc = desc(dq, B * T, HQ * K, [BS, K])
     if gva_sum:  # each CTA's rows of partial dq, then of partial dk (L2-resident: 4.3 MB on 132 SMs)
         sc = torch.empty(2 * grid * BS, K, dtype=q.dtype, device=q.device)

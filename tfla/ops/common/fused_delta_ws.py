@@ -40,6 +40,7 @@ takes that launch for pieces).
 from __future__ import annotations
 
 import functools
+import threading
 
 import torch
 import triton
@@ -392,6 +393,24 @@ def tma_desc(x: torch.Tensor, rows: int, cols: int, block: list, bf16: bool):
     return TensorDescriptor(x.view(rows, cols), [rows, cols], [cols, 1], list(block), layout)
 
 
+_THREAD = threading.local()
+
+
+def context_current(device: torch.device) -> None:
+    """Make ``device``'s primary CUDA context current on the calling thread, once per thread and device. Triton
+    encodes a Gluon launch's TMA descriptors (``cuTensorMapEncodeTiled``) before its launcher makes a context
+    current, so on a thread whose first CUDA work is such a launch it raised "Failed to create tensor map descriptor:
+    invalid device context": autograd's device thread in a fresh process when the GDN backward's first launch is the
+    Gluon states pass (H200, torch 2.11, Triton 3.6, 2026-11-29). A stream query goes through the CUDA runtime,
+    which binds the primary context to the thread; it does not wait for the stream."""
+    if device.type != "cuda":  # (CPU tensors: the launch-recording scripts and tests)
+        return
+    done = _THREAD.__dict__.setdefault("devices", set())
+    if device.index not in done:
+        torch.cuda.current_stream(device).query()
+        done.add(device.index)
+
+
 @functools.lru_cache(maxsize=None)
 def _is_sm90(index: int) -> bool:
     return torch.cuda.get_device_capability(index) == (9, 0)
@@ -461,6 +480,7 @@ def fused_delta_pass_ws(q, k, v, g_cum, beta, ai, scale, initial_state=None, out
     def desc(x, rows, cols, block):  # a 2-D [rows, heads * dim] view, one chunk of one head per block
         return tma_desc(x, rows, cols, block, bf16)
 
+    context_current(q.device)
     v_desc = desc(v, B * T, HV * V, [BS, BV])
     o_desc = v_desc if o is None else desc(o, B * T, HV * V, [BS, BV])  # (no o: never stored to)
     vn_desc = desc(v_new, B * T, HV * V, [BS, BV]) if v_new is not None else o_desc

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-from tfla.ops.common.fused_delta_ws import HAVE_GLUON, _is_sm90, tma_desc
+from tfla.ops.common.fused_delta_ws import HAVE_GLUON, _is_sm90, context_current, tma_desc
 from tfla.ops.common.utils import num_sequences, varlen_mode
 
 if HAVE_GLUON:
@@ -270,6 +270,7 @@ def delta_state_bwd_ws(q, k, ai, beta, do, g_cum, scale, dht=None, need_dh0=Fals
     def desc(x, rows, cols, block):  # a 2-D [rows, heads * dim] view, one chunk of one head per block
         return tma_desc(x, rows, cols, block, bf16)
 
+    context_current(k.device)
     do_desc = desc(do, B * T, HV * V, [BS, BV])
     du_desc = desc(du, B * T, HV * V, [BS, BV]) if store else do_desc  # (store False: never stored to)
     dh_desc = desc(dh, B * NS * HV * K, V, [K, BV]) if store else do_desc
