@@ -11,6 +11,14 @@ import pytest  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
+# Under pytest-xdist every worker would run PyTorch's CPU ops (the float64 references) on all the host's cores: 12
+# workers on a 16-core GPU host left the GDN backward's float64 recurrences to 192 threads, and single tests ran for
+# minutes. Four processes of that recurrence on 2 cores took 70-128 s each at 2 threads and 20-22 s at 1 (torch 2.13
+# CPU, 2026-11-29). Each worker takes its share of the cores instead.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS))
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
