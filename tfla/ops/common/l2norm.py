@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from tfla.ops.common.grid import flat_grid
-from tfla.ops.common.utils import cdiv, next_pow2
+from tfla.ops.common.utils import cdiv, next_pow2, on_input_device
 
 L2NORM_EPS = 1e-6
 
@@ -79,12 +79,14 @@ class L2NormFunction(torch.autograd.Function):
         return y
 
     @staticmethod
+    @on_input_device
     def backward(ctx, dy):
         x, rstd = ctx.saved_tensors
         return l2norm_bwd(x, rstd, dy), None
 
 
 @torch.library.custom_op("tfla::l2norm_fwd", mutates_args=())
+@on_input_device
 def _l2norm_fwd_op(x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     return l2norm_fwd(x.contiguous(), eps)
 
@@ -95,6 +97,7 @@ def _(x, eps):
 
 
 @torch.library.custom_op("tfla::l2norm_bwd", mutates_args=())
+@on_input_device
 def _l2norm_bwd_op(x: torch.Tensor, rstd: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
     return l2norm_bwd(x.contiguous(), rstd, dy)
 

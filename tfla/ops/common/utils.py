@@ -7,6 +7,7 @@ BT outer chunk (L, where states live), BS sub-chunk (64 rows, the UT/WY level).
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 
 import torch
@@ -67,6 +68,26 @@ def acc_dtype(dtype: torch.dtype):
     import triton.language as tl
 
     return tl.float64 if dtype == torch.float64 else tl.float32
+
+
+def on_input_device(fn):
+    """Decorator of the public ops and their autograd backward: ``fn`` runs with the CUDA device of its first tensor
+    argument current. Triton launches a kernel on the current device and its stream, whatever device the tensors
+    are on, so a model spread over GPUs in one process (e.g. Hugging Face's ``device_map="auto"``) that calls a layer
+    on cuda:1 while cuda:0 is current would launch on the wrong device; PyTorch's own ops follow their tensors, and
+    so do FLA's (``input_guard``). Costs one device query per call where the devices agree; nothing while
+    ``torch.compile`` traces (the compiled graph sets its device)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if not torch.compiler.is_compiling():
+            x = next((a for a in itertools.chain(args, kwargs.values()) if isinstance(a, torch.Tensor)), None)
+            if x is not None and x.is_cuda and x.device.index != torch.cuda.current_device():
+                with torch.cuda.device(x.device):
+                    return fn(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return wrapper
 
 
 def check_device(name: str, t: torch.Tensor) -> None:

@@ -38,7 +38,7 @@ from tfla.ops.common.gate_act import BETA_2SIGMOID, BETA_SIGMOID, NO_BETA, GateA
 from tfla.ops.common.group_sum import group_sum
 from tfla.ops.common.l2norm import l2norm, l2norm_bwd, l2norm_fwd
 from tfla.ops.common.state_bwd_ws import delta_state_bwd_ws, state_bwd_ws_supported
-from tfla.ops.common.utils import CHUNK_SIZES, SUB_CHUNK
+from tfla.ops.common.utils import CHUNK_SIZES, SUB_CHUNK, on_input_device
 from tfla.ops.common.ut_transform import w_from_tm
 from tfla.ops.common.wy_bwd import wy_bwd
 from tfla.ops.common.varlen import VarlenIndex, table_kind
@@ -499,6 +499,7 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
         return o, final_state
 
     @staticmethod
+    @on_input_device
     def backward(ctx, do, dht):
         q, k, v, g, beta, initial_state, A_log, dt_bias, beta_used, g_cum, ai, q0, rq, k0, rk, *saved = \
             ctx.saved_tensors
@@ -533,6 +534,7 @@ def _act(opts: GDNOptions, A_log, dt_bias) -> GateAct | None:
     return GateAct(A_log if opts.gate_act else None, dt_bias if opts.gate_act else None, opts.beta_act)
 
 
+@on_input_device
 def chunk_gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -31,7 +31,7 @@ import triton.language as tl
 
 from tfla.ops.common.grid import program_pair, tile_grid
 from tfla.ops.common.l2norm import l2norm
-from tfla.ops.common.utils import SUB_CHUNK, acc_dtype, cdiv, next_pow2, seqlens_to_list, sm_count
+from tfla.ops.common.utils import SUB_CHUNK, acc_dtype, cdiv, next_pow2, on_input_device, seqlens_to_list, sm_count
 from tfla.ops.gated_delta_rule.chunk import _fla_options
 from tfla.utils.validation import (
     check_common,
@@ -272,6 +272,7 @@ class FusedRecurrentGatedDeltaRuleFunction(torch.autograd.Function):
             num_accepted_tokens, opts.inplace_final_state, opts.state_v_first, opts.config)
 
     @staticmethod
+    @on_input_device
     def backward(ctx, do, dht):
         raise NotImplementedError(
             "fused_recurrent_gated_delta_rule is forward-only (a decode kernel keeps no per-token states); "
@@ -356,6 +357,7 @@ def check_host_values(T: int, pool, cu_seqlens, ssm_state_indices, num_accepted_
                              f"`ssm_state_indices`), got {num_accepted_tokens.tolist()}")
 
 
+@on_input_device
 def fused_recurrent_gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,

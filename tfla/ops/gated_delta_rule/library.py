@@ -16,10 +16,11 @@ import torch
 
 from tfla.ops.common.custom_ops import absent, varlen_index
 from tfla.ops.common.fused_delta_fwd import SAVE_NONE
-from tfla.ops.common.utils import SUB_CHUNK
+from tfla.ops.common.utils import SUB_CHUNK, on_input_device
 
 
 @torch.library.custom_op("tfla::chunk_gated_delta_rule_fwd", mutates_args=())
+@on_input_device
 def chunk_gdn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                   initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None, scale: float,
                   output_final_state: bool, needs_grad: bool
@@ -52,6 +53,7 @@ def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, ne
 
 
 @torch.library.custom_op("tfla::chunk_gated_delta_rule_bwd", mutates_args=())
+@on_input_device
 def chunk_gdn_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g_cum: torch.Tensor, beta: torch.Tensor,
                   ai: torch.Tensor, initial_state: torch.Tensor | None, do: torch.Tensor,
                   dht: torch.Tensor | None, cu_seqlens: torch.Tensor | None, scale: float
@@ -100,6 +102,7 @@ chunk_gdn_fwd.register_autograd(_backward, setup_context=_setup_context)
 # writes the states into the pool in place (a mutation declared to the compiler). ``config`` is ignored here.
 
 @torch.library.custom_op("tfla::fused_recurrent_gated_delta_rule", mutates_args=())
+@on_input_device
 def fused_recurrent_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None, beta: torch.Tensor,
                         initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
                         ssm_state_indices: torch.Tensor | None, num_accepted_tokens: torch.Tensor | None,
@@ -130,6 +133,7 @@ def _(q, k, v, g, beta, initial_state, cu_seqlens, ssm_state_indices, num_accept
 
 
 @torch.library.custom_op("tfla::fused_recurrent_gated_delta_rule_inplace", mutates_args=("pool",))
+@on_input_device
 def fused_recurrent_inplace(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None,
                             beta: torch.Tensor, pool: torch.Tensor, cu_seqlens: torch.Tensor | None,
                             ssm_state_indices: torch.Tensor | None, num_accepted_tokens: torch.Tensor | None,

@@ -22,7 +22,7 @@ from tfla.ops.common.chunk_state import chunk_state_fwd
 from tfla.ops.common.chunk_state_bwd import chunk_state_bwd
 from tfla.ops.common.cumsum import chunk_local_cumsum, positive_flag_for, raise_if_positive
 from tfla.ops.common.wy_bwd import wy_bwd
-from tfla.ops.common.utils import LOG_DECAY_FLOOR, RCP_LN2, SUB_CHUNK, next_pow2
+from tfla.ops.common.utils import LOG_DECAY_FLOOR, RCP_LN2, SUB_CHUNK, next_pow2, on_input_device
 from tfla.ops.common.varlen import VarlenIndex, table_kind
 from tfla.utils.validation import (
     check_cotangent,
@@ -176,6 +176,7 @@ class ChunkGLAFunction(torch.autograd.Function):
         return o, final_state
 
     @staticmethod
+    @on_input_device
     def backward(ctx, do, dht):
         q, k, v, g, initial_state, gv_cum = ctx.saved_tensors
         if do is None:
@@ -204,6 +205,7 @@ def _check(q, k, v, g, scale, initial_state, cu_seqlens, chunk_size):
                  (H, K, V), "H, K, V")
 
 
+@on_input_device
 def chunk_gla(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from tfla.ops.common.custom_ops import absent, varlen_index
+from tfla.ops.common.utils import on_input_device
 from tfla.ops.gla.chunk import GLAOptions, chunk_gla_bwd, chunk_gla_fwd
 
 
@@ -15,6 +16,7 @@ def _opts(scale, chunk_size, output_final_state, vec_f32, vec_span, tile_rows):
 
 
 @torch.library.custom_op("tfla::chunk_gla_fwd", mutates_args=())
+@on_input_device
 def gla_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, initial_state: torch.Tensor | None,
             cu_seqlens: torch.Tensor | None, scale: float, chunk_size: int, output_final_state: bool, vec_f32: bool,
             vec_span: int, tile_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -37,6 +39,7 @@ def _(q, k, v, g, initial_state, cu_seqlens, scale, chunk_size, output_final_sta
 
 
 @torch.library.custom_op("tfla::chunk_gla_bwd", mutates_args=())
+@on_input_device
 def gla_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gv_cum: torch.Tensor,
             initial_state: torch.Tensor | None, do: torch.Tensor, dht: torch.Tensor | None,
             cu_seqlens: torch.Tensor | None, scale: float, chunk_size: int, vec_f32: bool, vec_span: int,

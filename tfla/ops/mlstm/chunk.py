@@ -41,7 +41,7 @@ from tfla.ops.common import precompile
 from tfla.ops.common.cumsum import chunk_local_cumsum
 from tfla.ops.common.linear_attn import chunk_simple_gla_bwd, chunk_simple_gla_fwd
 from tfla.ops.common.normalizer import normalizer_bwd_prep
-from tfla.ops.common.utils import LOG_DECAY_FLOOR, cdiv, sm_count
+from tfla.ops.common.utils import LOG_DECAY_FLOOR, cdiv, on_input_device, sm_count
 from tfla.ops.common.varlen import VarlenIndex, table_kind
 from tfla.ops.mlstm.step import INPUT_GATES, check_mlstm_options, check_mlstm_state  # noqa: F401
 from tfla.utils.validation import (
@@ -377,6 +377,7 @@ class ChunkMLSTMFunction(torch.autograd.Function):
         return h, final[0], final[1], None
 
     @staticmethod
+    @on_input_device
     def backward(ctx, dh, dC, dn, dm):
         # the backward's chunk size (see BWD_CHUNK_SIZE); den and h do not depend on L. The varlen tables
         # for it are built here (from the bounds already on the host), not on every forward call
@@ -415,6 +416,7 @@ def _check(q, k, v, i, f, input_gate, normalize, eps, scale, initial_state, cu_s
                  (H, K, V), "H, K, V")
 
 
+@on_input_device
 def chunk_mlstm(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from tfla.ops.common.custom_ops import absent, varlen_index
+from tfla.ops.common.utils import on_input_device
 from tfla.ops.mlstm.chunk import BWD_CHUNK_SIZE, MLSTMOptions, chunk_mlstm_bwd, chunk_mlstm_fwd
 
 
@@ -24,6 +25,7 @@ def _opt(x):
 
 
 @torch.library.custom_op("tfla::chunk_mlstm_fwd", mutates_args=())
+@on_input_device
 def mlstm_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, i: torch.Tensor, f: torch.Tensor,
               C0: torch.Tensor | None, n0: torch.Tensor | None, m0: torch.Tensor | None,
               cu_seqlens: torch.Tensor | None, input_gate: str, normalize: bool, eps: float, scale: float,
@@ -54,6 +56,7 @@ def _(q, k, v, i, f, C0, n0, m0, cu_seqlens, input_gate, normalize, eps, scale, 
 
 
 @torch.library.custom_op("tfla::chunk_mlstm_bwd", mutates_args=())
+@on_input_device
 def mlstm_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, i: torch.Tensor, f: torch.Tensor,
               C0: torch.Tensor | None, n0: torch.Tensor | None, m0: torch.Tensor | None, h: torch.Tensor,
               den: torch.Tensor, C: torch.Tensor, n: torch.Tensor, m: torch.Tensor, dh: torch.Tensor,

@@ -20,7 +20,7 @@ import functools
 import torch
 
 from tfla.ops.common import precompile
-from tfla.ops.common.utils import SUPPORTED_DTYPES, cdiv, check_device, interpret_mode, next_pow2
+from tfla.ops.common.utils import SUPPORTED_DTYPES, cdiv, check_device, interpret_mode, next_pow2, on_input_device
 from tfla.ops.common.varlen import cached_bounds
 from tfla.ops.rnn import pointwise
 from tfla.ops.rnn.fused import MAX_FUSED_D, compile_check, rnn_fused_bwd, rnn_fused_fwd
@@ -286,6 +286,7 @@ class RNNFunction(torch.autograd.Function):
         return (o, *(final[:, k].contiguous() for k in range(S)), *seq)
 
     @staticmethod
+    @on_input_device
     def backward(ctx, do, *dfinal):
         x, Wt, b_acc, states, rh = ctx.saved_tensors
         opts = ctx.opts
@@ -395,6 +396,7 @@ def _apply(opts: RNNOptions, x, R, b, *state0):
         "rnn", precompile.signature(x, R, b, *state0), x.shape[1] % 16 == 0, dataclasses.replace(opts, lengths=())))
 
 
+@on_input_device
 def rnn(cell: str, x, R, b, initial_state=None, output_final_state=False, *, cu_seqlens=None, config=None):
     """Shared entry of the four cells (see ``elman``, ``lstm``, ``gru``, ``slstm``); under ``torch.compile`` the
     custom ops of ``library.py``."""
@@ -424,6 +426,7 @@ def rnn(cell: str, x, R, b, initial_state=None, output_final_state=False, *, cu_
 
 
 @torch.compiler.disable  # eager only (a graph break under torch.compile): the custom ops return h and the final state
+@on_input_device
 def rnn_state_sequence(cell: str, x, R, b, initial_state=None, config=None):
     """``(h [B, T, NH, D], state_seq [S - 1, B, T, NH, D])``: ``cell`` as ``rnn`` (no varlen, no final state), also
     returning the states after h (c; for the sLSTM c, n, m) after every step, in fp32 (float64 for float64 x) and

@@ -10,6 +10,7 @@ import ast
 
 import torch
 
+from tfla.ops.common.utils import on_input_device
 from tfla.ops.common.varlen import cached_bounds
 from tfla.ops.rnn.cells import _acc, fused_launch, pad_index, rnn_bwd, rnn_fwd
 from tfla.ops.rnn.reference import CELL_STATES
@@ -53,6 +54,7 @@ def _forward(cell, x, R, b, state0, cu_seqlens, config):
 
 
 @torch.library.custom_op("tfla::rnn_fwd", mutates_args=())
+@on_input_device
 def rnn_fwd_op(x: torch.Tensor, R: torch.Tensor, b: torch.Tensor, state0: list[torch.Tensor],
                cu_seqlens: torch.Tensor | None, cell: str, output_final_state: bool, config: str
                ) -> list[torch.Tensor]:
@@ -79,6 +81,7 @@ def _(x, R, b, state0, cu_seqlens, cell, output_final_state, config):
 
 
 @torch.library.custom_op("tfla::rnn_bwd", mutates_args=())
+@on_input_device
 def rnn_bwd_op(x: torch.Tensor, R: torch.Tensor, b: torch.Tensor, state0: list[torch.Tensor],
                cu_seqlens: torch.Tensor | None, dh: torch.Tensor, dfinal: list[torch.Tensor], cell: str,
                config: str) -> list[torch.Tensor]:

@@ -23,6 +23,7 @@ from tfla.ops.common import precompile
 from tfla.ops.common.cumsum import positive_flag_for, raise_if_positive
 from tfla.ops.common.linear_attn import chunk_simple_gla_bwd, chunk_simple_gla_fwd
 from tfla.ops.common.normalizer import normalizer_bwd_prep
+from tfla.ops.common.utils import on_input_device
 from tfla.ops.common.varlen import VarlenIndex, table_kind
 from tfla.utils.validation import (
     check_common,
@@ -56,6 +57,7 @@ class ChunkSimpleGLAFunction(torch.autograd.Function):
         return o, final_state
 
     @staticmethod
+    @on_input_device
     def backward(ctx, do, dht):
         q, k, v, g, initial_state, g_cum = ctx.saved_tensors
         if do is None:
@@ -90,6 +92,7 @@ def _check(q, k, v, g, g_gamma, scale, initial_state, cu_seqlens, chunk_size):
     check_common(q, named, scale, initial_state, cu_seqlens, chunk_size, (H, K, V), "H, K, V")
 
 
+@on_input_device
 def chunk_simple_gla(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -171,6 +174,7 @@ def _chunk_simple_gla(q, k, v, g, g_gamma, scale, initial_state, output_final_st
     return out
 
 
+@on_input_device
 def chunk_retention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -254,6 +258,7 @@ class ChunkLinearAttnFunction(torch.autograd.Function):
         return o, final, z
 
     @staticmethod
+    @on_input_device
     def backward(ctx, do, dht, dz):
         q, k, v, initial_state, z_init, o, den = ctx.saved_tensors
         if do is None:
@@ -267,6 +272,7 @@ class ChunkLinearAttnFunction(torch.autograd.Function):
                 dz0.to(z_init.dtype) if dz0 is not None else None, None, None)
 
 
+@on_input_device
 def chunk_linear_attn(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -360,6 +366,7 @@ def chunk_linear_attn(
     return o, (final_state if output_final_state else None, z_state)
 
 
+@on_input_device
 def chunk_lightning_attn(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from tfla.ops.common.grid import program_pair, tile_grid
-from tfla.ops.common.utils import SUB_CHUNK, acc_dtype, cdiv, next_pow2, sm_count
+from tfla.ops.common.utils import SUB_CHUNK, acc_dtype, cdiv, next_pow2, on_input_device, sm_count
 from tfla.ops.gated_delta_rule.fused_recurrent import _token_inputs, launch_config
 from tfla.ops.simple_gla.chunk import _check
 from tfla.utils.validation import state_in_fla_layout, state_in_kv_layout
@@ -74,6 +74,7 @@ class _ForwardOnly(torch.autograd.Function):
         return fn(*args)
 
     @staticmethod
+    @on_input_device
     def backward(ctx, *grads):
         raise NotImplementedError("fused_recurrent_simple_gla is forward-only (decode); use tfla.chunk_simple_gla "
                                   "for training")
@@ -104,6 +105,7 @@ def _fwd(q, k, v, g, g_gamma, scale, initial_state, output_final_state, reverse,
     return o, ht
 
 
+@on_input_device
 def fused_recurrent_simple_gla(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -11,10 +11,12 @@ import torch
 
 from tfla.ops.common.custom_ops import absent, varlen_index
 from tfla.ops.common.linear_attn import chunk_simple_gla_bwd, chunk_simple_gla_fwd
+from tfla.ops.common.utils import on_input_device
 from tfla.ops.simple_gla.chunk import chunk_linear_attn_bwd, chunk_linear_attn_fwd
 
 
 @torch.library.custom_op("tfla::chunk_simple_gla_fwd", mutates_args=())
+@on_input_device
 def simple_gla_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None,
                    initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None, scale: float,
                    chunk_size: int, output_final_state: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -36,6 +38,7 @@ def _(q, k, v, g, initial_state, cu_seqlens, scale, chunk_size, output_final_sta
 
 
 @torch.library.custom_op("tfla::chunk_simple_gla_bwd", mutates_args=())
+@on_input_device
 def simple_gla_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g_cum: torch.Tensor | None,
                    initial_state: torch.Tensor | None, do: torch.Tensor, dht: torch.Tensor | None,
                    cu_seqlens: torch.Tensor | None, scale: float, chunk_size: int, need_dg: bool
@@ -77,6 +80,7 @@ simple_gla_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 @torch.library.custom_op("tfla::chunk_linear_attn_fwd", mutates_args=())
+@on_input_device
 def linear_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, initial_state: torch.Tensor | None,
                     z_init: torch.Tensor | None, cu_seqlens: torch.Tensor | None, scale: float, chunk_size: int,
                     output_final_state: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -100,6 +104,7 @@ def _(q, k, v, initial_state, z_init, cu_seqlens, scale, chunk_size, output_fina
 
 
 @torch.library.custom_op("tfla::chunk_linear_attn_bwd", mutates_args=())
+@on_input_device
 def linear_attn_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, initial_state: torch.Tensor | None,
                     z_init: torch.Tensor | None, o: torch.Tensor, den: torch.Tensor, do: torch.Tensor,
                     dht: torch.Tensor | None, dz: torch.Tensor | None, cu_seqlens: torch.Tensor | None, scale: float,
@@ -142,6 +147,7 @@ linear_attn_fwd.register_autograd(_la_backward, setup_context=_la_setup_context)
 
 
 @torch.library.custom_op("tfla::fused_recurrent_simple_gla", mutates_args=())
+@on_input_device
 def fused_recurrent_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None,
                         g_gamma: torch.Tensor | None, scale: float, initial_state: torch.Tensor | None,
                         output_final_state: bool, reverse: bool, cu_seqlens: torch.Tensor | None
