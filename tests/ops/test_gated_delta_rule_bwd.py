@@ -164,13 +164,16 @@ def test_state_grad_summary_pass(device):
 
 @pytest.mark.parametrize("segments,varlen,h0,final,gate", [(2, False, True, True, "weak"), (4, False, False, True, "zero"),
                                                            (3, True, True, True, "weak"),
-                                                           (3, True, False, False, "mixed")])
+                                                           (3, True, False, False, "mixed"),
+                                                           (4, False, True, True, "strong")])
 def test_bwd_in_pieces_matches_recurrence(device, poison_empty, monkeypatch, segments, varlen, h0, final, gate):
     """A forward cut into pieces runs the backward's state-gradient chain in the same pieces (two passes
     and a reverse scan); every gradient still matches the recurrence: dense with T not a multiple of 64 and B = 2,
     varlen with empty, one-token and multi-piece sequences, with and without the initial state and the final
     state's cotangent, grouped value heads; weak and zero gates (with strong ones a piece's transition M is ~0 and
-    the scan's terms would not be checked)."""
+    the scan's terms would not be checked), mixed ones (zero on half the heads) and strong ones, where the transition
+    pass leaves out each piece's chunks whose state decays below e^-80 before its end (``transition_warmup``) and
+    the backward's reverse scan takes that shorter transition."""
     import tfla.ops.gated_delta_rule.chunk as chunk
 
     calls = []  # the real backward's calls (on a GPU the first call of a kind runs a dry run before it)

@@ -102,12 +102,13 @@ def _fused_delta_fwd_kernel(q, k, v, g, beta, ai, a, o, v_new, h, h0, ht, cu_seq
                             USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
                             IS_VARLEN: tl.constexpr, SAVE: tl.constexpr, PASS: tl.constexpr,
                             DOT_PREC: tl.constexpr, ACC: tl.constexpr, IDX64: tl.constexpr, FLAT: tl.constexpr,
-                            seq_order=None, ORDERED: tl.constexpr = False):
+                            seq_order=None, ORDERED: tl.constexpr = False, warm=None):
     """One program: value columns ``[i_v BV, (i_v + 1) BV)`` of one (sequence, value head). PASS 1 (the
     transition): the columns run over ``K + V`` (the first K: the state starts as the identity and the values are 0;
     the rest: v's columns from a zero state), only the final ``[M | N]`` is written (``ht [N, HV, K, K + V]``). PASS 2:
     no q, no output (SAVE's tensors and the final state only). SAVE 1: Vnew; 2: also the state before each chunk
-    (``h``, k's dtype, slots from ``chunk_offsets``). ORDERED: the sequences in ``seq_order`` (``grid.ordered_row``)."""
+    (``h``, k's dtype, slots from ``chunk_offsets``). ORDERED: the sequences in ``seq_order`` (``grid.ordered_row``).
+    PASS 1 starts ``warm[i_n HV + i_hv]`` chunks into the piece (``transition_warmup``)."""
     BS: tl.constexpr = 64
     TRANSITION: tl.constexpr = PASS == 1
     NCOL: tl.constexpr = K + V if TRANSITION else V
@@ -116,6 +117,10 @@ def _fused_delta_fwd_kernel(q, k, v, g, beta, ai, a, o, v_new, h, h0, ht, cu_seq
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
     bos, T, boh = _sequence_slots(cu_seqlens, chunk_offsets, i_n, T, BS, IS_VARLEN)
+    if TRANSITION:  # the chunks left out at the piece's start
+        skip = tl.load(warm + i_nh) * BS
+        bos += skip
+        T -= skip
     o_k = tl.arange(0, BK)
     o_j = i_v * BV + tl.arange(0, BV)  # the program's columns of the state
     o_c = tl.arange(0, BS)
@@ -251,11 +256,12 @@ def fused_delta_prep(q, k, g, beta, scale, cu_seqlens=None, sub_indices=None, co
 
 def fused_delta_pass(q, k, v, g_cum, beta, ai, scale, initial_state=None, output_final_state=False,
                      cu_seqlens=None, chunk_offsets=None, num_chunks=None, save=SAVE_NONE, transition=False,
-                     a=None, config=None, output: bool = True, seq_order=None):
+                     a=None, config=None, output: bool = True, seq_order=None, warm=None):
     """One fused pass over the sequences (or pieces) of ``cu_seqlens`` from the prep's ``g_cum``, ``ai`` and
     ``a`` (the output's scores; not read with ``transition`` or without ``output``). ``output`` False: no q read and
     no output formed (Vnew, the states and the final state only). ``seq_order``: ``[N]`` int32, the order in which
-    the programs take the sequences (``varlen.longest_first_order``) or None (in order).
+    the programs take the sequences (``varlen.longest_first_order``) or None (in order). ``warm`` (with
+    ``transition``): ``transition_warmup``'s chunks to leave out per (piece, value head); None: none.
     Returns ``(o, final, v_new, h)``: o ``[B, T, HV, V]`` in v's dtype (None with ``transition`` or without
     ``output``), final
     ``[N, HV, K, V]`` (``[N, HV, K, K + V]`` = ``[M | N]`` with ``transition``) in fp32 or None, v_new like v
@@ -287,16 +293,73 @@ def fused_delta_pass(q, k, v, g_cum, beta, ai, scale, initial_state=None, output
         width = cfg["BV"] or wide_tiles(N * HV, V, sm_count(q))
     BV = dot_tile(ncol, width, q.dtype)
     grid, flat = tile_grid(cdiv(ncol, BV), N * HV, force_flat=cfg.get("flat", False))
+    if transition and warm is None:
+        warm = torch.zeros(N * HV, dtype=torch.int32, device=q.device)
     _fused_delta_fwd_kernel[grid](
         q, k, v, g_cum, beta, ai, a, o, v_new, h, initial_state, final, cu_seqlens, chunk_offsets, scale, T,
         H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, USE_G=g_cum is not None, USE_INITIAL_STATE=initial_state is not None,
         STORE_FINAL_STATE=final is not None, IS_VARLEN=cu_seqlens is not None, SAVE=save, PASS=mode,
         DOT_PREC=dot_precision(q.dtype), ACC=acc_dtype(q.dtype),
         IDX64=cfg.get("idx64", False) or _idx64(T, H, HV, K, V),
-        FLAT=flat, seq_order=seq_order, ORDERED=seq_order is not None,
+        FLAT=flat, seq_order=seq_order, ORDERED=seq_order is not None, warm=warm if transition else None,
         num_warps=cfg["mn_warps" if transition else "num_warps"], num_stages=stages,
     )
     return o, final, v_new, h
+
+
+@triton.jit
+def _warmup_kernel(k, beta, g, cu_seqlens, skip, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                   BK: tl.constexpr, FLOOR: tl.constexpr):
+    """One program per (piece, value head): walks the piece's 64-row chunks from its end and accumulates the log of
+    a bound on the norm of each token's map, ``g_t + log max(1, |1 - beta_t |k_t|^2|)``; the first chunk c (from
+    the end) where the sum over chunks ``c ..`` reaches FLOOR (natural log) makes ``skip[piece HV + head] = c``,
+    the chunks before it the transition pass leaves out; no such chunk: 0. ``g``: the log2 gates cumulated within
+    each 64-row chunk (its last row: the chunk's sum)."""
+    i_nh = tl.program_id(0)
+    i_n, i_hv = i_nh // HV, i_nh % HV
+    i_h = i_hv // (HV // H)
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
+    nc = tl.cdiv(T, 64)
+    o_r = tl.arange(0, 64)
+    o_k = tl.arange(0, BK)
+    acc = tl.zeros([], dtype=tl.float32)
+    cut = tl.zeros([], dtype=tl.int32) - 1
+    for j in range(0, nc):
+        c = nc - 1 - j
+        live = cut < 0
+        n = tl.minimum(64, T - c * 64)
+        r = bos + c * 64
+        m_r = o_r < tl.where(live, n, 0)  # (no loads once the cut is found)
+        b_gn = tl.load(g + (r + n - 1) * HV + i_hv).to(tl.float32)
+        b_b = tl.load(beta + (r + o_r) * HV + i_hv, mask=m_r, other=0.0).to(tl.float32)
+        b_k = tl.load(k + ((r + o_r) * H + i_h)[:, None] * K + o_k[None, :], mask=m_r[:, None] & (o_k < K)[None, :],
+                      other=0.0).to(tl.float32)
+        b_kk = tl.sum(b_k * b_k, axis=1)
+        grow = tl.sum(tl.log(tl.maximum(tl.abs(1.0 - b_b * b_kk), 1.0)), axis=0)
+        acc += tl.where(live, b_gn * 0.6931471805599453 + grow, 0.0)
+        cut = tl.where(live & (acc <= FLOOR), c, cut)
+    tl.store(skip + i_nh, tl.maximum(cut, 0))
+
+
+def transition_warmup(k, beta, g_cum, cu_seqlens, HV: int) -> torch.Tensor:
+    """Chunks the transition pass may leave out at the start of each piece (``[P HV]`` int32, piece-major), exactly:
+    the map of the chunks it keeps, a product of the tokens' maps ``e^g_t (I - beta_t k_t k_t^T)``, has a norm below
+    ``e^LOG_DECAY_FLOOR`` (e^-80 = 1.8e-35: the bound is the product of ``e^g_t max(1, |1 - beta_t |k_t|^2|)``), so
+    the state entering them reaches the piece's end below the rounding of fp32 and of float64 alike, as a decay
+    under that floor is a reset everywhere in tfla (``utils.LOG_DECAY_FLOOR``). The transition ``[M | N]`` of the
+    kept chunks then stands for the piece's: it differs from it by at most that factor times the states' norms.
+    FlashQLA's context-parallel split drops what is below ``e^-10`` (4.5e-5) the same way; here nothing is dropped
+    that fp32 or float64 could show. ``k [1, rows, H, K]``, ``beta`` and ``g_cum [1, rows, HV]`` (the pieces packed
+    as one batch), ``cu_seqlens``: the pieces' offsets. Without gates (``g_cum`` None) nothing is left out."""
+    P = cu_seqlens.numel() - 1
+    skip = torch.zeros(P * HV, dtype=torch.int32, device=k.device)
+    if g_cum is None or P * HV == 0:
+        return skip
+    K = k.shape[3]
+    _warmup_kernel[(P * HV,)](k, beta, g_cum, cu_seqlens, skip, H=k.shape[2], HV=HV, K=K,
+                              BK=max(16, next_pow2(K)), FLOOR=LOG_DECAY_FLOOR, num_warps=4)
+    return skip
 
 
 def segment_scan(mn, initial_state, first, V, output_final_state=True, config=None, dn=None):
@@ -513,12 +576,14 @@ def fused_delta_fwd(q, k, v, g, beta, scale, initial_state=None, output_final_st
     # pieces: B sequences of T rows become one packed batch
     flat = [x.reshape(1, B * T, *x.shape[2:]) if x is not None else None for x in (q, k, v, g_cum, beta, ai, a)]
     qf, kf, vf, gf, bf, af, sf = flat
+    # each piece's transition over its chunks from the first whose map's bound falls below e^-80 to its end
+    warm = transition_warmup(kf, bf, gf, seg_cu, HV)
     if ws_mn:
         _, mn, _, _ = fused_delta_pass_ws(qf, kf, vf, gf, bf, af, scale, None, True, seg_cu, config=ws_cfg,
-                                          transition=True, seq_order=seg_order)
+                                          transition=True, seq_order=seg_order, warm=warm)
     else:
         _, mn, _, _ = fused_delta_pass(qf, kf, vf, gf, bf, af, scale, None, True, seg_cu, seg_off, transition=True,
-                                       config=cfg, seq_order=seg_order)
+                                       config=cfg, seq_order=seg_order, warm=warm)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     h0 = initial_state.to(acc).contiguous() if initial_state is not None else None
     starts, final = segment_scan(mn, h0, first_t, V, output_final_state, cfg)

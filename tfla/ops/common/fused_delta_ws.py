@@ -297,14 +297,15 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _fused_delta_ws_kernel(k_desc, q_desc, v_desc, t_desc, o_desc, vn_desc, h_desc, g, beta, o, v_new, h0,
-                               ht, hs, cu_seqlens, chunk_offsets, seq_order, T, scale, H: gl.constexpr,
+                               ht, hs, cu_seqlens, chunk_offsets, seq_order, warm, T, scale, H: gl.constexpr,
                                HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr,
                                NCONS: gl.constexpr, STAGES: gl.constexpr, IS_VARLEN: gl.constexpr,
                                USE_H0: gl.constexpr, STORE_HT: gl.constexpr, SAVE: gl.constexpr, PASS: gl.constexpr,
                                SLAB: gl.constexpr = 0, ORDERED: gl.constexpr = False):
         """Grid ``(NCOL / (NCONS BV), N HV)`` (NCOL: V, or K + V with PASS 1, the transition); dense rows
         ``[B T, ..]`` or packed varlen (B = 1, ``cu_seqlens``); ``ORDERED``: program row i runs sequence
-        ``seq_order[i // HV]`` (``varlen.longest_first_order``)."""
+        ``seq_order[i // HV]`` (``varlen.longest_first_order``). PASS 1 starts ``warm[piece HV + head]`` chunks into
+        its piece (``fused_delta_fwd.transition_warmup``)."""
         i_v = gl.program_id(0)
         i_nh = gl.program_id(1)
         i_n = i_nh // HV
@@ -314,10 +315,14 @@ if HAVE_GLUON:
             i_nh = i_n * HV + i_hv
         i_h = i_hv // (HV // H)
         row0, T, boh = _seq_rows(cu_seqlens, chunk_offsets, i_n, T, IS_VARLEN, SAVE == 2)  # (boh: h's slots)
+        TRANSITION: gl.constexpr = PASS == 1
+        if TRANSITION:  # the chunks left out at the piece's start
+            skip = gl.load(warm + i_nh) * 64
+            row0 = row0 + skip
+            T = T - skip
         n_chunks = gl.cdiv(T, 64)
         dt: gl.constexpr = k_desc.dtype
         k_s = gl.allocate_shared_memory(dt, [STAGES] + k_desc.block_type.shape, k_desc.layout)
-        TRANSITION: gl.constexpr = PASS == 1
         if PASS != 0:  # no q: its slots are k's (never read)
             q_s = k_s
         else:
@@ -445,7 +450,7 @@ def ws_supported(q, k, v, has_gate: bool, initial_state, cu_seqlens, save: int, 
 def fused_delta_pass_ws(q, k, v, g_cum, beta, ai, scale, initial_state=None, output_final_state=False,
                         cu_seqlens=None, save: int = 0, config: dict | None = None, transition: bool = False,
                         chunk_offsets=None, num_chunks: int | None = None, slab_states=None, slab: int = 0,
-                        output: bool = True, v_new_out=None, seq_order=None):
+                        output: bool = True, v_new_out=None, seq_order=None, warm=None):
     """``fused_delta_fwd.fused_delta_pass`` (no ``a``) on the warp-specialized kernel, from the prep's ``g_cum``
     (fp32, log2, restarting every 64 rows), Tm (``ai``, q's dtype) and beta (all contiguous); the output's scores are
     formed in the kernel. ``save``: 1 Vnew, 2 also the state before each 64-row chunk (varlen: ``chunk_offsets`` /
@@ -457,7 +462,8 @@ def fused_delta_pass_ws(q, k, v, g_cum, beta, ai, scale, initial_state=None, out
     pairs (``utils.varlen_mode`` 2: the backward's slabs, with ``chunk_offsets`` and ``num_chunks``); ``v_new_out``: a
     buffer like v that Vnew's rows are written into (the rows of the sequences or pairs given; the rest untouched)
     instead of a new one; ``seq_order``: the order in which the programs take the sequences given by offsets
-    (``varlen.longest_first_order``, ``[N]`` int32; None: in order). Call only where ``ws_supported`` holds (same ``config``: launch keys ``BV``, ``NCONS``
+    (``varlen.longest_first_order``, ``[N]`` int32; None: in order); ``warm`` (with ``transition``):
+    ``transition_warmup``'s chunks to leave out per (piece, value head), None: none. Call only where ``ws_supported`` holds (same ``config``: launch keys ``BV``, ``NCONS``
     consumer warpgroups of BV columns each, ``STAGES``). Returns ``(o, final, v_new, h)`` as that function does."""
     cfg = {**WS_DEFAULTS, **(config or {})}
     BV, NCONS = cfg["BV"], cfg["NCONS"]
@@ -481,6 +487,8 @@ def fused_delta_pass_ws(q, k, v, g_cum, beta, ai, scale, initial_state=None, out
         return tma_desc(x, rows, cols, block, bf16)
 
     context_current(q.device)
+    if transition and warm is None:
+        warm = torch.zeros(N * HV, dtype=torch.int32, device=q.device)
     v_desc = desc(v, B * T, HV * V, [BS, BV])
     o_desc = v_desc if o is None else desc(o, B * T, HV * V, [BS, BV])  # (no o: never stored to)
     vn_desc = desc(v_new, B * T, HV * V, [BS, BV]) if v_new is not None else o_desc
@@ -493,7 +501,8 @@ def fused_delta_pass_ws(q, k, v, g_cum, beta, ai, scale, initial_state=None, out
         initial_state if initial_state is not None else v, final if final is not None else v,
         slab_states if slab_states is not None else v,
         cu_seqlens if cu_seqlens is not None else v, chunk_offsets if chunk_offsets is not None else v,
-        seq_order if seq_order is not None else v, T, scale, H=H, HV=HV, K=K, V=V, BV=BV, NCONS=NCONS,
+        seq_order if seq_order is not None else v, warm if warm is not None else v, T, scale, H=H, HV=HV, K=K, V=V,
+        BV=BV, NCONS=NCONS,
         STAGES=cfg["STAGES"], IS_VARLEN=varlen_mode(cu_seqlens), USE_H0=initial_state is not None and not transition,
         STORE_HT=final is not None, SAVE=save, PASS=mode, SLAB=slab if slab_states is not None else 0,
         ORDERED=seq_order is not None, num_warps=4)
