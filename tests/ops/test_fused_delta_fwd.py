@@ -67,38 +67,41 @@ def test_fused_delta_fwd_segments_match_recurrence(device, poison_empty, segment
     assert_rel_close("final_state", s.cpu(), rs, tolerance(torch.float32))
 
 
-def _warmup_reference(k, beta, g, cuts, H, HV):
-    """``transition_warmup`` in float64 PyTorch: per (piece, value head), walking the piece's 64-row chunks from its
-    end, the first chunk c where the sum of ``g_t + log max(1, |1 - beta_t |k_t|^2|)`` over chunks ``c ..`` is
-    <= -80; the chunks before it are left out."""
+def _cutoff_reference(k, beta, g, cuts, H, HV, from_start):
+    """``piece_cutoffs`` in float64 PyTorch: per (piece, value head), walking the piece's 64-row chunks from its
+    end (``from_start``: its start), the first chunk c where the sum of ``g_t + log max(1, |1 - beta_t |k_t|^2|)``
+    over the chunks walked is <= -80: c, the chunks left out before it (none found: 0); from_start: c + 1, the
+    chunks to run (none found: all)."""
     out = []
     for b, e in zip(cuts[:-1], cuts[1:]):
         nc = -(-(e - b) // 64)
         for hv in range(HV):
             h = hv // (HV // H)
-            acc, cut = 0.0, 0
-            for c in reversed(range(nc)):
+            acc, cut = 0.0, nc if from_start else 0
+            for c in (range(nc) if from_start else reversed(range(nc))):
                 rows = slice(b + 64 * c, min(b + 64 * (c + 1), e))
                 kk = (k[0, rows, h].double() ** 2).sum(-1)
                 bb = beta[0, rows, hv].double()
                 acc += float(g[0, rows, hv].double().clamp(min=-80).sum() +
                              torch.log((1 - bb * kk).abs().clamp(min=1)).sum())
                 if acc <= -80:
-                    cut = c
+                    cut = c + 1 if from_start else c
                     break
             out.append(cut)
     return out
 
 
+@pytest.mark.parametrize("from_start", [False, True])
 @pytest.mark.parametrize("case", ["decay", "growth", "mixed_heads", "no_gate"])
-def test_transition_warmup_matches_the_bound(device, case):
-    """The chunks each piece's transition leaves out (``transition_warmup``) against the bound computed in float64:
+def test_piece_cutoffs_match_the_bound(device, case, from_start):
+    """The chunks each piece's transition leaves out and those the backward's summary pass runs (``piece_cutoffs``)
+    against the bound computed in float64:
     gates of -0.5 a token (a chunk sums to -32: the cut falls on the third chunk from a piece's end, far from the
     threshold's rounding), keys of norm 2 with beta = 1 (each token's map may grow by 3: no cut), value heads with
     and without decay (grouped heads, H = 1, HV = 2), no gate (nothing left out); pieces of 0, 30, 64, 200 and 640
     rows."""
     from tfla.ops.common.cumsum import chunk_local_cumsum
-    from tfla.ops.common.fused_delta_fwd import transition_warmup
+    from tfla.ops.common.fused_delta_fwd import piece_cutoffs
     from tfla.ops.common.utils import RCP_LN2
 
     cuts = [0, 0, 30, 94, 294, 934]  # pieces of one packed batch (here each its own sequence for the cumsum)
@@ -113,13 +116,17 @@ def test_transition_warmup_matches_the_bound(device, case):
         g[..., 1] = -1e-3
     cu = torch.tensor(cuts, device=device)
     g_cum = chunk_local_cumsum(g.to(device), 64, scale=RCP_LN2, bounds=cuts, cu_seqlens=cu)
-    skip = transition_warmup(k.to(device), beta.to(device), None if case == "no_gate" else g_cum, cu, HV)
-    expect = [0] * (len(cuts) - 1) * HV if case == "no_gate" else _warmup_reference(k, beta, g, cuts, H, HV)
-    assert skip.tolist() == expect
-    if case == "decay":  # the 200-row piece's chunks sum to -32, -32, -32, -4: cut at its first; the 640-row
-        assert expect[6:] == [0, 0, 7, 7]  # piece's ten to -32 each: at its third from the end
+    got = piece_cutoffs(k.to(device), beta.to(device), None if case == "no_gate" else g_cum, cu, HV, from_start)
+    if case == "no_gate":
+        assert got.tolist() == [1 << 24 if from_start else 0] * (len(cuts) - 1) * HV
+        return
+    expect = _cutoff_reference(k, beta, g, cuts, H, HV, from_start)
+    assert got.tolist() == expect
+    if case == "decay":  # the 200-row piece's chunks sum to -32, -32, -32, -4: cut at its first (from the end) or
+        # its third; the 640-row piece's ten to -32 each: at its third from either end
+        assert expect[6:] == ([3, 3, 3, 3] if from_start else [0, 0, 7, 7])
     if case == "growth":
-        assert not any(expect)
+        assert expect == ([0, 0, 1, 1, 1, 1, 4, 4, 10, 10] if from_start else [0] * 10)
 
 
 def test_segment_bounds():

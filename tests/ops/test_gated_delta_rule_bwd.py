@@ -172,8 +172,9 @@ def test_bwd_in_pieces_matches_recurrence(device, poison_empty, monkeypatch, seg
     varlen with empty, one-token and multi-piece sequences, with and without the initial state and the final
     state's cotangent, grouped value heads; weak and zero gates (with strong ones a piece's transition M is ~0 and
     the scan's terms would not be checked), mixed ones (zero on half the heads) and strong ones, where the transition
-    pass leaves out each piece's chunks whose state decays below e^-80 before its end (``transition_warmup``) and
-    the backward's reverse scan takes that shorter transition."""
+    pass leaves out each piece's chunks whose state decays below e^-80 before its end, the backward's summary pass
+    runs only the chunks whose map to the piece's start stays above it (``piece_cutoffs``), and the reverse scan
+    takes the shorter transition."""
     import tfla.ops.gated_delta_rule.chunk as chunk
 
     calls = []  # the real backward's calls (on a GPU the first call of a kind runs a dry run before it)

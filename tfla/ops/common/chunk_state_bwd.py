@@ -223,17 +223,20 @@ def _delta_state_bwd_kernel(q, k, w, do, g, du, dh, dht, dh0, cu_seqlens, sub_of
                             STORE_INITIAL_STATE_GRADIENT: tl.constexpr, IS_VARLEN: tl.constexpr,
                             DOT_PREC: tl.constexpr, ACC: tl.constexpr, QSPLIT: tl.constexpr = True,
                             IDX64: tl.constexpr = False, FLAT: tl.constexpr = False, STORE: tl.constexpr = True,
-                            seq_order=None, ORDERED: tl.constexpr = False):
+                            seq_order=None, ORDERED: tl.constexpr = False, keep=None):
     """The delta rule's reverse state-gradient recurrence (the step helper shared with ``_chunk_state_bwd_kernel``,
     with its W^T dU term; 64-row chunks, a scalar gate or none): per chunk, last first, dU = dvo + 2^(G_n - G) (K dS)
     with the output's intra-chunk gradient of Vnew ``dvo`` formed from this step's q, k and dO tiles, and
     dS <- 2^(G_n) dS - W^T dU + scale (2^G q)^T dO. Stores dS at every chunk and dU (STORE; off: only the initial
-    state's gradient, a segment's summary). One loop over the chunks: Triton pipelines the innermost loop, so step
+    state's gradient, a segment's summary, over its first ``keep[i_nh]`` chunks: ``fused_delta_fwd.piece_cutoffs``).
+    One loop over the chunks: Triton pipelines the innermost loop, so step
     i + 1's loads are issued during step i (a nested loop of one sub-chunk per chunk waited for its own loads)."""
     BS: tl.constexpr = 64
     i_v, i_nh, i_h, i_hv, bos, T, boh, o_k, o_v, m_k, m_v, m_kv, o_kv = _state_tile(
         cu_seqlens, sub_offsets, T, H, HV, K, V, BK, BV, BS, IS_VARLEN, FLAT, seq_order, ORDERED)
     o_c = tl.arange(0, BS)
+    if not STORE:  # the chunks that reach the piece's start above e^-80
+        T = tl.minimum(T, tl.load(keep + i_nh) * BS)
     b_dh = tl.zeros([BK, BV], dtype=ACC)
     if USE_FINAL_STATE_GRADIENT:
         b_dh += tl.load(dht + i_nh * K * V + o_kv, mask=m_kv, other=0.0).to(ACC)
@@ -334,6 +337,7 @@ def chunk_state_bwd(
     ai: torch.Tensor | None = None,
     beta: torch.Tensor | None = None,
     seq_order: torch.Tensor | None = None,
+    summary_chunks: torch.Tensor | None = None,
 ):
     """State-gradient recurrence of the gated delta rule (reverse, 64-row sub-chunks, outer chunk L).
 
@@ -368,6 +372,8 @@ def chunk_state_bwd(
         seq_order: ``[N]`` int32, the order in which the programs take the sequences of ``cu_seqlens`` offsets
             (``varlen.longest_first_order``: the longest chains start first; the normalizer state's launch ignores it)
             or None (in order).
+        summary_chunks: with ``store`` False, ``[N HV]`` int32: the 64-row chunks to run from each (sequence, value
+            head)'s start (``fused_delta_fwd.piece_cutoffs``: later ones reach the start below e^-80), None: all.
     Returns:
         ``dh [B, NS, HV, K, V]`` (gradient of the state after each 64-row sub-chunk, k's dtype),
         ``du [B, T, HV, V]`` (total gradient of U = Vnew's gradient, k's dtype), ``dh0 [N, HV, K, V]``
@@ -396,7 +402,8 @@ def chunk_state_bwd(
     if ai is not None and ws is not False and h_sub is None and state_bwd_ws_supported(
             q, k, ai, beta, do, g_cum, dht, cu_seqlens, ws if isinstance(ws, dict) else None):
         return delta_state_bwd_ws(q, k, ai, beta, do, g_cum, scale, dht, need_dh0, cu_seqlens, sub_offsets,
-                                  num_sub_chunks, store, ws if isinstance(ws, dict) else None, seq_order=seq_order)
+                                  num_sub_chunks, store, ws if isinstance(ws, dict) else None, seq_order=seq_order,
+                                  summary_chunks=summary_chunks)
     if ai is not None and w is None:
         raise ValueError("w is needed where the Gluon recurrence from Tm does not run (state_bwd_ws_supported)")
     # measured (docs/performance.md): the delta rule at K <= 128 runs best on 64-column value tiles with 8 warps
@@ -451,13 +458,15 @@ def chunk_state_bwd(
     grid, flat = tile_grid(cdiv(V, BV), N * HV, force_flat=cfg.get("flat", False))
     idx64 = cfg.get("idx64", False) or _idx64(T, H, HV, K, V)
     if w is not None:  # the delta rule (GDN): its own kernel
+        if not store and summary_chunks is None:
+            summary_chunks = torch.full((N * HV,), 1 << 24, dtype=torch.int32, device=k.device)
         _delta_state_bwd_kernel[grid](
             q, k, w, do, g_cum, du, dh, dht, dh0, cu_seqlens, sub_offsets, scale, T, H=H, HV=HV, K=K, V=V, BK=BK,
             BV=BV, USE_G=g_cum is not None, USE_FINAL_STATE_GRADIENT=dht is not None,
             STORE_INITIAL_STATE_GRADIENT=need_dh0, IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_precision(k.dtype),
             ACC=acc_dtype(k.dtype), QSPLIT=cfg.get("qsplit", True), IDX64=idx64, FLAT=flat, STORE=store,
-            seq_order=seq_order, ORDERED=seq_order is not None, num_warps=cfg["num_warps"],
-            num_stages=cfg["num_stages"],
+            seq_order=seq_order, ORDERED=seq_order is not None, keep=None if store else summary_chunks,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
     else:
         common = dict(H=H, HV=HV, K=K, V=V, BT=chunk_size, BK=BK, BV=BV, USE_FINAL_STATE_GRADIENT=dht is not None,

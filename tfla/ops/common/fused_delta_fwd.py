@@ -108,7 +108,7 @@ def _fused_delta_fwd_kernel(q, k, v, g, beta, ai, a, o, v_new, h, h0, ht, cu_seq
     the rest: v's columns from a zero state), only the final ``[M | N]`` is written (``ht [N, HV, K, K + V]``). PASS 2:
     no q, no output (SAVE's tensors and the final state only). SAVE 1: Vnew; 2: also the state before each chunk
     (``h``, k's dtype, slots from ``chunk_offsets``). ORDERED: the sequences in ``seq_order`` (``grid.ordered_row``).
-    PASS 1 starts ``warm[i_n HV + i_hv]`` chunks into the piece (``transition_warmup``)."""
+    PASS 1 starts ``warm[i_n HV + i_hv]`` chunks into the piece (``piece_cutoffs``)."""
     BS: tl.constexpr = 64
     TRANSITION: tl.constexpr = PASS == 1
     NCOL: tl.constexpr = K + V if TRANSITION else V
@@ -261,7 +261,7 @@ def fused_delta_pass(q, k, v, g_cum, beta, ai, scale, initial_state=None, output
     ``a`` (the output's scores; not read with ``transition`` or without ``output``). ``output`` False: no q read and
     no output formed (Vnew, the states and the final state only). ``seq_order``: ``[N]`` int32, the order in which
     the programs take the sequences (``varlen.longest_first_order``) or None (in order). ``warm`` (with
-    ``transition``): ``transition_warmup``'s chunks to leave out per (piece, value head); None: none.
+    ``transition``): ``piece_cutoffs``' chunks to leave out per (piece, value head); None: none.
     Returns ``(o, final, v_new, h)``: o ``[B, T, HV, V]`` in v's dtype (None with ``transition`` or without
     ``output``), final
     ``[N, HV, K, V]`` (``[N, HV, K, K + V]`` = ``[M | N]`` with ``transition``) in fp32 or None, v_new like v
@@ -308,13 +308,13 @@ def fused_delta_pass(q, k, v, g_cum, beta, ai, scale, initial_state=None, output
 
 
 @triton.jit
-def _warmup_kernel(k, beta, g, cu_seqlens, skip, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-                   BK: tl.constexpr, FLOOR: tl.constexpr):
-    """One program per (piece, value head): walks the piece's 64-row chunks from its end and accumulates the log of
-    a bound on the norm of each token's map, ``g_t + log max(1, |1 - beta_t |k_t|^2|)``; the first chunk c (from
-    the end) where the sum over chunks ``c ..`` reaches FLOOR (natural log) makes ``skip[piece HV + head] = c``,
-    the chunks before it the transition pass leaves out; no such chunk: 0. ``g``: the log2 gates cumulated within
-    each 64-row chunk (its last row: the chunk's sum)."""
+def _cutoff_kernel(k, beta, g, cu_seqlens, out, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                   BK: tl.constexpr, FLOOR: tl.constexpr, FROM_START: tl.constexpr):
+    """One program per (piece, value head): walks the piece's 64-row chunks from its end (FROM_START: from its
+    start) and sums the log of a bound on the norm of each token's map, ``g_t + log max(1, |1 - beta_t |k_t|^2|)``;
+    the first chunk c where that sum reaches FLOOR (natural log) gives ``out[piece HV + head]``: c, the chunks before
+    it (none found: 0); FROM_START: c + 1, the chunks up to it (none found: all). ``g``: the log2 gates cumulated
+    within each 64-row chunk (its last row: the chunk's sum)."""
     i_nh = tl.program_id(0)
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
@@ -326,7 +326,10 @@ def _warmup_kernel(k, beta, g, cu_seqlens, skip, H: tl.constexpr, HV: tl.constex
     acc = tl.zeros([], dtype=tl.float32)
     cut = tl.zeros([], dtype=tl.int32) - 1
     for j in range(0, nc):
-        c = nc - 1 - j
+        if FROM_START:
+            c = j
+        else:
+            c = nc - 1 - j
         live = cut < 0
         n = tl.minimum(64, T - c * 64)
         r = bos + c * 64
@@ -339,27 +342,37 @@ def _warmup_kernel(k, beta, g, cu_seqlens, skip, H: tl.constexpr, HV: tl.constex
         grow = tl.sum(tl.log(tl.maximum(tl.abs(1.0 - b_b * b_kk), 1.0)), axis=0)
         acc += tl.where(live, b_gn * 0.6931471805599453 + grow, 0.0)
         cut = tl.where(live & (acc <= FLOOR), c, cut)
-    tl.store(skip + i_nh, tl.maximum(cut, 0))
+    if FROM_START:
+        tl.store(out + i_nh, tl.where(cut >= 0, cut + 1, nc))
+    else:
+        tl.store(out + i_nh, tl.maximum(cut, 0))
 
 
-def transition_warmup(k, beta, g_cum, cu_seqlens, HV: int) -> torch.Tensor:
-    """Chunks the transition pass may leave out at the start of each piece (``[P HV]`` int32, piece-major), exactly:
-    the map of the chunks it keeps, a product of the tokens' maps ``e^g_t (I - beta_t k_t k_t^T)``, has a norm below
-    ``e^LOG_DECAY_FLOOR`` (e^-80 = 1.8e-35: the bound is the product of ``e^g_t max(1, |1 - beta_t |k_t|^2|)``), so
-    the state entering them reaches the piece's end below the rounding of fp32 and of float64 alike, as a decay
-    under that floor is a reset everywhere in tfla (``utils.LOG_DECAY_FLOOR``). The transition ``[M | N]`` of the
-    kept chunks then stands for the piece's: it differs from it by at most that factor times the states' norms.
-    FlashQLA's context-parallel split drops what is below ``e^-10`` (4.5e-5) the same way; here nothing is dropped
-    that fp32 or float64 could show. ``k [1, rows, H, K]``, ``beta`` and ``g_cum [1, rows, HV]`` (the pieces packed
-    as one batch), ``cu_seqlens``: the pieces' offsets. Without gates (``g_cum`` None) nothing is left out."""
+def piece_cutoffs(k, beta, g_cum, cu_seqlens, HV: int, from_start: bool = False) -> torch.Tensor:
+    """Where a piece's map falls below ``e^LOG_DECAY_FLOOR`` (e^-80 = 1.8e-35), per (piece, value head) (``[P HV]``
+    int32, piece-major), from a bound on the norm of each token's map ``e^g_t (I - beta_t k_t k_t^T)``: ``e^g_t
+    max(1, |1 - beta_t |k_t|^2|)``, multiplied over chunks.
+
+    ``from_start`` False (the forward's transition pass): the chunks at the piece's start that the pass may leave
+    out, the map of the chunks after them being below the bound: the state entering them reaches the piece's end
+    below that factor. True (the backward's first pass over the pieces, the state gradient's summary ``dN``): the
+    chunks from the start that pass must run, the map of those chunks being below the bound: the gradient entering
+    them from later chunks reaches the piece's start below that factor. Either way what is left out is smaller than
+    fp32's and float64's rounding of the states it joins, as a decay under that floor is a reset everywhere in tfla
+    (``utils.LOG_DECAY_FLOOR``); FlashQLA's context-parallel split drops what is below ``e^-10`` (4.5e-5) the same
+    way. ``k [1, rows, H, K]``, ``beta`` and ``g_cum [1, rows, HV]`` (the pieces packed as one batch; g_cum the log2
+    gates cumulated within 64-row chunks), ``cu_seqlens``: the pieces' offsets. Without gates (``g_cum`` None):
+    nothing left out."""
     P = cu_seqlens.numel() - 1
-    skip = torch.zeros(P * HV, dtype=torch.int32, device=k.device)
     if g_cum is None or P * HV == 0:
-        return skip
+        if not from_start:
+            return torch.zeros(P * HV, dtype=torch.int32, device=k.device)
+        return torch.full((P * HV,), 1 << 24, dtype=torch.int32, device=k.device)
+    out = torch.empty(P * HV, dtype=torch.int32, device=k.device)
     K = k.shape[3]
-    _warmup_kernel[(P * HV,)](k, beta, g_cum, cu_seqlens, skip, H=k.shape[2], HV=HV, K=K,
-                              BK=max(16, next_pow2(K)), FLOOR=LOG_DECAY_FLOOR, num_warps=4)
-    return skip
+    _cutoff_kernel[(P * HV,)](k, beta, g_cum, cu_seqlens, out, H=k.shape[2], HV=HV, K=K, BK=max(16, next_pow2(K)),
+                              FLOOR=LOG_DECAY_FLOOR, FROM_START=from_start, num_warps=4)
+    return out
 
 
 def segment_scan(mn, initial_state, first, V, output_final_state=True, config=None, dn=None):
@@ -577,7 +590,7 @@ def fused_delta_fwd(q, k, v, g, beta, scale, initial_state=None, output_final_st
     flat = [x.reshape(1, B * T, *x.shape[2:]) if x is not None else None for x in (q, k, v, g_cum, beta, ai, a)]
     qf, kf, vf, gf, bf, af, sf = flat
     # each piece's transition over its chunks from the first whose map's bound falls below e^-80 to its end
-    warm = transition_warmup(kf, bf, gf, seg_cu, HV)
+    warm = piece_cutoffs(kf, bf, gf, seg_cu, HV)
     if ws_mn:
         _, mn, _, _ = fused_delta_pass_ws(qf, kf, vf, gf, bf, af, scale, None, True, seg_cu, config=ws_cfg,
                                           transition=True, seq_order=seg_order, warm=warm)

@@ -305,7 +305,7 @@ if HAVE_GLUON:
         """Grid ``(NCOL / (NCONS BV), N HV)`` (NCOL: V, or K + V with PASS 1, the transition); dense rows
         ``[B T, ..]`` or packed varlen (B = 1, ``cu_seqlens``); ``ORDERED``: program row i runs sequence
         ``seq_order[i // HV]`` (``varlen.longest_first_order``). PASS 1 starts ``warm[piece HV + head]`` chunks into
-        its piece (``fused_delta_fwd.transition_warmup``)."""
+        its piece (``fused_delta_fwd.piece_cutoffs``)."""
         i_v = gl.program_id(0)
         i_nh = gl.program_id(1)
         i_n = i_nh // HV
@@ -463,7 +463,7 @@ def fused_delta_pass_ws(q, k, v, g_cum, beta, ai, scale, initial_state=None, out
     buffer like v that Vnew's rows are written into (the rows of the sequences or pairs given; the rest untouched)
     instead of a new one; ``seq_order``: the order in which the programs take the sequences given by offsets
     (``varlen.longest_first_order``, ``[N]`` int32; None: in order); ``warm`` (with ``transition``):
-    ``transition_warmup``'s chunks to leave out per (piece, value head), None: none. Call only where ``ws_supported`` holds (same ``config``: launch keys ``BV``, ``NCONS``
+    ``piece_cutoffs``' chunks to leave out per (piece, value head), None: none. Call only where ``ws_supported`` holds (same ``config``: launch keys ``BV``, ``NCONS``
     consumer warpgroups of BV columns each, ``STAGES``). Returns ``(o, final, v_new, h)`` as that function does."""
     cfg = {**WS_DEFAULTS, **(config or {})}
     BV, NCONS = cfg["BV"], cfg["NCONS"]

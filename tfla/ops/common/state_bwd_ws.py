@@ -163,12 +163,14 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _delta_state_bwd_ws_kernel(k_desc, q_desc, tm_desc, do_desc, dh_desc, du_desc, g, beta, du, dht, dh0,
-                                   cu_seqlens, sub_offsets, seq_order, T, scale, H: gl.constexpr, HV: gl.constexpr,
+                                   cu_seqlens, sub_offsets, seq_order, keep, T, scale, H: gl.constexpr,
+                                   HV: gl.constexpr,
                                    K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, NCONS: gl.constexpr,
                                    STAGES: gl.constexpr, IS_VARLEN: gl.constexpr, USE_DHT: gl.constexpr,
                                    STORE_DH0: gl.constexpr, STORE: gl.constexpr, ORDERED: gl.constexpr = False):
         """Grid ``(V / (NCONS BV), N HV)``; dense rows ``[B T, ..]`` or packed varlen (B = 1, ``cu_seqlens``);
-        ``ORDERED``: program row i runs sequence ``seq_order[i // HV]`` (``varlen.longest_first_order``)."""
+        ``ORDERED``: program row i runs sequence ``seq_order[i // HV]`` (``varlen.longest_first_order``). Without
+        STORE (a piece's summary) the first ``keep[i_n HV + i_hv]`` chunks only (``fused_delta_fwd.piece_cutoffs``)."""
         i_v = gl.program_id(0)
         i_nh = gl.program_id(1)
         i_n = i_nh // HV
@@ -178,6 +180,8 @@ if HAVE_GLUON:
             i_nh = i_n * HV + i_hv
         i_h = i_hv // (HV // H)
         row0, T, boh = _seq_rows(cu_seqlens, sub_offsets, i_n, T, IS_VARLEN, True)  # (boh: dh's slots)
+        if not STORE:  # the chunks that reach the piece's start above e^-80
+            T = gl.minimum(T, gl.load(keep + i_nh) * 64)
         n_chunks = gl.cdiv(T, 64)
         dt: gl.constexpr = k_desc.dtype
         k_s = gl.allocate_shared_memory(dt, [STAGES] + k_desc.block_type.shape, k_desc.layout)
@@ -248,12 +252,14 @@ def state_bwd_ws_supported(q, k, ai, beta, do, g_cum, dht, cu_seqlens, config: d
 
 
 def delta_state_bwd_ws(q, k, ai, beta, do, g_cum, scale, dht=None, need_dh0=False, cu_seqlens=None, sub_offsets=None,
-                       num_sub_chunks=None, store=True, config: dict | None = None, du_out=None, seq_order=None):
+                       num_sub_chunks=None, store=True, config: dict | None = None, du_out=None, seq_order=None,
+                       summary_chunks=None):
     """``chunk_state_bwd`` for the delta rule (64-row chunks, dvo formed in the kernel) on the warp-specialized
     kernel, from Tm (``ai``) and beta instead of W. Call only where ``state_bwd_ws_supported`` holds. ``cu_seqlens``:
     offsets or (first row, end row) pairs (``utils.varlen_mode``); ``du_out``: du's buffer (the sequences' rows
     written, the rest untouched); ``seq_order``: the order in which the programs take the sequences given by offsets
-    (``varlen.longest_first_order``, ``[N]`` int32; None: in order). Returns ``(dh, du, dh0)`` as that function does: dh ``[B, NS, HV, K, V]`` and du
+    (``varlen.longest_first_order``, ``[N]`` int32; None: in order); ``summary_chunks`` (``store`` False): the
+    chunks to run from each (sequence, value head)'s start (``[N HV]`` int32), None: all. Returns ``(dh, du, dh0)`` as that function does: dh ``[B, NS, HV, K, V]`` and du
     ``[B, T, HV, V]`` in k's dtype (None with ``store`` False), dh0 ``[N, HV, K, V]`` fp32 or None."""
     cfg = {**STATE_BWD_WS_DEFAULTS, **(config or {})}
     BV, NCONS = cfg["BV"], cfg["NCONS"]
@@ -271,6 +277,8 @@ def delta_state_bwd_ws(q, k, ai, beta, do, g_cum, scale, dht=None, need_dh0=Fals
         return tma_desc(x, rows, cols, block, bf16)
 
     context_current(k.device)
+    if not store and summary_chunks is None:
+        summary_chunks = torch.full((N * HV,), 1 << 24, dtype=torch.int32, device=k.device)
     do_desc = desc(do, B * T, HV * V, [BS, BV])
     du_desc = desc(du, B * T, HV * V, [BS, BV]) if store else do_desc  # (store False: never stored to)
     dh_desc = desc(dh, B * NS * HV * K, V, [K, BV]) if store else do_desc
@@ -278,7 +286,8 @@ def delta_state_bwd_ws(q, k, ai, beta, do, g_cum, scale, dht=None, need_dh0=Fals
         desc(k, B * T, H * K, [BS, K]), desc(q, B * T, H * K, [BS, K]), desc(ai, B * T, HV * 64, [BS, 64]), do_desc,
         dh_desc, du_desc, g_cum, beta, du if store else do, dht if dht is not None else do,
         dh0 if dh0 is not None else do, cu_seqlens if cu_seqlens is not None else do,
-        sub_offsets if sub_offsets is not None else do, seq_order if seq_order is not None else do, T, scale, H=H,
+        sub_offsets if sub_offsets is not None else do, seq_order if seq_order is not None else do,
+        summary_chunks if summary_chunks is not None and not store else do, T, scale, H=H,
         HV=HV, K=K, V=V, BV=BV, NCONS=NCONS, STAGES=cfg["STAGES"], IS_VARLEN=varlen_mode(cu_seqlens),
         USE_DHT=dht is not None, STORE_DH0=need_dh0, STORE=store, ORDERED=seq_order is not None, num_warps=4)
     return dh, du, dh0
