@@ -589,7 +589,8 @@ def fused_delta_fwd(q, k, v, g, beta, scale, initial_state=None, output_final_st
     # pieces: B sequences of T rows become one packed batch
     flat = [x.reshape(1, B * T, *x.shape[2:]) if x is not None else None for x in (q, k, v, g_cum, beta, ai, a)]
     qf, kf, vf, gf, bf, af, sf = flat
-    # each piece's transition over its chunks from the first whose map's bound falls below e^-80 to its end
+    # each piece's transition starts at the last chunk from which the map to the piece's end is below e^-80
+    # (piece_cutoffs): what enters the piece before that chunk reaches its end below that factor
     warm = piece_cutoffs(kf, bf, gf, seg_cu, HV)
     if ws_mn:
         _, mn, _, _ = fused_delta_pass_ws(qf, kf, vf, gf, bf, af, scale, None, True, seg_cu, config=ws_cfg,
