@@ -11,7 +11,7 @@ from tfla.ops.common.chunk_state import (_idx64, _row_split, _sequence_slots, _s
                                          _vec_decays, intra_supported)
 from tfla.ops.common.grid import program_pair, tile_grid
 from tfla.ops.common.state_bwd_ws import delta_state_bwd_ws, state_bwd_ws_supported
-from tfla.ops.common.utils import SUB_CHUNK, acc_dtype, cdiv, dot_precision, dot_tile
+from tfla.ops.common.utils import ALL_CHUNKS, SUB_CHUNK, acc_dtype, cdiv, dot_precision, dot_tile
 
 @triton.jit
 def _rowscaled_qdot(b_q, b_x, b_sr, dt: tl.constexpr, ACC: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -459,7 +459,7 @@ def chunk_state_bwd(
     idx64 = cfg.get("idx64", False) or _idx64(T, H, HV, K, V)
     if w is not None:  # the delta rule (GDN): its own kernel
         if not store and summary_chunks is None:
-            summary_chunks = torch.full((N * HV,), 1 << 24, dtype=torch.int32, device=k.device)
+            summary_chunks = torch.full((N * HV,), ALL_CHUNKS, dtype=torch.int32, device=k.device)
         _delta_state_bwd_kernel[grid](
             q, k, w, do, g_cum, du, dh, dht, dh0, cu_seqlens, sub_offsets, scale, T, H=H, HV=HV, K=K, V=V, BK=BK,
             BV=BV, USE_G=g_cum is not None, USE_FINAL_STATE_GRADIENT=dht is not None,

@@ -32,6 +32,7 @@ from tfla.ops.common.fused_delta_ws import (PASS_OUTPUT, PASS_STATES, PASS_TRANS
 from tfla.ops.common.gate_act import NO_BETA, gate_prologue
 from tfla.ops.common.grid import check_varlen_batch, ordered_row, program_pair, tile_grid
 from tfla.ops.common.utils import (
+    ALL_CHUNKS,
     LOG_DECAY_FLOOR,
     RCP_LN2,
     SUB_CHUNK,
@@ -367,7 +368,7 @@ def piece_cutoffs(k, beta, g_cum, cu_seqlens, HV: int, from_start: bool = False)
     if g_cum is None or P * HV == 0:
         if not from_start:
             return torch.zeros(P * HV, dtype=torch.int32, device=k.device)
-        return torch.full((P * HV,), 1 << 24, dtype=torch.int32, device=k.device)
+        return torch.full((P * HV,), ALL_CHUNKS, dtype=torch.int32, device=k.device)
     out = torch.empty(P * HV, dtype=torch.int32, device=k.device)
     K = k.shape[3]
     _cutoff_kernel[(P * HV,)](k, beta, g_cum, cu_seqlens, out, H=k.shape[2], HV=HV, K=K, BK=max(16, next_pow2(K)),

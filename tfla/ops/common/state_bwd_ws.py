@@ -24,7 +24,7 @@ import torch
 import triton.language as tl
 
 from tfla.ops.common.fused_delta_ws import HAVE_GLUON, _is_sm90, context_current, tma_desc
-from tfla.ops.common.utils import num_sequences, varlen_mode
+from tfla.ops.common.utils import ALL_CHUNKS, num_sequences, varlen_mode
 
 if HAVE_GLUON:
     from triton.experimental import gluon
@@ -278,7 +278,7 @@ def delta_state_bwd_ws(q, k, ai, beta, do, g_cum, scale, dht=None, need_dh0=Fals
 
     context_current(k.device)
     if not store and summary_chunks is None:
-        summary_chunks = torch.full((N * HV,), 1 << 24, dtype=torch.int32, device=k.device)
+        summary_chunks = torch.full((N * HV,), ALL_CHUNKS, dtype=torch.int32, device=k.device)
     do_desc = desc(do, B * T, HV * V, [BS, BV])
     du_desc = desc(du, B * T, HV * V, [BS, BV]) if store else do_desc  # (store False: never stored to)
     dh_desc = desc(dh, B * NS * HV * K, V, [K, BV]) if store else do_desc

@@ -29,6 +29,10 @@ SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 # carry its e^-80 (zero up to rounding). NaN stays NaN.
 LOG_DECAY_FLOOR = -80.0
 
+# a per-(sequence, head) chunk count meaning "every chunk" (``fused_delta_fwd.piece_cutoffs``' tables: the kernels take
+# min(their length, this x 64 rows), which stays below 2^31)
+ALL_CHUNKS = 1 << 24
+
 
 def next_pow2(x: int) -> int:
     return 1 << (max(int(x), 1) - 1).bit_length()
