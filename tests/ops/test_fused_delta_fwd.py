@@ -67,66 +67,97 @@ def test_fused_delta_fwd_segments_match_recurrence(device, poison_empty, segment
     assert_rel_close("final_state", s.cpu(), rs, tolerance(torch.float32))
 
 
-def _cutoff_reference(k, beta, g, cuts, H, HV, from_start):
-    """``piece_cutoffs`` in float64 PyTorch: per (piece, value head), walking the piece's 64-row chunks from its
-    end (``from_start``: its start), the first chunk c where the sum of ``g_t + log max(1, |1 - beta_t |k_t|^2|)``
-    over the chunks walked is <= -80: c, the chunks left out before it (none found: 0); from_start: c + 1, the
-    chunks to run (none found: all)."""
-    out = []
+def _chunk_log_bounds(k, beta, g, cuts, H, HV):
+    """The prep's bound on each 64-row chunk's map in float64 PyTorch: ``sum_t max(g_t, -80) + log max(1, |1 - beta_t
+    |k_t|^2|)`` over the chunk's rows, ``[chunks, HV]`` (the chunks of the sequences ``cuts`` in a row)."""
+    rows = []
+    for b, e in zip(cuts[:-1], cuts[1:]):
+        for c in range(-(-(e - b) // 64)):
+            r = slice(b + 64 * c, min(b + 64 * (c + 1), e))
+            row = []
+            for hv in range(HV):
+                kk = (k[0, r, hv // (HV // H)].double() ** 2).sum(-1)
+                bb = beta[0, r, hv].double()
+                row.append(float(g[0, r, hv].double().clamp(min=-80).sum() +
+                                 torch.log((1 - bb * kk).abs().clamp(min=1)).sum()))
+            rows.append(row)
+    return torch.tensor(rows, dtype=torch.float64).reshape(-1, HV)
+
+
+def _cutoff_reference(bounds, cuts, HV, from_start):
+    """``piece_cutoffs`` in Python from the chunks' log bounds: per (piece, value head), walking the piece's 64-row
+    chunks from its end (``from_start``: its start), the first chunk c where the bounds walked sum to -80 or less:
+    c, the chunks left out before it (none found: 0); from_start: c + 1, the chunks to run (none found: all)."""
+    out, c0 = [], 0
     for b, e in zip(cuts[:-1], cuts[1:]):
         nc = -(-(e - b) // 64)
         for hv in range(HV):
-            h = hv // (HV // H)
             acc, cut = 0.0, nc if from_start else 0
             for c in (range(nc) if from_start else reversed(range(nc))):
-                rows = slice(b + 64 * c, min(b + 64 * (c + 1), e))
-                kk = (k[0, rows, h].double() ** 2).sum(-1)
-                bb = beta[0, rows, hv].double()
-                acc += float(g[0, rows, hv].double().clamp(min=-80).sum() +
-                             torch.log((1 - bb * kk).abs().clamp(min=1)).sum())
+                acc += float(bounds[c0 + c, hv])
                 if acc <= -80:
                     cut = c + 1 if from_start else c
                     break
             out.append(cut)
+        c0 += nc
     return out
 
 
-@pytest.mark.parametrize("from_start", [False, True])
+@pytest.mark.parametrize("layout", ["varlen", "dense"])
 @pytest.mark.parametrize("case", ["decay", "growth", "mixed_heads", "no_gate"])
-def test_piece_cutoffs_match_the_bound(device, case, from_start):
-    """The chunks each piece's transition leaves out and those the backward's summary pass runs (``piece_cutoffs``)
-    against the bound computed in float64:
-    gates of -0.5 a token (a chunk sums to -32: the cut falls on the third chunk from a piece's end, far from the
-    threshold's rounding), keys of norm 2 with beta = 1 (each token's map may grow by 3: no cut), value heads with
-    and without decay (grouped heads, H = 1, HV = 2), no gate (nothing left out); pieces of 0, 30, 64, 200 and 640
-    rows."""
+def test_piece_cutoffs_match_the_bound(device, case, layout):
+    """The prep's bound on each 64-row chunk's map (``ut_inverse_with_cumsum`` / ``ut_inverse`` with
+    ``log_bound``) against float64, and from it the chunks each piece's transition leaves out and those the
+    backward's summary pass runs (``piece_cutoffs``) against the same walk in Python: gates of -0.5 a token (a chunk
+    sums to about -32, keys of norm 1 to 1.5: the cut falls on the third chunk from a piece's end, far from the
+    threshold's rounding), keys of norm 2 to 3 with beta = 1 (each token's map may grow by 3 or more: no cut), value heads with and without decay (grouped
+    heads, H = 1, HV = 2), no gate (nothing left out); varlen: pieces of 0, 30, 64, 200 and 640 rows (the bound
+    from the gates' cumsum in the same kernel); dense: two sequences of 200 rows (the chunks numbered across the
+    batch; the cumsum in its own kernel)."""
     from tfla.ops.common.cumsum import chunk_local_cumsum
     from tfla.ops.common.fused_delta_fwd import piece_cutoffs
-    from tfla.ops.common.utils import RCP_LN2
+    from tfla.ops.common.ut_transform import ut_inverse, ut_inverse_with_cumsum
+    from tfla.ops.common.utils import ALL_CHUNKS, RCP_LN2, chunk_offset_rows
+    from tfla.ops.common.varlen import chunk_tables
 
-    cuts = [0, 0, 30, 94, 294, 934]  # pieces of one packed batch (here each its own sequence for the cumsum)
+    cuts = [0, 0, 30, 94, 294, 934] if layout == "varlen" else [0, 200, 400]
     R, H, HV, K = cuts[-1], 1, 2, 32
     gen = torch.Generator().manual_seed(3)
     k = torch.nn.functional.normalize(torch.randn(1, R, H, K, generator=gen), dim=-1)
+    k = k * (1 + 0.5 * torch.rand(1, R, H, 1, generator=gen))  # norms 1 to 1.5: a few tokens' maps may grow
     beta = torch.rand(1, R, HV, generator=gen)
     g = torch.full((1, R, HV), -0.5)
     if case == "growth":
         k, beta = 2 * k, torch.ones(1, R, HV)
     if case == "mixed_heads":
         g[..., 1] = -1e-3
-    cu = torch.tensor(cuts, device=device)
-    g_cum = chunk_local_cumsum(g.to(device), 64, scale=RCP_LN2, bounds=cuts, cu_seqlens=cu)
-    got = piece_cutoffs(k.to(device), beta.to(device), None if case == "no_gate" else g_cum, cu, HV, from_start)
+    offsets = torch.tensor(chunk_offset_rows(cuts, 64), device=device)
+    lb = torch.full((offsets[-1].item(), HV), float("nan"), device=device)
+    if layout == "varlen":
+        cu = torch.tensor(cuts, device=device)
+        ut_inverse_with_cumsum(k.to(device), g.to(device), beta.to(device), cu, chunk_tables(cuts, 64, device)[0],
+                               log_bound=lb)
+    else:
+        d = [x.to(device).reshape(2, R // 2, *x.shape[2:]) for x in (k, beta, g)]
+        ut_inverse(d[0], chunk_local_cumsum(d[2], 64, scale=RCP_LN2), d[1], log_bound=lb)
+    bounds = _chunk_log_bounds(k, beta, g, cuts, H, HV)
+    assert_rel_close("log_bound", lb.cpu(), bounds, 1e-5)
+    warm, keep = piece_cutoffs(None if case == "no_gate" else lb, offsets, HV)
     if case == "no_gate":
-        assert got.tolist() == [1 << 24 if from_start else 0] * (len(cuts) - 1) * HV
+        assert warm.tolist() == [0] * (len(cuts) - 1) * HV
+        assert keep.tolist() == [ALL_CHUNKS] * (len(cuts) - 1) * HV
         return
-    expect = _cutoff_reference(k, beta, g, cuts, H, HV, from_start)
-    assert got.tolist() == expect
-    if case == "decay":  # the 200-row piece's chunks sum to -32, -32, -32, -4: cut at its first (from the end) or
-        # its third; the 640-row piece's ten to -32 each: at its third from either end
-        assert expect[6:] == ([3, 3, 3, 3] if from_start else [0, 0, 7, 7])
+    assert warm.tolist() == _cutoff_reference(bounds, cuts, HV, False)
+    assert keep.tolist() == _cutoff_reference(bounds, cuts, HV, True)
+    if case == "decay" and layout == "varlen":  # the 200-row piece's chunks sum to -32, -32, -32, -4: cut at its
+        # first (from the end) or its third; the 640-row piece's ten to -32 each: at its third from either end
+        assert warm.tolist()[6:] == [0, 0, 7, 7] and keep.tolist()[6:] == [3, 3, 3, 3]
+    if case == "decay" and layout == "dense":  # chunks of -32, -32, -32, -4 in each sequence
+        assert warm.tolist() == [0] * 4 and keep.tolist() == [3] * 4
     if case == "growth":
-        assert expect == ([0, 0, 1, 1, 1, 1, 4, 4, 10, 10] if from_start else [0] * 10)
+        assert warm.tolist() == [0] * len(warm) and keep.tolist() == [c1 - c0 for c0, c1 in
+                                                                      zip(offsets.tolist()[:-1], offsets.tolist()[1:])
+                                                                      for _ in range(HV)]
 
 
 def test_segment_bounds():

@@ -175,16 +175,23 @@ def test_bwd_in_pieces_matches_recurrence(device, poison_empty, monkeypatch, seg
     pass leaves out each piece's chunks whose state decays below e^-80 before its end, the backward's summary pass
     runs only the chunks whose map to the piece's start stays above it (``piece_cutoffs``), and the reverse scan
     takes the shorter transition."""
+    import tfla.ops.common.fused_delta_fwd as fdf
     import tfla.ops.gated_delta_rule.chunk as chunk
 
     calls = []  # the real backward's calls (on a GPU the first call of a kind runs a dry run before it)
     real = chunk._state_grad_in_pieces
     monkeypatch.setattr(chunk, "_state_grad_in_pieces", _spy(calls, real))
+    tables = []
+    real_cut = fdf.piece_cutoffs
+    monkeypatch.setattr(fdf, "piece_cutoffs", lambda *a: tables.append(real_cut(*a)) or tables[-1])
     T = 300
     cu = torch.tensor([0, 0, 1, 130, T], device=device) if varlen else None
     got, ref = _grads(device, 1 if varlen else 2, T, 2, 4, 32, 16, gate=gate, h0=h0, final=final,
                       cu_seqlens=cu, num_seqs=4 if varlen else None, seed=segments, segments=segments)
     assert calls == [1]
+    if gate == "strong":  # a chunk decays past e^-80: the pieces of two chunks or more leave some out both ways
+        warm, keep = tables[-1]
+        assert warm.max().item() > 0 and keep.min().item() == 1
     _check(got, ref, FP32_TOL)
 
 

@@ -60,7 +60,8 @@ class Split(NamedTuple):
     first piece, ``[N + 1]``), ``num_chunks`` (64-row chunks in all), ``mn [P, HV, K, K + V]`` (each piece's
     ``[M | N]``, fp32) and ``starts [P, HV, K, V]`` (each piece's exact start state from the scan, fp32: the
     backward's pass over the pieces starts there when the forward kept neither Vnew nor the states); ``seq_order``
-    the pieces longest first (``varlen.longest_first_order``, int32) or None."""
+    the pieces longest first (``varlen.longest_first_order``, int32) or None; ``keep`` (``[P HV]`` int32) the chunks
+    from each piece's start whose map to it stays above e^-80 (``piece_cutoffs``), None: all."""
 
     cu_seqlens: torch.Tensor
     sub_offsets: torch.Tensor
@@ -69,6 +70,7 @@ class Split(NamedTuple):
     mn: torch.Tensor
     starts: torch.Tensor
     seq_order: torch.Tensor | None = None
+    keep: torch.Tensor | None = None
 
 
 def wide_tiles(pairs: int, V: int, sms: int) -> int:
@@ -228,19 +230,20 @@ def _segment_scan_kernel(mn, nn, h0, starts, ht, first, s_np, s_nr, HV: tl.const
 
 
 def fused_delta_prep(q, k, g, beta, scale, cu_seqlens=None, sub_indices=None, config=None, act=None,
-                     scores: bool = True):
+                     scores: bool = True, log_bound=None):
     """The prep pass: ``(g_cum, ai, a, beta)``: g_cum ``[B, T, HV]`` fp32 log2 restarting every 64 rows (or None), Tm
     and the output's scores ``scale causal(q k^T) o 2^(G_r - G_s)`` ``[B, T, HV, 64]`` (``ut_inverse_and_scores``, one
     kernel; ``scores`` False: Tm alone, a None), and the beta used; g natural-log decay ``[B, T, HV]`` or None, floored
     at ``LOG_DECAY_FLOOR``. ``act`` (a ``GateAct``, g given): g and / or beta hold pre-activations, activated by the
     gate's cumsum kernel; without scores and a beta activation the inverse's kernel does the gate's activation and
-    cumsum."""
+    cumsum. ``log_bound`` (``[sub-chunks, HV]`` fp32, g given) or None: receives the log of a bound on each 64-row
+    sub-chunk's map of the state (``ut_transform.ut_inverse_and_scores``; for ``piece_cutoffs``)."""
     acc = torch.float64 if k.dtype == torch.float64 else torch.float32
     if not scores and g is not None and (act is None or act.beta == NO_BETA):
         # the gate's activation and cumsum inside the inverse's kernel
         g_cum, ai = ut_inverse_with_cumsum(k, g, beta, cu_seqlens, sub_indices, config,
                                            A_log=act.A_log if act is not None else None,
-                                           dt_bias=act.dt_bias if act is not None else None)
+                                           dt_bias=act.dt_bias if act is not None else None, log_bound=log_bound)
         return g_cum, ai, None, beta
     if act is not None and g is not None:
         g_cum, beta = gate_prologue(g, beta, act, cu_seqlens=cu_seqlens, chunk_indices=sub_indices)
@@ -249,9 +252,9 @@ def fused_delta_prep(q, k, g, beta, scale, cu_seqlens=None, sub_indices=None, co
                                                           chunk_indices=sub_indices, out_dtype=acc,
                                                           floor=LOG_DECAY_FLOOR)
     if scores:
-        ai, a = ut_inverse_and_scores(q, k, g_cum, beta, scale, cu_seqlens, sub_indices, config)
+        ai, a = ut_inverse_and_scores(q, k, g_cum, beta, scale, cu_seqlens, sub_indices, config, log_bound)
     else:
-        ai, a = ut_inverse(k, g_cum, beta, cu_seqlens, sub_indices, config), None
+        ai, a = ut_inverse(k, g_cum, beta, cu_seqlens, sub_indices, config, log_bound), None
     return g_cum, ai, a, beta
 
 
@@ -309,71 +312,64 @@ def fused_delta_pass(q, k, v, g_cum, beta, ai, scale, initial_state=None, output
 
 
 @triton.jit
-def _cutoff_kernel(k, beta, g, cu_seqlens, out, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-                   BK: tl.constexpr, FLOOR: tl.constexpr, FROM_START: tl.constexpr):
-    """One program per (piece, value head): walks the piece's 64-row chunks from its end (FROM_START: from its
-    start) and sums the log of a bound on the norm of each token's map, ``g_t + log max(1, |1 - beta_t |k_t|^2|)``;
-    the first chunk c where that sum reaches FLOOR (natural log) gives ``out[piece HV + head]``: c, the chunks before
-    it (none found: 0); FROM_START: c + 1, the chunks up to it (none found: all). ``g``: the log2 gates cumulated
-    within each 64-row chunk (its last row: the chunk's sum)."""
-    i_nh = tl.program_id(0)
-    i_n, i_hv = i_nh // HV, i_nh % HV
-    i_h = i_hv // (HV // H)
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
-    nc = tl.cdiv(T, 64)
-    o_r = tl.arange(0, 64)
-    o_k = tl.arange(0, BK)
-    acc = tl.zeros([], dtype=tl.float32)
-    cut = tl.zeros([], dtype=tl.int32) - 1
-    for j in range(0, nc):
-        if FROM_START:
-            c = j
-        else:
-            c = nc - 1 - j
-        live = cut < 0
-        n = tl.minimum(64, T - c * 64)
-        r = bos + c * 64
-        m_r = o_r < tl.where(live, n, 0)  # (no loads once the cut is found)
-        b_gn = tl.load(g + (r + n - 1) * HV + i_hv).to(tl.float32)
-        b_b = tl.load(beta + (r + o_r) * HV + i_hv, mask=m_r, other=0.0).to(tl.float32)
-        b_k = tl.load(k + ((r + o_r) * H + i_h)[:, None] * K + o_k[None, :], mask=m_r[:, None] & (o_k < K)[None, :],
-                      other=0.0).to(tl.float32)
-        b_kk = tl.sum(b_k * b_k, axis=1)
-        grow = tl.sum(tl.log(tl.maximum(tl.abs(1.0 - b_b * b_kk), 1.0)), axis=0)
-        acc += tl.where(live, b_gn * 0.6931471805599453 + grow, 0.0)
-        cut = tl.where(live & (acc <= FLOOR), c, cut)
-    if FROM_START:
-        tl.store(out + i_nh, tl.where(cut >= 0, cut + 1, nc))
-    else:
-        tl.store(out + i_nh, tl.maximum(cut, 0))
+def _cutoff_kernel(lb, chunk_offsets, warm, keep, HV: tl.constexpr, BHV: tl.constexpr, BC: tl.constexpr,
+                   FLOOR: tl.constexpr):
+    """One program per piece, all value heads at once: from the log bounds of the piece's 64-row chunks (``lb
+    [chunks, HV]``, natural log), ``warm``: the largest c whose chunks c.. to the end sum to FLOOR or less (none: 0);
+    ``keep``: c + 1 for the smallest c whose chunks ..c from the start sum to FLOOR or less (none: the piece's
+    chunks). Prefix and suffix sums over BC chunks at a time."""
+    i_n = tl.program_id(0)
+    c0 = tl.load(chunk_offsets + i_n).to(tl.int64)
+    nc = (tl.load(chunk_offsets + i_n + 1).to(tl.int64) - c0).to(tl.int32)
+    o_j = tl.arange(0, BC)
+    o_h = tl.arange(0, BHV)
+    m_h = o_h < HV
+    suf = tl.zeros([BHV], dtype=tl.float32)
+    pre = tl.zeros([BHV], dtype=tl.float32)
+    b_warm = tl.zeros([BHV], dtype=tl.int32)
+    b_keep = tl.zeros([BHV], dtype=tl.int32) + nc
+    for j0 in range(0, nc, BC):
+        j = j0 + o_j
+        m = (j < nc)[:, None] & m_h[None, :]
+        c = nc - 1 - j  # from the end
+        b_s = tl.load(lb + (c0 + c)[:, None] * HV + o_h[None, :], mask=m, other=0.0)
+        hit = m & (tl.cumsum(b_s, axis=0) + suf[None, :] <= FLOOR)
+        b_warm = tl.maximum(b_warm, tl.max(tl.where(hit, c[:, None], 0), axis=0))
+        suf += tl.sum(b_s, axis=0)
+        b_p = tl.load(lb + (c0 + j)[:, None] * HV + o_h[None, :], mask=m, other=0.0)  # from the start
+        hit = m & (tl.cumsum(b_p, axis=0) + pre[None, :] <= FLOOR)
+        b_keep = tl.minimum(b_keep, tl.min(tl.where(hit, j[:, None] + 1, nc), axis=0))
+        pre += tl.sum(b_p, axis=0)
+    tl.store(warm + i_n * HV + o_h, b_warm, mask=m_h)
+    tl.store(keep + i_n * HV + o_h, b_keep, mask=m_h)
 
 
-def piece_cutoffs(k, beta, g_cum, cu_seqlens, HV: int, from_start: bool = False) -> torch.Tensor:
-    """Where a piece's map falls below ``e^LOG_DECAY_FLOOR`` (e^-80 = 1.8e-35), per (piece, value head) (``[P HV]``
-    int32, piece-major), from a bound on the norm of each token's map ``e^g_t (I - beta_t k_t k_t^T)``: ``e^g_t
-    max(1, |1 - beta_t |k_t|^2|)``, multiplied over chunks.
+def piece_cutoffs(log_bound, chunk_offsets, HV: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where each piece's map falls below ``e^LOG_DECAY_FLOOR`` (e^-80 = 1.8e-35), per (piece, value head), from a
+    bound on the norm of each token's map ``e^g_t (I - beta_t k_t k_t^T)``: ``e^g_t max(1, |1 - beta_t |k_t|^2|)``,
+    multiplied over the piece's 64-row chunks (``log_bound [chunks, HV]`` fp32: each chunk's log of that product,
+    formed by the prep's kernel, ``ut_transform.ut_inverse_and_scores``; chunks numbered as the pieces' in a row,
+    ``chunk_offsets [P + 1]`` the pieces' first chunks).
 
-    ``from_start`` False (the forward's transition pass): the chunks at the piece's start that the pass may leave
-    out, the map of the chunks after them being below the bound: the state entering them reaches the piece's end
-    below that factor. True (the backward's first pass over the pieces, the state gradient's summary ``dN``): the
-    chunks from the start that pass must run, the map of those chunks being below the bound: the gradient entering
-    them from later chunks reaches the piece's start below that factor. Either way what is left out is smaller than
-    fp32's and float64's rounding of the states it joins, as a decay under that floor is a reset everywhere in tfla
-    (``utils.LOG_DECAY_FLOOR``); FlashQLA's context-parallel split drops what is below ``e^-10`` (4.5e-5) the same
-    way. ``k [1, rows, H, K]``, ``beta`` and ``g_cum [1, rows, HV]`` (the pieces packed as one batch; g_cum the log2
-    gates cumulated within 64-row chunks), ``cu_seqlens``: the pieces' offsets. Without gates (``g_cum`` None):
-    nothing left out."""
-    P = cu_seqlens.numel() - 1
-    if g_cum is None or P * HV == 0:
-        if not from_start:
-            return torch.zeros(P * HV, dtype=torch.int32, device=k.device)
-        return torch.full((P * HV,), ALL_CHUNKS, dtype=torch.int32, device=k.device)
-    out = torch.empty(P * HV, dtype=torch.int32, device=k.device)
-    K = k.shape[3]
-    _cutoff_kernel[(P * HV,)](k, beta, g_cum, cu_seqlens, out, H=k.shape[2], HV=HV, K=K, BK=max(16, next_pow2(K)),
-                              FLOOR=LOG_DECAY_FLOOR, FROM_START=from_start, num_warps=4)
-    return out
+    Returns ``(warm, keep)``, both ``[P HV]`` int32 (piece-major). ``warm`` (the forward's transition pass): the
+    chunks at the piece's start that the pass may leave out, the map of the chunks after them being below the
+    bound: the state entering them reaches the piece's end below that factor. ``keep`` (the backward's first pass
+    over the pieces, the state gradient's summary ``dN``): the chunks from the start that pass must run, the map of
+    those chunks being below the bound: the gradient entering them from later chunks reaches the piece's start below
+    that factor. Either way what is left out is smaller than fp32's and float64's rounding of the states it joins, as
+    a decay under that floor is a reset everywhere in tfla (``utils.LOG_DECAY_FLOOR``); FlashQLA's context-parallel
+    split drops what is below ``e^-10`` (4.5e-5) the same way. Without gates (``log_bound`` None): nothing left out
+    (``warm`` 0, ``keep`` ``ALL_CHUNKS``)."""
+    P = chunk_offsets.numel() - 1
+    dev = chunk_offsets.device
+    if log_bound is None or P * HV == 0:
+        return (torch.zeros(P * HV, dtype=torch.int32, device=dev),
+                torch.full((P * HV,), ALL_CHUNKS, dtype=torch.int32, device=dev))
+    warm = torch.empty(P * HV, dtype=torch.int32, device=dev)
+    keep = torch.empty(P * HV, dtype=torch.int32, device=dev)
+    _cutoff_kernel[(P,)](log_bound, chunk_offsets, warm, keep, HV=HV, BHV=max(16, next_pow2(HV)), BC=64,
+                         FLOOR=LOG_DECAY_FLOOR, num_warps=4)
+    return warm, keep
 
 
 def segment_scan(mn, initial_state, first, V, output_final_state=True, config=None, dn=None):
@@ -572,8 +568,12 @@ def fused_delta_fwd(q, k, v, g, beta, scale, initial_state=None, output_final_st
         # (the pieces start from the scan's fp32 states)
         ws = use_ws and ws_supported(q, k, v, g is not None, None, seg_cu, save, ws_cfg)
         ws_mn = use_ws and ws_supported(q, k, v, g is not None, None, seg_cu, SAVE_NONE, ws_cfg)
+    log_bound = None
+    if first is not None and g is not None:  # the split's cutoffs (piece_cutoffs) from the prep's bound on each
+        # 64-row chunk's map
+        log_bound = torch.empty(num_chunks, HV, dtype=torch.float32, device=dev)
     g_cum, ai, a, beta = fused_delta_prep(q, k, g, beta, scale, cu_seqlens, sub, cfg.get("ut"), act=act,
-                                          scores=not ws)
+                                          scores=not ws, log_bound=log_bound)
     out = dict(g_cum=g_cum, ai=ai, beta=beta, save=save)
     if first is None:
         if ws:
@@ -591,8 +591,9 @@ def fused_delta_fwd(q, k, v, g, beta, scale, initial_state=None, output_final_st
     flat = [x.reshape(1, B * T, *x.shape[2:]) if x is not None else None for x in (q, k, v, g_cum, beta, ai, a)]
     qf, kf, vf, gf, bf, af, sf = flat
     # each piece's transition starts at the last chunk from which the map to the piece's end is below e^-80
-    # (piece_cutoffs): what enters the piece before that chunk reaches its end below that factor
-    warm = piece_cutoffs(kf, bf, gf, seg_cu, HV)
+    # (piece_cutoffs): what enters the piece before that chunk reaches its end below that factor; the backward's
+    # summary pass runs the chunks up to where the map to the piece's start falls below it (keep)
+    warm, keep = piece_cutoffs(log_bound, seg_off, HV)
     if ws_mn:
         _, mn, _, _ = fused_delta_pass_ws(qf, kf, vf, gf, bf, af, scale, None, True, seg_cu, config=ws_cfg,
                                           transition=True, seq_order=seg_order, warm=warm)
@@ -611,5 +612,5 @@ def fused_delta_fwd(q, k, v, g, beta, scale, initial_state=None, output_final_st
                                           save, a=sf, config=cfg, seq_order=seg_order)
     out.update(o=o.reshape(B, T, HV, V), final_state=final, v_new=None if v_new is None else v_new.reshape(v.shape),
                h=None if h is None else h.reshape(B, -1, HV, K, V),
-               split=Split(seg_cu, seg_off, first_t, num_chunks, mn, starts, seg_order))
+               split=Split(seg_cu, seg_off, first_t, num_chunks, mn, starts, seg_order, keep))
     return out

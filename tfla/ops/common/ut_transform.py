@@ -72,6 +72,14 @@ def _cumsum4(b_g0, b_g1, b_g2, b_g3, g_scale, FLOOR: tl.constexpr):
 
 
 @triton.jit
+def _log_growth(b_A, b_b, o_c):
+    """``sum_r log max(1, |1 - beta_r |k_r|^2|)`` over the rows of a diagonal ``K K^T`` block (rows past the end
+    have beta 0: log 1): the log of a bound on how much the rows' maps ``I - beta_r k_r k_r^T`` may grow a state."""
+    b_kk = tl.sum(tl.where(o_c[:, None] == o_c[None, :], b_A, 0.0), axis=1)
+    return tl.sum(tl.log(tl.maximum(tl.abs(1.0 - b_b * b_kk), 1.0)), axis=0)
+
+
+@triton.jit
 def _gdn_ut_inverse_kernel(
     q,
     k,
@@ -104,19 +112,29 @@ def _gdn_ut_inverse_kernel(
     dt_bias=None,
     GATE: tl.constexpr = False,
     HAS_BIAS: tl.constexpr = False,
+    lb=None,
+    BOUND: tl.constexpr = False,
 ):
     """Tm = (I + A)^-1 of one 64-row sub-chunk, A = beta (K K^T) 2^(G_r - G_i) strictly lower. WITH_SCORES: also
     the fused forward's output scores ``scale causal(q k^T) o 2^(G_r - G_s)`` of the sub-chunk (``sc``, layout as
     ``ai``), in ``[SR, 64]`` blocks over ``SBK``-wide key slices. CUMSUM: ``g`` holds the per-token gates (natural
     log); the kernel forms ``G = g_scale * cumsum(max(g, FLOOR))`` over the sub-chunk (as ``chunk_local_cumsum``) and
     stores it to ``gc`` (no separate cumsum launch); with GATE ``g`` holds the pre-activations ``a`` and the gates are
-    ``-exp(A_log) softplus(a + dt_bias)`` (HAS_BIAS; ``gate_act.py``'s prologue)."""
+    ``-exp(A_log) softplus(a + dt_bias)`` (HAS_BIAS; ``gate_act.py``'s prologue). BOUND (with USE_G): also the log
+    of a bound on the norm of the sub-chunk's map of the state, ``sum_r g_r + log max(1, |1 - beta_r |k_r|^2|)``
+    (natural log, fp32) to ``lb [sub-chunks, HV]`` (sub-chunks numbered as the sequences' 64-row chunks in a row:
+    ``fused_delta_fwd.piece_cutoffs``)."""
     tl.static_assert(not (CUMSUM and WITH_SCORES), "the scores read G back: cumsum in its own pass")
+    tl.static_assert(USE_G or not BOUND, "the bound needs the gates")
     BS: tl.constexpr = 64
     BC: tl.constexpr = 16
     i_s, i_bh = program_rows(T, BS, HV, IS_VARLEN, FLAT)  # (64-row sub-chunk, batch x head): 2-D or flat grid
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
+    if IS_VARLEN:  # the sub-chunk's number among all sequences' (the bound's row)
+        i_lb = i_s.to(tl.int64)
+    else:
+        i_lb = i_b.to(tl.int64) * tl.cdiv(T, BS) + i_s
     i_s, bos, T = chunk_rows(i_s, i_b, T, cu_seqlens, chunk_indices, IS_VARLEN)
     t0 = i_s * BS
     o_c = tl.arange(0, BC)
@@ -164,6 +182,9 @@ def _gdn_ut_inverse_kernel(
         b_A31 = tl.dot(b_k3, tl.trans(b_k1), b_A31, input_precision=DOT_PREC)
         b_A32 = tl.dot(b_k3, tl.trans(b_k2), b_A32, input_precision=DOT_PREC)
         b_A33 = tl.dot(b_k3, tl.trans(b_k3), b_A33, input_precision=DOT_PREC)
+    if BOUND:  # |k_r|^2 from the diagonal blocks, before the gates and the mask clear their diagonals
+        b_grow = (_log_growth(b_A00, b_b0, o_c) + _log_growth(b_A11, b_b1, o_c) + _log_growth(b_A22, b_b2, o_c)
+                  + _log_growth(b_A33, b_b3, o_c))
 
     m_lo = o_c[:, None] > o_c[None, :]
     if USE_G:
@@ -188,6 +209,11 @@ def _gdn_ut_inverse_kernel(
             tl.store(p_gc + t_1 * HV, b_g1, mask=m_1)
             tl.store(p_gc + t_2 * HV, b_g2, mask=m_2)
             tl.store(p_gc + t_3 * HV, b_g3, mask=m_3)
+        if BOUND:  # the sub-chunk's summed gate: G at its last row (log2 -> natural log)
+            t_l = tl.minimum(T, t0 + BS) - 1
+            b_gl = (tl.sum(tl.where(t_0 == t_l, b_g0, 0.0), axis=0) + tl.sum(tl.where(t_1 == t_l, b_g1, 0.0), axis=0)
+                    + tl.sum(tl.where(t_2 == t_l, b_g2, 0.0), axis=0) + tl.sum(tl.where(t_3 == t_l, b_g3, 0.0), axis=0))
+            tl.store(lb + i_lb * HV + i_hv, (b_gl * 0.6931471805599453 + b_grow).to(tl.float32))
         # masked lanes get 2^-inf = 0: no overflow (and no inf * 0) for rows past T or above the diagonal
         b_A00 = b_A00 * tl.exp2(tl.where(m_lo & m_0[:, None], b_g0[:, None] - b_g0[None, :], float("-inf")))
         b_A11 = b_A11 * tl.exp2(tl.where(m_lo & m_1[:, None], b_g1[:, None] - b_g1[None, :], float("-inf")))
@@ -351,13 +377,17 @@ def ut_inverse_and_scores(
     cu_seqlens: torch.Tensor | None = None,
     sub_indices: torch.Tensor | None = None,
     config: dict | None = None,
+    log_bound: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The fused forward's prep in one kernel: Tm of every 64-row sub-chunk (k's dtype) and the output's intra-chunk
     scores ``scale causal(q k^T) o 2^(G_r - G_s)`` (q's dtype), both ``[B, T, HV, 64]`` (row r of a sub-chunk in
     row r), with ``g_cum`` the cumulative gates restarting every 64 rows (log2) or None. ``config``: overrides of
     ``UT_DEFAULTS``' ``inv_warps``, ``inv_stages``, ``inv_BK`` (key slice of the inverse's K K^T), ``sc_rows`` /
-    ``sc_BK`` (rows and key slice of the scores tile)."""
-    return _ut_launch(k, g_cum, beta, cu_seqlens, sub_indices, config, q=q, scale=scale)
+    ``sc_BK`` (rows and key slice of the scores tile). ``log_bound`` (``[sub-chunks, HV]`` fp32, g_cum given) or
+    None: receives each 64-row sub-chunk's ``sum_r g_r + log max(1, |1 - beta_r |k_r|^2|)`` (natural log), the log of
+    a bound on the norm of its map of the state (sub-chunks numbered as the sequences' 64-row chunks in a row; the
+    split's cutoffs, ``fused_delta_fwd.piece_cutoffs``)."""
+    return _ut_launch(k, g_cum, beta, cu_seqlens, sub_indices, config, q=q, scale=scale, log_bound=log_bound)
 
 
 def ut_inverse(
@@ -367,11 +397,12 @@ def ut_inverse(
     cu_seqlens: torch.Tensor | None = None,
     sub_indices: torch.Tensor | None = None,
     config: dict | None = None,
+    log_bound: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Tm of every 64-row sub-chunk alone (``ut_inverse_and_scores`` without the scores: the prep of the Gluon
     forward pass, which forms them itself), ``[B, T, HV, 64]`` in k's dtype. Config keys as
-    ``ut_inverse_and_scores``."""
-    return _ut_launch(k, g_cum, beta, cu_seqlens, sub_indices, config)[0]
+    ``ut_inverse_and_scores``, ``log_bound`` as there."""
+    return _ut_launch(k, g_cum, beta, cu_seqlens, sub_indices, config, log_bound=log_bound)[0]
 
 
 def ut_inverse_with_cumsum(
@@ -383,17 +414,18 @@ def ut_inverse_with_cumsum(
     config: dict | None = None,
     A_log: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
+    log_bound: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``ut_inverse`` with the gate's cumsum in the same kernel: g ``[B, T, HV]`` holds the per-token log decays
     (natural log, any float dtype), or with ``A_log [HV]`` (and ``dt_bias [HV]`` or None) their pre-activations
     ``a``: the gates are then ``-exp(A_log) softplus(a + dt_bias)`` (``gate_act.gate_prologue``'s, beta as given).
     Returns ``(g_cum, ai)``: g_cum ``[B, T, HV]`` fp32 (float64 for float64 k) = ``cumsum(max(g, LOG_DECAY_FLOOR)) /
     ln 2`` restarting every 64 rows (``chunk_local_cumsum``'s values up to the order of the additions), and Tm as
-    ``ut_inverse``."""
+    ``ut_inverse`` (``log_bound`` as ``ut_inverse_and_scores``', from the gates formed here)."""
     acc = torch.float64 if k.dtype == torch.float64 else torch.float32
     g_cum = torch.empty(g.shape, dtype=acc, device=g.device)
     ai = _ut_launch(k, g, beta, cu_seqlens, sub_indices, config, g_cum_out=g_cum,
-                    gate=(A_log, dt_bias) if A_log is not None else None)[0]
+                    gate=(A_log, dt_bias) if A_log is not None else None, log_bound=log_bound)[0]
     return g_cum, ai
 
 
@@ -441,9 +473,12 @@ UT_DEFAULTS = {"inv_warps": 1, "inv_stages": 3, "inv_BK": 64, "sc_rows": 64, "sc
                "wy_stages": 2, "BK": 64}
 
 
-def _ut_launch(k, g_cum, beta, cu_seqlens, sub_indices, config, q=None, scale=1.0, g_cum_out=None, gate=None):
+def _ut_launch(k, g_cum, beta, cu_seqlens, sub_indices, config, q=None, scale=1.0, g_cum_out=None, gate=None,
+               log_bound=None):
     """``(ai, sc)``: Tm and, with q, the output's scores (else None). g_cum_out: the kernel cumsums ``g_cum`` (then
-    the per-token gates, or with gate = (A_log, dt_bias) their pre-activations) into it."""
+    the per-token gates, or with gate = (A_log, dt_bias) their pre-activations) into it. ``log_bound`` (gates
+    given): the sub-chunks' bounds are written to it (``[sub-chunks, HV]`` fp32, ``_gdn_ut_inverse_kernel``'s
+    BOUND)."""
     B, T, H, K = k.shape
     HV = beta.shape[2]
     cfg = {**UT_DEFAULTS, **(config or {})}
@@ -464,6 +499,6 @@ def _ut_launch(k, g_cum, beta, cu_seqlens, sub_indices, config, q=None, scale=1.
         gc=g_cum_out, g_scale=RCP_LN2, CUMSUM=g_cum_out is not None,
         FLOOR=LOG_DECAY_FLOOR if g_cum_out is not None else None,
         A_log=gate[0] if gate else None, dt_bias=gate[1] if gate else None, GATE=gate is not None,
-        HAS_BIAS=gate is not None and gate[1] is not None,
+        HAS_BIAS=gate is not None and gate[1] is not None, lb=log_bound, BOUND=log_bound is not None,
     )
     return ai, sc

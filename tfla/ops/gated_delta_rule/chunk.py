@@ -32,7 +32,7 @@ from tfla.ops.common.chunk_state_bwd import chunk_state_bwd
 from tfla.ops.common.cumsum import chunk_local_cumsum
 from tfla.ops.common.custom_ops import varlen_index
 from tfla.ops.common.fused_delta_fwd import (SAVE_NONE, SAVE_STATES, SAVE_V_NEW, Split, fused_delta_fwd,
-                                            piece_cutoffs, piece_ws, segment_scan, states_from_pass)
+                                            piece_ws, segment_scan, states_from_pass)
 from tfla.ops.common.fused_delta_ws import fused_delta_pass_ws, ws_supported
 from tfla.ops.common.gate_act import BETA_2SIGMOID, BETA_SIGMOID, NO_BETA, GateAct, gate_epilogue
 from tfla.ops.common.group_sum import group_sum
@@ -213,7 +213,7 @@ def chunk_gated_delta_rule_bwd(
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     if in_pieces:
         dh_sub, du, dh0 = _state_grad_in_pieces(q, k, w, do, g_cum, scale, dht, initial_state is not None, split,
-                                                config.get("state_bwd"), beta, **tm_kw)
+                                                config.get("state_bwd"), **tm_kw)
     else:
         dh_sub, du, dh0 = chunk_state_bwd(
             q, k, w, do, None, g_cum, scale, L, dht=dht, need_dh0=initial_state is not None, cu_seqlens=cu,
@@ -422,15 +422,13 @@ def _states_in_pieces(q, k, v, g_cum, beta, ai, scale, split: Split, config):
     return v_new.reshape(v.shape), h.reshape(B, -1, HV, K, V)
 
 
-def _state_grad_in_pieces(q, k, w, do, g_cum, scale, dht, need_dh0, split: Split, config, beta_used, ai=None,
-                          beta=None):
+def _state_grad_in_pieces(q, k, w, do, g_cum, scale, dht, need_dh0, split: Split, config, ai=None, beta=None):
     """The state-gradient recurrence (L = 64) over the forward's pieces in parallel, exactly (``docs/gdn-math.md``
     section 6, backward): the adjoint is affine in the state gradient, ``dS_start = M^T dS_end + dN`` per piece.
     Pass 1 runs every piece from a zero gradient at its end for ``dN`` alone (``store=False``: no dS or dU), over
-    the piece's chunks whose map to its start stays above e^-80 (``piece_cutoffs``; ``beta_used``: the beta the
-    forward used); the
-    reverse scan walks each sequence's pieces from the final state's cotangent for every piece's end gradient and
-    the initial state's gradient; pass 2 runs every piece from its exact end gradient and writes dS at every 64
+    the piece's chunks whose map to its start stays above e^-80 (``split.keep``, from the forward's
+    ``piece_cutoffs``); the reverse scan walks each sequence's pieces from the final state's cotangent for every
+    piece's end gradient and the initial state's gradient; pass 2 runs every piece from its exact end gradient and writes dS at every 64
     rows and dU. Two passes of the recurrence in ``pieces`` times as many programs. Returns ``chunk_state_bwd``'s
     ``(dh, du, dh0)`` in the unsplit layout."""
     B, T = q.shape[:2]
@@ -442,9 +440,8 @@ def _state_grad_in_pieces(q, k, w, do, g_cum, scale, dht, need_dh0, split: Split
     config = {**(config or {}), "ws": piece_ws((config or {}).get("ws", True), V)}
     kw = dict(cu_seqlens=split.cu_seqlens, sub_offsets=split.sub_offsets, num_sub_chunks=split.num_chunks,
               config=config, seq_order=split.seq_order)
-    keep = piece_cutoffs(flat[1], beta_used.reshape(1, B * T, HV), flat[4], split.cu_seqlens, HV, from_start=True)
     _, _, dn = chunk_state_bwd(*flat[:4], None, flat[4], scale, SUB_CHUNK, need_dh0=True, store=False, **kw,
-                               **tm_kw, summary_chunks=keep)
+                               **tm_kw, summary_chunks=split.keep)
     ends, dh0 = segment_scan(split.mn, dht, split.first, V, need_dh0, config, dn=dn)
     del dn
     dh, du, _ = chunk_state_bwd(*flat[:4], None, flat[4], scale, SUB_CHUNK, dht=ends, **kw, **tm_kw)
