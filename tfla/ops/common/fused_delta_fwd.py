@@ -27,8 +27,8 @@ import triton.language as tl
 
 from tfla.ops.common.chunk_state import _idx64, _row_split, _sequence_slots
 from tfla.ops.common.cumsum import chunk_local_cumsum
-from tfla.ops.common.fused_delta_ws import (PASS_OUTPUT, PASS_STATES, PASS_TRANSITION, fused_delta_pass_ws,
-                                            ws_supported)
+from tfla.ops.common.fused_delta_ws import (PASS_OUTPUT, PASS_STATES, PASS_TRANSITION, WS_DEFAULTS,
+                                            fused_delta_pass_ws, ws_supported)
 from tfla.ops.common.gate_act import NO_BETA, gate_prologue
 from tfla.ops.common.grid import check_varlen_batch, ordered_row, program_pair, tile_grid
 from tfla.ops.common.utils import (
@@ -419,22 +419,49 @@ def segment_bounds(bounds: list[int], segments: int | None = None, piece: int | 
     return cuts, first
 
 
-def choose_piece(bounds: list[int], HV: int, V: int, sms: int, BV: int = 32) -> int | None:
+def choose_piece(bounds: list[int], HV: int, V: int, sms: int, BV: int = 32, cta_cols: int | None = None) -> int | None:
     """The piece length (rows, a multiple of 64) of the split, or None (no split).
 
     A pass's time is about the longest chain (``max_n c_n`` 64-row steps, c_n the chunks of sequence n) or the work
     spread over the resident programs (``sum_n c_n * HV * V / BV / (2 sms)`` steps, two programs per SM), whichever
-    is larger. The split pays a second pass over every piece (the transitions), so it is taken only where the chain
-    is more than twice the spread work; the pieces are then cut for about ``8 sms`` programs in the second pass
+    is larger. The split pays transitions, a scan and the backward's summary pass per piece, so it is taken only where
+    the chain is more than twice the spread work.
+
+    ``cta_cols`` (the Gluon pieces' launch, ``PIECE_WS``: one CTA of that many state columns per SM): the fewest
+    pieces, of one length, that leave no SM idle: the shortest length for which the pieces' CTAs (``pieces x HV x
+    V / cta_cols``) fit in one wave of ``sms``, a sequence shorter than that length counting as the fraction of it
+    that it runs. Past one wave the last CTAs run a second chain (9 pieces of B = 1,
+    T = 65536, H = 16: 144 CTAs on 132 SMs); more waves of shorter pieces take as long in the pass and pay more
+    transitions. H200, torch 2.11, Triton 3.6, bf16, K = V = 128, median ``do_bench``, one process, forward /
+    forward + backward ms (2026-11-29, 21b9f87): B = 1, T = 65536, H = 16: 17 pieces (the rule before) 0.873 / 3.376,
+    8 pieces 0.824 / 3.177, 9: 1.096 / 3.862; T = 32768: 16 pieces 0.547 / 1.876, 8: 0.480 / 1.691; T = 131072:
+    17 pieces 1.541 / 6.283, 8: 1.457 / 6.073; HV = 32: 9 pieces 1.485 / 6.209, 4: 1.396 / 6.030; B = 2, T = 65536:
+    18 pieces 1.627 / 6.810, 8: 1.424 / 6.042 (``docs/performance.md``).
+
+    Without ``cta_cols`` (the ``tl`` pass, two programs per SM): pieces for about ``8 sms`` programs of BV columns
     (H100, one sequence of 65,536 tokens, H = 16, K = V = 128, bf16, 2026-11-24: 3.78 ms unsplit, 3.56 / 2.81 / 2.69
-    ms at 4 / 4 / 16 pieces with 32 / 64 / 64-wide transition tiles; docs/performance.md), never below 1,024 rows."""
+    ms at 4 / 4 / 16 pieces with 32 / 64 / 64-wide transition tiles). Never below 1,024 rows."""
     chunks = [cdiv(e - b, SUB_CHUNK) for b, e in zip(bounds[:-1], bounds[1:])]
     if not chunks:
         return None
     work = sum(chunks) * HV * cdiv(V, BV)
     if max(chunks) <= 2 * work / (2 * sms):
         return None
-    piece = max(16, cdiv(work, 8 * sms))
+    if cta_cols is None:
+        piece = max(16, cdiv(work, 8 * sms))
+    else:
+        fit = max(1, sms // (HV * cdiv(V, cta_cols)))  # pieces in one wave
+
+        def load(n):  # the wave's slots that pieces of n chunks take: a sequence shorter than n the fraction it runs
+            return sum(cdiv(c, n) if c >= n else c / n for c in chunks)
+        lo, hi = max(16, cdiv(sum(chunks), fit)), max(chunks)
+        while lo < hi:  # the shortest length whose pieces fit (the load falls as the length grows)
+            mid = (lo + hi) // 2
+            if load(mid) <= fit:
+                hi = mid
+            else:
+                lo = mid + 1
+        piece = lo
     return piece * SUB_CHUNK if piece < max(chunks) else None
 
 
@@ -542,7 +569,13 @@ def fused_delta_fwd(q, k, v, g, beta, scale, initial_state=None, output_final_st
         # the scan holds a K x K transition in registers: the automatic split stays at head dims up to 128 (the
         # ones measured; K = 256 would put a 256 x 256 fp32 tile there)
         sms = sm_count(q)
-        piece = choose_piece(bounds, HV, V, sms, cfg.get("BV") or 32) if K <= 128 else None
+        # the pieces' CTA width where their pass will be the Gluon kernel's (fused_delta_ws; launch as below)
+        p_ws = piece_ws(cfg["ws"] if isinstance(cfg.get("ws"), dict) else True, V)
+        p_ws = {**WS_DEFAULTS, **(p_ws if isinstance(p_ws, dict) else {})}
+        gluon = cfg.get("ws", True) is not False and ws_supported(q, k, v, g is not None, None, cu_seqlens,
+                                                                  SAVE_NONE, p_ws)
+        piece = choose_piece(bounds, HV, V, sms, cfg.get("BV") or 32,
+                             p_ws["BV"] * p_ws["NCONS"] if gluon else None) if K <= 128 else None
         cuts, first = segment_bounds(bounds, piece=piece) if piece else (bounds, None)
     elif segments == 1:
         cuts, first = bounds, None
