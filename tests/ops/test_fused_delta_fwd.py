@@ -106,14 +106,14 @@ def _cutoff_reference(bounds, cuts, HV, from_start):
 @pytest.mark.parametrize("layout", ["varlen", "dense"])
 @pytest.mark.parametrize("case", ["decay", "growth", "mixed_heads", "no_gate"])
 def test_piece_cutoffs_match_the_bound(device, case, layout):
-    """The prep's bound on each 64-row chunk's map (``ut_inverse_with_cumsum`` / ``ut_inverse`` with
-    ``log_bound``) against float64, and from it the chunks each piece's transition leaves out and those the
-    backward's summary pass runs (``piece_cutoffs``) against the same walk in Python: gates of -0.5 a token (a chunk
-    sums to about -32, keys of norm 1 to 1.5: the cut falls on the third chunk from a piece's end, far from the
-    threshold's rounding), keys of norm 2 to 3 with beta = 1 (each token's map may grow by 3 or more: no cut), value heads with and without decay (grouped
-    heads, H = 1, HV = 2), no gate (nothing left out); varlen: pieces of 0, 30, 64, 200 and 640 rows (the bound
-    from the gates' cumsum in the same kernel); dense: two sequences of 200 rows (the chunks numbered across the
-    batch; the cumsum in its own kernel)."""
+    """The prep's bound on each 64-row chunk's map (``ut_inverse_with_cumsum`` / ``ut_inverse`` with ``log_bound``)
+    against float64, and from it the chunks each piece's transition leaves out and those the backward's summary pass
+    runs (``piece_cutoffs``) against the same walk in Python: gates of -0.5 a token (a chunk sums to about -32, keys
+    of norm 1 to 1.5: the cut falls on the third chunk from a piece's end, far from the threshold's rounding), keys
+    of norm 2 to 3 with beta = 1 (each token's map may grow by 3 or more: no cut), value heads with and without
+    decay (grouped heads, H = 1, HV = 2), no gate (nothing left out); varlen: pieces of 0, 30, 64, 200 and 640 rows
+    (the bound from the gates' cumsum in the same kernel); dense: two sequences of 200 rows (the chunks numbered
+    across the batch; the cumsum in its own kernel)."""
     from tfla.ops.common.cumsum import chunk_local_cumsum
     from tfla.ops.common.fused_delta_fwd import piece_cutoffs
     from tfla.ops.common.ut_transform import ut_inverse, ut_inverse_with_cumsum

@@ -419,7 +419,8 @@ def segment_bounds(bounds: list[int], segments: int | None = None, piece: int | 
     return cuts, first
 
 
-def choose_piece(bounds: list[int], HV: int, V: int, sms: int, BV: int = 32, cta_cols: int | None = None) -> int | None:
+def choose_piece(bounds: list[int], HV: int, V: int, sms: int, BV: int = 32,
+                 cta_cols: int | None = None) -> int | None:
     """The piece length (rows, a multiple of 64) of the split, or None (no split).
 
     A pass's time is about the longest chain (``max_n c_n`` 64-row steps, c_n the chunks of sequence n) or the work
@@ -428,15 +429,15 @@ def choose_piece(bounds: list[int], HV: int, V: int, sms: int, BV: int = 32, cta
     the chain is more than twice the spread work.
 
     ``cta_cols`` (the Gluon pieces' launch, ``PIECE_WS``: one CTA of that many state columns per SM): the fewest
-    pieces, of one length, that leave no SM idle: the shortest length for which the pieces' CTAs (``pieces x HV x
-    V / cta_cols``) fit in one wave of ``sms``, a sequence shorter than that length counting as the fraction of it
-    that it runs. Past one wave the last CTAs run a second chain (9 pieces of B = 1,
-    T = 65536, H = 16: 144 CTAs on 132 SMs); more waves of shorter pieces take as long in the pass and pay more
-    transitions. H200, torch 2.11, Triton 3.6, bf16, K = V = 128, median ``do_bench``, one process, forward /
-    forward + backward ms (2026-11-29, 21b9f87): B = 1, T = 65536, H = 16: 17 pieces (the rule before) 0.873 / 3.376,
-    8 pieces 0.824 / 3.177, 9: 1.096 / 3.862; T = 32768: 16 pieces 0.547 / 1.876, 8: 0.480 / 1.691; T = 131072:
-    17 pieces 1.541 / 6.283, 8: 1.457 / 6.073; HV = 32: 9 pieces 1.485 / 6.209, 4: 1.396 / 6.030; B = 2, T = 65536:
-    18 pieces 1.627 / 6.810, 8: 1.424 / 6.042 (``docs/performance.md``).
+    pieces, of one length, that leave no SM idle: the shortest length for which the pieces' CTAs (``pieces x HV x V
+    / cta_cols``) fit in one wave of ``sms``, a sequence shorter than that length counting as the fraction of it
+    that it runs. Past one wave the last CTAs run a second chain (9 pieces of B = 1, T = 65536, H = 16: 144 CTAs on
+    132 SMs); more waves of shorter pieces take as long in the pass and pay more transitions. H200, torch 2.11,
+    Triton 3.6, bf16, K = V = 128, median ``do_bench``, one process, forward / forward + backward ms (2026-11-29,
+    21b9f87): B = 1, T = 65536, H = 16: 17 pieces (the rule before) 0.873 / 3.376, 8 pieces 0.824 / 3.177, 9: 1.096
+    / 3.862; T = 32768: 16 pieces 0.547 / 1.876, 8: 0.480 / 1.691; T = 131072: 17 pieces 1.541 / 6.283, 8: 1.457 /
+    6.073; HV = 32: 9 pieces 1.485 / 6.209, 4: 1.396 / 6.030; B = 2, T = 65536: 18 pieces 1.627 / 6.810, 8: 1.424 /
+    6.042 (``docs/performance.md``).
 
     Without ``cta_cols`` (the ``tl`` pass, two programs per SM): pieces for about ``8 sms`` programs of BV columns
     (H100, one sequence of 65,536 tokens, H = 16, K = V = 128, bf16, 2026-11-24: 3.78 ms unsplit, 3.56 / 2.81 / 2.69

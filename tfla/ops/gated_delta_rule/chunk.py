@@ -428,9 +428,9 @@ def _state_grad_in_pieces(q, k, w, do, g_cum, scale, dht, need_dh0, split: Split
     Pass 1 runs every piece from a zero gradient at its end for ``dN`` alone (``store=False``: no dS or dU), over
     the piece's chunks whose map to its start stays above e^-80 (``split.keep``, from the forward's
     ``piece_cutoffs``); the reverse scan walks each sequence's pieces from the final state's cotangent for every
-    piece's end gradient and the initial state's gradient; pass 2 runs every piece from its exact end gradient and writes dS at every 64
-    rows and dU. Two passes of the recurrence in ``pieces`` times as many programs. Returns ``chunk_state_bwd``'s
-    ``(dh, du, dh0)`` in the unsplit layout."""
+    piece's end gradient and the initial state's gradient; pass 2 runs every piece from its exact end gradient and
+    writes dS at every 64 rows and dU. Two passes of the recurrence in ``pieces`` times as many programs. Returns
+    ``chunk_state_bwd``'s ``(dh, du, dh0)`` in the unsplit layout."""
     B, T = q.shape[:2]
     HV, K, V = do.shape[2], q.shape[3], do.shape[3]
     flat = [x.reshape(1, B * T, *x.shape[2:]) if x is not None else None for x in (q, k, w, do, g_cum, ai, beta)]
