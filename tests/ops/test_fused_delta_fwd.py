@@ -47,17 +47,32 @@ def test_fused_delta_fwd_flat_and_int64_equal_default(device):
         assert torch.equal(a[n], b[n]), n
 
 
-@pytest.mark.parametrize("segments", [1, 2, 4])
+@pytest.mark.parametrize("segments,mn_BV", [(1, None), (2, None), (4, None), (4, 16)])
 @pytest.mark.parametrize("varlen", [False, True])
-def test_fused_delta_fwd_segments_match_recurrence(device, poison_empty, segments, varlen):
+def test_fused_delta_fwd_segments_match_recurrence(device, poison_empty, monkeypatch, segments, mn_BV, varlen):
     """Pieces of a sequence in parallel with the exact start states from the [M | N] scan (pieces shorter than 64
-    rows, sequences of length 0 and 1, shorter and longer than a piece)."""
+    rows, sequences of length 0 and 1, shorter and longer than a piece; strong gates: the transitions start past
+    the pieces' first chunks). With 16-column transition tiles (two of M's columns alone at K = 32) and gates of
+    -1.3 a token, a cut piece's tiles store M = 0 without running a chunk (run, they would store ~e^-83)."""
+    import tfla.ops.common.fused_delta_fwd as fdf
+
+    tables = []
+    real_cut = fdf.piece_cutoffs
+    monkeypatch.setattr(fdf, "piece_cutoffs", lambda *a: tables.append(real_cut(*a)) or tables[-1])
     T = 330
     cu = torch.tensor([0, 1, 1, 70, 330], device=device) if varlen else None
     x = gdn_inputs(1 if varlen else 2, T, 1, 32, 16, HV=2, dtype=torch.float32, device=device, gate="strong",
                    initial_state=True, num_seqs=4 if varlen else None, seed=segments)
+    if mn_BV:  # -83 a 64-row chunk: a cut piece's map from the cut on, ~e^-83, is still a normal fp32 number
+        x["g"] = torch.full_like(x["g"], -1.3)
     out = fused_delta_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], 0.3, x["initial_state"], True,
-                          cu_seqlens=cu, segments=segments)
+                          cu_seqlens=cu, segments=segments, config={"mn_BV": mn_BV} if mn_BV else None)
+    if mn_BV:
+        warm = tables[-1][0].cpu()
+        zero = (out["split"].mn[..., :32] == 0).flatten(0, 1).flatten(1).all(1).cpu()  # per (piece, head): M = 0
+        assert (warm > 0).any() and zero[warm > 0].all()
+        if varlen:  # a one-token sequence's map is not 0
+            assert not zero.all()
     o, s = out["o"], out["final_state"]
     r = {n: t.double().cpu() for n, t in x.items()}
     ro, rs = recurrent_gated_delta_rule_ref(r["q"], r["k"], r["v"], r["g"], r["beta"], scale=0.3,

@@ -111,7 +111,8 @@ def _fused_delta_fwd_kernel(q, k, v, g, beta, ai, a, o, v_new, h, h0, ht, cu_seq
     the rest: v's columns from a zero state), only the final ``[M | N]`` is written (``ht [N, HV, K, K + V]``). PASS 2:
     no q, no output (SAVE's tensors and the final state only). SAVE 1: Vnew; 2: also the state before each chunk
     (``h``, k's dtype, slots from ``chunk_offsets``). ORDERED: the sequences in ``seq_order`` (``grid.ordered_row``).
-    PASS 1 starts ``warm[i_n HV + i_hv]`` chunks into the piece (``piece_cutoffs``)."""
+    PASS 1 starts ``warm[i_n HV + i_hv]`` chunks into the piece (``piece_cutoffs``); where that is past the first
+    chunk, a program whose columns are all M's stores M = 0 (the map from there to the end is below e^-80)."""
     BS: tl.constexpr = 64
     TRANSITION: tl.constexpr = PASS == 1
     NCOL: tl.constexpr = K + V if TRANSITION else V
@@ -121,9 +122,13 @@ def _fused_delta_fwd_kernel(q, k, v, g, beta, ai, a, o, v_new, h, h0, ht, cu_seq
     i_h = i_hv // (HV // H)
     bos, T, boh = _sequence_slots(cu_seqlens, chunk_offsets, i_n, T, BS, IS_VARLEN)
     if TRANSITION:  # the chunks left out at the piece's start
-        skip = tl.load(warm + i_nh) * BS
-        bos += skip
-        T -= skip
+        n_warm = tl.load(warm + i_nh)
+        bos += n_warm * BS
+        T -= n_warm * BS
+        # after a cut the map from there to the piece's end is below e^-80: a program of M's columns alone stores
+        # M = 0 without running the chunks
+        zero_m = ((n_warm > 0) & ((i_v + 1) * BV <= K)).to(tl.int32)
+        T *= 1 - zero_m
     o_k = tl.arange(0, BK)
     o_j = i_v * BV + tl.arange(0, BV)  # the program's columns of the state
     o_c = tl.arange(0, BS)
@@ -139,7 +144,7 @@ def _fused_delta_fwd_kernel(q, k, v, g, beta, ai, a, o, v_new, h, h0, ht, cu_seq
     dt = k.dtype.element_ty
     b_h = tl.zeros([BK, BV], dtype=ACC)
     if TRANSITION:
-        b_h += tl.where(o_k[:, None] == o_j[None, :], 1.0, 0.0).to(ACC)
+        b_h += tl.where(o_k[:, None] == o_j[None, :], 1.0 - zero_m, 0.0).to(ACC)
     elif USE_INITIAL_STATE:
         b_h += tl.load(h0 + i_nh * K * V + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.0).to(ACC)
     for i_c in range(0, tl.cdiv(T, BS)):

@@ -162,7 +162,7 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _ws_consumer(k_s, q_s, v_s, t_s, ready, empty, st_s, y_s, vn_s, vw_s, os_s, o_desc, vn_desc, h_desc,
-                     g, beta, o, v_new, h0, ht, hs, row0, boh, i_nh, i_hv, col_v, col_h, n_chunks, T, scale,
+                     g, beta, o, v_new, h0, ht, hs, row0, boh, i_nh, i_hv, col_v, col_h, n_chunks, T, scale, eye,
                      CID: gl.constexpr, NCONS: gl.constexpr, HV: gl.constexpr, V: gl.constexpr, K: gl.constexpr,
                      BV: gl.constexpr, STAGES: gl.constexpr, USE_H0: gl.constexpr, STORE_HT: gl.constexpr,
                      SAVE: gl.constexpr, PASS: gl.constexpr, SLAB: gl.constexpr):
@@ -195,8 +195,9 @@ if HAVE_GLUON:
         o_c = gl.arange(0, BV, layout=LC)
         col = col_v + CID * BV
         p_h = i_nh * K * NCOL + o_k[:, None] * NCOL + col_h + CID * BV + o_c[None, :]
-        if TRANSITION:  # identity columns (state column j < K) start as I, value columns as 0
-            b_h = gl.where(o_k[:, None] == (col_h + CID * BV + o_c)[None, :], 1.0, 0.0)
+        if TRANSITION:  # identity columns (state column j < K) start as I (``eye`` 1; 0: M = 0, no chunks run),
+            # value columns as 0
+            b_h = gl.where(o_k[:, None] == (col_h + CID * BV + o_c)[None, :], 1.0, 0.0) * eye
         elif USE_H0:
             b_h = gl.load(h0 + p_h).to(gl.float32)  # [K, BV]
         else:
@@ -305,7 +306,8 @@ if HAVE_GLUON:
         """Grid ``(NCOL / (NCONS BV), N HV)`` (NCOL: V, or K + V with PASS 1, the transition); dense rows
         ``[B T, ..]`` or packed varlen (B = 1, ``cu_seqlens``); ``ORDERED``: program row i runs sequence
         ``seq_order[i // HV]`` (``varlen.longest_first_order``). PASS 1 starts ``warm[piece HV + head]`` chunks into
-        its piece (``fused_delta_fwd.piece_cutoffs``)."""
+        its piece (``fused_delta_fwd.piece_cutoffs``); where that is past the first chunk, a CTA whose columns are all
+        M's stores M = 0 (the map from there to the end is below e^-80) without running a chunk."""
         i_v = gl.program_id(0)
         i_nh = gl.program_id(1)
         i_n = i_nh // HV
@@ -316,10 +318,17 @@ if HAVE_GLUON:
         i_h = i_hv // (HV // H)
         row0, T, boh = _seq_rows(cu_seqlens, chunk_offsets, i_n, T, IS_VARLEN, SAVE == 2)  # (boh: h's slots)
         TRANSITION: gl.constexpr = PASS == 1
+        col_h = i_v * NCONS * BV  # the CTA's first state column
+        zero_m = (i_v < 0).to(gl.int32)  # 0 (a runtime scalar for the partitions' arguments)
         if TRANSITION:  # the chunks left out at the piece's start
-            skip = gl.load(warm + i_nh) * 64
-            row0 = row0 + skip
-            T = T - skip
+            n_warm = gl.load(warm + i_nh)
+            row0 = row0 + n_warm * 64
+            T = T - n_warm * 64
+            # after a cut the map from there to the piece's end is below e^-80: a CTA of M's columns alone stores
+            # M = 0 without running the chunks
+            zero_m = ((n_warm > 0) & (col_h + NCONS * BV <= K)).to(gl.int32)
+            T = T * (1 - zero_m)
+        eye = 1.0 - zero_m.to(gl.float32)  # the transition's identity columns start as eye I
         n_chunks = gl.cdiv(T, 64)
         dt: gl.constexpr = k_desc.dtype
         k_s = gl.allocate_shared_memory(dt, [STAGES] + k_desc.block_type.shape, k_desc.layout)
@@ -346,7 +355,6 @@ if HAVE_GLUON:
         for s in gl.static_range(STAGES):
             mbarrier.init(ready.index(s), count=1)
             mbarrier.init(empty.index(s), count=NCONS)
-        col_h = i_v * NCONS * BV  # the CTA's first state column
         if TRANSITION:  # its value columns (identity columns: none)
             has_v = col_h >= K
             col_v = i_hv * V + gl.maximum(col_h - K, 0)
@@ -359,10 +367,10 @@ if HAVE_GLUON:
             gl.warp_specialize([
                 (_ws_consumer, (k_s, q_s, v_s, t_s, ready, empty, st_s, y_s, vn_s, vw_s, os_s, o_desc, vn_desc,
                                 h_desc, g, beta, o, v_new, h0, ht, hs, row0, boh, i_nh, i_hv, col_v, col_h, n_chunks, T,
-                                scale, C0, NCONS, HV, V, K, BV, STAGES, USE_H0, STORE_HT, SAVE, PASS, SLAB)),
+                                scale, eye, C0, NCONS, HV, V, K, BV, STAGES, USE_H0, STORE_HT, SAVE, PASS, SLAB)),
                 (_ws_consumer, (k_s, q_s, v_s, t_s, ready, empty, st_s, y_s, vn_s, vw_s, os_s, o_desc, vn_desc,
                                 h_desc, g, beta, o, v_new, h0, ht, hs, row0, boh, i_nh, i_hv, col_v, col_h, n_chunks, T,
-                                scale, C1, NCONS, HV, V, K, BV, STAGES, USE_H0, STORE_HT, SAVE, PASS, SLAB)),
+                                scale, eye, C1, NCONS, HV, V, K, BV, STAGES, USE_H0, STORE_HT, SAVE, PASS, SLAB)),
                 (_ws_producer, (k_desc, q_desc, v_desc, t_desc, k_s, q_s, v_s, t_s, ready, empty,
                                 row0, i_h * K, col_v, i_hv * 64, n_chunks, has_v, BV, NCONS, STAGES, PASS)),
             ], [4, 1], [232, 40])
@@ -370,7 +378,7 @@ if HAVE_GLUON:
             gl.warp_specialize([
                 (_ws_consumer, (k_s, q_s, v_s, t_s, ready, empty, st_s, y_s, vn_s, vw_s, os_s, o_desc, vn_desc,
                                 h_desc, g, beta, o, v_new, h0, ht, hs, row0, boh, i_nh, i_hv, col_v, col_h, n_chunks, T,
-                                scale, C0, NCONS, HV, V, K, BV, STAGES, USE_H0, STORE_HT, SAVE, PASS, SLAB)),
+                                scale, eye, C0, NCONS, HV, V, K, BV, STAGES, USE_H0, STORE_HT, SAVE, PASS, SLAB)),
                 (_ws_producer, (k_desc, q_desc, v_desc, t_desc, k_s, q_s, v_s, t_s, ready, empty,
                                 row0, i_h * K, col_v, i_hv * 64, n_chunks, has_v, BV, NCONS, STAGES, PASS)),
             ], [1], [40])
