@@ -28,7 +28,8 @@ FP16_TOL = 1e-2
 
 
 def _grads(device, B, T, H, HV, K, V, dtype=torch.float32, gate="default", h0=True, final=True, seed=0,
-           l2norm=False, cu_seqlens=None, num_seqs=None, save_states=False, save_v_new=True, segments=None):
+           l2norm=False, cu_seqlens=None, num_seqs=None, save_states=False, save_v_new=True, segments=None,
+           config=None):
     """tfla's and the float64 recurrence's gradients on the same (rounded) inputs and cotangents."""
     x = gdn_inputs(B, T, H, K, V, HV=HV, dtype=dtype, device=device, gate=gate, initial_state=h0, seed=seed,
                    num_seqs=num_seqs, gate_dtype=torch.float64 if dtype == torch.float64 else torch.float32)
@@ -41,7 +42,8 @@ def _grads(device, B, T, H, HV, K, V, dtype=torch.float32, gate="default", h0=Tr
     h0_leaf = leaves[5] if h0 else None
     o, s = tfla.chunk_gated_delta_rule(*leaves[:5], initial_state=h0_leaf, output_final_state=final,
                                        use_qk_l2norm_in_kernel=l2norm, cu_seqlens=cu_seqlens,
-                                       save_states=save_states, save_v_new=save_v_new, segments=segments)
+                                       save_states=save_states, save_v_new=save_v_new, segments=segments,
+                                       config=config)
     gen = torch.Generator().manual_seed(seed + 1)
     do = torch.randn(o.shape, generator=gen).to(device=device, dtype=o.dtype)
     loss = (o * do).sum()
@@ -162,11 +164,14 @@ def test_state_grad_summary_pass(device):
         chunk_state_bwd(q, k, None, do, do, g, 0.5, 64, gv_cum=gv)
 
 
-@pytest.mark.parametrize("segments,varlen,h0,final,gate", [(2, False, True, True, "weak"), (4, False, False, True, "zero"),
-                                                           (3, True, True, True, "weak"),
-                                                           (3, True, False, False, "mixed"),
-                                                           (4, False, True, True, "strong")])
-def test_bwd_in_pieces_matches_recurrence(device, poison_empty, monkeypatch, segments, varlen, h0, final, gate):
+@pytest.mark.parametrize("segments,varlen,h0,final,gate,mn_BV", [(2, False, True, True, "weak", None),
+                                                                 (4, False, False, True, "zero", None),
+                                                                 (3, True, True, True, "weak", None),
+                                                                 (3, True, False, False, "mixed", None),
+                                                                 (4, False, True, True, "strong", None),
+                                                                 (2, True, True, True, "strong", 16)])
+def test_bwd_in_pieces_matches_recurrence(device, poison_empty, monkeypatch, segments, varlen, h0, final, gate,
+                                          mn_BV):
     """A forward cut into pieces runs the backward's state-gradient chain in the same pieces (two passes
     and a reverse scan); every gradient still matches the recurrence: dense with T not a multiple of 64 and B = 2,
     varlen with empty, one-token and multi-piece sequences, with and without the initial state and the final
@@ -174,7 +179,7 @@ def test_bwd_in_pieces_matches_recurrence(device, poison_empty, monkeypatch, seg
     the scan's terms would not be checked), mixed ones (zero on half the heads) and strong ones, where the transition
     pass leaves out each piece's chunks whose state decays below e^-80 before its end, the backward's summary pass
     runs only the chunks whose map to the piece's start stays above it (``piece_cutoffs``), and the reverse scan
-    takes the shorter transition."""
+    takes the shorter transition (with 16-column transition tiles, M = 0 for the cut pieces: the scans skip them)."""
     import tfla.ops.common.fused_delta_fwd as fdf
     import tfla.ops.gated_delta_rule.chunk as chunk
 
@@ -183,15 +188,17 @@ def test_bwd_in_pieces_matches_recurrence(device, poison_empty, monkeypatch, seg
     monkeypatch.setattr(chunk, "_state_grad_in_pieces", _spy(calls, real))
     tables = []
     real_cut = fdf.piece_cutoffs
-    monkeypatch.setattr(fdf, "piece_cutoffs", lambda *a: tables.append(real_cut(*a)) or tables[-1])
+    monkeypatch.setattr(fdf, "piece_cutoffs", lambda *a: tables.append((real_cut(*a), a[1])) or tables[-1][0])
     T = 300
     cu = torch.tensor([0, 0, 1, 130, T], device=device) if varlen else None
     got, ref = _grads(device, 1 if varlen else 2, T, 2, 4, 32, 16, gate=gate, h0=h0, final=final,
-                      cu_seqlens=cu, num_seqs=4 if varlen else None, seed=segments, segments=segments)
+                      cu_seqlens=cu, num_seqs=4 if varlen else None, seed=segments, segments=segments,
+                      config={"fused": {"mn_BV": mn_BV}} if mn_BV else None)
     assert calls == [1]
     if gate == "strong":  # a chunk decays past e^-80: the pieces of two chunks or more leave some out both ways
-        warm, keep = tables[-1]
-        assert warm.max().item() > 0 and keep.min().item() == 1
+        (warm, keep), offsets = tables[-1]
+        chunks = (offsets[1:] - offsets[:-1]).repeat_interleave(4)  # per (piece, head), HV = 4
+        assert ((chunks >= 2) & (warm > 0) & (keep < chunks)).any()
     _check(got, ref, FP32_TOL)
 
 
