@@ -471,8 +471,9 @@ def fused_delta_pass_ws(q, k, v, g_cum, beta, ai, scale, initial_state=None, out
     buffer like v that Vnew's rows are written into (the rows of the sequences or pairs given; the rest untouched)
     instead of a new one; ``seq_order``: the order in which the programs take the sequences given by offsets
     (``varlen.longest_first_order``, ``[N]`` int32; None: in order); ``warm`` (with ``transition``):
-    ``piece_cutoffs``' chunks to leave out per (piece, value head), None: none. Call only where ``ws_supported`` holds (same ``config``: launch keys ``BV``, ``NCONS``
-    consumer warpgroups of BV columns each, ``STAGES``). Returns ``(o, final, v_new, h)`` as that function does."""
+    ``piece_cutoffs``' chunks to leave out per (piece, value head), None: none. Call only where ``ws_supported``
+    holds (same ``config``: launch keys ``BV``, ``NCONS`` consumer warpgroups of BV columns each, ``STAGES``).
+    Returns ``(o, final, v_new, h)`` as that function does."""
     cfg = {**WS_DEFAULTS, **(config or {})}
     BV, NCONS = cfg["BV"], cfg["NCONS"]
     B, T, H, K = k.shape

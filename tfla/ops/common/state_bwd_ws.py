@@ -164,10 +164,10 @@ if HAVE_GLUON:
     @gluon.jit
     def _delta_state_bwd_ws_kernel(k_desc, q_desc, tm_desc, do_desc, dh_desc, du_desc, g, beta, du, dht, dh0,
                                    cu_seqlens, sub_offsets, seq_order, keep, T, scale, H: gl.constexpr,
-                                   HV: gl.constexpr,
-                                   K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, NCONS: gl.constexpr,
-                                   STAGES: gl.constexpr, IS_VARLEN: gl.constexpr, USE_DHT: gl.constexpr,
-                                   STORE_DH0: gl.constexpr, STORE: gl.constexpr, ORDERED: gl.constexpr = False):
+                                   HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr,
+                                   NCONS: gl.constexpr, STAGES: gl.constexpr, IS_VARLEN: gl.constexpr,
+                                   USE_DHT: gl.constexpr, STORE_DH0: gl.constexpr, STORE: gl.constexpr,
+                                   ORDERED: gl.constexpr = False):
         """Grid ``(V / (NCONS BV), N HV)``; dense rows ``[B T, ..]`` or packed varlen (B = 1, ``cu_seqlens``);
         ``ORDERED``: program row i runs sequence ``seq_order[i // HV]`` (``varlen.longest_first_order``). Without
         STORE (a piece's summary) the first ``keep[i_n HV + i_hv]`` chunks only (``fused_delta_fwd.piece_cutoffs``)."""
@@ -259,8 +259,9 @@ def delta_state_bwd_ws(q, k, ai, beta, do, g_cum, scale, dht=None, need_dh0=Fals
     offsets or (first row, end row) pairs (``utils.varlen_mode``); ``du_out``: du's buffer (the sequences' rows
     written, the rest untouched); ``seq_order``: the order in which the programs take the sequences given by offsets
     (``varlen.longest_first_order``, ``[N]`` int32; None: in order); ``summary_chunks`` (``store`` False): the
-    chunks to run from each (sequence, value head)'s start (``[N HV]`` int32), None: all. Returns ``(dh, du, dh0)`` as that function does: dh ``[B, NS, HV, K, V]`` and du
-    ``[B, T, HV, V]`` in k's dtype (None with ``store`` False), dh0 ``[N, HV, K, V]`` fp32 or None."""
+    chunks to run from each (sequence, value head)'s start (``[N HV]`` int32), None: all. Returns ``(dh, du, dh0)``
+    as that function does: dh ``[B, NS, HV, K, V]`` and du ``[B, T, HV, V]`` in k's dtype (None with ``store``
+    False), dh0 ``[N, HV, K, V]`` fp32 or None."""
     cfg = {**STATE_BWD_WS_DEFAULTS, **(config or {})}
     BV, NCONS = cfg["BV"], cfg["NCONS"]
     B, T, H, K = k.shape
