@@ -228,6 +228,43 @@ def test_gla_bad_input(device):
         tfla.chunk_gla(q, k, v, g, initial_state=x["h0"][:, :1])
 
 
+@pytest.mark.parametrize("H", [1, 3, 16])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_scalar_cumsum_matches_torch(device, H, reverse):
+    """The cumsum of a scalar gate ``[B, T, H]`` (several heads: taken as one head's channels) with ``sub``, ``add``
+    and ``floor`` against a per-chunk torch cumsum, dense and varlen, and its positivity flag."""
+    from tfla.ops.common.cumsum import PositiveFlag, chunk_local_cumsum
+    from tfla.ops.common.utils import prepare_chunk_indices
+
+    gen = torch.Generator().manual_seed(1)
+    B, T, L = 2, 150, 64
+    g, sub, add = (-torch.rand(B, T, H, generator=gen).to(device) for _ in range(3))
+    g[0, 5, 0] = -200.0  # below the floor
+
+    def ref(x, s, a, cuts):
+        x = torch.clamp(x, min=-80.0) - s
+        parts = [torch.cat([(c.flip(1).cumsum(1).flip(1) if reverse else c.cumsum(1)) * 2
+                            for c in x[:, lo:hi].split(L, 1)], 1) for lo, hi in zip(cuts[:-1], cuts[1:])]
+        return torch.cat(parts, 1) + a
+
+    out = chunk_local_cumsum(g, L, scale=2.0, reverse=reverse, sub=sub, add=add, floor=-80.0)
+    assert out.shape == g.shape
+    assert_rel_close("cumsum", ref(g, sub, add, [0, T]).double().cpu(), out.double().cpu(), 1e-6)
+    flag = PositiveFlag(g.device)
+    chunk_local_cumsum(g, L, positive_flag=flag)
+    flag.raise_if_positive()
+    g[1, 149, H - 1] = 1e-6
+    flag = PositiveFlag(g.device)
+    chunk_local_cumsum(g, L, reverse=reverse, positive_flag=flag)
+    with pytest.raises(ValueError, match="`g` is a log decay"):
+        flag.raise_if_positive()
+    cu = [0, 70, 71, 150]
+    outv = chunk_local_cumsum(g[:1], L, scale=2.0, reverse=reverse, cu_seqlens=torch.tensor(cu, device=device),
+                              chunk_indices=prepare_chunk_indices(cu, L, device), sub=sub[:1], add=add[:1],
+                              floor=-80.0)
+    assert_rel_close("cumsum varlen", ref(g[:1], sub[:1], add[:1], cu).double().cpu(), outv.double().cpu(), 1e-6)
+
+
 @pytest.mark.parametrize("D", [1, 20, 128])
 @pytest.mark.parametrize("reverse", [False, True])
 def test_channel_cumsum_matches_torch(device, D, reverse):

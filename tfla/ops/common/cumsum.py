@@ -120,7 +120,12 @@ def chunk_local_cumsum(
             positive_flag.queued()
         return out
     check_varlen_batch(B, cu_seqlens)
-    BD = 0 if g.dim() == 3 else min(triton.next_power_of_2(D), max(16, 4096 // chunk_size))
+    if g.dim() == 3 and H > 1:
+        # a scalar gate of H heads as one head of H channels: each program loads [chunk, H] rows of contiguous
+        # values instead of one head's values H apart (the same sums; docs/performance.md, "The gate cumsum's
+        # loads"); g, sub, add and out are contiguous, so the kernel reads them as [B, T, 1, H]
+        H, D = 1, H
+    BD = 0 if g.dim() == 3 and D == 1 else min(triton.next_power_of_2(D), max(16, 4096 // chunk_size))
     grid, flat = tile_grid(NT, B * H, force_flat=force_flat)
     _chunk_local_cumsum_scalar_kernel[grid + (cdiv(D, BD) if BD else 1,)](
         g, out, positive_flag.flag if positive_flag is not None else None, cu_seqlens, chunk_indices, scale, T,
