@@ -133,23 +133,27 @@ if HAVE_GLUON:
         b_skc = b_bc * gl.exp2(gl.where(m_sc, b_gc, float("-inf")))
         zs = gl.zeros([64, 64], dtype=gl.float32, layout=LS)
         _to_smem(out_s, -b_dw)  # dW
-        b_dwk = warpgroup_mma(out_s, k_s.permute((1, 0)), zs, use_acc=False)  # dW K^T
+        b_dwk = warpgroup_mma(out_s, k_s.permute((1, 0)), zs, use_acc=False, is_async=True)  # dW K^T
+        b_kk = warpgroup_mma(k_s, k_s.permute((1, 0)), zs, use_acc=False, is_async=True)  # K K^T, off the chain
+        b_dwk = warpgroup_mma_wait(num_outstanding=1, deps=(b_dwk,))
         b_dtm = b_duv * b_bc[None, :] + b_dwk * b_skc[None, :]
         _to_smem(tmp_s, b_dtm)
-        b_x = warpgroup_mma(tm_s.permute((1, 0)), tmp_s, zs, use_acc=False)  # Tm^T dTm
+        b_x = warpgroup_mma(tm_s.permute((1, 0)), tmp_s, zs, use_acc=False, is_async=True)  # Tm^T dTm
+        b_x, b_kk = warpgroup_mma_wait(num_outstanding=0, deps=(b_x, b_kk))
         _to_smem(tmp_s, b_x)
-        b_da = warpgroup_mma(tmp_s, tm_s.permute((1, 0)), zs, use_acc=False)  # (Tm^T dTm) Tm^T
+        b_da = warpgroup_mma(tmp_s, tm_s.permute((1, 0)), zs, use_acc=False, is_async=True)  # (Tm^T dTm) Tm^T
+        b_dxk = warpgroup_mma(tm_s.permute((1, 0)), out_s, gl.zeros([64, K], dtype=gl.float32, layout=L),
+                              use_acc=False, is_async=True)  # Tm^T dW, off the chain
+        b_da = warpgroup_mma_wait(num_outstanding=1, deps=(b_da,))
         m_lo = (o_sr[:, None] > o_sc[None, :]) & m_sr[:, None] & m_sc[None, :]
         b_e = gl.exp2(gl.where(m_lo, b_gr[:, None] - b_gc[None, :], float("-inf")))
-        b_kk = warpgroup_mma(k_s, k_s.permute((1, 0)), zs, use_acc=False)
         b_dae = -b_da * b_e  # dA o E (E zero off the strictly lower part)
         b_dakk = b_dae * b_kk
         b_db += gl.sum(b_dakk, 1)
         b_daa = b_dakk * b_br[:, None]  # dA o A
         b_dgr = gl.sum(b_daa, 1) - gl.convert_layout(gl.sum(b_daa, 0), LSR)
         _to_smem(tmp_s, b_dae * b_br[:, None])  # M
-        b_dxk = warpgroup_mma(tm_s.permute((1, 0)), out_s, gl.zeros([64, K], dtype=gl.float32, layout=L),
-                              use_acc=False)  # Tm^T dW
+        b_dxk = warpgroup_mma_wait(num_outstanding=0, deps=(b_dxk,))
         b_dxkk = gl.sum(b_dxk * k_s.load(L).to(gl.float32), 1)  # dX_k . k per row
         b_db = gl.convert_layout(b_db, LR) + b_dxkk * gl.exp2(gl.where(m_r, b_g, float("-inf")))
         b_dgr = gl.convert_layout(b_dgr, LR) + b_dxkk * b_sk
