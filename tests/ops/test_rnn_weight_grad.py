@@ -18,7 +18,8 @@ def _reference(states, drh):
     (3, 2, 5, 4, 16, 2),     # rows not a multiple of the row slice
     (70, 1, 3, 3, 20, 1),    # D not a power of two
     (300, 2, 4, 4, 48, 4),   # 1200 rows: several row slices summed
-    (9, 3, 2, 1, 130, 1),    # D > 128: several column tiles
+    (9, 3, 2, 1, 130, 1),    # D > 128: several column tiles (through the hi / lo copies and the GEMM)
+    (50, 2, 3, 4, 200, 2),   # D > 128, 150 rows: several 64-row blocks of the copies, db's partial sums
 ])
 def test_dR_db_against_float64(Tm, NH, N, G, D, S, device, poison_empty):
     """IEEE fp32 products on the interpreter (rel-L2 <= 1e-6), split bf16 products on a GPU (<= 5e-5); every

@@ -17,6 +17,14 @@ median ``do_bench``: rel-L2 1.5e-5 / 6.7e-6 against float64 at D x NH = 768 x 1 
 1.7e-3, 0.9-0.97x the time, so it stays). fp32's ``tf32x3`` would need both operands K-major, and here both are stored
 the other way round: as one TF32 product with both operands transposed, 768 x 1 took 4.85 ms. On the CPU interpreter
 one IEEE fp32 product; float64 (the verification dtype) uses ``torch.bmm`` in float64.
+
+Above D = 128 a tile program reads its rows once per tile of the other operand (drh once per column tile, h once per
+row tile: 6 and 24 times at D = 768), and splitting fp32 operands in registers keeps the loads from streaming into
+the tensor cores. There the operands are first split once into contiguous bf16 hi / lo copies (``[NH, Tm N, G D]``
+and ``[NH, Tm N, D]``, db's partial sums on the way; transient memory: the size of drh and h in fp32), and a
+pipelined GEMM (``_dR_gemm_kernel``) forms the same three products from them. NVIDIA H200, torch 2.11, Triton 3.6,
+B = 16, T = 1024, G = 4, random fp32 operands, median ``do_bench`` (2026-11-29): D x NH = 768 x 1 1.310 -> 0.592 ms,
+256 x 3 0.366 -> 0.305; at 64 x 12 the in-register split stays faster (0.148 against 0.222-0.247).
 """
 from __future__ import annotations
 
@@ -76,6 +84,66 @@ def _rnn_dR_db_kernel(
         tl.store(db_ptr + base * GD + o_m, acc_b, mask=m_m)
 
 
+@triton.jit
+def _split_rows_kernel(src, hi, lo, db_p, N, C, rows, s_t, s_n, s_b, BR: tl.constexpr, BC: tl.constexpr,
+                       SPLIT: tl.constexpr, SUM: tl.constexpr):
+    """Rows ``[i_r BR, ..)`` x columns ``[i_c BC, ..)`` of head i_h of ``src`` (row r = (t = r // N, batch = r % N)
+    at ``src + t s_t + i_h s_n + batch s_b``, C contiguous columns) into ``hi`` (``[NH, rows, C]``): SPLIT, its bf16
+    rounding, and the bf16 rounding of the remainder into ``lo``; else an fp32 copy. SUM: the block's column sums
+    into ``db_p[i_r, i_h]`` (``[C]``)."""
+    i_r, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    o_r = i_r * BR + tl.arange(0, BR)
+    o_c = i_c * BC + tl.arange(0, BC)
+    m = (o_r < rows)[:, None] & (o_c < C)[None, :]
+    t, bb = o_r // N, o_r % N
+    x = tl.load(src + (t.to(tl.int64) * s_t + i_h * s_n + bb * s_b)[:, None] + o_c[None, :], mask=m, other=0.0)
+    dst = (i_h * rows + o_r)[:, None] * C + o_c[None, :]
+    if SPLIT:
+        x_hi = x.to(tl.bfloat16)
+        tl.store(hi + dst, x_hi, mask=m)
+        tl.store(lo + dst, (x - x_hi.to(tl.float32)).to(tl.bfloat16), mask=m)
+    else:
+        tl.store(hi + dst, x, mask=m)
+    if SUM:
+        tl.store(db_p + (i_r * tl.num_programs(2) + i_h) * C + o_c, tl.sum(x, 0), mask=o_c < C)
+
+
+@triton.jit
+def _dR_gemm_kernel(a_hi, a_lo, b_hi, b_lo, dR_ptr, rows, GD, D, rows_per_split, BM: tl.constexpr, BN: tl.constexpr,
+                    BK: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr, STAGES: tl.constexpr):
+    """``_rnn_dR_db_kernel``'s tile of dR from the contiguous copies of ``_split_rows_kernel`` (``a``: drh's rows
+    ``[NH, rows, GD]``, ``b``: h's ``[NH, rows, D]``): SPLIT, the three bf16 products (hi hi, lo hi, hi lo) of the
+    loaded hi / lo tiles; else one fp32 product at PREC."""
+    i_mn, i_s, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    n_cols = tl.cdiv(D, BN)
+    i_m, i_c = i_mn // n_cols, i_mn % n_cols
+    o_m = i_m * BM + tl.arange(0, BM)
+    o_c = i_c * BN + tl.arange(0, BN)
+    m_m, m_c = o_m < GD, o_c < D
+    r_start = i_s * rows_per_split
+    r_end = tl.minimum(r_start + rows_per_split, rows)
+    base_a = i_h * rows * GD
+    base_b = i_h * rows * D
+    acc = tl.zeros([BM, BN], tl.float32)
+    for r0 in tl.range(r_start, r_end, BK, num_stages=STAGES):
+        o_r = (r0 + tl.arange(0, BK)).to(tl.int64)
+        m_r = o_r < r_end
+        off_a = base_a + o_r[:, None] * GD + o_m[None, :]
+        off_b = base_b + o_r[:, None] * D + o_c[None, :]
+        m_a = m_r[:, None] & m_m[None, :]
+        m_b = m_r[:, None] & m_c[None, :]
+        a = tl.trans(tl.load(a_hi + off_a, mask=m_a, other=0.0))  # [BM, BK]
+        b = tl.load(b_hi + off_b, mask=m_b, other=0.0)
+        if SPLIT:
+            acc = tl.dot(a, b, acc)
+            acc = tl.dot(tl.trans(tl.load(a_lo + off_a, mask=m_a, other=0.0)), b, acc)
+            acc = tl.dot(a, tl.load(b_lo + off_b, mask=m_b, other=0.0), acc)
+        else:
+            acc = tl.dot(a, b, acc, input_precision=PREC)
+    base = i_s * tl.num_programs(2) + i_h
+    tl.store(dR_ptr + base * GD * D + o_m[:, None] * D + o_c[None, :], acc, mask=m_m[:, None] & m_c[None, :])
+
+
 def _tiles(GD: int, D: int):
     """``(BM, BN)``: 128 x 128 from D = 128 on, else 64 rows (fewer where G D is smaller) and D's power of two (H100,
     torch 2.11, Triton 3.6, split bf16 products, B = 16, T = 1024, G = 4, median ``do_bench``: at D x NH = 768 x 1
@@ -98,6 +166,8 @@ def dR_db(states: torch.Tensor, drh: torch.Tensor):
         dR = torch.bmm(drh_rows.transpose(1, 2), h_prev).view(NH, G, D, D).permute(1, 0, 2, 3)
         return dR, drh.sum((0, 2)).view(NH, G, D).transpose(0, 1)
     BM, BN = _tiles(GD, D)
+    if D > 128:
+        return _dR_db_copies(states, drh, BM, BN)
     BK = 64 if BM * BN < 64 * 64 else 32  # (operand registers)
     rows = Tm * N
     tiles = cdiv(GD, BM) * cdiv(D, BN) * NH
@@ -114,3 +184,35 @@ def dR_db(states: torch.Tensor, drh: torch.Tensor):
         BM=BM, BN=BN, BK=BK, SPLIT=not interpret_mode(), PREC="ieee", num_warps=4)
     dR, db = (dR_p[0], db_p[0]) if splits == 1 else (dR_p.sum(0), db_p.sum(0))
     return dR.view(NH, G, D, D).permute(1, 0, 2, 3), db.view(NH, G, D).transpose(0, 1)
+
+
+def _dR_db_copies(states: torch.Tensor, drh: torch.Tensor, BM: int, BN: int):
+    """``dR_db`` through contiguous hi / lo copies of drh and h and ``_dR_gemm_kernel`` (module docstring): 32-row
+    steps, 4 warps, 4 stages, ~4 programs per SM (the fastest of 8 launches tried at 768 x 1 and 256 x 3)."""
+    Tm, NH, N, GD = drh.shape
+    D = states.shape[-1]
+    G = GD // D
+    rows = Tm * N
+    split = not interpret_mode()
+    cdt = torch.bfloat16 if split else torch.float32
+    a_hi = torch.empty(NH, rows, GD, device=drh.device, dtype=cdt)
+    b_hi = torch.empty(NH, rows, D, device=drh.device, dtype=cdt)
+    a_lo, b_lo = (torch.empty_like(a_hi), torch.empty_like(b_hi)) if split else (a_hi, b_hi)
+    BR, BC = 64, 128
+    db_p = torch.empty(cdiv(rows, BR), NH, GD, device=drh.device, dtype=torch.float32)
+    h = states[:, 0]
+    for src, hi, lo, C, dsum in ((drh, a_hi, a_lo, GD, True), (h, b_hi, b_lo, D, False)):
+        _split_rows_kernel[(cdiv(rows, BR), cdiv(C, BC), NH)](
+            src, hi, lo, db_p, N, C, rows, src.stride(0), src.stride(1), src.stride(2), BR=BR, BC=BC, SPLIT=split,
+            SUM=dsum, num_warps=4)
+    BK = 32
+    tiles = cdiv(GD, BM) * cdiv(D, BN) * NH
+    splits = max(1, min(cdiv(4 * sm_count(drh), tiles), cdiv(rows, 8 * BK)))
+    per = cdiv(cdiv(rows, splits), BK) * BK
+    splits = cdiv(rows, per)
+    dR_p = torch.empty(splits, NH, GD, D, device=drh.device, dtype=torch.float32)
+    _dR_gemm_kernel[(cdiv(GD, BM) * cdiv(D, BN), splits, NH)](
+        a_hi, a_lo, b_hi, b_lo, dR_p, rows, GD, D, per, BM=BM, BN=BN, BK=BK, SPLIT=split, PREC="ieee", STAGES=4,
+        num_warps=4)
+    dR = dR_p[0] if splits == 1 else dR_p.sum(0)
+    return dR.view(NH, G, D, D).permute(1, 0, 2, 3), db_p.sum(0).view(NH, G, D).transpose(0, 1)
