@@ -98,19 +98,28 @@ def _team_fwd_dots(p_h, m_b, p_w, swi, swo, o_c, m_c, D, w0, w1, w2, w3, BB: tl.
                    BK: tl.constexpr, KS: tl.constexpr, G: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
                    STAGES: tl.constexpr, RESIDENT: tl.constexpr):
     """``(R_j h)^T`` for this member's units, ``[BB, BC]`` per gate: h's rows at ``p_h`` ([BB] pointers, read past
-    L1). RESIDENT: the gates' whole slices w0..w3 (``[KS, BK / KS, BC]``, BK >= D) held since the launch; else the
-    slices streamed from Wt at ``p_w`` in BK-wide parts of D."""
+    L1). RESIDENT: the gates' whole slices held since the launch (``_team_weights``: for G = 1 or 4 all gates in w0,
+    ``[KS, BK / KS, G BC]``, gate-major columns; for the GRU's 3 one per gate, w0..w2 ``[KS, BK / KS, BC]``), BK >= D;
+    else the slices streamed from Wt at ``p_w`` in BK-wide parts of D."""
     r0 = tl.zeros([BB, BC], tl.float32)
     r1, r2, r3 = r0, r0, r0
-    if RESIDENT:  # one 3-D dot per gate over the KS parts of D, summed
+    if RESIDENT:
         hk = _rows_split(p_h, m_b, D, BK, KS, DOT)
-        r0 = tl.sum(tl.dot(hk, w0, input_precision=PREC), 0)
-        if G > 1:
+        if (G & (G - 1)) == 0:  # one 3-D dot for all gates over the KS parts of D, one sum over the parts
+            e = tl.sum(tl.dot(hk, w0, input_precision=PREC), 0)  # [BB, G BC]
+            if G == 1:
+                r0 = e
+            else:  # each gate's columns: the gate index is a register index of the dot's layout, so no exchange
+                e = tl.reshape(e, [BB, G, BC])
+                o_g = tl.arange(0, G)[None, :, None]
+                r0 = tl.sum(tl.where(o_g == 0, e, 0.0), 1)
+                r1 = tl.sum(tl.where(o_g == 1, e, 0.0), 1)
+                r2 = tl.sum(tl.where(o_g == 2, e, 0.0), 1)
+                r3 = tl.sum(tl.where(o_g == 3, e, 0.0), 1)
+        else:  # one 3-D dot per gate, each summed over the parts
+            r0 = tl.sum(tl.dot(hk, w0, input_precision=PREC), 0)
             r1 = tl.sum(tl.dot(hk, w1, input_precision=PREC), 0)
-        if G > 2:
             r2 = tl.sum(tl.dot(hk, w2, input_precision=PREC), 0)
-        if G > 3:
-            r3 = tl.sum(tl.dot(hk, w3, input_precision=PREC), 0)
     else:
         for k0 in tl.range(0, D, BK, num_stages=STAGES):
             o_k = k0 + tl.arange(0, BK)
@@ -160,10 +169,21 @@ def _team_bwd_dots(acc, p_d, m_rows, p_w, swi, swo, o_c, m_c, D, w0, w1, w2, w3,
 
 @triton.jit
 def _team_weights(p_w, o_c, m_c, D, swi, swo, BK: tl.constexpr, KS: tl.constexpr, G: tl.constexpr,
-                  TRANS: tl.constexpr, DOT: tl.constexpr, RESIDENT: tl.constexpr):
+                  TRANS: tl.constexpr, DOT: tl.constexpr, RESIDENT: tl.constexpr, BC: tl.constexpr = 16,
+                  CAT: tl.constexpr = False):
     """With RESIDENT the gates' whole ``_slice``s in KS parts of D (``[KS, BK / KS, BC]``, BK >= D; gates the cell
-    lacks repeat gate 0's), loaded once per launch; else placeholders (the dots stream their slices)."""
-    if RESIDENT:
+    lacks repeat gate 0's), loaded once per launch; with CAT and G = 1 or 4 all gates side by side in w0 instead
+    (``[KS, BK / KS, G BC]``, gate-major columns: the forward's one dot); else placeholders (the dots stream their
+    slices)."""
+    tl.static_assert(not (CAT and TRANS), "the gates side by side are the forward's operand")
+    if RESIDENT and CAT and (G & (G - 1)) == 0:
+        o_k = (tl.arange(0, KS)[:, None] * (BK // KS) + tl.arange(0, BK // KS)[None, :])[:, :, None]
+        o_u = tl.reshape(tl.broadcast_to(o_c[None, :], [G, BC]), [G * BC])[None, None, :]  # each gate's units
+        m_u = tl.reshape(tl.broadcast_to(m_c[None, :], [G, BC]), [G * BC])[None, None, :]
+        j = (tl.arange(0, G * BC) // BC)[None, None, :]
+        w0 = tl.load(p_w + o_k * swi + (j * D + o_u) * swo, mask=(o_k < D) & m_u, other=0.0).to(DOT)
+        w1, w2, w3 = w0, w0, w0
+    elif RESIDENT:
         o_k = (tl.arange(0, KS)[:, None] * (BK // KS) + tl.arange(0, BK // KS)[None, :])[:, :, None]
         o_u = o_c[None, None, :]
         m = (o_k < D) & m_c[None, None, :]
@@ -205,7 +225,7 @@ def _rnn_team_fwd_kernel(
     p_x = x_ptr + o_b[:, None] * sxb + i_n * sxn + o_c[None, :] * sxd
     p_o = o_ptr + o_b[:, None] * sob + i_n * son + o_c[None, :] * sod
     p_w = w_ptr + i_n * swn
-    w0, w1, w2, w3 = _team_weights(p_w, o_c, m_c, D, swi, swo, BK, KS, G, False, DOT, RESIDENT)
+    w0, w1, w2, w3 = _team_weights(p_w, o_c, m_c, D, swi, swo, BK, KS, G, False, DOT, RESIDENT, BC, True)
     P = tl.num_programs(0)
     xn0, xn1, xn2, xn3 = _xs(p_x + t_first * sxt, sxg, m & (o_b * 0 < steps)[:, None], G)
     if SYNC:  # the first step's h into the ring; the team meets before anyone reads it
