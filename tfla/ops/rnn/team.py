@@ -169,8 +169,8 @@ def _team_bwd_dots(acc, p_d, m_rows, p_w, swi, swo, o_c, m_c, D, w0, w1, w2, w3,
 
 @triton.jit
 def _team_weights(p_w, o_c, m_c, D, swi, swo, BK: tl.constexpr, KS: tl.constexpr, G: tl.constexpr,
-                  TRANS: tl.constexpr, DOT: tl.constexpr, RESIDENT: tl.constexpr, BC: tl.constexpr = 16,
-                  CAT: tl.constexpr = False):
+                  TRANS: tl.constexpr, DOT: tl.constexpr, RESIDENT: tl.constexpr, BC: tl.constexpr,
+                  CAT: tl.constexpr):
     """With RESIDENT the gates' whole ``_slice``s in KS parts of D (``[KS, BK / KS, BC]``, BK >= D; gates the cell
     lacks repeat gate 0's), loaded once per launch; with CAT and G = 1 or 4 all gates side by side in w0 instead
     (``[KS, BK / KS, G BC]``, gate-major columns: the forward's one dot); else placeholders (the dots stream their
@@ -279,7 +279,7 @@ def _rnn_team_bwd_kernel(
     p_do = do_ptr + o_b[:, None] * sdb + i_n * sdn + o_c[None, :] * sdd
     p_dx = dx_ptr + o_b[:, None] * sdxb + i_n * sdxn + o_c[None, :] * sdxd
     p_w = w_ptr + i_n * swn
-    w0, w1, w2, w3 = _team_weights(p_w, o_c, m_c, D, swi, swo, BK, KS, G, True, DOT, RESIDENT)
+    w0, w1, w2, w3 = _team_weights(p_w, o_c, m_c, D, swi, swo, BK, KS, G, True, DOT, RESIDENT, BC, False)
     P = tl.num_programs(0)
     t_top = i_n * 0 + t_hi  # int64 step index
     inp = _bwd_inputs(t_top, m & (o_b * 0 < steps)[:, None], last, o_s, E, dsf_ptr, dseq_ptr, p_do, sdt, p_x, sxt, sxg,
