@@ -36,6 +36,27 @@ from tfla.ops.common.utils import cdiv, interpret_mode, next_pow2, sm_count
 
 
 @triton.jit
+def _dR_tile(GD, D, rows, rows_per_split, BM: tl.constexpr, BN: tl.constexpr):
+    """This program's dR tile (grid ``(tiles of [GD, D], row slices, NH)``): its row slice i_s, head i_h, column
+    tile i_c, the tile's rows o_m and columns o_c of ``[GD, D]`` with their masks, and its slice ``[r_start, r_end)``
+    of the ``rows`` (step, batch) pairs."""
+    i_mn, i_s, i_h = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
+    n_cols = tl.cdiv(D, BN)
+    i_m, i_c = i_mn // n_cols, i_mn % n_cols
+    o_m = i_m * BM + tl.arange(0, BM)
+    o_c = i_c * BN + tl.arange(0, BN)
+    r_start = i_s * rows_per_split
+    return i_s, i_h, i_c, o_m, o_c, o_m < GD, o_c < D, r_start, tl.minimum(r_start + rows_per_split, rows)
+
+
+@triton.jit
+def _store_dR(dR_ptr, acc, i_s, i_h, o_m, o_c, m_m, m_c, GD, D):
+    """A tile's partial sum into ``dR_ptr[i_s, i_h]`` (``[row slices, NH, GD, D]`` fp32)."""
+    base = i_s * tl.num_programs(2) + i_h
+    tl.store(dR_ptr + base * GD * D + o_m[:, None] * D + o_c[None, :], acc, mask=m_m[:, None] & m_c[None, :])
+
+
+@triton.jit
 def _rnn_dR_db_kernel(
     drh_ptr, h_ptr, dR_ptr, db_ptr,
     N, D, GD, rows, rows_per_split,
@@ -47,14 +68,7 @@ def _rnn_dR_db_kernel(
     ``dR_ptr[i_s, i_h]`` (``[GD, D]``); the column-0 tiles also store db's BM entries at ``db_ptr[i_s, i_h]``. SPLIT:
     each fp32 operand as a bf16 high part and the bf16 rounding of its remainder, three bf16 products (hi hi, lo hi,
     hi lo; ~16 mantissa bits per operand, fp32 accumulation); else one fp32 ``tl.dot`` at PREC."""
-    i_mn, i_s, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
-    n_cols = tl.cdiv(D, BN)
-    i_m, i_c = i_mn // n_cols, i_mn % n_cols
-    o_m = i_m * BM + tl.arange(0, BM)
-    o_c = i_c * BN + tl.arange(0, BN)
-    m_m, m_c = o_m < GD, o_c < D
-    r_start = i_s.to(tl.int64) * rows_per_split
-    r_end = tl.minimum(r_start + rows_per_split, rows)
+    i_s, i_h, i_c, o_m, o_c, m_m, m_c, r_start, r_end = _dR_tile(GD, D, rows, rows_per_split, BM, BN)
     acc = tl.zeros([BM, BN], tl.float32)
     acc_b = tl.zeros([BM], tl.float32)
     for r0 in tl.range(r_start, r_end, BK, num_stages=3):
@@ -77,11 +91,9 @@ def _rnn_dR_db_kernel(
         else:
             acc = tl.dot(tl.trans(a), h, acc, input_precision=PREC)
         acc_b += tl.sum(a, 0)
-    n_heads = tl.num_programs(2)
-    base = i_s * n_heads + i_h
-    tl.store(dR_ptr + base * GD * D + o_m[:, None] * D + o_c[None, :], acc, mask=m_m[:, None] & m_c[None, :])
+    _store_dR(dR_ptr, acc, i_s, i_h, o_m, o_c, m_m, m_c, GD, D)
     if i_c == 0:
-        tl.store(db_ptr + base * GD + o_m, acc_b, mask=m_m)
+        tl.store(db_ptr + (i_s * tl.num_programs(2) + i_h) * GD + o_m, acc_b, mask=m_m)
 
 
 @triton.jit
@@ -114,14 +126,7 @@ def _dR_gemm_kernel(a_hi, a_lo, b_hi, b_lo, dR_ptr, rows, GD, D, rows_per_split,
     """``_rnn_dR_db_kernel``'s tile of dR from the contiguous copies of ``_split_rows_kernel`` (``a``: drh's rows
     ``[NH, rows, GD]``, ``b``: h's ``[NH, rows, D]``): SPLIT, the three bf16 products (hi hi, lo hi, hi lo) of the
     loaded hi / lo tiles; else one fp32 product at PREC."""
-    i_mn, i_s, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
-    n_cols = tl.cdiv(D, BN)
-    i_m, i_c = i_mn // n_cols, i_mn % n_cols
-    o_m = i_m * BM + tl.arange(0, BM)
-    o_c = i_c * BN + tl.arange(0, BN)
-    m_m, m_c = o_m < GD, o_c < D
-    r_start = i_s * rows_per_split
-    r_end = tl.minimum(r_start + rows_per_split, rows)
+    i_s, i_h, i_c, o_m, o_c, m_m, m_c, r_start, r_end = _dR_tile(GD, D, rows, rows_per_split, BM, BN)
     base_a = i_h * rows * GD
     base_b = i_h * rows * D
     acc = tl.zeros([BM, BN], tl.float32)
@@ -140,8 +145,7 @@ def _dR_gemm_kernel(a_hi, a_lo, b_hi, b_lo, dR_ptr, rows, GD, D, rows_per_split,
             acc = tl.dot(a, tl.load(b_lo + off_b, mask=m_b, other=0.0), acc)
         else:
             acc = tl.dot(a, b, acc, input_precision=PREC)
-    base = i_s * tl.num_programs(2) + i_h
-    tl.store(dR_ptr + base * GD * D + o_m[:, None] * D + o_c[None, :], acc, mask=m_m[:, None] & m_c[None, :])
+    _store_dR(dR_ptr, acc, i_s, i_h, o_m, o_c, m_m, m_c, GD, D)
 
 
 def _tiles(GD: int, D: int):
@@ -152,6 +156,14 @@ def _tiles(GD: int, D: int):
     2026-11-25)."""
     BN = min(128, max(16, next_pow2(D)))
     return min(128 if BN == 128 else 64, max(16, next_pow2(GD))), BN
+
+
+def _row_splits(rows: int, tiles: int, BK: int, x: torch.Tensor) -> tuple[int, int]:
+    """``(splits, rows per split)`` of the rows for ``tiles`` dR tiles: enough programs for ~4 per SM of x's device,
+    each over at least 8 row blocks of BK, a multiple of BK rows per split."""
+    splits = max(1, min(cdiv(4 * sm_count(x), tiles), cdiv(rows, 8 * BK)))
+    per = cdiv(cdiv(rows, splits), BK) * BK
+    return cdiv(rows, per), per
 
 
 def dR_db(states: torch.Tensor, drh: torch.Tensor):
@@ -170,11 +182,7 @@ def dR_db(states: torch.Tensor, drh: torch.Tensor):
         return _dR_db_copies(states, drh, BM, BN)
     BK = 64 if BM * BN < 64 * 64 else 32  # (operand registers)
     rows = Tm * N
-    tiles = cdiv(GD, BM) * cdiv(D, BN) * NH
-    # enough programs for ~4 per SM, each over at least 8 row blocks
-    splits = max(1, min(cdiv(4 * sm_count(drh), tiles), cdiv(rows, 8 * BK)))
-    per = cdiv(cdiv(rows, splits), BK) * BK
-    splits = cdiv(rows, per)
+    splits, per = _row_splits(rows, cdiv(GD, BM) * cdiv(D, BN) * NH, BK, drh)
     dR_p = torch.empty(splits, NH, GD, D, device=drh.device, dtype=torch.float32)
     db_p = torch.empty(splits, NH, GD, device=drh.device, dtype=torch.float32)
     h = states[:, 0]
@@ -206,10 +214,7 @@ def _dR_db_copies(states: torch.Tensor, drh: torch.Tensor, BM: int, BN: int):
             src, hi, lo, db_p, N, C, rows, src.stride(0), src.stride(1), src.stride(2), BR=BR, BC=BC, SPLIT=split,
             SUM=dsum, num_warps=4)
     BK = 32
-    tiles = cdiv(GD, BM) * cdiv(D, BN) * NH
-    splits = max(1, min(cdiv(4 * sm_count(drh), tiles), cdiv(rows, 8 * BK)))
-    per = cdiv(cdiv(rows, splits), BK) * BK
-    splits = cdiv(rows, per)
+    splits, per = _row_splits(rows, cdiv(GD, BM) * cdiv(D, BN) * NH, BK, drh)
     dR_p = torch.empty(splits, NH, GD, D, device=drh.device, dtype=torch.float32)
     _dR_gemm_kernel[(cdiv(GD, BM) * cdiv(D, BN), splits, NH)](
         a_hi, a_lo, b_hi, b_lo, dR_p, rows, GD, D, per, BM=BM, BN=BN, BK=BK, SPLIT=split, PREC="ieee", STAGES=4,
