@@ -181,3 +181,14 @@ def test_public_gdn_config_reaches_every_stage(device):
         _equal(a, b, f"output {i}")
     with pytest.raises(ValueError, match="config"):
         tfla.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], config={"stat": {}})
+
+
+def test_host_ints():
+    """``utils.host_ints``: equal values by a fill, others by a copy, in the dtype asked; empty lists."""
+    from tfla.ops.common.utils import host_ints
+
+    for vals, dt in (([5, 5, 5], torch.int32), ([0, 3, 1], torch.int64), ([], torch.int32), ([7], torch.int64)):
+        t = host_ints(vals, "cpu", dt)
+        assert t.dtype == dt and t.tolist() == vals
+    if torch.cuda.is_available():
+        assert host_ints([1, 2, 3], "cuda").cpu().tolist() == [1, 2, 3]

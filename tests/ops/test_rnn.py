@@ -3,6 +3,7 @@ one launch per step on the interpreter, one launch with a grid barrier on a GPU;
 pointwise kernel per step), against the float64 step loop, each other and torch.nn.LSTM / GRU: outputs, final states and the
 gradients of x, R, b and every initial-state tensor, with random cotangents."""
 import functools
+import time
 
 import pytest
 import torch
@@ -448,6 +449,22 @@ def test_team_equals_alternating(cell, config, device):
     _check_all(cell, team, alt, FP32_TOL, True, True)
 
 
+@pytest.mark.parametrize("cell", CELLS)
+def test_team_held_in_two_parts(cell, device):
+    """Held slices over a head dim that is not a power of two run as two power-of-two parts of D (192 = 128 + 64,
+    ``team.held_parts``) instead of one padded 256: equal to the alternating path (3 members of 64 units, B = 5,
+    4 steps, initial and final states)."""
+    from tfla.ops.rnn.team import held_parts
+
+    assert held_parts(192, 256, 4) == (128, 64) and held_parts(768, 1024, 4) == (512, 256)
+    assert held_parts(200, 256, 4) == (256, 0) and held_parts(1024, 1024, 4) == (1024, 0)
+    x, R, b, s = _inputs(cell, 5, 4, 1, 192, torch.float32, device, seed=7)
+    cfg = {"path": "team", "team_cols": 64, "team_resident": True}
+    team = rnn_grads(functools.partial(getattr(tfla, cell), config=cfg), cell, x, R, b, s, True)
+    alt = rnn_grads(_op(cell, "alternating"), cell, x, R, b, s, True)
+    _check_all(cell, team, alt, FP32_TOL, True, True)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("cell", CELLS)
 @pytest.mark.parametrize("B,D,NH,dtype,config", [
@@ -488,3 +505,30 @@ def test_bad_config(config, D, dtype, exc, match, device):
     x, R, b, _ = _inputs("gru", 1, 2, 1, D, dtype, device, seed=0, init=False)
     with pytest.raises(exc, match=match):
         tfla.gru(x, R, b, config=config)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["team", "fused", "varlen"])
+def test_call_does_not_wait_for_the_device(case):
+    """A cell's forward + backward queues its kernels without waiting for the device (no copy from pageable memory,
+    which waits for every kernel queued before; the backward built its rows' lengths so before 2026-12-01 and the GPU
+    idled while the host launched the backward): behind a ~200 ms sleep kernel a repeated call's host time stays far
+    below 200 ms."""
+    D, B = (192, 4) if case == "team" else (32, 4)
+    varlen = case == "varlen"
+    x, R, b, s = _inputs("lstm", 1 if varlen else B, 40, 2, D, torch.bfloat16, "cuda", seed=5, N=3 if varlen else None)
+    cu = torch.tensor([0, 7, 7, 40], device="cuda") if varlen else None
+    leaves = [t.clone().requires_grad_() for t in (x, R, b, *s)]
+
+    def call():
+        h, fin = tfla.lstm(*leaves[:3], tuple(leaves[3:]), True, cu_seqlens=cu)
+        return torch.autograd.grad([h, *fin], leaves, [torch.ones_like(h), *map(torch.ones_like, fin)])
+
+    call()  # compiles, fills the caches
+    torch.cuda.synchronize()
+    torch.cuda._sleep(400_000_000)  # cycles: >= 200 ms at SM clocks up to 2 GHz
+    t0 = time.perf_counter()
+    call()
+    host = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    assert host < 0.1, f"{case}: the call took {host * 1e3:.1f} ms on the host behind a ~200 ms sleep kernel"

@@ -21,19 +21,21 @@ def _reference(states, drh):
     (9, 3, 2, 1, 130, 1),    # D > 128: several column tiles (through the hi / lo copies and the GEMM)
     (50, 2, 3, 4, 200, 2),   # D > 128, 150 rows: several 64-row blocks of the copies, db's partial sums
 ])
-def test_dR_db_against_float64(Tm, NH, N, G, D, S, device, poison_empty):
-    """IEEE fp32 products on the interpreter (rel-L2 <= 1e-6), split bf16 products on a GPU (<= 5e-5); every
-    partial sum written (NaN-filled allocations)."""
+@pytest.mark.parametrize("tf32", [False, True])
+def test_dR_db_against_float64(Tm, NH, N, G, D, S, tf32, device, poison_empty):
+    """IEEE fp32 products on the interpreter (rel-L2 <= 1e-6), split bf16 products on a GPU (<= 5e-5), with
+    ``tf32`` (the cells' 16-bit inputs) above D = 128 one TF32 product over transposed copies (<= 1e-3 on a GPU;
+    the copies' indexing at IEEE fp32 on the interpreter); every partial sum written (NaN-filled allocations)."""
     gen = torch.Generator().manual_seed(Tm + D)
     states = torch.randn(Tm + 1, S, NH, N, D, generator=gen).to(device)
     drh = torch.randn(Tm, NH, N, G * D, generator=gen).to(device)
-    dR, db = dR_db(states, drh)
+    dR, db = dR_db(states, drh, tf32=tf32)
     ref_R, ref_b = _reference(states, drh)
-    tol = 5e-5 if device == "cuda" else 1e-6
+    tol = (1e-3 if tf32 and D > 128 else 5e-5) if device == "cuda" else 1e-6
     assert dR.shape == (G, NH, D, D) and db.shape == (G, NH, D) and dR.dtype == torch.float32
     assert ((dR.double() - ref_R).norm() / ref_R.norm()).item() <= tol
     assert ((db.double() - ref_b).norm() / ref_b.norm()).item() <= 1e-6
-    dR2, db2 = dR_db(states, drh)
+    dR2, db2 = dR_db(states, drh, tf32=tf32)
     assert torch.equal(dR, dR2) and torch.equal(db, db2)  # fixed order of the slices' sums
 
 

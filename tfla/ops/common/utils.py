@@ -170,3 +170,18 @@ def num_sequences(cu_seqlens, B: int) -> int:
     if cu_seqlens is None:
         return B
     return cu_seqlens.shape[0] if cu_seqlens.dim() == 2 else cu_seqlens.numel() - 1
+
+
+def host_ints(values, device, dtype=torch.int32) -> torch.Tensor:
+    """A 1-D tensor of host ints on ``device`` without waiting for the device's queue: all equal (a dense batch's
+    lengths) by a fill on the device, else from pinned host memory copied with ``non_blocking=True``. A plain
+    ``torch.tensor(values, device=...)`` copies from pageable memory, which waits until every kernel queued before it
+    has finished (the RNN cells' backward built its row lengths so, and the GPU idled while the host then launched
+    the backward's kernels)."""
+    values = list(values)
+    device = torch.device(device)
+    if len(set(values)) <= 1:
+        return torch.full((len(values),), values[0] if values else 0, dtype=dtype, device=device)
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype).pin_memory().to(device, non_blocking=True)

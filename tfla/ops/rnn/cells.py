@@ -20,7 +20,8 @@ import functools
 import torch
 
 from tfla.ops.common import precompile
-from tfla.ops.common.utils import SUPPORTED_DTYPES, cdiv, check_device, interpret_mode, next_pow2, on_input_device
+from tfla.ops.common.utils import (SUPPORTED_DTYPES, cdiv, check_device, host_ints, interpret_mode, next_pow2,
+                                   on_input_device)
 from tfla.ops.common.varlen import cached_bounds
 from tfla.ops.rnn import pointwise
 from tfla.ops.rnn.fused import MAX_FUSED_D, compile_check, rnn_fused_bwd, rnn_fused_fwd
@@ -222,7 +223,7 @@ def rnn_bwd(cell: str, x, Wt, b_acc, states, rh, do, dstate_final, lengths, dsta
             rnn_team_bwd(*args, fused)
         else:
             rnn_fused_bwd(*args, fused.BB, fused.num_warps, fused.num_stages)
-        return (dx, *dR_db(states, drh), dstate0)
+        return (dx, *dR_db(states, drh, tf32=x.dtype in (torch.float16, torch.bfloat16)), dstate0)
     dh_rec = torch.zeros(NH, N, D, device=x.device, dtype=acc)
     ds = torch.zeros(S, NH, N, D, device=x.device, dtype=acc)
     n_carried = 3 if cell == "slstm" else S  # h (and c, n); the sLSTM's m is a constant
@@ -281,7 +282,7 @@ class RNNFunction(torch.autograd.Function):
         seq = (states[1:, 1:].permute(1, 3, 0, 2, 4).contiguous(),) if opts.state_sequence else ()
         if not opts.output_final_state:
             return (o, *seq)
-        idx = torch.tensor(opts.lengths, device=x.device, dtype=torch.long)  # (long also when B = 0)
+        idx = host_ints(opts.lengths, x.device, torch.long)  # (long also when B = 0)
         final = states[idx, :, :, torch.arange(N, device=x.device)]  # [N, S, NH, D]
         return (o, *(final[:, k].contiguous() for k in range(S)), *seq)
 
@@ -379,13 +380,17 @@ def _check(cell, x, R, b, initial_state, output_final_state, cu_seqlens, host_va
 
 
 def pad_index(bounds, lengths, T: int, device):
-    """Varlen as a padded batch: ``(gather [N, Tm], valid [N, Tm])``, the packed row of each (sequence, step) and
-    whether it is a real step; pad steps read row T (a zero row appended to x)."""
+    """Varlen as a padded batch: ``(gather [N, Tm], unpack [T])``, the packed row of each (sequence, step) (pad steps
+    read row T, a zero row appended to x) and the padded position ``n Tm + t`` of each packed row (built on the
+    device from the offsets: no host wait, no boolean indexing)."""
     Tm = max(lengths)
     t_idx = torch.arange(Tm, device=device)
-    start = torch.tensor(bounds[:-1], device=device)
-    valid = t_idx[None, :] < torch.tensor(lengths, device=device)[:, None]
-    return torch.where(valid, start[:, None] + t_idx[None, :], T), valid
+    offs = host_ints(bounds, device, torch.long)  # [N + 1]
+    valid = t_idx[None, :] < host_ints(lengths, device, torch.long)[:, None]
+    gather = torch.where(valid, offs[:-1, None] + t_idx[None, :], T)
+    rows = torch.arange(T, device=device)
+    seq = torch.searchsorted(offs[1:], rows, right=True)  # each packed row's sequence
+    return gather, seq * Tm + rows - offs[seq]
 
 
 def _apply(opts: RNNOptions, x, R, b, *state0):
@@ -418,10 +423,10 @@ def rnn(cell: str, x, R, b, initial_state=None, output_final_state=False, *, cu_
         return out[0], (tuple(out[1:]) if output_final_state else None)
     # varlen: the packed sequences as a padded batch [N, Tm] gathered by index (pad rows read a zero row; they
     # run after each sequence's last step, so they change neither its outputs nor its final state)
-    gather, valid = pad_index(bounds, lengths, x.shape[1], x.device)
+    gather, unpack = pad_index(bounds, lengths, x.shape[1], x.device)
     x_ext = torch.cat([x[0], x.new_zeros(1, *x.shape[2:])])
     out = _apply(opts, x_ext[gather], R, b, *state0)
-    h = out[0][valid].unsqueeze(0)  # [1, T, NH, D]: rows in packed order
+    h = out[0].flatten(0, 1).index_select(0, unpack).unsqueeze(0)  # [1, T, NH, D]: rows in packed order
     return h, (tuple(out[1:]) if output_final_state else None)
 
 

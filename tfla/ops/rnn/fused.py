@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tfla.ops.common.utils import cdiv, dot_precision, dot_tile
+from tfla.ops.common.utils import cdiv, dot_precision, dot_tile, host_ints
 from tfla.ops.rnn.pointwise import SLSTM, _cell_bwd, _cell_fwd, _states_in, _states_out, _store_gates
 
 MAX_FUSED_D = 128  # the largest head dim the fused path takes (chosen by default up to 64: cells.py)
@@ -176,13 +176,12 @@ def _bwd_inputs(t, m, last, o_s, E, dsf_ptr, dseq_ptr, p_do, sdt, p_x, sxt, sxg,
 
 
 @triton.jit
-def _bwd_math(t, dh_rec, dc, dn, inp, m, p_dx, sdxt, sdxg, p_drh, D, CELL: tl.constexpr, G: tl.constexpr,
-              S: tl.constexpr, HAS_SEQ: tl.constexpr):
+def _bwd_math(dh_rec, dc, dn, inp, CELL: tl.constexpr, S: tl.constexpr, HAS_SEQ: tl.constexpr):
     """One backward step of a ``[BB, BD]`` tile (the fused and team paths') from ``_bwd_inputs``' tuple: the final
     state's and the state sequence's cotangents added, dh_t = do_t + dh_rec (its part from step t + 1), the cell's
-    backward; stores dx_t and the gradient of ``R h_{t-1}`` (at p_drh). Returns ``(d0, d1, dr2, d3, dh0, dc, dn)``:
-    the gradients that enter ``dh_{t-1} = dh0 + sum_j d_j R_j`` (dr2 for gate 2: the GRU's r d2) and dc, dn of
-    ``c_{t-1}, n_{t-1}``."""
+    backward. Returns ``(d0, d1, d2, dr2, d3, dh0, dc, dn)``: the pre-activation gradients (dx_t's gates), those that
+    enter ``dh_{t-1} = dh0 + sum_j d_j R_j`` (dr2 for gate 2: the GRU's r d2) and dc, dn of ``c_{t-1}, n_{t-1}``;
+    ``_bwd_store`` writes them."""
     fh, fc, fn, sc, sn, do, x0, x1, x2, x3, r0, r1, r2, r3, h0, c0, n0, m0, h1, c1, n1, m1 = inp
     dh_rec += fh
     if S > 1:
@@ -196,9 +195,15 @@ def _bwd_math(t, dh_rec, dc, dn, inp, m, p_dx, sdxt, sdxg, p_drh, D, CELL: tl.co
     dh = do + dh_rec
     d0, d1, d2, d3, dr2, dh0, dc, dn = _cell_bwd(x0, r0, x1, r1, x2, r2, x3, r3, h0, c0, n0, m0, h1, c1, n1, m1, dh,
                                                  dc, dn, CELL)
+    return d0, d1, d2, dr2, d3, dh0, dc, dn
+
+
+@triton.jit
+def _bwd_store(t, d0, d1, d2, dr2, d3, m, p_dx, sdxt, sdxg, p_drh, D, G: tl.constexpr):
+    """A backward step's stores: dx_t (the pre-activation gradients, in dx's dtype) and the gradient of ``R h_{t-1}``
+    at p_drh (fp32)."""
     _store_gates(p_dx + t * sdxt, sdxg, d0, d1, d2, d3, m, G)
     _store_gates(p_drh, D, d0, d1, dr2, d3, m, G)
-    return d0, d1, dr2, d3, dh0, dc, dn
 
 
 @triton.jit
@@ -229,8 +234,8 @@ def _rnn_fused_bwd_kernel(
         t = t_last - i
         inp = _bwd_inputs(t, m, last, o_s, E, dsf_ptr, dseq_ptr, p_do, sdt, p_x, sxt, sxg,
                           rh_ptr + t * (N * NH * G * D) + o_rh, D, b0, b1, b2, b3, s_ptr, CELL, G, S, HAS_SEQ)
-        d0, d1, dr2, d3, dh0, dc, dn = _bwd_math(t, dh_rec, dc, dn, inp, m, p_dx, sdxt, sdxg,
-                                                 drh_ptr + t * (N * NH * G * D) + o_rh, D, CELL, G, S, HAS_SEQ)
+        d0, d1, d2, dr2, d3, dh0, dc, dn = _bwd_math(dh_rec, dc, dn, inp, CELL, S, HAS_SEQ)
+        _bwd_store(t, d0, d1, d2, dr2, d3, m, p_dx, sdxt, sdxg, drh_ptr + t * (N * NH * G * D) + o_rh, D, G)
         # dh_{t-1} = direct part + sum_j (d R_j h_{t-1}) R_j; lanes outside the tile (meaningless values) zeroed
         # before they enter a row's sum
         dh_rec = dh0 + tl.dot(tl.where(m, d0, 0.0).to(DOT), w0, input_precision=PREC)
@@ -282,7 +287,7 @@ def rnn_fused_bwd(cell_id: int, x, Wt, b_acc, states, rh, do, dstate_final, leng
     ``[N]`` ints (each row's last step is ``lengths[n] - 1``)."""
     N, Tm, G, NH, D = x.shape
     grid, kw = _launch(N, NH, D, x.dtype, BB, num_warps, num_stages)
-    lens = torch.tensor(lengths, device=x.device, dtype=torch.int32)
+    lens = host_ints(lengths, x.device)
     seq = dstate_seq.contiguous() if dstate_seq is not None else dstate_final
     _run(_rnn_fused_bwd_kernel, grid,
          x, Wt, b_acc, states, rh, do, dstate_final.contiguous(), lens, seq, dx, drh, dstate0, N, NH, D, Tm,

@@ -10,7 +10,7 @@ import ast
 
 import torch
 
-from tfla.ops.common.utils import on_input_device
+from tfla.ops.common.utils import host_ints, on_input_device
 from tfla.ops.common.varlen import cached_bounds
 from tfla.ops.rnn.cells import _acc, fused_launch, pad_index, rnn_bwd, rnn_fwd
 from tfla.ops.rnn.reference import CELL_STATES
@@ -31,16 +31,16 @@ def _config(config: str) -> dict:
 
 
 def _forward(cell, x, R, b, state0, cu_seqlens, config):
-    """The padded run: ``(h packed like x's rows, states, rh, Wt, b_acc, xp, lengths, gather, valid, fused)``."""
+    """The padded run: ``(h packed like x's rows, states, rh, Wt, b_acc, xp, lengths, gather, unpack, fused)``."""
     B, T = x.shape[:2]
-    gather = valid = None
+    gather = unpack = None
     lengths = (T,) * B
     xp = x
     if cu_seqlens is not None:
         bounds = cached_bounds(cu_seqlens)
         check_varlen_bounds(bounds, T)
         lengths = tuple(b1 - b0 for b0, b1 in zip(bounds[:-1], bounds[1:]))
-        gather, valid = pad_index(bounds, lengths, T, x.device)
+        gather, unpack = pad_index(bounds, lengths, T, x.device)
         xp = torch.cat([x[0], x.new_zeros(1, *x.shape[2:])])[gather]
     N, _, _, NH, D = xp.shape
     acc = _acc(x.dtype)
@@ -49,8 +49,8 @@ def _forward(cell, x, R, b, state0, cu_seqlens, config):
         torch.zeros(S, NH, N, D, device=x.device, dtype=acc)
     fused = fused_launch(config, x.dtype, N, NH, D, x.device, cell=cell)
     o, states, rh, Wt, b_acc = rnn_fwd(cell, xp, R, b, s0, fused)
-    h = o if valid is None else o[valid].unsqueeze(0)
-    return h, states, rh, Wt, b_acc, xp, lengths, gather, valid, fused
+    h = o if unpack is None else o.flatten(0, 1).index_select(0, unpack).unsqueeze(0)
+    return h, states, rh, Wt, b_acc, xp, lengths, gather, unpack, fused
 
 
 @torch.library.custom_op("tfla::rnn_fwd", mutates_args=())
@@ -65,7 +65,7 @@ def rnn_fwd_op(x: torch.Tensor, R: torch.Tensor, b: torch.Tensor, state0: list[t
     if not output_final_state:
         return [h]
     N = len(lengths)
-    idx = torch.tensor(lengths, device=x.device, dtype=torch.long)
+    idx = host_ints(lengths, x.device, torch.long)
     final = states[idx, :, :, torch.arange(N, device=x.device)]  # [N, S, NH, D]
     return [h] + [final[:, k].contiguous() for k in range(states.shape[1])]
 
@@ -87,11 +87,11 @@ def rnn_bwd_op(x: torch.Tensor, R: torch.Tensor, b: torch.Tensor, state0: list[t
                config: str) -> list[torch.Tensor]:
     """``[dx, dR, db, *d initial_state]`` in the inputs' dtypes; ``dfinal``: the final state's cotangents ``[N, NH,
     D]`` each (zeros where none), or empty."""
-    _, states, rh, Wt, b_acc, xp, lengths, gather, valid, fused = _forward(cell, x, R, b, state0, cu_seqlens,
+    _, states, rh, Wt, b_acc, xp, lengths, gather, unpack, fused = _forward(cell, x, R, b, state0, cu_seqlens,
                                                                           _config(config))
     N, Tm, _, NH, D = xp.shape
     acc = states.dtype
-    dhp = dh if valid is None else dh.new_zeros(N, Tm, NH, D).index_put_((valid,), dh[0])
+    dhp = dh if unpack is None else dh.new_zeros(N * Tm, NH, D).index_copy_(0, unpack, dh[0]).view(N, Tm, NH, D)
     dsf = torch.zeros(states.shape[1], NH, N, D, device=x.device, dtype=acc)
     for k, g in enumerate(dfinal):
         dsf[k] = g.to(acc).transpose(0, 1)

@@ -6,9 +6,11 @@ on them (``pointwise.py``'s ``_cell_fwd``) and stores its part of ``h_t``; the t
 the next step reads ``h_t``. The backward runs the same way in reverse: each member owns the same units' dh, dc, dn
 and forms the recurrent part of its dh from every unit's pre-activation gradients of the step after
 (``sum_j drh_j R_j[:, own]``). A held slice's dot runs as a 3-D dot over D cut into one part per warp, summed
-(``_rows_split``); each step's inputs that do not depend on the chain (x; in the backward do, x, ``R h`` and the
-states) are loaded a step ahead. The launch (batch tile, units per member, R held or streamed, stages) comes from
-``tiling.choose_team_launch``.
+(``_rows_split``), over D in two power-of-two parts where that is shorter than one padded one (``held_parts``: 512
++ 256 at D = 768, not 1024); each step's inputs that do not depend on the chain (x; in the backward do, x, ``R h``
+and the states) are loaded a step ahead, and a step's stores that no member reads (rh, the states, o; the
+backward's dx and drh) go out after the member's arrival at the barrier, while the team gathers. The launch (batch
+tile, units per member, R held or streamed, stages) comes from ``tiling.choose_team_launch``.
 
 Two ways to run the steps, one kernel: persistent (``SYNC``: one launch runs every step, the team meets at a
 grid barrier: one int32 counter per (head, batch tile), ``atomic_add`` with release / acquire at GPU scope, spun on
@@ -30,8 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tfla.ops.common.utils import cdiv, dot_precision
-from tfla.ops.rnn.fused import _DOT, _biases, _bwd_inputs, _bwd_math, _run, _xs
+from tfla.ops.common.utils import cdiv, dot_precision, host_ints, next_pow2
+from tfla.ops.rnn.fused import _DOT, _biases, _bwd_inputs, _bwd_math, _bwd_store, _run, _xs
 from tfla.ops.rnn.pointwise import SLSTM, _cell_fwd, _states_in, _states_out, _store_gates
 
 TEAM_COLS = (16, 32, 64, 128)  # the units per member the launch may take (``config["team_cols"]``)
@@ -50,11 +52,17 @@ def _team_tile(N, NH, D, BB: tl.constexpr, BC: tl.constexpr):
 
 
 @triton.jit
-def _team_sync(cnt, target):
-    """Wait until the team's counter reaches ``target`` after adding this program's arrival: every member's stores
-    before the call are visible to every member's loads after it (CTA barrier, release / acquire at GPU scope)."""
+def _team_arrive(cnt):
+    """This program's arrival at the team's barrier: its stores before the call are visible to every member that
+    has seen the counter reach the step's target (CTA barrier, then one release add at GPU scope)."""
     tl.debug_barrier()
     tl.atomic_add(cnt, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def _team_wait(cnt, target):
+    """Wait until the team's counter reaches ``target`` (acquire at GPU scope, then a CTA barrier): every member's
+    stores before its arrival are visible to this program's loads after the call."""
     seen = tl.atomic_add(cnt, 0, sem="acquire", scope="gpu")
     while seen < target:
         seen = tl.atomic_add(cnt, 0, sem="acquire", scope="gpu")
@@ -84,29 +92,35 @@ def _slice3(p_w, o_k, o_u, m, j, D, swi, swo, TRANS: tl.constexpr, DOT: tl.const
 
 
 @triton.jit
-def _rows_split(p_rows, m_rows, D, BK: tl.constexpr, KS: tl.constexpr, DOT: tl.constexpr):
-    """The first D columns of the rows at ``p_rows`` ([BB] pointers, read past L1) as the KS parts of a 3-D dot's
-    left operand ``[KS, BB, BK / KS]`` (zero past D and off ``m_rows``): each warp takes a part of the dot's
+def _rows_split(p_rows, m_rows, D, K0: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr, DOT: tl.constexpr):
+    """Columns ``[K0, K0 + BK)`` of the rows at ``p_rows`` ([BB] pointers, read past L1) as the KS parts of a 3-D
+    dot's left operand ``[KS, BB, BK / KS]`` (zero past D and off ``m_rows``): each warp takes a part of the dot's
     length (a 2-D dot of 16 rows and 16 units leaves it to one or two warps, H100 2026-11-25)."""
-    o_k = tl.arange(0, KS)[:, None, None] * (BK // KS) + tl.arange(0, BK // KS)[None, None, :]
+    o_k = K0 + tl.arange(0, KS)[:, None, None] * (BK // KS) + tl.arange(0, BK // KS)[None, None, :]
     return tl.load(p_rows[None, :, None] + o_k, mask=m_rows[None, :, None] & (o_k < D), other=0.0,
                    cache_modifier=".cg").to(DOT)
 
 
 @triton.jit
-def _team_fwd_dots(p_h, m_b, p_w, swi, swo, o_c, m_c, D, w0, w1, w2, w3, BB: tl.constexpr, BC: tl.constexpr,
-                   BK: tl.constexpr, KS: tl.constexpr, G: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
-                   STAGES: tl.constexpr, RESIDENT: tl.constexpr):
+def _team_fwd_dots(p_h, m_b, p_w, swi, swo, o_c, m_c, D, w0, w1, w2, w3, v0, v1, v2, BB: tl.constexpr,
+                   BC: tl.constexpr, BK: tl.constexpr, BK2: tl.constexpr, KS: tl.constexpr, G: tl.constexpr,
+                   DOT: tl.constexpr, PREC: tl.constexpr, STAGES: tl.constexpr, RESIDENT: tl.constexpr):
     """``(R_j h)^T`` for this member's units, ``[BB, BC]`` per gate: h's rows at ``p_h`` ([BB] pointers, read past
-    L1). RESIDENT: the gates' whole slices held since the launch (``_team_weights``: for G = 1 or 4 all gates in w0,
-    ``[KS, BK / KS, G BC]``, gate-major columns; for the GRU's 3 one per gate, w0..w2 ``[KS, BK / KS, BC]``), BK >= D;
-    else the slices streamed from Wt at ``p_w`` in BK-wide parts of D."""
+    L1). RESIDENT: the gates' slices held since the launch (``_team_weights``) over D's first BK rows (w*) and, where
+    BK2 > 0, the next BK2 (v*; a head dim that is not a power of two in two power-of-two parts instead of one padded
+    one: 512 + 256 at D = 768); for G = 1 or 4 all gates in w0 / v0, ``[KS, BK / KS, G BC]``, gate-major columns;
+    for the GRU's 3 one per gate; else the slices streamed from Wt at ``p_w`` in BK-wide parts of D."""
     r0 = tl.zeros([BB, BC], tl.float32)
     r1, r2, r3 = r0, r0, r0
     if RESIDENT:
-        hk = _rows_split(p_h, m_b, D, BK, KS, DOT)
+        hk = _rows_split(p_h, m_b, D, 0, BK, KS, DOT)
+        if BK2 > 0:
+            hk2 = _rows_split(p_h, m_b, D, BK, BK2, KS, DOT)
         if (G & (G - 1)) == 0:  # one 3-D dot for all gates over the KS parts of D, one sum over the parts
-            e = tl.sum(tl.dot(hk, w0, input_precision=PREC), 0)  # [BB, G BC]
+            part = tl.dot(hk, w0, input_precision=PREC)
+            if BK2 > 0:
+                part = tl.dot(hk2, v0, part, input_precision=PREC)
+            e = tl.sum(part, 0)  # [BB, G BC]
             if G == 1:
                 r0 = e
             else:  # each gate's columns: the gate index is a register index of the dot's layout, so no exchange
@@ -117,9 +131,16 @@ def _team_fwd_dots(p_h, m_b, p_w, swi, swo, o_c, m_c, D, w0, w1, w2, w3, BB: tl.
                 r2 = tl.sum(tl.where(o_g == 2, e, 0.0), 1)
                 r3 = tl.sum(tl.where(o_g == 3, e, 0.0), 1)
         else:  # one 3-D dot per gate, each summed over the parts
-            r0 = tl.sum(tl.dot(hk, w0, input_precision=PREC), 0)
-            r1 = tl.sum(tl.dot(hk, w1, input_precision=PREC), 0)
-            r2 = tl.sum(tl.dot(hk, w2, input_precision=PREC), 0)
+            p0 = tl.dot(hk, w0, input_precision=PREC)
+            p1 = tl.dot(hk, w1, input_precision=PREC)
+            p2 = tl.dot(hk, w2, input_precision=PREC)
+            if BK2 > 0:
+                p0 = tl.dot(hk2, v0, p0, input_precision=PREC)
+                p1 = tl.dot(hk2, v1, p1, input_precision=PREC)
+                p2 = tl.dot(hk2, v2, p2, input_precision=PREC)
+            r0 = tl.sum(p0, 0)
+            r1 = tl.sum(p1, 0)
+            r2 = tl.sum(p2, 0)
     else:
         for k0 in tl.range(0, D, BK, num_stages=STAGES):
             o_k = k0 + tl.arange(0, BK)
@@ -140,20 +161,31 @@ def _team_fwd_dots(p_h, m_b, p_w, swi, swo, o_c, m_c, D, w0, w1, w2, w3, BB: tl.
 
 
 @triton.jit
-def _team_bwd_dots(acc, p_d, m_rows, p_w, swi, swo, o_c, m_c, D, w0, w1, w2, w3, BK: tl.constexpr, KS: tl.constexpr,
-                   G: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, STAGES: tl.constexpr,
-                   RESIDENT: tl.constexpr):
+def _team_bwd_dots(acc, p_d, m_rows, p_w, swi, swo, o_c, m_c, D, w0, w1, w2, w3, v0, v1, v2, v3, BK: tl.constexpr,
+                   BK2: tl.constexpr, KS: tl.constexpr, G: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
+                   STAGES: tl.constexpr, RESIDENT: tl.constexpr):
     """``acc + sum_j d_j R_j[:, own units]``: the pre-activation gradients' rows at ``p_d`` ([BB] pointers to
-    ``[G * D]`` rows, read past L1; rows off ``m_rows`` read as zero); R's slices held (RESIDENT: w0..w3,
-    ``[KS, BK / KS, BC]``, BK >= D) or streamed from Wt at ``p_w``, as ``_team_fwd_dots``."""
+    ``[G * D]`` rows, read past L1; rows off ``m_rows`` read as zero); R's slices held (RESIDENT: w0..w3 over D's
+    first BK rows, v0..v3 over the next BK2, ``[KS, BK / KS, BC]``) or streamed from Wt at ``p_w``, as
+    ``_team_fwd_dots``."""
     if RESIDENT:  # the gates' 3-D dots over the KS parts of D accumulate together, summed over the parts once
-        part = tl.dot(_rows_split(p_d, m_rows, D, BK, KS, DOT), w0, input_precision=PREC)
+        part = tl.dot(_rows_split(p_d, m_rows, D, 0, BK, KS, DOT), w0, input_precision=PREC)
+        if BK2 > 0:
+            part = tl.dot(_rows_split(p_d, m_rows, D, BK, BK2, KS, DOT), v0, part, input_precision=PREC)
         if G > 1:
-            part = tl.dot(_rows_split(p_d + D, m_rows, D, BK, KS, DOT), w1, part, input_precision=PREC)
+            part = tl.dot(_rows_split(p_d + D, m_rows, D, 0, BK, KS, DOT), w1, part, input_precision=PREC)
+            if BK2 > 0:
+                part = tl.dot(_rows_split(p_d + D, m_rows, D, BK, BK2, KS, DOT), v1, part, input_precision=PREC)
         if G > 2:
-            part = tl.dot(_rows_split(p_d + 2 * D, m_rows, D, BK, KS, DOT), w2, part, input_precision=PREC)
+            part = tl.dot(_rows_split(p_d + 2 * D, m_rows, D, 0, BK, KS, DOT), w2, part, input_precision=PREC)
+            if BK2 > 0:
+                part = tl.dot(_rows_split(p_d + 2 * D, m_rows, D, BK, BK2, KS, DOT), v2, part,
+                              input_precision=PREC)
         if G > 3:
-            part = tl.dot(_rows_split(p_d + 3 * D, m_rows, D, BK, KS, DOT), w3, part, input_precision=PREC)
+            part = tl.dot(_rows_split(p_d + 3 * D, m_rows, D, 0, BK, KS, DOT), w3, part, input_precision=PREC)
+            if BK2 > 0:
+                part = tl.dot(_rows_split(p_d + 3 * D, m_rows, D, BK, BK2, KS, DOT), v3, part,
+                              input_precision=PREC)
         acc += tl.sum(part, 0)
     else:
         for k0 in tl.range(0, D, BK, num_stages=STAGES):
@@ -168,23 +200,23 @@ def _team_bwd_dots(acc, p_d, m_rows, p_w, swi, swo, o_c, m_c, D, w0, w1, w2, w3,
 
 
 @triton.jit
-def _team_weights(p_w, o_c, m_c, D, swi, swo, BK: tl.constexpr, KS: tl.constexpr, G: tl.constexpr,
-                  TRANS: tl.constexpr, DOT: tl.constexpr, RESIDENT: tl.constexpr, BC: tl.constexpr,
+def _team_weights(p_w, o_c, m_c, D, swi, swo, K0: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr,
+                  G: tl.constexpr, TRANS: tl.constexpr, DOT: tl.constexpr, RESIDENT: tl.constexpr, BC: tl.constexpr,
                   CAT: tl.constexpr):
-    """With RESIDENT the gates' whole ``_slice``s in KS parts of D (``[KS, BK / KS, BC]``, BK >= D; gates the cell
-    lacks repeat gate 0's), loaded once per launch; with CAT and G = 1 or 4 all gates side by side in w0 instead
-    (``[KS, BK / KS, G BC]``, gate-major columns: the forward's one dot); else placeholders (the dots stream their
-    slices)."""
+    """With RESIDENT (and BK > 0) the gates' ``_slice``s over rows ``[K0, K0 + BK)`` of D in KS parts
+    (``[KS, BK / KS, BC]``; gates the cell lacks repeat gate 0's), loaded once per launch; with CAT and G = 1 or 4
+    all gates side by side in w0 instead (``[KS, BK / KS, G BC]``, gate-major columns: the forward's one dot); else
+    placeholders (the dots stream their slices)."""
     tl.static_assert(not (CAT and TRANS), "the gates side by side are the forward's operand")
-    if RESIDENT and CAT and (G & (G - 1)) == 0:
-        o_k = (tl.arange(0, KS)[:, None] * (BK // KS) + tl.arange(0, BK // KS)[None, :])[:, :, None]
+    if RESIDENT and BK > 0 and CAT and (G & (G - 1)) == 0:
+        o_k = (K0 + tl.arange(0, KS)[:, None] * (BK // KS) + tl.arange(0, BK // KS)[None, :])[:, :, None]
         o_u = tl.reshape(tl.broadcast_to(o_c[None, :], [G, BC]), [G * BC])[None, None, :]  # each gate's units
         m_u = tl.reshape(tl.broadcast_to(m_c[None, :], [G, BC]), [G * BC])[None, None, :]
         j = (tl.arange(0, G * BC) // BC)[None, None, :]
         w0 = tl.load(p_w + o_k * swi + (j * D + o_u) * swo, mask=(o_k < D) & m_u, other=0.0).to(DOT)
         w1, w2, w3 = w0, w0, w0
-    elif RESIDENT:
-        o_k = (tl.arange(0, KS)[:, None] * (BK // KS) + tl.arange(0, BK // KS)[None, :])[:, :, None]
+    elif RESIDENT and BK > 0:
+        o_k = (K0 + tl.arange(0, KS)[:, None] * (BK // KS) + tl.arange(0, BK // KS)[None, :])[:, :, None]
         o_u = o_c[None, None, :]
         m = (o_k < D) & m_c[None, None, :]
         w0 = _slice3(p_w, o_k, o_u, m, 0, D, swi, swo, TRANS, DOT)
@@ -207,8 +239,8 @@ def _rnn_team_fwd_kernel(
     N, NH, D, t0, steps,
     swn, swi, swo, sxb, sxt, sxg, sxn, sxd, sob, sot, son, sod,
     CELL: tl.constexpr, G: tl.constexpr, S: tl.constexpr, BB: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-    KS: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, STAGES: tl.constexpr, SYNC: tl.constexpr,
-    RESIDENT: tl.constexpr,
+    BK2: tl.constexpr, KS: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, STAGES: tl.constexpr,
+    SYNC: tl.constexpr, RESIDENT: tl.constexpr,
 ):
     """Steps ``t0 .. t0 + steps - 1`` of this member's units: states[t + 1] = cell(x_t, R h_t, b, states[t]),
     rh[t] = R h_t (without b), o_t = h_{t+1}; with SYNC the team meets after every step and reads h from ``ring``
@@ -225,29 +257,33 @@ def _rnn_team_fwd_kernel(
     p_x = x_ptr + o_b[:, None] * sxb + i_n * sxn + o_c[None, :] * sxd
     p_o = o_ptr + o_b[:, None] * sob + i_n * son + o_c[None, :] * sod
     p_w = w_ptr + i_n * swn
-    w0, w1, w2, w3 = _team_weights(p_w, o_c, m_c, D, swi, swo, BK, KS, G, False, DOT, RESIDENT, BC, True)
+    w0, w1, w2, w3 = _team_weights(p_w, o_c, m_c, D, swi, swo, 0, BK, KS, G, False, DOT, RESIDENT, BC, True)
+    v0, v1, v2, v3 = _team_weights(p_w, o_c, m_c, D, swi, swo, BK, BK2, KS, G, False, DOT, RESIDENT, BC, True)
     P = tl.num_programs(0)
     xn0, xn1, xn2, xn3 = _xs(p_x + t_first * sxt, sxg, m & (o_b * 0 < steps)[:, None], G)
     if SYNC:  # the first step's h into the ring; the team meets before anyone reads it
         tl.store(ring_ptr + (t_first % 2) * E + o_s, h, mask=m)
-        _team_sync(cnt_ptr + i_cnt, P)
+        _team_arrive(cnt_ptr + i_cnt)
+        _team_wait(cnt_ptr + i_cnt, P)
     for i in range(0, steps):
         t = t_first + i
         if SYNC:
             p_h = ring_ptr + (t % 2) * E + o_row
         else:
             p_h = s_ptr + t * (S * E) + o_row
-        r0, r1, r2, r3 = _team_fwd_dots(p_h, m_b, p_w, swi, swo, o_c, m_c, D, w0, w1, w2, w3, BB, BC, BK, KS, G, DOT,
-                                        PREC, STAGES, RESIDENT)
+        r0, r1, r2, r3 = _team_fwd_dots(p_h, m_b, p_w, swi, swo, o_c, m_c, D, w0, w1, w2, w3, v0, v1, v2, BB, BC,
+                                        BK, BK2, KS, G, DOT, PREC, STAGES, RESIDENT)
         x0, x1, x2, x3 = xn0, xn1, xn2, xn3
         xn0, xn1, xn2, xn3 = _xs(p_x + (t + 1) * sxt, sxg, m & (o_b * 0 + i + 1 < steps)[:, None], G)
-        _store_gates(rh_ptr + t * (N * NH * G * D) + o_rh, D, r0, r1, r2, r3, m, G)
         h, c, n, mx = _cell_fwd(x0, r0 + b0, x1, r1 + b1, x2, r2 + b2, x3, r3 + b3, h, c, n, mx, CELL)
+        if SYNC:  # h into the ring and the arrival first: the other stores go out while the team gathers
+            tl.store(ring_ptr + ((t + 1) % 2) * E + o_s, h, mask=m)
+            _team_arrive(cnt_ptr + i_cnt)
+        _store_gates(rh_ptr + t * (N * NH * G * D) + o_rh, D, r0, r1, r2, r3, m, G)
         _states_out(s_ptr + (t + 1) * (S * E) + o_s, E, m, h, c, n, mx, S)
         tl.store(p_o + t * sot, h.to(o_ptr.dtype.element_ty), mask=m)
         if SYNC:
-            tl.store(ring_ptr + ((t + 1) % 2) * E + o_s, h, mask=m)
-            _team_sync(cnt_ptr + i_cnt, P * (i + 2))
+            _team_wait(cnt_ptr + i_cnt, P * (i + 2))
 
 
 @triton.jit
@@ -256,8 +292,8 @@ def _rnn_team_bwd_kernel(
     cnt_ptr, ring_ptr, N, NH, D, Tm, t_hi, steps, tail,
     swn, swi, swo, sxb, sxt, sxg, sxn, sxd, sdb, sdt, sdn, sdd, sdxb, sdxt, sdxg, sdxn, sdxd,
     CELL: tl.constexpr, G: tl.constexpr, S: tl.constexpr, BB: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-    KS: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, STAGES: tl.constexpr, HAS_SEQ: tl.constexpr,
-    SYNC: tl.constexpr, RESIDENT: tl.constexpr,
+    BK2: tl.constexpr, KS: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, STAGES: tl.constexpr,
+    HAS_SEQ: tl.constexpr, SYNC: tl.constexpr, RESIDENT: tl.constexpr,
 ):
     """Steps ``t_hi`` down to ``t_hi - steps + 1`` of ``fused._rnn_fused_bwd_kernel`` for this member's units
     (same tensors and meaning), dh's recurrent part formed from every unit's drh of the step after. carry ``[3, NH,
@@ -279,7 +315,8 @@ def _rnn_team_bwd_kernel(
     p_do = do_ptr + o_b[:, None] * sdb + i_n * sdn + o_c[None, :] * sdd
     p_dx = dx_ptr + o_b[:, None] * sdxb + i_n * sdxn + o_c[None, :] * sdxd
     p_w = w_ptr + i_n * swn
-    w0, w1, w2, w3 = _team_weights(p_w, o_c, m_c, D, swi, swo, BK, KS, G, True, DOT, RESIDENT, BC, False)
+    w0, w1, w2, w3 = _team_weights(p_w, o_c, m_c, D, swi, swo, 0, BK, KS, G, True, DOT, RESIDENT, BC, False)
+    v0, v1, v2, v3 = _team_weights(p_w, o_c, m_c, D, swi, swo, BK, BK2, KS, G, True, DOT, RESIDENT, BC, False)
     P = tl.num_programs(0)
     t_top = i_n * 0 + t_hi  # int64 step index
     inp = _bwd_inputs(t_top, m & (o_b * 0 < steps)[:, None], last, o_s, E, dsf_ptr, dseq_ptr, p_do, sdt, p_x, sxt, sxg,
@@ -296,16 +333,18 @@ def _rnn_team_bwd_kernel(
         else:
             p_d = drh_ptr + (t + 1) * (N * NH * G * D) + o_drow
         dh_rec = _team_bwd_dots(dh_dir, p_d, m_b & (o_b * 0 + t + 1 < Tm), p_w, swi, swo, o_c, m_c, D, w0, w1, w2, w3,
-                                BK, KS, G, DOT, PREC, STAGES, RESIDENT)
+                                v0, v1, v2, v3, BK, BK2, KS, G, DOT, PREC, STAGES, RESIDENT)
         cur = inp
         inp = _bwd_inputs(t - 1, m & (o_b * 0 + i + 1 < steps)[:, None], last, o_s, E, dsf_ptr, dseq_ptr, p_do, sdt,
                           p_x, sxt, sxg, rh_ptr + (t - 1) * (N * NH * G * D) + o_rh, D, b0, b1, b2, b3, s_ptr, CELL,
                           G, S, HAS_SEQ)
-        d0, d1, dr2, d3, dh_dir, dc, dn = _bwd_math(t, dh_rec, dc, dn, cur, m, p_dx, sdxt, sdxg,
-                                                    drh_ptr + t * (N * NH * G * D) + o_rh, D, CELL, G, S, HAS_SEQ)
-        if SYNC:
+        d0, d1, d2, dr2, d3, dh_dir, dc, dn = _bwd_math(dh_rec, dc, dn, cur, CELL, S, HAS_SEQ)
+        if SYNC:  # the ring and the arrival first: dx and drh go out while the team gathers
             _store_gates(ring_ptr + (t % 2) * (N * NH * G * D) + o_rh, D, d0, d1, dr2, d3, m, G)
-            _team_sync(cnt_ptr + i_cnt, P * (i + 1))
+            _team_arrive(cnt_ptr + i_cnt)
+        _bwd_store(t, d0, d1, d2, dr2, d3, m, p_dx, sdxt, sdxg, drh_ptr + t * (N * NH * G * D) + o_rh, D, G)
+        if SYNC:
+            _team_wait(cnt_ptr + i_cnt, P * (i + 1))
     if tail != 0:  # dh_{-1} from step 0's pre-activation gradients; empty sequences: the final state's cotangent
         t_lo = t_top - steps + 1
         if SYNC:
@@ -313,7 +352,7 @@ def _rnn_team_bwd_kernel(
         else:
             p_d = drh_ptr + t_lo * (N * NH * G * D) + o_drow
         dh_rec = _team_bwd_dots(dh_dir, p_d, m_b & (o_b * 0 + t_lo < Tm), p_w, swi, swo, o_c, m_c, D, w0, w1, w2, w3,
-                                BK, KS, G, DOT, PREC, STAGES, RESIDENT)
+                                v0, v1, v2, v3, BK, BK2, KS, G, DOT, PREC, STAGES, RESIDENT)
         m_f = m & (last == -1)
         tl.store(ds0_ptr + o_s, dh_rec + tl.load(dsf_ptr + o_s, mask=m_f, other=0.0), mask=m)
         if S > 1:
@@ -330,10 +369,23 @@ def _grid(N, NH, D, launch):
     return (cdiv(D, launch.BC), cdiv(N, launch.BB), NH)
 
 
-def _kw(dtype, launch):
-    # held slices: the dots' length D split over the warps (KS parts of >= 16)
+def held_parts(D: int, BK: int, KS: int) -> tuple[int, int]:
+    """The held slices' two parts of D, ``(BK1, BK2)``: powers of two (BK2 = 0: one part) covering D rounded up to a
+    multiple of ``16 KS`` (each of the KS warps' share at least one 16-wide k-step), where they cover less than the
+    one padded part BK: 512 + 256 at D = 768 instead of 1024 (a quarter of the held slices' tensor-core work and
+    shared-memory reads less)."""
+    unit = 16 * KS
+    Dp = cdiv(D, unit) * unit
+    BK1 = 1 << (Dp.bit_length() - 1)
+    BK2 = next_pow2(Dp - BK1) if Dp > BK1 else 0
+    return (BK1, BK2) if BK1 + BK2 < BK else (BK, 0)
+
+
+def _kw(dtype, launch, D):
+    # held slices: the dots' length D split over the warps (KS parts of >= 16), in up to two parts
     KS = min(launch.num_warps, launch.BK // 16) if launch.resident else 1
-    return dict(BB=launch.BB, BC=launch.BC, BK=launch.BK, KS=KS, DOT=_DOT[dtype], PREC=dot_precision(dtype),
+    BK, BK2 = held_parts(D, launch.BK, KS) if launch.resident else (launch.BK, 0)
+    return dict(BB=launch.BB, BC=launch.BC, BK=BK, BK2=BK2, KS=KS, DOT=_DOT[dtype], PREC=dot_precision(dtype),
                 STAGES=launch.num_stages, RESIDENT=launch.resident, num_warps=launch.num_warps)
 
 
@@ -342,7 +394,7 @@ def rnn_team_fwd(cell_id: int, x, Wt, b_acc, states, rh, o, launch):
     for 16-bit x (fp32 otherwise); launch: ``cells.Launch`` of the team path."""
     N, Tm, G, NH, D = x.shape
     grid = _grid(N, NH, D, launch)
-    kw = _kw(x.dtype, launch)
+    kw = _kw(x.dtype, launch, D)
     args = (x, Wt, b_acc, states, rh, o)
     strides = (*Wt.stride(), *x.stride(), *o.stride())
     S = states.shape[1]
@@ -362,9 +414,9 @@ def rnn_team_bwd(cell_id: int, x, Wt, b_acc, states, rh, do, dstate_final, lengt
     """``fused.rnn_fused_bwd`` on the team path (same tensors): fills dx, drh and dstate0's h, c, n slots."""
     N, Tm, G, NH, D = x.shape
     grid = _grid(N, NH, D, launch)
-    kw = _kw(x.dtype, launch)
+    kw = _kw(x.dtype, launch, D)
     S = states.shape[1]
-    lens = torch.tensor(lengths, device=x.device, dtype=torch.int32)
+    lens = host_ints(lengths, x.device)
     dsf = dstate_final.contiguous()
     seq = dstate_seq.contiguous() if dstate_seq is not None else dsf
     carry = torch.zeros(3, NH, N, D, device=x.device, dtype=states.dtype)
@@ -380,3 +432,4 @@ def rnn_team_bwd(cell_id: int, x, Wt, b_acc, states, rh, do, dstate_final, lengt
     for t in range(Tm - 1, -1, -1):
         _run(_rnn_team_bwd_kernel, grid, *args, lens, x, N, NH, D, Tm, t, 1, 0, *strides, SYNC=False, **const)
     _run(_rnn_team_bwd_kernel, grid, *args, lens, x, N, NH, D, Tm, -1, 0, 1, *strides, SYNC=False, **const)
+

@@ -12,7 +12,8 @@ are added afterwards in a fixed order, so results are bitwise repeatable.
 
 Products: the saved drh and states are fp32. On a GPU each operand is split into a bf16 high part and the bf16
 rounding of the remainder, and three bf16 tensor-core products (hi hi, lo hi, hi lo) accumulate in fp32: ~16 mantissa
-bits per operand, for every input dtype (H100, torch 2.11, Triton 3.6, B = 16, T = 1024, G = 4, random fp32 operands,
+bits per operand, for fp32 inputs, and for 16-bit inputs up to D = 128 (H100, torch 2.11, Triton 3.6, B = 16, T =
+1024, G = 4, random fp32 operands,
 median ``do_bench``: rel-L2 1.5e-5 / 6.7e-6 against float64 at D x NH = 768 x 1 / 16 x 48; without the hi lo product
 1.7e-3, 0.9-0.97x the time, so it stays). fp32's ``tf32x3`` would need both operands K-major, and here both are stored
 the other way round: as one TF32 product with both operands transposed, 768 x 1 took 4.85 ms. On the CPU interpreter
@@ -25,6 +26,14 @@ and ``[NH, Tm N, D]``, db's partial sums on the way; transient memory: the size 
 pipelined GEMM (``_dR_gemm_kernel``) forms the same three products from them. NVIDIA H200, torch 2.11, Triton 3.6,
 B = 16, T = 1024, G = 4, random fp32 operands, median ``do_bench`` (2026-11-29): D x NH = 768 x 1 1.310 -> 0.592 ms,
 256 x 3 0.366 -> 0.305; at 64 x 12 the in-register split stays faster (0.148 against 0.222-0.247).
+
+For 16-bit inputs above D = 128 (``tf32``) the copies are fp32 and transposed (``[NH, G D, Tm N]``, ``[NH, D, Tm
+N]``: the rows contiguous, as TF32 tensor-core products take both operands) and one TF32 product forms dR: rel-L2
+7.7e-4 against float64 on random fp32 operands instead of 1.5e-5, below the error the bf16 recurrence already
+carries into drh (the bench's bf16 gradients at 768 x 1: 1.96e-3 against tfla's fp32 run), and a third of the
+products. H200, same shape, 2026-12-01: ``dR_db`` 0.609 -> 0.465 ms; in the LSTM's forward + backward the GEMM 0.44
+-> 0.29 ms (128 x 256 tiles, 8 warps, 3 stages: the fastest of 36 launches tried). fp32 inputs keep the split
+products (their tests ask for 3e-5 on CUDA).
 """
 from __future__ import annotations
 
@@ -98,18 +107,21 @@ def _rnn_dR_db_kernel(
 
 @triton.jit
 def _split_rows_kernel(src, hi, lo, db_p, N, C, rows, s_t, s_n, s_b, BR: tl.constexpr, BC: tl.constexpr,
-                       SPLIT: tl.constexpr, SUM: tl.constexpr):
+                       SPLIT: tl.constexpr, SUM: tl.constexpr, TRANS: tl.constexpr):
     """Rows ``[i_r BR, ..)`` x columns ``[i_c BC, ..)`` of head i_h of ``src`` (row r = (t = r // N, batch = r % N)
-    at ``src + t s_t + i_h s_n + batch s_b``, C contiguous columns) into ``hi`` (``[NH, rows, C]``): SPLIT, its bf16
-    rounding, and the bf16 rounding of the remainder into ``lo``; else an fp32 copy. SUM: the block's column sums
-    into ``db_p[i_r, i_h]`` (``[C]``)."""
+    at ``src + t s_t + i_h s_n + batch s_b``, C contiguous columns) into ``hi`` (``[NH, rows, C]``; TRANS:
+    ``[NH, C, rows]``): SPLIT, its bf16 rounding, and the bf16 rounding of the remainder into ``lo``; else an fp32
+    copy. SUM: the block's column sums into ``db_p[i_r, i_h]`` (``[C]``)."""
     i_r, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     o_r = i_r * BR + tl.arange(0, BR)
     o_c = i_c * BC + tl.arange(0, BC)
     m = (o_r < rows)[:, None] & (o_c < C)[None, :]
     t, bb = o_r // N, o_r % N
     x = tl.load(src + (t.to(tl.int64) * s_t + i_h * s_n + bb * s_b)[:, None] + o_c[None, :], mask=m, other=0.0)
-    dst = (i_h * rows + o_r)[:, None] * C + o_c[None, :]
+    if TRANS:
+        dst = (i_h * C + o_c)[None, :] * rows + o_r[:, None]
+    else:
+        dst = (i_h * rows + o_r)[:, None] * C + o_c[None, :]
     if SPLIT:
         x_hi = x.to(tl.bfloat16)
         tl.store(hi + dst, x_hi, mask=m)
@@ -122,10 +134,12 @@ def _split_rows_kernel(src, hi, lo, db_p, N, C, rows, s_t, s_n, s_b, BR: tl.cons
 
 @triton.jit
 def _dR_gemm_kernel(a_hi, a_lo, b_hi, b_lo, dR_ptr, rows, GD, D, rows_per_split, BM: tl.constexpr, BN: tl.constexpr,
-                    BK: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr, STAGES: tl.constexpr):
+                    BK: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr, STAGES: tl.constexpr,
+                    TRANS: tl.constexpr):
     """``_rnn_dR_db_kernel``'s tile of dR from the contiguous copies of ``_split_rows_kernel`` (``a``: drh's rows
-    ``[NH, rows, GD]``, ``b``: h's ``[NH, rows, D]``): SPLIT, the three bf16 products (hi hi, lo hi, hi lo) of the
-    loaded hi / lo tiles; else one fp32 product at PREC."""
+    ``[NH, rows, GD]``, ``b``: h's ``[NH, rows, D]``; TRANS: both transposed, ``[NH, GD, rows]`` and ``[NH, D,
+    rows]``, the rows contiguous as TF32 tensor-core products want both operands): SPLIT, the three bf16 products
+    (hi hi, lo hi, hi lo) of the loaded hi / lo tiles; else one fp32 product at PREC."""
     i_s, i_h, i_c, o_m, o_c, m_m, m_c, r_start, r_end = _dR_tile(GD, D, rows, rows_per_split, BM, BN)
     base_a = i_h * rows * GD
     base_b = i_h * rows * D
@@ -133,12 +147,18 @@ def _dR_gemm_kernel(a_hi, a_lo, b_hi, b_lo, dR_ptr, rows, GD, D, rows_per_split,
     for r0 in tl.range(r_start, r_end, BK, num_stages=STAGES):
         o_r = (r0 + tl.arange(0, BK)).to(tl.int64)
         m_r = o_r < r_end
-        off_a = base_a + o_r[:, None] * GD + o_m[None, :]
-        off_b = base_b + o_r[:, None] * D + o_c[None, :]
         m_a = m_r[:, None] & m_m[None, :]
         m_b = m_r[:, None] & m_c[None, :]
-        a = tl.trans(tl.load(a_hi + off_a, mask=m_a, other=0.0))  # [BM, BK]
-        b = tl.load(b_hi + off_b, mask=m_b, other=0.0)
+        if TRANS:
+            off_a = base_a + o_m[:, None] * rows + o_r[None, :]
+            off_b = base_b + o_c[:, None] * rows + o_r[None, :]
+            a = tl.load(a_hi + off_a, mask=tl.trans(m_a), other=0.0)  # [BM, BK]
+            b = tl.trans(tl.load(b_hi + off_b, mask=tl.trans(m_b), other=0.0))  # [BK, BN]
+        else:
+            off_a = base_a + o_r[:, None] * GD + o_m[None, :]
+            off_b = base_b + o_r[:, None] * D + o_c[None, :]
+            a = tl.trans(tl.load(a_hi + off_a, mask=m_a, other=0.0))  # [BM, BK]
+            b = tl.load(b_hi + off_b, mask=m_b, other=0.0)
         if SPLIT:
             acc = tl.dot(a, b, acc)
             acc = tl.dot(tl.trans(tl.load(a_lo + off_a, mask=m_a, other=0.0)), b, acc)
@@ -166,9 +186,10 @@ def _row_splits(rows: int, tiles: int, BK: int, x: torch.Tensor) -> tuple[int, i
     return cdiv(rows, per), per
 
 
-def dR_db(states: torch.Tensor, drh: torch.Tensor):
+def dR_db(states: torch.Tensor, drh: torch.Tensor, tf32: bool = False):
     """dR ``[G, NH, D, D]`` and db ``[G, NH, D]`` (the states' dtype) from drh ``[Tm, NH, N, G D]`` and the h slot
-    of states ``[Tm + 1, S, NH, N, D]`` (module docstring)."""
+    of states ``[Tm + 1, S, NH, N, D]`` (module docstring). ``tf32`` (the cells' 16-bit inputs): above D = 128 one
+    TF32 product over transposed fp32 copies instead of three split bf16 ones (IEEE fp32 on the interpreter)."""
     Tm, NH, N, GD = drh.shape
     D = states.shape[-1]
     G = GD // D
@@ -179,7 +200,7 @@ def dR_db(states: torch.Tensor, drh: torch.Tensor):
         return dR, drh.sum((0, 2)).view(NH, G, D).transpose(0, 1)
     BM, BN = _tiles(GD, D)
     if D > 128:
-        return _dR_db_copies(states, drh, BM, BN)
+        return _dR_db_copies(states, drh, BM, BN, tf32)
     BK = 64 if BM * BN < 64 * 64 else 32  # (operand registers)
     rows = Tm * N
     splits, per = _row_splits(rows, cdiv(GD, BM) * cdiv(D, BN) * NH, BK, drh)
@@ -194,17 +215,19 @@ def dR_db(states: torch.Tensor, drh: torch.Tensor):
     return dR.view(NH, G, D, D).permute(1, 0, 2, 3), db.view(NH, G, D).transpose(0, 1)
 
 
-def _dR_db_copies(states: torch.Tensor, drh: torch.Tensor, BM: int, BN: int):
+def _dR_db_copies(states: torch.Tensor, drh: torch.Tensor, BM: int, BN: int, tf32: bool):
     """``dR_db`` through contiguous hi / lo copies of drh and h and ``_dR_gemm_kernel`` (module docstring): 32-row
-    steps, 4 warps, 4 stages, ~4 programs per SM (the fastest of 8 launches tried at 768 x 1 and 256 x 3)."""
+    steps, 4 warps, 4 stages, ~4 programs per SM (the fastest of 8 launches tried at 768 x 1 and 256 x 3); with
+    ``tf32`` transposed fp32 copies and one TF32 product."""
     Tm, NH, N, GD = drh.shape
     D = states.shape[-1]
     G = GD // D
     rows = Tm * N
-    split = not interpret_mode()
+    split = not interpret_mode() and not tf32
     cdt = torch.bfloat16 if split else torch.float32
-    a_hi = torch.empty(NH, rows, GD, device=drh.device, dtype=cdt)
-    b_hi = torch.empty(NH, rows, D, device=drh.device, dtype=cdt)
+    shape_a, shape_b = ((NH, GD, rows), (NH, D, rows)) if tf32 else ((NH, rows, GD), (NH, rows, D))
+    a_hi = torch.empty(shape_a, device=drh.device, dtype=cdt)
+    b_hi = torch.empty(shape_b, device=drh.device, dtype=cdt)
     a_lo, b_lo = (torch.empty_like(a_hi), torch.empty_like(b_hi)) if split else (a_hi, b_hi)
     BR, BC = 64, 128
     db_p = torch.empty(cdiv(rows, BR), NH, GD, device=drh.device, dtype=torch.float32)
@@ -212,12 +235,14 @@ def _dR_db_copies(states: torch.Tensor, drh: torch.Tensor, BM: int, BN: int):
     for src, hi, lo, C, dsum in ((drh, a_hi, a_lo, GD, True), (h, b_hi, b_lo, D, False)):
         _split_rows_kernel[(cdiv(rows, BR), cdiv(C, BC), NH)](
             src, hi, lo, db_p, N, C, rows, src.stride(0), src.stride(1), src.stride(2), BR=BR, BC=BC, SPLIT=split,
-            SUM=dsum, num_warps=4)
-    BK = 32
+            SUM=dsum, TRANS=tf32, num_warps=4)
+    BK, stages, warps = 32, 4, 4
+    if tf32 and not interpret_mode():  # the fastest of 36 launches at 768 x 1 (module docstring)
+        BN, stages, warps = (256 if D >= 256 else BN), 3, 8
     splits, per = _row_splits(rows, cdiv(GD, BM) * cdiv(D, BN) * NH, BK, drh)
     dR_p = torch.empty(splits, NH, GD, D, device=drh.device, dtype=torch.float32)
     _dR_gemm_kernel[(cdiv(GD, BM) * cdiv(D, BN), splits, NH)](
-        a_hi, a_lo, b_hi, b_lo, dR_p, rows, GD, D, per, BM=BM, BN=BN, BK=BK, SPLIT=split, PREC="ieee", STAGES=4,
-        num_warps=4)
+        a_hi, a_lo, b_hi, b_lo, dR_p, rows, GD, D, per, BM=BM, BN=BN, BK=BK, SPLIT=split,
+        PREC="tf32" if tf32 and not interpret_mode() else "ieee", STAGES=stages, TRANS=tf32, num_warps=warps)
     dR = dR_p[0] if splits == 1 else dR_p.sum(0)
     return dR.view(NH, G, D, D).permute(1, 0, 2, 3), db_p.sum(0).view(NH, G, D).transpose(0, 1)
