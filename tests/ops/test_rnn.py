@@ -508,6 +508,23 @@ def test_bad_config(config, D, dtype, exc, match, device):
 
 
 @pytest.mark.gpu
+def test_team_compile_check_gpu():
+    """The team search's compiler feedback on a GPU (``team.compile_check``): the default launch at one head of 768
+    (bf16, B = 16, R held) compiles with fewer spill bytes than the search's threshold; 64-row tiles streaming R at 3
+    stages need 245,760 B of shared memory and fail (the search passes over such a candidate instead of raising)."""
+    from tfla.ops.rnn import team, tiling
+    from tfla.ops.rnn.cells import _CELL_IDS
+
+    dev = torch.device("cuda")
+    for cell, G, S in (("lstm", 4, 2), ("gru", 3, 1)):
+        launch = tiling.choose_team_launch(16, 1, 768, torch.bfloat16, cell=cell)
+        spill, failed = team.compile_check(_CELL_IDS[cell], G, S, 768, torch.bfloat16, launch, 16, 1, dev)
+        assert not failed and spill < tiling.TEAM_SPILL_BYTES
+    big = tiling.TeamLaunch(64, 16, 128, False, 3, True)
+    assert team.compile_check(_CELL_IDS["lstm"], 4, 2, 768, torch.bfloat16, big, 64, 1, dev)[1]
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("case", ["team", "fused", "varlen"])
 def test_call_does_not_wait_for_the_device(case):
     """A cell's forward + backward queues its kernels without waiting for the device (no copy from pageable memory,

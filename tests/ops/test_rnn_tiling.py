@@ -329,3 +329,73 @@ def test_compiled_feedback_all_spill_and_below_fraction():
         tiling.choose_fused_launch_compiled(16, 2, 16, torch.bfloat16, H100, cell=None, feedback=fb, compiled=len)
     with pytest.raises(TypeError, match="`feedback`"):
         tiling.choose_fused_launch_compiled(16, 2, 16, torch.bfloat16, H100, cell="lstm", feedback={}, compiled=len)
+
+
+def test_team_feedback_excludes_and_ranks_after():
+    """A failed team candidate is excluded, a spilled one ranks after every candidate without a recorded spill
+    (still before teams that do not fit the SMs at once); another cell's record does not count; the branch-and-bound
+    equals the enumeration with the same sets."""
+    args = (16, 1, 768, torch.bfloat16)
+    first = tiling.choose_team_launch(*args)
+    c1 = (first.BB, first.BC, first.resident, first.num_stages)
+    fb = tiling.TeamFeedback()
+    fb.record(768, torch.bfloat16, c1, cell="lstm", failed=True)
+    assert tiling.choose_team_launch(*args, cell="gru", feedback=fb) == first
+    second = tiling.choose_team_launch(*args, cell="lstm", feedback=fb)
+    c2 = (second.BB, second.BC, second.resident, second.num_stages)
+    assert c2 != c1 and second.fits
+    fb.record(768, torch.bfloat16, c2, cell="lstm", spilled=True)
+    third = tiling.choose_team_launch(*args, cell="lstm", feedback=fb)
+    assert (third.BB, third.BC, third.resident, third.num_stages) not in (c1, c2) and third.fits
+    assert fb.excluded(768, torch.bfloat16, "lstm") == (frozenset({c2}), frozenset({c1}))
+    assert fb.excluded(768, torch.bfloat16, "gru") == (frozenset(), frozenset())
+    for limits, D, (N, NH), fixed in itertools.product(LIMITS[:2], (192, 768), TEAM_SHAPES,
+                                                       (dict(), dict(team_resident=True), dict(num_stages=3))):
+        got = tiling.choose_team_launch(N, NH, D, torch.bfloat16, limits, cell="lstm", feedback=fb, **fixed)
+        spilled, failed = fb.excluded(D, torch.bfloat16, "lstm")
+        want = tiling.exhaustive_team_launch(N, NH, D, torch.bfloat16, limits, spilled=spilled, failed=failed, **fixed)
+        assert got == want
+    with pytest.raises(TypeError, match="`config`"):
+        fb.record(768, torch.bfloat16, (16, 16, 1, 3), failed=True)  # resident must be a bool
+    with pytest.raises(TypeError, match="`feedback`"):
+        tiling.choose_team_launch(*args, feedback=tiling.FusedFeedback())
+    with pytest.raises(ValueError, match="`cell`"):
+        tiling.choose_team_launch(*args, cell="rnn")
+
+
+def test_team_compiled_feedback_passes_over_spills_and_failures():
+    """A fake compiler: the team search's first choice fails, the second spills (from TEAM_SPILL_BYTES per thread),
+    the third compiles clean and is taken; each candidate compiled once; a second search with the same feedback
+    compiles nothing; where every candidate spills, the first of TEAM_MAX_CHECKS examined is taken (a spill runs, a
+    failure does not), and where all fail, none."""
+    calls, bad = [], {}
+
+    def compiled(launch):
+        cand = (launch.BB, launch.BC, launch.resident, launch.num_stages)
+        calls.append(cand)
+        if not bad:
+            bad[cand] = (0, True)
+        elif len(bad) == 1 and cand not in bad:
+            bad[cand] = (tiling.TEAM_SPILL_BYTES, False)
+        return bad.get(cand, (tiling.TEAM_SPILL_BYTES - 1, False))
+
+    fb = tiling.TeamFeedback()
+    args = (16, 1, 768, torch.bfloat16, H100)
+    got = tiling.choose_team_launch_compiled(*args, cell="lstm", feedback=fb, compiled=compiled)
+    spilled, failed = fb.excluded(768, torch.bfloat16, "lstm")
+    assert len(spilled) == 1 and len(failed) == 1 and len(calls) == 3 == len(set(calls))
+    assert calls[:2] == [next(iter(failed)), next(iter(spilled))]
+    assert (got.BB, got.BC, got.resident, got.num_stages) == calls[2]
+    assert calls[0] == (lambda t: (t.BB, t.BC, t.resident, t.num_stages))(tiling.choose_team_launch(*args))
+    assert tiling.choose_team_launch_compiled(*args, cell="lstm", feedback=fb, compiled=compiled) == got
+    assert len(calls) == 3
+    n = []
+    every = tiling.choose_team_launch_compiled(*args, cell="gru", feedback=tiling.TeamFeedback(),
+                                               compiled=lambda l: n.append(l) or (4096, False))
+    assert every == tiling.choose_team_launch(*args) and len(n) == tiling.TEAM_MAX_CHECKS
+    assert tiling.choose_team_launch_compiled(*args, cell="gru", feedback=tiling.TeamFeedback(),
+                                              compiled=lambda l: (0, True)) is None
+    with pytest.raises(ValueError, match="`cell`"):
+        tiling.choose_team_launch_compiled(*args, cell=None, feedback=fb, compiled=compiled)
+    with pytest.raises(TypeError, match="`feedback`"):
+        tiling.choose_team_launch_compiled(*args, cell="lstm", feedback=tiling.FusedFeedback(), compiled=compiled)

@@ -26,8 +26,10 @@ from tfla.ops.common.varlen import cached_bounds
 from tfla.ops.rnn import pointwise
 from tfla.ops.rnn.fused import MAX_FUSED_D, compile_check, rnn_fused_bwd, rnn_fused_fwd
 from tfla.ops.rnn.team import TEAM_COLS, rnn_team_bwd, rnn_team_fwd
-from tfla.ops.rnn.tiling import (H100, TEAM_WARPS, DeviceLimits, FusedFeedback, TeamLaunch, choose_fused_launch,
-                                 choose_fused_launch_compiled, choose_team_launch, team_bk)
+from tfla.ops.rnn.team import compile_check as team_compile_check
+from tfla.ops.rnn.tiling import (H100, TEAM_WARPS, DeviceLimits, FusedFeedback, TeamFeedback, TeamLaunch,
+                                 choose_fused_launch, choose_fused_launch_compiled, choose_team_launch,
+                                 choose_team_launch_compiled, team_bk)
 from tfla.ops.rnn.reference import CELL_GATES, CELL_STATES
 from tfla.ops.rnn.weight_grad import dR_db
 from tfla.utils.validation import check_cotangent, check_tensor, check_varlen_bounds
@@ -97,6 +99,28 @@ def _compile_feedback(index: int) -> FusedFeedback:
     return FusedFeedback()
 
 
+@functools.lru_cache(maxsize=None)
+def _team_feedback(index: int) -> TeamFeedback:
+    """GPU ``index``'s team launches compiled by the team search's checks (``choose_team_launch_compiled``), as
+    ``_compile_feedback`` for the fused path."""
+    return TeamFeedback()
+
+
+@functools.lru_cache(maxsize=1024)
+def _team_compiled(index: int, cell: str, N: int, NH: int, D: int, dtype, BK, sync, num_warps, BB, BC, resident,
+                   num_stages) -> TeamLaunch | None:
+    """``choose_team_launch_compiled`` on GPU ``index`` for ``cell`` with ``team.compile_check`` (each candidate
+    compiled at most once per process, ``_team_feedback``); cached per shape and fixed values, so a repeated call
+    does not search again."""
+    G, S = len(CELL_GATES[cell]), len(CELL_STATES[cell])
+    device = torch.device("cuda", index)
+    check = functools.partial(team_compile_check, _CELL_IDS[cell], G, S, D, dtype, N=N, NH=NH, device=device,
+                              sync=sync, num_warps=num_warps)
+    return choose_team_launch_compiled(N, NH, D, dtype, _device_limits(index), cell=cell,
+                                       feedback=_team_feedback(index), compiled=check, BK=BK, BB=BB, team_cols=BC,
+                                       team_resident=resident, num_stages=num_stages)
+
+
 def fused_launch(config, dtype: torch.dtype, N: int, NH: int, D: int, device: torch.device | None = None, *,
                  cell: str | None = None) -> Launch | None:
     """The path of a (checked) ``config`` for N rows and NH heads of D units (``cell``: that cell's kernels, None:
@@ -109,7 +133,9 @@ def fused_launch(config, dtype: torch.dtype, N: int, NH: int, D: int, device: to
     ``choose_fused_launch`` (BB, warps, stages; on the H100 at the shapes measured 16 rows, 8 warps above D = 32 else
     4, the most stages that fit: 3 for 16-bit inputs; on a GPU with a cell given, ``choose_fused_launch_compiled``:
     choices near the register limit are compiled first and a spilling or failing one is passed over), team
-    ``choose_team_launch`` (BB, units per member, R held or streamed, stages; 4 warps). Where no candidate meets the
+    ``choose_team_launch`` (BB, units per member, R held or streamed, stages; 4 warps; on a GPU with a cell given,
+    ``choose_team_launch_compiled``: the choice is compiled before it runs, one that fails to compile is passed over
+    and one that spills kilobytes ranks after those that do not). Where no candidate meets the
     constraints (a config the device cannot take; on the interpreter it still runs) the config's values, else those
     hand-set ones, are taken as they are, and a launch beyond the GPU's resources raises ValueError naming
     ``config``."""
@@ -136,7 +162,11 @@ def fused_launch(config, dtype: torch.dtype, N: int, NH: int, D: int, device: to
         return Launch("fused", *got)
     fixed = dict(BB=cfg.get("BB"), team_cols=cfg.get("team_cols"), team_resident=cfg.get("team_resident"),
                  num_stages=cfg.get("num_stages"))
-    t = choose_team_launch(N, NH, D, dtype, limits, BK=cfg.get("team_BK"), **fixed)
+    if on_gpu and cell is not None and not interpret_mode():  # compiler feedback: spills and failures
+        t = _team_compiled(device.index or 0, cell, N, NH, D, dtype, cfg.get("team_BK"), cfg.get("team_sync"),
+                           cfg.get("num_warps", TEAM_WARPS), *fixed.values())
+    else:
+        t = choose_team_launch(N, NH, D, dtype, limits, BK=cfg.get("team_BK"), **fixed)
     if t is None:
         res = bool(fixed["team_resident"])
         BB = fixed["BB"] or min(64, max(16, next_pow2(N)))

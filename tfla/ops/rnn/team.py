@@ -10,7 +10,8 @@ and forms the recurrent part of its dh from every unit's pre-activation gradient
 + 256 at D = 768, not 1024); each step's inputs that do not depend on the chain (x; in the backward do, x, ``R h``
 and the states) are loaded a step ahead, and a step's stores that no member reads (rh, the states, o; the
 backward's dx and drh) go out after the member's arrival at the barrier, while the team gathers. The launch (batch
-tile, units per member, R held or streamed, stages) comes from ``tiling.choose_team_launch``.
+tile, units per member, R held or streamed, stages) comes from ``tiling.choose_team_launch``, on a GPU checked by
+compiling it first (``compile_check``, ``tiling.choose_team_launch_compiled``).
 
 Two ways to run the steps, one kernel: persistent (``SYNC``: one launch runs every step, the team meets at a
 grid barrier: one int32 counter per (head, batch tile), ``atomic_add`` with release / acquire at GPU scope, spun on
@@ -27,6 +28,8 @@ a grid barrier is FlashRNN's (Pöppel et al. 2024, Section 4, "fused kernel": th
 across a cooperative grid); README of the cells for the measurements.
 """
 from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import triton
@@ -433,3 +436,43 @@ def rnn_team_bwd(cell_id: int, x, Wt, b_acc, states, rh, do, dstate_final, lengt
         _run(_rnn_team_bwd_kernel, grid, *args, lens, x, N, NH, D, Tm, t, 1, 0, *strides, SYNC=False, **const)
     _run(_rnn_team_bwd_kernel, grid, *args, lens, x, N, NH, D, Tm, -1, 0, 1, *strides, SYNC=False, **const)
 
+
+def compile_check(cell_id: int, G: int, S: int, D: int, dtype: torch.dtype, launch, N: int, NH: int,
+                  device: torch.device, sync: bool | None = None, num_warps: int = 4) -> tuple[int, bool]:
+    """``(spill bytes, failed)`` of one team launch (``tiling.TeamLaunch``): its forward and backward kernels
+    compiled for ``device`` without running (Triton's ``warmup``, dtypes in place of tensors; contiguous layouts of
+    N rows, NH heads and 1024 steps, as a contiguous batch's launch specializes them, so that launch finds them in
+    Triton's cache; ``sync`` None: the persistent kernel where the team fits the SMs), both at once on two threads,
+    loaded (which checks shared memory and threads), and the larger of their local-memory (spill) bytes per thread
+    read. For ``tiling.choose_team_launch_compiled`` (a GPU only; the interpreter compiles nothing)."""
+    import types
+
+    sync = launch.fits if sync is None else sync
+    run = types.SimpleNamespace(BB=launch.BB, BC=launch.BC, BK=launch.BK, resident=launch.resident,
+                                num_stages=launch.num_stages, num_warps=num_warps)
+    grid, kw = _grid(N, NH, D, run), _kw(dtype, run, D)
+    Tm, f32, i32 = 1024, torch.float32, torch.int32
+    w = (D * G * D, G * D, 1)  # Wt [NH, D, G D] in x's dtype
+    x = (Tm * G * NH * D, G * NH * D, NH * D, D, 1)  # x, dx [N, Tm, G, NH, D]
+    o = (Tm * NH * D, NH * D, D, 1)  # o, do [N, Tm, NH, D]
+    cnt, ring = (i32, dtype) if sync else (dtype, dtype)
+    opts = dict(launch_cooperative_grid=True) if sync else {}
+    launches = ((_rnn_team_fwd_kernel, (dtype, dtype, f32, f32, f32, dtype, cnt, ring, N, NH, D, 0,
+                                        Tm if sync else 1, *w, *x, *o), {}),
+                (_rnn_team_bwd_kernel, (dtype, dtype, f32, f32, f32, dtype, f32, i32, f32, dtype, f32, f32, f32,
+                                        i32 if sync else i32, ring, N, NH, D, Tm, Tm - 1, Tm if sync else 1,
+                                        1 if sync else 0, *w, *x, *o, *x), {"HAS_SEQ": False}))
+    def build(kernel, args, extra):  # loading the binary checks shared memory and threads and reads n_spills
+        with torch.cuda.device(device):
+            compiled = kernel.warmup(*args, grid=grid, CELL=cell_id, G=G, S=S, SYNC=sync, **extra, **kw, **opts)
+            compiled._init_handles()
+            return int(getattr(compiled, "n_spills", 0) or 0)
+
+    spill, failed = 0, False
+    with ThreadPoolExecutor(len(launches), thread_name_prefix="tfla-compile") as pool:  # both kernels at once
+        for f in [pool.submit(build, *launch) for launch in launches]:
+            try:
+                spill = max(spill, f.result())
+            except triton.runtime.errors.OutOfResources:
+                failed = True
+    return spill, failed

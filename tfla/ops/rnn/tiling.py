@@ -222,24 +222,27 @@ def fused_objective(cand, N, NH, cell, D, dtype, limits: DeviceLimits = H100, sp
 
 
 @dataclasses.dataclass
-class FusedFeedback:
-    """Observations of compiled fused launches, so later choices exclude or avoid them (FlashRNN's compiler feedback,
-    Appendix D): ``record(D, dtype, (BB, num_warps, num_stages), cell=None, spilled=.., failed=..)``. A failed
-    compile excludes the config; a spill makes it rank after every config without a (predicted or recorded) spill; a
-    clean compile is remembered too (``observed``), so it is not compiled again. Keyed by (BD, dtype, cell); cell
-    None applies to every cell. Passed to ``choose_fused_launch(..., feedback=)``; ``choose_fused_launch_compiled``
-    fills one from compiled kernels (the cells keep one per GPU: ``cells.fused_launch``)."""
+class _Feedback:
+    """Observations of compiled launches of one path, so later choices exclude or avoid them (FlashRNN's compiler
+    feedback, Appendix D): ``record(D, dtype, config, cell=None, spilled=.., failed=..)``. A failed compile excludes
+    the config; a spill makes it rank after the configs without one; a clean compile is remembered too
+    (``observed``), so it is not compiled again. Keyed by ``_key(D, dtype, cell)``; cell None applies to every
+    cell."""
     table: dict = dataclasses.field(default_factory=dict)
     clean: set = dataclasses.field(default_factory=set)
+    _CONFIG = "(BB, num_warps, num_stages)"
 
-    def record(self, D: int, dtype, config: tuple[int, int, int], cell: str | None = None, *, spilled: bool = False,
+    def _key(self, D: int, dtype, cell):
+        raise NotImplementedError
+
+    def _valid(self, config) -> bool:
+        raise NotImplementedError
+
+    def record(self, D: int, dtype, config: tuple, cell: str | None = None, *, spilled: bool = False,
                failed: bool = False) -> None:
-        _check_int("D", D, 1, MAX_FUSED_D)
-        _check_dtype(dtype)
-        _check_cell(cell)
-        if not (isinstance(config, tuple) and len(config) == 3 and all(isinstance(v, int) for v in config)):
-            raise TypeError(f"`config` must be a tuple (BB, num_warps, num_stages) of ints, got {config!r}")
-        key = (dot_tile(D, MAX_FUSED_D, dtype), dtype, cell)
+        key = self._key(D, dtype, cell)
+        if not (isinstance(config, tuple) and self._valid(config)):
+            raise TypeError(f"`config` must be a tuple {self._CONFIG}, got {config!r}")
         if not (spilled or failed):
             self.clean.add((*key, config))
             return
@@ -247,20 +250,37 @@ class FusedFeedback:
         self.table[key] = (spill | {config} if spilled else spill, fail | {config} if failed else fail)
 
     def excluded(self, D: int, dtype, cell: str | None = None) -> tuple[frozenset, frozenset]:
-        """``(spilled, failed)`` configs recorded for D's tile, dtype and cell (and cell None's; for cell None: all
+        """``(spilled, failed)`` configs recorded for D's key, dtype and cell (and cell None's; for cell None: all
         cells')."""
-        BD = dot_tile(D, MAX_FUSED_D, dtype)
+        k0 = self._key(D, dtype, None)[:-1]
         spill, fail = frozenset(), frozenset()
-        for (bd, dt, c), (s, f) in self.table.items():
-            if bd == BD and dt == dtype and (c is None or cell is None or c == cell):
+        for key, (s, f) in self.table.items():
+            c = key[-1]
+            if key[:-1] == k0 and (c is None or cell is None or c == cell):
                 spill, fail = spill | s, fail | f
         return spill, fail
 
-    def observed(self, D: int, dtype, config: tuple[int, int, int], cell: str | None = None) -> bool:
-        """Whether a compile of this config for D's tile, dtype and cell was recorded (clean, spilled or failed)."""
-        key = (dot_tile(D, MAX_FUSED_D, dtype), dtype, cell)
+    def observed(self, D: int, dtype, config: tuple, cell: str | None = None) -> bool:
+        """Whether a compile of this config for D's key, dtype and cell was recorded (clean, spilled or failed)."""
+        key = self._key(D, dtype, cell)
         spill, fail = self.table.get(key, (frozenset(), frozenset()))
         return (*key, config) in self.clean or config in spill or config in fail
+
+
+@dataclasses.dataclass
+class FusedFeedback(_Feedback):
+    """``_Feedback`` of the fused path: configs ``(BB, num_warps, num_stages)``, keyed by (BD, dtype, cell). Passed
+    to ``choose_fused_launch(..., feedback=)``; ``choose_fused_launch_compiled`` fills one from compiled kernels (the
+    cells keep one per GPU: ``cells.fused_launch``)."""
+
+    def _key(self, D, dtype, cell):
+        _check_int("D", D, 1, MAX_FUSED_D)
+        _check_dtype(dtype)
+        _check_cell(cell)
+        return dot_tile(D, MAX_FUSED_D, dtype), dtype, cell
+
+    def _valid(self, config):
+        return len(config) == 3 and all(isinstance(v, int) for v in config)
 
 
 def _check_args(N, NH, D, dtype, limits, cell, fixed):
@@ -391,14 +411,17 @@ def choose_fused_launch_compiled(N: int, NH: int, D: int, dtype, device_limits: 
 # BK and the warps follow (``team_bk``; 4 warps: H100 sweeps, the cells' README). Constraints (``team_constraints``):
 # in ``TEAM_SPACE``; held slices only for 16-bit inputs (fp32's tf32x3 dots split both operands and spill kilobytes,
 # sm_90); fp32 streams at <= 2 stages (spills at 3); the member's shared memory (``team_smem``) within
-# ``team_smem_budget`` (the block's limit less 27 KiB the compiler adds: 200 KiB on sm_90, measured). Objective
-# (``team_objective``, lexicographic, smaller is better): (1) the team does not fit the SMs at once (one launch per
-# step instead of one in all: ~100x slower, H100), (2) R streamed where the team fits (each step reads R's slices
+# ``team_smem_budget`` (the block's limit less 27 KiB the compiler adds: 200 KiB on sm_90, measured); not recorded
+# as failed to compile (``TeamFeedback``). Objective (``team_objective``, lexicographic, smaller is better): (1) the
+# team does not fit the SMs at once (one launch per step instead of one in all: ~100x slower, H100), (1b) a recorded
+# spill of ``TEAM_SPILL_BYTES`` or more, (2) R streamed where the team fits (each step reads R's slices
 # from L2: held measured 1.3-1.7x faster at D = 768, B = 16 / 32; one launch per step loads them every step either
 # way), (3) batch tiles ceil(N / BB) (each tile's team reads R again; one dot of BB rows costs about as much as one of
 # 16), (4) BB (rows past N are wasted), (5) BC where the team fits (more members, fewer units each: a shorter step),
 # else -BC (fewer programs per launch), (6) -St (more of the next slices in flight), (7) streamed.
-# ``choose_team_launch`` returns the smallest candidate (cached); ``exhaustive_team_launch`` enumerates.
+# ``choose_team_launch`` returns the smallest candidate (cached); ``exhaustive_team_launch`` enumerates;
+# ``choose_team_launch_compiled`` compiles the first candidates in that order (there is no register model for the
+# team kernels) and takes the first that compiles without a spill.
 
 TEAM_SPACE = {"BB": (16, 32, 64), "team_cols": (16, 32, 64, 128), "team_resident": (True, False),
               "num_stages": (1, 2, 3)}  # = the cells' CONFIG_KEYS
@@ -441,7 +464,8 @@ def team_smem_budget(limits: DeviceLimits = H100) -> int:
     return limits.smem_per_block - 27 * 1024
 
 
-def team_constraints(cand, D: int, dtype, limits: DeviceLimits = H100, BK: int | None = None) -> dict[str, bool]:
+def team_constraints(cand, D: int, dtype, limits: DeviceLimits = H100, BK: int | None = None,
+                     failed=frozenset()) -> dict[str, bool]:
     """Each hard constraint of a team candidate ``(BB, BC, resident, num_stages)``, by name: True where it holds."""
     BB, BC, res, St = cand
     return {
@@ -451,15 +475,34 @@ def team_constraints(cand, D: int, dtype, limits: DeviceLimits = H100, BK: int |
         "fp32_stages": dtype != torch.float32 or St <= 2,
         "smem_per_block": team_smem(BB, BC, D, dtype, res, St, BK) <= team_smem_budget(limits),
         "threads_per_block": 32 * TEAM_WARPS <= limits.max_threads_per_block,
+        "not_failed": cand not in failed,
     }
 
 
-def team_objective(cand, N: int, NH: int, D: int, limits: DeviceLimits = H100) -> tuple:
+def team_objective(cand, N: int, NH: int, D: int, limits: DeviceLimits = H100, spilled=frozenset()) -> tuple:
     """The objective's key of a team candidate (compared lexicographically, smaller is better)."""
     BB, BC, res, St = cand
     tiles = -(-N // BB)
     fits = -(-D // BC) * tiles * NH <= limits.sms
-    return (not fits, not res and fits, tiles, BB, BC if fits else -BC, -St, not res)
+    return (not fits, cand in spilled, not res and fits, tiles, BB, BC if fits else -BC, -St, not res)
+
+
+@dataclasses.dataclass
+class TeamFeedback(_Feedback):
+    """``_Feedback`` of the team path: candidates ``(BB, BC, resident, num_stages)``, keyed by (D, dtype, cell).
+    Passed to ``choose_team_launch(..., feedback=)``; ``choose_team_launch_compiled`` fills one from compiled
+    kernels (the cells keep one per GPU: ``cells.fused_launch``)."""
+    _CONFIG = "(BB, team_cols, team_resident, num_stages)"
+
+    def _key(self, D, dtype, cell):
+        _check_int("D", D)
+        _check_dtype(dtype)
+        _check_cell(cell)
+        return D, dtype, cell
+
+    def _valid(self, config):
+        return (len(config) == 4 and isinstance(config[2], bool)
+                and all(isinstance(v, int) and not isinstance(v, bool) for v in config[:2] + config[3:]))
 
 
 def _check_team(N, NH, D, dtype, limits, fixed, BK):
@@ -489,18 +532,18 @@ def _team_result(cand, N, NH, D, dtype, limits, BK):
 
 
 def exhaustive_team_launch(N, NH, D, dtype, device_limits=H100, *, BB=None, team_cols=None, team_resident=None,
-                           num_stages=None, BK=None) -> TeamLaunch | None:
+                           num_stages=None, BK=None, spilled=frozenset(), failed=frozenset()) -> TeamLaunch | None:
     """``choose_team_launch`` by enumerating every candidate (the reference of the tests)."""
     fixed = {"BB": BB, "team_cols": team_cols, "team_resident": team_resident, "num_stages": num_stages}
     _check_team(N, NH, D, dtype, device_limits, fixed, BK)
     ok = [c for c in itertools.product(*_team_space(fixed))
-          if all(team_constraints(c, D, dtype, device_limits, BK).values())]
-    best = min(ok, key=lambda c: team_objective(c, N, NH, D, device_limits), default=None)
+          if all(team_constraints(c, D, dtype, device_limits, BK, failed).values())]
+    best = min(ok, key=lambda c: team_objective(c, N, NH, D, device_limits, spilled), default=None)
     return _team_result(best, N, NH, D, dtype, device_limits, BK)
 
 
 @functools.lru_cache(maxsize=4096)
-def _choose_team(N, NH, D, dtype, limits, BB, BC, res, St, BK):
+def _choose_team(N, NH, D, dtype, limits, BB, BC, res, St, BK, spilled, failed):
     fixed = {"BB": BB, "team_cols": BC, "team_resident": res, "num_stages": St}
     bbs, bcs, ress, sts = _team_space(fixed)
     best, best_key = None, None
@@ -510,34 +553,90 @@ def _choose_team(N, NH, D, dtype, limits, BB, BC, res, St, BK):
                 # shared memory grows with BB, BC and the stages: the fewest stages bound this (bb, bc)
                 if not team_constraints((bb, bc, res_, min(sts)), D, dtype, limits, BK)["smem_per_block"]:
                     break  # a larger BC only adds shared memory
-                # the key's first five entries do not depend on the stages
-                if best_key is not None and team_objective((bb, bc, res_, 1), N, NH, D, limits)[:5] > best_key[:5]:
+                # a bound on this (bb, bc)'s keys: only the second entry (a recorded spill) and the stages' depend
+                # on the stages; their best is no spill at the most stages
+                k = team_objective((bb, bc, res_, max(sts)), N, NH, D, limits)
+                if best_key is not None and k >= best_key:
                     continue
                 for st in sorted(sts, reverse=True):
                     cand = (bb, bc, res_, st)
-                    if all(team_constraints(cand, D, dtype, limits, BK).values()):
-                        key = team_objective(cand, N, NH, D, limits)
+                    if all(team_constraints(cand, D, dtype, limits, BK, failed).values()):
+                        key = team_objective(cand, N, NH, D, limits, spilled)
                         if best_key is None or key < best_key:
                             best, best_key = cand, key
-                        break  # fewer stages only rank later
+                        if cand not in spilled:
+                            break  # fewer stages only rank later
     return best
 
 
 def choose_team_launch(N: int, NH: int, D: int, dtype, device_limits: DeviceLimits = H100, *, BB: int | None = None,
                        team_cols: int | None = None, team_resident: bool | None = None,
-                       num_stages: int | None = None, BK: int | None = None) -> TeamLaunch | None:
+                       num_stages: int | None = None, BK: int | None = None, cell: str | None = None,
+                       feedback: TeamFeedback | None = None) -> TeamLaunch | None:
     """The team path's launch (``TeamLaunch``) for N batch rows, NH heads, head dim D and x's dtype (fp32, fp16,
     bf16) on ``device_limits`` (default the H100's): the smallest candidate of the objective among those meeting
     every constraint (section comment above ``TEAM_SPACE``), or None when none does. ``BB``, ``team_cols``,
     ``team_resident``, ``num_stages``: fix a variable (None: search it); ``BK``: the streamed slice (None: ``team_bk``).
-    Cached (``functools.lru_cache``).
+    ``feedback``: observed spills / compile failures of ``cell``'s kernels (``TeamFeedback``; cell None: any
+    cell's). Cached (``functools.lru_cache``).
 
-    Raises ValueError (out-of-range sizes, a fixed value outside ``TEAM_SPACE``, BK not a power of two >= 16) or
-    TypeError (a non-int size, an unsupported dtype, limits not a ``DeviceLimits``), naming the argument."""
+    Raises ValueError (out-of-range sizes, a fixed value outside ``TEAM_SPACE``, BK not a power of two >= 16, an
+    unknown cell) or TypeError (a non-int size, an unsupported dtype, limits not a ``DeviceLimits``, feedback not a
+    ``TeamFeedback``), naming the argument."""
     fixed = {"BB": BB, "team_cols": team_cols, "team_resident": team_resident, "num_stages": num_stages}
     _check_team(N, NH, D, dtype, device_limits, fixed, BK)
-    return _team_result(_choose_team(N, NH, D, dtype, device_limits, BB, team_cols, team_resident, num_stages, BK),
-                        N, NH, D, dtype, device_limits, BK)
+    _check_cell(cell)
+    if feedback is not None and not isinstance(feedback, TeamFeedback):
+        raise TypeError(f"`feedback` must be None or a TeamFeedback, got {type(feedback).__name__}")
+    spilled, failed = feedback.excluded(D, dtype, cell) if feedback is not None else (frozenset(), frozenset())
+    return _team_result(_choose_team(N, NH, D, dtype, device_limits, BB, team_cols, team_resident, num_stages, BK,
+                                     spilled, failed), N, NH, D, dtype, device_limits, BK)
+
+
+# A team candidate counts as spilled from this many bytes of local memory per thread in its compiled forward or
+# backward kernel. The defaults run with some: at D = 768, B = 16 (bf16, R held, sm_90, Triton 3.9) the backward
+# spills 20 / 124 / 36 B (GRU / LSTM / sLSTM) and is the fastest launch measured there; the held kernels' kilobytes
+# before the bf16 ring (up to 6 KB) went with 1.3x slower steps (the cells' README, "Team path").
+TEAM_SPILL_BYTES = 1024
+# Candidates a compiled search examines at most (compiled ones that spilled or failed included): beyond them it
+# takes the best that compiled, so a shape where everything spills costs a few compiles, not the whole space.
+TEAM_MAX_CHECKS = 4
+
+
+def choose_team_launch_compiled(N: int, NH: int, D: int, dtype, device_limits: DeviceLimits, *, cell: str,
+                                feedback: TeamFeedback, compiled, BB: int | None = None,
+                                team_cols: int | None = None, team_resident: bool | None = None,
+                                num_stages: int | None = None, BK: int | None = None) -> TeamLaunch | None:
+    """``choose_team_launch`` with compiler feedback (the team path has no register model, so its first choice is
+    always compiled once): the candidates meeting every constraint are examined in the objective's order; one not
+    yet seen compiled for the cell is compiled by ``compiled(launch) -> (spill bytes per thread, failed)``
+    (``team.compile_check``) and recorded in ``feedback`` (spilled from ``TEAM_SPILL_BYTES`` on). The first that
+    compiled without a spill is returned; a failed one is passed over; after ``TEAM_MAX_CHECKS`` candidates the
+    first that compiled (with spills) is returned; None where none fits or all failed. The examination order is
+    fixed, so the result depends only on the compiled kernels, not on the order of calls."""
+    if not isinstance(feedback, TeamFeedback):
+        raise TypeError(f"`feedback` must be a TeamFeedback, got {type(feedback).__name__}")
+    _check_cell(cell)
+    if cell is None:
+        raise ValueError("`cell` must name the cell whose kernels are compiled")
+    fixed = {"BB": BB, "team_cols": team_cols, "team_resident": team_resident, "num_stages": num_stages}
+    _check_team(N, NH, D, dtype, device_limits, fixed, BK)
+    order = sorted((c for c in itertools.product(*_team_space(fixed))
+                    if all(team_constraints(c, D, dtype, device_limits, BK).values())),
+                   key=lambda c: team_objective(c, N, NH, D, device_limits))
+    first_run = None
+    for cand in order[:TEAM_MAX_CHECKS]:
+        launch = _team_result(cand, N, NH, D, dtype, device_limits, BK)
+        if not feedback.observed(D, dtype, cand, cell):
+            spill, failed = compiled(launch)
+            feedback.record(D, dtype, cand, cell, spilled=spill >= TEAM_SPILL_BYTES, failed=bool(failed))
+        spilled, failed = feedback.excluded(D, dtype, cell)
+        if cand in failed:
+            continue
+        if cand not in spilled:
+            return launch
+        first_run = first_run or launch
+    return first_run
 
 
 choose_team_launch.cache_info = _choose_team.cache_info
