@@ -10,7 +10,6 @@ import math
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -20,7 +19,7 @@ import tfla
 from tfla.bench.inputs import gdn_inputs, random_cu_seqlens
 from tfla.ops.common.precompile import in_dry_run
 from tfla.ops.gated_delta_rule.reference import chunk_gated_delta_rule_ref, recurrent_gated_delta_rule_ref
-from tfla.utils.testing import assert_rel_close, rel_l2, tolerance
+from tfla.utils.testing import assert_rel_close, host_seconds_behind_sleep, rel_l2, tolerance
 
 NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
 FP32_TOL = tolerance(torch.float32)  # 1e-5 IEEE on the interpreter; tf32x3 on CUDA (tfla.utils.testing)
@@ -746,11 +745,5 @@ def test_call_does_not_wait_for_the_device(case):
         o, _ = tfla.chunk_gated_delta_rule(*leaves[:5], initial_state=leaves[5], **kw)
         return torch.autograd.grad(o, leaves, do)
 
-    call()  # compiles, fills the caches of the host tables
-    torch.cuda.synchronize()
-    torch.cuda._sleep(400_000_000)  # cycles: >= 200 ms at SM clocks up to 2 GHz
-    t0 = time.perf_counter()
-    call()
-    host = time.perf_counter() - t0
-    torch.cuda.synchronize()
+    host = host_seconds_behind_sleep(call)
     assert host < 0.1, f"{case}: the call took {host * 1e3:.1f} ms on the host behind a ~200 ms sleep kernel"

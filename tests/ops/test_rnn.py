@@ -3,7 +3,6 @@ one launch per step on the interpreter, one launch with a grid barrier on a GPU;
 pointwise kernel per step), against the float64 step loop, each other and torch.nn.LSTM / GRU: outputs, final states and the
 gradients of x, R, b and every initial-state tensor, with random cotangents."""
 import functools
-import time
 
 import pytest
 import torch
@@ -11,7 +10,7 @@ import torch
 import tfla
 from tfla.ops.rnn.cells import fused_launch, rnn_state_sequence
 from tfla.ops.rnn.reference import CELL_GATES, CELL_STATES, recurrent_rnn_ref
-from tfla.utils.testing import assert_rel_close, rel_l2, rnn_grads, tolerance
+from tfla.utils.testing import assert_rel_close, host_seconds_behind_sleep, rel_l2, rnn_grads, tolerance
 
 CELLS = ("elman", "lstm", "gru", "slstm")
 PATHS = ("fused", "team", "alternating")
@@ -541,11 +540,5 @@ def test_call_does_not_wait_for_the_device(case):
         h, fin = tfla.lstm(*leaves[:3], tuple(leaves[3:]), True, cu_seqlens=cu)
         return torch.autograd.grad([h, *fin], leaves, [torch.ones_like(h), *map(torch.ones_like, fin)])
 
-    call()  # compiles, fills the caches
-    torch.cuda.synchronize()
-    torch.cuda._sleep(400_000_000)  # cycles: >= 200 ms at SM clocks up to 2 GHz
-    t0 = time.perf_counter()
-    call()
-    host = time.perf_counter() - t0
-    torch.cuda.synchronize()
+    host = host_seconds_behind_sleep(call)
     assert host < 0.1, f"{case}: the call took {host * 1e3:.1f} ms on the host behind a ~200 ms sleep kernel"

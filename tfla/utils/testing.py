@@ -111,3 +111,19 @@ def rnn_grads(fn, cell: str, x, R, b, state, final: bool = True, cu=None, seed: 
     grads = torch.autograd.grad(outs, leaves, [c.to(o.dtype).to(o.device) for c, o in zip(cts, outs)],
                                 allow_unused=True)
     return h, fin, grads
+
+
+def host_seconds_behind_sleep(call) -> float:
+    """Host time of ``call()`` queued behind a ~200 ms sleep kernel on the current CUDA device, after one call that
+    compiles and fills host caches: far below 0.2 s unless the call waits for the device (a host read of a device
+    tensor, a copy from pageable memory)."""
+    import time
+
+    call()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(400_000_000)  # cycles: >= 200 ms at SM clocks up to 2 GHz
+    t0 = time.perf_counter()
+    call()
+    host = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    return host
