@@ -59,14 +59,19 @@ def in_dry_run() -> bool:
     return _DRY.get() is not None
 
 
-def _load(kernel, device: int) -> None:
+def _load(kernel, device: int):
     """Finish one compile on a pool thread: its launcher (built by the host compiler on first use) and its module
-    loaded into the device's context."""
+    loaded into the device's context. Returns ``(kernel name, compiled kernel)``, or ``(name, exception)`` where
+    loading failed (shared memory or threads beyond the device's)."""
     with torch.cuda.device(device):
         kernel = kernel.result() if hasattr(kernel, "result") else kernel
         init = getattr(kernel, "_init_handles", None)
-        if init is not None:
-            init()
+        try:
+            if init is not None:
+                init()
+        except Exception as e:  # noqa: BLE001 - the caller's results say so; the real launch raises it again
+            return getattr(kernel, "name", None), e
+        return getattr(kernel, "name", None), kernel
 
 
 def dry_apply(apply: Callable, args: tuple, out_index: int = 0) -> None:
@@ -105,12 +110,15 @@ def apply(fn: Callable, args: tuple, x: torch.Tensor, key: Callable[[], tuple]):
     return fn(*args)
 
 
-def first_call(key: Hashable, dry: Callable[[], object], workers: int | None = None) -> bool:
+def first_call(key: Hashable, dry: Callable[[], object], workers: int | None = None,
+               results: list | None = None) -> bool:
     """Run ``dry`` (the op's call, forward and backward as the real call will run them) as a dry run the first time
     ``key`` is seen in this process, compiling every kernel it launches on ``workers`` threads (default: the host's
     cores, at most 16), and wait for the compiles. Returns whether it ran. Errors inside the dry run are dropped:
     the real call that follows meets them again and raises them itself. The kernels are compiled and loaded for
-    the current CUDA device, as Triton launches them. Call only where ``enabled`` holds."""
+    the current CUDA device, as Triton launches them. ``results``: a list that receives ``(kernel name, compiled
+    kernel or the exception its loading raised)`` per kernel (the RNN team search reads their spills). Call only
+    where ``enabled`` holds."""
     if key in _SEEN:
         return False
     with _LOCK:
@@ -135,7 +143,9 @@ def first_call(key: Hashable, dry: Callable[[], object], workers: int | None = N
             device = torch.cuda.current_device() if kernels else None  # the device Triton compiled them for
             for f in [pool.submit(_load, k, device) for k in kernels]:
                 try:
-                    f.result()
+                    out = f.result()
                 except Exception:  # noqa: BLE001 - a kernel that failed to compile fails again at its launch
-                    pass
+                    continue
+                if results is not None:
+                    results.append(out)
         return True

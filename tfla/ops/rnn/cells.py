@@ -106,23 +106,29 @@ def _team_feedback(index: int) -> TeamFeedback:
     return TeamFeedback()
 
 
-@functools.lru_cache(maxsize=1024)
+_TEAM_CHOICES: dict = {}  # (GPU, cell, shape, fixed values) -> the compiled search's TeamLaunch
+
+
 def _team_compiled(index: int, cell: str, N: int, NH: int, D: int, dtype, BK, sync, num_warps, BB, BC, resident,
-                   num_stages) -> TeamLaunch | None:
-    """``choose_team_launch_compiled`` on GPU ``index`` for ``cell`` with ``team.compile_check`` (each candidate
-    compiled at most once per process, ``_team_feedback``); cached per shape and fixed values, so a repeated call
-    does not search again."""
-    G, S = len(CELL_GATES[cell]), len(CELL_STATES[cell])
-    device = torch.device("cuda", index)
-    check = functools.partial(team_compile_check, _CELL_IDS[cell], G, S, D, dtype, N=N, NH=NH, device=device,
-                              sync=sync, num_warps=num_warps)
-    return choose_team_launch_compiled(N, NH, D, dtype, _device_limits(index), cell=cell,
-                                       feedback=_team_feedback(index), compiled=check, BK=BK, BB=BB, team_cols=BC,
-                                       team_resident=resident, num_stages=num_stages)
+                   num_stages, check=None) -> TeamLaunch | None:
+    """``choose_team_launch_compiled`` on GPU ``index`` for ``cell``: each candidate compiled at most once per
+    process (``_team_feedback``), by ``check(launch) -> (spill bytes, failed) or None`` where given (the call's own
+    dry run: ``rnn``) and else, or where it returns None, by ``team.compile_check``; the choice kept per shape and
+    fixed values, so a repeated call does not search again."""
+    key = (index, cell, N, NH, D, dtype, BK, sync, num_warps, BB, BC, resident, num_stages)
+    if key not in _TEAM_CHOICES:
+        G, S = len(CELL_GATES[cell]), len(CELL_STATES[cell])
+        compile_only = functools.partial(team_compile_check, _CELL_IDS[cell], G, S, D, dtype, N=N, NH=NH,
+                                         device=torch.device("cuda", index), sync=sync, num_warps=num_warps)
+        compiled = compile_only if check is None else (lambda t: check(t) or compile_only(t))
+        _TEAM_CHOICES[key] = choose_team_launch_compiled(
+            N, NH, D, dtype, _device_limits(index), cell=cell, feedback=_team_feedback(index), compiled=compiled,
+            BK=BK, BB=BB, team_cols=BC, team_resident=resident, num_stages=num_stages)
+    return _TEAM_CHOICES[key]
 
 
 def fused_launch(config, dtype: torch.dtype, N: int, NH: int, D: int, device: torch.device | None = None, *,
-                 cell: str | None = None) -> Launch | None:
+                 cell: str | None = None, check=None) -> Launch | None:
     """The path of a (checked) ``config`` for N rows and NH heads of D units (``cell``: that cell's kernels, None:
     the most demanding of the four): a ``Launch`` of the fused or team path, or None for the alternating one.
     Default: fused with D <= FUSED_AUTO_MAX_D, team above, alternating for float64 (the fused path at D = 128 is
@@ -135,7 +141,9 @@ def fused_launch(config, dtype: torch.dtype, N: int, NH: int, D: int, device: to
     choices near the register limit are compiled first and a spilling or failing one is passed over), team
     ``choose_team_launch`` (BB, units per member, R held or streamed, stages; 4 warps; on a GPU with a cell given,
     ``choose_team_launch_compiled``: the choice is compiled before it runs, one that fails to compile is passed over
-    and one that spills kilobytes ranks after those that do not). Where no candidate meets the
+    and one that spills kilobytes ranks after those that do not; ``check(launch)``: how a candidate ``Launch`` is
+    compiled for that, returning ``(spill bytes, failed)`` or None, default ``team.compile_check``). Where no
+    candidate meets the
     constraints (a config the device cannot take; on the interpreter it still runs) the config's values, else those
     hand-set ones, are taken as they are, and a launch beyond the GPU's resources raises ValueError naming
     ``config``."""
@@ -163,8 +171,10 @@ def fused_launch(config, dtype: torch.dtype, N: int, NH: int, D: int, device: to
     fixed = dict(BB=cfg.get("BB"), team_cols=cfg.get("team_cols"), team_resident=cfg.get("team_resident"),
                  num_stages=cfg.get("num_stages"))
     if on_gpu and cell is not None and not interpret_mode():  # compiler feedback: spills and failures
+        as_launch = functools.partial(_team_launch, cfg=cfg, N=N, NH=NH, D=D, limits=limits)
         t = _team_compiled(device.index or 0, cell, N, NH, D, dtype, cfg.get("team_BK"), cfg.get("team_sync"),
-                           cfg.get("num_warps", TEAM_WARPS), *fixed.values())
+                           cfg.get("num_warps", TEAM_WARPS), *fixed.values(),
+                           check=None if check is None else (lambda c: check(as_launch(c))))
     else:
         t = choose_team_launch(N, NH, D, dtype, limits, BK=cfg.get("team_BK"), **fixed)
     if t is None:
@@ -174,6 +184,11 @@ def fused_launch(config, dtype: torch.dtype, N: int, NH: int, D: int, device: to
         t = TeamLaunch(BB, BC, team_bk(D, dtype, res, cfg.get("team_BK")), res,
                        fixed["num_stages"] or (2 if dtype == torch.float32 else 3),
                        cdiv(D, BC) * cdiv(N, BB) * NH <= limits.sms)
+    return _team_launch(t, cfg, N, NH, D, limits)
+
+
+def _team_launch(t: TeamLaunch, cfg: dict, N: int, NH: int, D: int, limits: DeviceLimits) -> Launch:
+    """The cells' ``Launch`` of a team search result under ``cfg`` (its sync and warps)."""
     sync = cfg.get("team_sync")
     if sync is None:
         sync = t.fits and not interpret_mode()
@@ -423,12 +438,42 @@ def pad_index(bounds, lengths, T: int, device):
     return gather, seq * Tm + rows - offs[seq]
 
 
+def _precompile_key(opts: RNNOptions, x, R, b, state0) -> tuple:
+    # (the key without the sequences' lengths, which vary between varlen batches)
+    return ("rnn", precompile.signature(x, R, b, *state0), x.shape[1] % 16 == 0, dataclasses.replace(opts, lengths=()))
+
+
 def _apply(opts: RNNOptions, x, R, b, *state0):
     """``RNNFunction.apply``, its kernels compiled on a thread pool first at the first call of a kind (the cell, the
     launch, the dtypes and head sizes; ``precompile.first_call``)."""
-    # (the key without the sequences' lengths, which vary between varlen batches)
-    return precompile.apply(RNNFunction.apply, (opts, x, R, b, *state0), x, lambda: (
-        "rnn", precompile.signature(x, R, b, *state0), x.shape[1] % 16 == 0, dataclasses.replace(opts, lengths=())))
+    return precompile.apply(RNNFunction.apply, (opts, x, R, b, *state0), x,
+                            lambda: _precompile_key(opts, x, R, b, state0))
+
+
+_TEAM_KERNELS = ("_rnn_team_fwd_kernel", "_rnn_team_bwd_kernel")
+
+
+def _dry_run_check(opts: RNNOptions, x, R, b, state0):
+    """The team search's compile check as the call's own first dry run (``precompile.first_call``): a candidate
+    ``Launch`` runs the dry run that the call would run anyway (every kernel of its forward and backward compiled on
+    the pool at once), and its team kernels' loads give ``(spill bytes, failed)``; None where no dry run ran (not
+    ``precompile.enabled``, or one ran for that launch before), so the search compiles the candidate itself."""
+    def check(launch: Launch):
+        o = dataclasses.replace(opts, fused=launch)
+        if not precompile.enabled(x):
+            return None
+        results: list = []
+        key = (*_precompile_key(o, x, R, b, state0), x.device)  # precompile.apply's key for this launch
+        if not precompile.first_call(key, lambda: precompile.dry_apply(RNNFunction.apply, (o, x, R, b, *state0)),
+                                     results=results):
+            return None
+        team = [k for name, k in results if name in _TEAM_KERNELS]
+        if not team:
+            return None
+        spill = max((int(getattr(k, "n_spills", 0) or 0) for k in team if not isinstance(k, Exception)), default=0)
+        return spill, any(isinstance(k, Exception) for k in team)
+
+    return check
 
 
 @on_input_device
@@ -446,17 +491,17 @@ def rnn(cell: str, x, R, b, initial_state=None, output_final_state=False, *, cu_
 
         out = rnn_fwd_op(x, R, b, list(state0), cu_seqlens, cell, output_final_state, config_arg(config))
         return out[0], (tuple(out[1:]) if output_final_state else None)
-    fused = fused_launch(config, x.dtype, len(lengths), x.shape[3], x.shape[4], x.device, cell=cell)
-    opts = RNNOptions(cell, lengths, output_final_state, fused=fused)
-    if bounds is None:
-        out = _apply(opts, x, R, b, *state0)
-        return out[0], (tuple(out[1:]) if output_final_state else None)
-    # varlen: the packed sequences as a padded batch [N, Tm] gathered by index (pad rows read a zero row; they
-    # run after each sequence's last step, so they change neither its outputs nor its final state)
-    gather, unpack = pad_index(bounds, lengths, x.shape[1], x.device)
-    x_ext = torch.cat([x[0], x.new_zeros(1, *x.shape[2:])])
-    out = _apply(opts, x_ext[gather], R, b, *state0)
-    h = out[0].flatten(0, 1).index_select(0, unpack).unsqueeze(0)  # [1, T, NH, D]: rows in packed order
+    xp = x
+    if bounds is not None:
+        # varlen: the packed sequences as a padded batch [N, Tm] gathered by index (pad rows read a zero row; they
+        # run after each sequence's last step, so they change neither its outputs nor its final state)
+        gather, unpack = pad_index(bounds, lengths, x.shape[1], x.device)
+        xp = torch.cat([x[0], x.new_zeros(1, *x.shape[2:])])[gather]
+    opts = RNNOptions(cell, lengths, output_final_state)
+    fused = fused_launch(config, x.dtype, len(lengths), x.shape[3], x.shape[4], x.device, cell=cell,
+                         check=_dry_run_check(opts, xp, R, b, state0))
+    out = _apply(dataclasses.replace(opts, fused=fused), xp, R, b, *state0)
+    h = out[0] if bounds is None else out[0].flatten(0, 1).index_select(0, unpack).unsqueeze(0)  # packed order
     return h, (tuple(out[1:]) if output_final_state else None)
 
 
