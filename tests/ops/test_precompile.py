@@ -1,6 +1,7 @@
 """First calls compiled on a thread pool (``tfla/ops/common/precompile.py``): the dry run's routing of launches on
 any machine; on a GPU, in a fresh process with an empty Triton cache, a GDN forward + backward whose first call
 compiles every kernel inside the dry run, launches nothing there, and returns what the next call returns."""
+import contextlib
 import json
 import os
 import subprocess
@@ -176,3 +177,31 @@ def test_first_call_compiles_in_the_dry_run_gpu(tmp_path, op):
     assert r["compiles"]["dry"] >= 2 and r["compiles"]["real"] == 0, r
     assert r["launches"]["dry"] == 0 and r["launches"]["real"] >= 2, r
     assert r["equal"], r
+
+
+def test_first_call_results(monkeypatch):
+    """``first_call(..., results=)`` receives each compiled kernel's ``(name, kernel)`` after its load, and
+    ``(name, exception)`` where the load raised (the RNN team search reads spills and failures from them)."""
+    from triton.runtime.jit import JITFunction
+
+    class Kernel:
+        def __init__(self, name, fails):
+            self.name, self.fails = name, fails
+
+        def _init_handles(self):
+            if self.fails:
+                raise RuntimeError("out of resource: shared memory")
+
+    monkeypatch.setattr(precompile, "_ORIG_RUN", lambda self, *a, grid, warmup, **kw: self)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())  # (no GPU needed)
+    ok, bad = Kernel("ok_kernel", False), Kernel("bad_kernel", True)
+
+    def dry():
+        JITFunction.run(ok, grid=(1,), warmup=False)
+        JITFunction.run(bad, grid=(1,), warmup=False)
+
+    results = []
+    assert precompile.first_call(("test_first_call_results", object()), dry, workers=2, results=results)
+    assert results[0] == ("ok_kernel", ok)
+    assert results[1][0] == "bad_kernel" and isinstance(results[1][1], RuntimeError)
