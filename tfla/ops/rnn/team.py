@@ -29,6 +29,7 @@ across a cooperative grid); README of the cells for the measurements.
 """
 from __future__ import annotations
 
+import types
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -445,8 +446,6 @@ def compile_check(cell_id: int, G: int, S: int, D: int, dtype: torch.dtype, laun
     Triton's cache; ``sync`` None: the persistent kernel where the team fits the SMs), both at once on two threads,
     loaded (which checks shared memory and threads), and the larger of their local-memory (spill) bytes per thread
     read. For ``tiling.choose_team_launch_compiled`` (a GPU only; the interpreter compiles nothing)."""
-    import types
-
     sync = launch.fits if sync is None else sync
     run = types.SimpleNamespace(BB=launch.BB, BC=launch.BC, BK=launch.BK, resident=launch.resident,
                                 num_stages=launch.num_stages, num_warps=num_warps)
@@ -460,8 +459,9 @@ def compile_check(cell_id: int, G: int, S: int, D: int, dtype: torch.dtype, laun
     launches = ((_rnn_team_fwd_kernel, (dtype, dtype, f32, f32, f32, dtype, cnt, ring, N, NH, D, 0,
                                         Tm if sync else 1, *w, *x, *o), {}),
                 (_rnn_team_bwd_kernel, (dtype, dtype, f32, f32, f32, dtype, f32, i32, f32, dtype, f32, f32, f32,
-                                        i32 if sync else i32, ring, N, NH, D, Tm, Tm - 1, Tm if sync else 1,
-                                        1 if sync else 0, *w, *x, *o, *x), {"HAS_SEQ": False}))
+                                        i32, ring, N, NH, D, Tm, Tm - 1, Tm if sync else 1, 1 if sync else 0, *w,
+                                        *x, *o, *x), {"HAS_SEQ": False}))
+
     def build(kernel, args, extra):  # loading the binary checks shared memory and threads and reads n_spills
         with torch.cuda.device(device):
             compiled = kernel.warmup(*args, grid=grid, CELL=cell_id, G=G, S=S, SYNC=sync, **extra, **kw, **opts)
@@ -470,7 +470,7 @@ def compile_check(cell_id: int, G: int, S: int, D: int, dtype: torch.dtype, laun
 
     spill, failed = 0, False
     with ThreadPoolExecutor(len(launches), thread_name_prefix="tfla-compile") as pool:  # both kernels at once
-        for f in [pool.submit(build, *launch) for launch in launches]:
+        for f in [pool.submit(build, *spec) for spec in launches]:
             try:
                 spill = max(spill, f.result())
             except triton.runtime.errors.OutOfResources:
