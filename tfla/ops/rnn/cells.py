@@ -438,6 +438,19 @@ def pad_index(bounds, lengths, T: int, device):
     return gather, seq * Tm + rows - offs[seq]
 
 
+def pad_rows(x: torch.Tensor, bounds, lengths) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Packed sequences ``x [1, T, ...]`` as a padded batch ``[N, Tm, ...]`` gathered by ``pad_index`` (pad steps read
+    a zero row; they run after each sequence's last step, so they change neither its outputs nor its final state):
+    ``(padded x, gather, unpack)``, ``unpack`` for ``unpad_rows``."""
+    gather, unpack = pad_index(bounds, lengths, x.shape[1], x.device)
+    return torch.cat([x[0], x.new_zeros(1, *x.shape[2:])])[gather], gather, unpack
+
+
+def unpad_rows(o: torch.Tensor, unpack: torch.Tensor) -> torch.Tensor:
+    """A padded batch's rows ``[N, Tm, ...]`` back in packed order ``[1, T, ...]`` (``pad_rows``' inverse)."""
+    return o.flatten(0, 1).index_select(0, unpack).unsqueeze(0)
+
+
 def _precompile_key(opts: RNNOptions, x, R, b, state0) -> tuple:
     # (the key without the sequences' lengths, which vary between varlen batches)
     return ("rnn", precompile.signature(x, R, b, *state0), x.shape[1] % 16 == 0, dataclasses.replace(opts, lengths=()))
@@ -491,17 +504,12 @@ def rnn(cell: str, x, R, b, initial_state=None, output_final_state=False, *, cu_
 
         out = rnn_fwd_op(x, R, b, list(state0), cu_seqlens, cell, output_final_state, config_arg(config))
         return out[0], (tuple(out[1:]) if output_final_state else None)
-    xp = x
-    if bounds is not None:
-        # varlen: the packed sequences as a padded batch [N, Tm] gathered by index (pad rows read a zero row; they
-        # run after each sequence's last step, so they change neither its outputs nor its final state)
-        gather, unpack = pad_index(bounds, lengths, x.shape[1], x.device)
-        xp = torch.cat([x[0], x.new_zeros(1, *x.shape[2:])])[gather]
+    xp, _, unpack = (x, None, None) if bounds is None else pad_rows(x, bounds, lengths)  # varlen: padded
     opts = RNNOptions(cell, lengths, output_final_state)
     fused = fused_launch(config, x.dtype, len(lengths), x.shape[3], x.shape[4], x.device, cell=cell,
                          check=_dry_run_check(opts, xp, R, b, state0))
     out = _apply(dataclasses.replace(opts, fused=fused), xp, R, b, *state0)
-    h = out[0] if bounds is None else out[0].flatten(0, 1).index_select(0, unpack).unsqueeze(0)  # packed order
+    h = out[0] if unpack is None else unpad_rows(out[0], unpack)
     return h, (tuple(out[1:]) if output_final_state else None)
 
 

@@ -12,7 +12,7 @@ import torch
 
 from tfla.ops.common.utils import host_ints, on_input_device
 from tfla.ops.common.varlen import cached_bounds
-from tfla.ops.rnn.cells import _acc, fused_launch, pad_index, rnn_bwd, rnn_fwd
+from tfla.ops.rnn.cells import _acc, fused_launch, pad_rows, rnn_bwd, rnn_fwd, unpad_rows
 from tfla.ops.rnn.reference import CELL_STATES
 from tfla.utils.validation import check_varlen_bounds
 
@@ -40,8 +40,7 @@ def _forward(cell, x, R, b, state0, cu_seqlens, config):
         bounds = cached_bounds(cu_seqlens)
         check_varlen_bounds(bounds, T)
         lengths = tuple(b1 - b0 for b0, b1 in zip(bounds[:-1], bounds[1:]))
-        gather, unpack = pad_index(bounds, lengths, T, x.device)
-        xp = torch.cat([x[0], x.new_zeros(1, *x.shape[2:])])[gather]
+        xp, gather, unpack = pad_rows(x, bounds, lengths)
     N, _, _, NH, D = xp.shape
     acc = _acc(x.dtype)
     S = len(CELL_STATES[cell])
@@ -49,7 +48,7 @@ def _forward(cell, x, R, b, state0, cu_seqlens, config):
         torch.zeros(S, NH, N, D, device=x.device, dtype=acc)
     fused = fused_launch(config, x.dtype, N, NH, D, x.device, cell=cell)
     o, states, rh, Wt, b_acc = rnn_fwd(cell, xp, R, b, s0, fused)
-    h = o if unpack is None else o.flatten(0, 1).index_select(0, unpack).unsqueeze(0)
+    h = o if unpack is None else unpad_rows(o, unpack)
     return h, states, rh, Wt, b_acc, xp, lengths, gather, unpack, fused
 
 
