@@ -202,7 +202,7 @@ def _record_gdn_bwd_ws(dtype, T, K, V):
     for gva in (False, True) if (K, V) == (128, 128) else (False,):
         HQ = H if gva else HV
         outs = (torch.empty(1, T, HQ, K, dtype=dtype), torch.empty(1, T, HQ, K, dtype=dtype),
-                *(torch.empty(1, T, HV) for _ in range(3)))
+                *(torch.empty(1, T, HV) for _ in range(2)))
         cw.gdn_bwd_chunk_ws(q, k, v, torch.rand(1, T, HV, dtype=dtype), torch.randn(1, T, HV, 64, dtype=dtype), vn,
                             do, du, h, h, g, 0.1, pairs, tiles, torch.tensor([0, 2], dtype=torch.int32),
                             dv_into_du=True, gva_sum=gva, out=outs)

@@ -18,7 +18,10 @@ n the last row, Tm = (I + A)^-1 (``ut_transform.py``), X_k = beta 2^G k, X_v = b
    ``dA = -Tm^T dTm Tm^T``, dk's WY part ``beta 2^G Tm^T dW + M K + M^T K`` with ``M = dA o E o beta``, dbeta;
 3. pass 2: ``s = dO Vnew^T``, ``dq_state = dO S^T``, ``dk_state = Vnew dS^T``;
 4. ``q k^T``, the scores ``P = s o 2^(G_r - G_s)`` (strictly lower), ``dq = scale (2^G dq_state + P k + diag(s) k)``,
-   ``dk = scale (P^T q + diag(s) q) + 2^(G_n - G) dk_state +`` the WY part, the gate gradient's row sums.
+   ``dk = scale (P^T q + diag(s) q) + 2^(G_n - G) dk_state +`` the WY part, and the gate gradient's rows: the
+   reverse sums that form it within the chunk (``sum_{s < t} k_s . dk_state_s``, ``sum_{r >= t}`` of the WY rows) are
+   left to the epilogue's reverse cumsum (rows ``- k . dk_state`` and the WY rows, the chunk's last row carrying the
+   whole chunk's ``k . dk_state`` sum and ``2^(G_n) <S, dS>``), so no ``[64, 64]`` masked sums run here.
 
 Every input tile of a chunk has one buffer in shared memory (200 KB at V = 128, so one CTA per SM). The producer
 refills each group of buffers for the next tile as soon as the consumers have released it (``_bwd_producer``): v, dU
@@ -304,7 +307,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _bwd_consumer(q_s, k_s, v_s, du_s, h_s, dh_s, tm_s, do_s, vn_s, p_s, dv_s, out_s, rows_s, idx_s, f_r, f_a,
                       f_c, f_d, f_e, f_p, e_r, e_a, e_c, e_e, dq_desc, dk_desc, dv_desc, sc_desc, dq, dk, dv, dgd,
-                      dbeta, dgam, scale, n_tiles, H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr,
+                      dbeta, scale, n_tiles, H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr,
                       V: gl.constexpr, L2: gl.constexpr, GVA: gl.constexpr):
         """Two warpgroups: the CTA's tiles one after another (module docstring), each buffer group released to the
         producer after its last reader. With ``GVA`` (the value heads of a key head's chunk in turn), dq and dk of
@@ -414,15 +417,16 @@ if HAVE_GLUON:
                                  use_acc=False)
             b_pa = b_p * b_qk
             b_pd = gl.sum(b_pa, 1) - gl.convert_layout(gl.sum(b_pa, 0), LSR)
-            b_dg = (gl.sum(q_s.load(L).to(gl.float32) * b_dq, 1) + gl.convert_layout(b_pd, LR)) * scale
-            gl.store(dgd + (r - t0 + o_r) * HV + i_hv, b_dg, mask=m_r)
-            # the chunk's gate gradient of the state and WY parts, reverse-summed (wy_bwd's): for rows t,
-            # sum_{s < t} k_s . dk_state_s + sum_{r >= t} dgr_r + 2^(G_n) <S, dS>, sums over masks
-            b_pc = gl.convert_layout(gl.sum(k_s.load(L).to(gl.float32) * b_dks, 1), LSC)
-            b_dgc = gl.convert_layout(b_dgr, LSC)
-            m_ge = o_sc[None, :] >= o_sr[:, None]  # [t, r]: r >= t
-            b_dgm = gl.sum(gl.where(m_ge, 0.0, b_pc[None, :]) + gl.where(m_ge, b_dgc[None, :], 0.0), 1)
-            gl.store(dgam + (r - t0 + o_sr) * HV + i_hv, b_dgm + gl.exp2(b_gn) * b_sdsum, mask=m_sr)
+            # the gate gradient's rows x, whose reverse sum over the chunk the epilogue takes (gate_act /
+            # cumsum): q . dq - k . dk of the tiled product, + the WY part's rows dgr, - k . dk_state; the chunk's
+            # last row also carries sum_s k_s . dk_state_s + 2^(G_n) <S, dS>, so that the reverse sum gives
+            # sum_{r >= t} (dgd_r + dgr_r) + sum_{s < t} k_s . dk_state_s + 2^(G_n) <S, dS> for every row t
+            b_pc = gl.sum(k_s.load(L).to(gl.float32) * b_dks, 1)  # k . dk_state per row
+            b_x = (gl.sum(q_s.load(L).to(gl.float32) * b_dq, 1) + gl.convert_layout(b_pd, LR)) * scale
+            b_x += b_dgr - b_pc
+            b_last = gl.sum(b_pc, 0) + gl.exp2(b_gn) * b_sdsum
+            b_x += gl.where(o_r == gl.minimum(Tn, t0 + 64) - 1, b_last, 0.0)
+            gl.store(dgd + (r - t0 + o_r) * HV + i_hv, b_x, mask=m_r)
             b_dks += out_s.load(L).to(gl.float32)  # + dk's WY part
             _cta_barrier()  # out_s read by every warp before dq's store writes it
             b_dq = warpgroup_mma(p_s, k_s, b_dq)
@@ -466,7 +470,7 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _gdn_bwd_ws_kernel(q_desc, k_desc, vn_desc, do_desc, du_desc, h_desc, dh_desc, dq_desc, dk_desc, v_desc,
-                           tm_desc, dv_desc, sc_desc, g, beta, dq, dk, dv, dgd, dbeta, dgam, rstd_q, rstd_k,
+                           tm_desc, dv_desc, sc_desc, g, beta, dq, dk, dv, dgd, dbeta, rstd_q, rstd_k,
                            cu_seqlens, tile_indices, sub_offsets, scale, T, NT, n_tiles, H: gl.constexpr,
                            HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, IS_VARLEN: gl.constexpr,
                            L2: gl.constexpr, GVA: gl.constexpr):
@@ -475,8 +479,8 @@ if HAVE_GLUON:
         (``GVA``: units of a key head's HV / H value heads, ``_work_range``); 8 consumer warps and a producer warp.
         Writes dq, dk ``[B T, HV K]`` (per value head; ``GVA``: ``[B T, H K]``, summed over each key head's value
         heads through the scratch ``sc_desc``, ``[2 grid 64, K]``; with L2 the gradients of l2norm's inputs), dv
-        ``[B T, HV V]``, and fp32 ``[B T, HV]`` rows: dgd (``q . dq - k . dk`` of the tiled product, r = s terms out),
-        dbeta and dgam (the state and WY parts of the gate gradient, the chunk's reverse sum included)."""
+        ``[B T, HV V]``, and fp32 ``[B T, HV]`` rows: dbeta and dgd (the gate gradient's rows whose reverse sum
+        within each chunk is its delta part: ``gdn_bwd_chunk_ws``)."""
         dt: gl.constexpr = q_desc.dtype
         NV: gl.constexpr = V // 64
         q_s = gl.allocate_shared_memory(dt, q_desc.block_type.shape, q_desc.layout)
@@ -519,7 +523,7 @@ if HAVE_GLUON:
         gl.warp_specialize([
             (_bwd_consumer, (q_s, k_s, v_s, du_s, h_s, dh_s, tm_s, do_s, vn_s, p_s, dv_s, out_s, rows_s, idx_s, f_r,
                              f_a, f_c, f_d, f_e, f_p, e_r, e_a, e_c, e_e, dq_desc, dk_desc, dv_desc, sc_desc, dq, dk,
-                             dv, dgd, dbeta, dgam, scale, n_tiles, H, HV, K, V, L2, GVA)),
+                             dv, dgd, dbeta, scale, n_tiles, H, HV, K, V, L2, GVA)),
             (_bwd_producer, (q_desc, k_desc, v_desc, du_desc, h_desc, dh_desc, tm_desc, do_desc, vn_desc, q_s, k_s,
                              v_s, du_s, h_s, dh_s, tm_s, do_s, vn_s, rows_s, idx_s, f_r, f_a, f_c, f_d, f_e, f_p, e_r,
                              e_a, e_c, e_e, sc_desc, g, beta, rstd_q, rstd_k, cu_seqlens, tile_indices, sub_offsets, T,
@@ -562,7 +566,7 @@ def gdn_bwd_chunk_ws(q, k, v, beta, ai, v_new, do, du, h_sub, dh_sub, g_cum, sca
     64-row chunk) table and each sequence's first chunk; l2: ``(rstd_q, rstd_k)`` (``[B, T, H]`` fp32, from
     ``l2norm_fwd``) when q and k are l2norm's outputs and HV = H or ``gva_sum``: dq and dk are then the gradients of
     its inputs;
-    out: ``(dq, dk, dbeta, dgd, dgam)`` buffers to write into (the tiles' rows written, the rest untouched; with
+    out: ``(dq, dk, dbeta, dgd)`` buffers to write into (the tiles' rows written, the rest untouched; with
     ``cu_seqlens`` as (first row, end row) pairs, ``utils.varlen_mode``: the GDN backward's slabs);
     dv_into_du: dv is written over du (the caller's dU is dead after this call; one tensor of v's size less at the
     backward's peak): each CTA stores a dv tile only after its own TMA load of the same dU tile has landed; a CTA
@@ -576,10 +580,12 @@ def gdn_bwd_chunk_ws(q, k, v, beta, ai, v_new, do, du, h_sub, dh_sub, g_cum, sca
     ``group_sum`` after it; a CTA runs a key head's value heads of a chunk in turn, passing the partial sums (16-bit,
     as ``group_sum``'s inputs) through its rows of a scratch tensor that stays in L2;
     config: ``num_warps``.
-    Returns ``(dq, dk, dv, dbeta, dgd, dgam)``: dq, dk ``[B, T, HV, K]`` per value head (``[B, T, H, K]`` with
-    ``gva_sum``) in q's dtype, dv like v,
-    dbeta ``[B, T, HV]`` fp32, dgd (``q . dq - k . dk`` of the tiled product, ``chunk_dqkw_bwd``'s) and dgam (the
-    state and WY parts of the gate gradient, the chunk's reverse sum included, ``wy_bwd``'s) ``[B, T, HV]`` fp32.
+    Returns ``(dq, dk, dv, dbeta, dgd)``: dq, dk ``[B, T, HV, K]`` per value head (``[B, T, H, K]`` with
+    ``gva_sum``) in q's dtype, dv like v, dbeta ``[B, T, HV]`` fp32, and dgd ``[B, T, HV]`` fp32: rows whose reverse
+    cumsum within each 64-row chunk (``chunk_local_cumsum(dgd, 64, reverse=True)``) is the gate gradient's delta
+    part, ``chunk_dqkw_bwd``'s dgd reverse-summed plus ``wy_bwd``'s dgam: the tiled product's ``q . dq - k . dk``,
+    the WY part's rows and ``-k . dk_state``, the chunk's last row also carrying ``sum k . dk_state + 2^(G_n) <S,
+    dS>`` (module docstring, step 4).
     Raises ValueError for ``l2`` with HV != H without ``gva_sum`` (the grouped heads' sum comes first:
     ``group_sum``), for ``gva_sum`` where it does not apply (HV = H, K or V not 128, with ``dq_into_v_new``)."""
     cfg = {**GDN_BWD_WS_DEFAULTS, **(config or {})}
@@ -595,14 +601,14 @@ def gdn_bwd_chunk_ws(q, k, v, beta, ai, v_new, do, du, h_sub, dh_sub, g_cum, sca
     if dq_into_v_new and (out is not None or K != V or v_new.dtype != q.dtype or not v_new.is_contiguous()):
         raise ValueError("dq_into_v_new needs no `out`, K = V and a contiguous Vnew in q's dtype")
     if out is not None:
-        dq, dk, dbeta, dgd, dgam = out
+        dq, dk, dbeta, dgd = out
     else:
         dq = v_new.view(B, T, HV, K) if dq_into_v_new else torch.empty(B, T, HQ, K, dtype=q.dtype, device=q.device)
         dk = torch.empty(B, T, HQ, K, dtype=q.dtype, device=q.device)
-        dbeta, dgd, dgam = (torch.empty(B, T, HV, dtype=torch.float32, device=q.device) for _ in range(3))
+        dbeta, dgd = (torch.empty(B, T, HV, dtype=torch.float32, device=q.device) for _ in range(2))
     dv = du if dv_into_du else torch.empty_like(v)
     if NT == 0:
-        return dq, dk, dv, dbeta, dgd, dgam
+        return dq, dk, dv, dbeta, dgd
     bf16 = q.dtype == torch.bfloat16
     nrow = h_sub.numel() // V
 
@@ -623,9 +629,9 @@ def gdn_bwd_chunk_ws(q, k, v, beta, ai, v_new, do, du, h_sub, dh_sub, g_cum, sca
         desc(do, B * T, HV * V, [BS, BVC]), desc(du, B * T, HV * V, [BS, BVC]), desc(h_sub, nrow, V, [K, BVC]),
         desc(dh_sub, nrow, V, [K, BVC]), dq_desc, desc(dk, B * T, HQ * K, [BS, K]),
         desc(v, B * T, HV * V, [BS, BVC]), desc(ai, B * T, HV * 64, [BS, 64]), desc(dv, B * T, HV * V, [BS, BVC]),
-        sc_desc, g_cum, beta, dq, dk, dv, dgd, dbeta, dgam, l2[0] if l2 is not None else g_cum,
+        sc_desc, g_cum, beta, dq, dk, dv, dgd, dbeta, l2[0] if l2 is not None else g_cum,
         l2[1] if l2 is not None else g_cum, cu_seqlens if cu_seqlens is not None else g_cum,
         tile_indices if tile_indices is not None else g_cum, sub_offsets if sub_offsets is not None else g_cum,
         scale, T, NT, n_tiles, H=H, HV=HV, K=K, V=V, IS_VARLEN=varlen_mode(cu_seqlens), L2=l2 is not None,
         GVA=gva_sum, num_warps=cfg["num_warps"])
-    return dq, dk, dv, dbeta, dgd, dgam
+    return dq, dk, dv, dbeta, dgd

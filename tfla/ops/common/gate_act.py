@@ -59,7 +59,7 @@ def _gdn_gate_kernel(
     cu_seqlens, chunk_indices, T, NT,
     HV: tl.constexpr, BT: tl.constexpr, REVERSE: tl.constexpr, GATE: tl.constexpr, HAS_BIAS: tl.constexpr,
     BETA: tl.constexpr, IS_VARLEN: tl.constexpr, FLAT: tl.constexpr, ACC: tl.constexpr, FLOOR: tl.constexpr,
-    SCALE: tl.constexpr,
+    SCALE: tl.constexpr, HAS_ADD: tl.constexpr,
 ):
     """One (chunk, batch x head) per program. ``GATE``: g holds ``a`` and ``g = -exp(A_log) softplus(a + dt_bias)``
     (``HAS_BIAS``); ``BETA``: 0 none, 1 sigmoid, 2 twice the sigmoid; ``REVERSE``: the backward (module docstring)."""
@@ -87,7 +87,8 @@ def _gdn_gate_kernel(
     else:
         # scanned from the end (chunk_local_cumsum's order), plus the delta part's own gradient
         b_dg = tl.cumsum(tl.load(dg_in + p, mask=m, other=0.0).to(ACC), axis=0, reverse=True)
-        b_dg += tl.load(dg_add + p, mask=m, other=0.0).to(ACC)
+        if HAS_ADD:
+            b_dg += tl.load(dg_add + p, mask=m, other=0.0).to(ACC)
         if GATE:
             b_da = tl.where(m, -b_e * _softplus_grad(b_x) * b_dg, 0.0)
             tl.store(out + p, b_da.to(out.dtype.element_ty), mask=m)
@@ -127,7 +128,7 @@ def _launch(g, act: GateAct, cu_seqlens, chunk_indices, bounds, reverse, **ptrs)
         args["dg_add"], args["dbeta"], part if part is not None else dummy, cu_seqlens, chunk_indices, T, NT,
         HV=HV, BT=64, REVERSE=reverse, GATE=act.A_log is not None, HAS_BIAS=act.dt_bias is not None,
         BETA=act.beta, IS_VARLEN=cu_seqlens is not None, FLAT=flat, ACC=acc_dtype(g.dtype),
-        FLOOR=LOG_DECAY_FLOOR, SCALE=RCP_LN2, num_warps=1,
+        FLOOR=LOG_DECAY_FLOOR, SCALE=RCP_LN2, HAS_ADD=ptrs.get("dg_add") is not None, num_warps=1,
     )
     return part
 
@@ -150,18 +151,19 @@ def gate_prologue(g: torch.Tensor, beta: torch.Tensor, act: GateAct, cu_seqlens=
     return out, (beta_out if beta_out is not None else beta)
 
 
-def gate_epilogue(dgq: torch.Tensor, dgam: torch.Tensor, dbeta: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+def gate_epilogue(dgq: torch.Tensor, dgam: torch.Tensor | None, dbeta: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                   act: GateAct, cu_seqlens=None, chunk_indices=None, bounds=None):
     """The backward of ``gate_prologue`` and of the gate's chunk cumsum, from ``dgq`` (the part whose reverse cumsum
-    within 64 rows is the gate gradient), ``dgam`` (added after it), both ``[B, T, HV]``, and ``dbeta`` (of the
-    activated beta); ``g``, ``beta`` the forward's inputs. Returns ``(dg, dbeta, dA_log, ddt_bias)``: dg
+    within 64 rows is the gate gradient), ``dgam`` (added after it, or None), both ``[B, T, HV]``, and ``dbeta`` (of
+    the activated beta); ``g``, ``beta`` the forward's inputs. Returns ``(dg, dbeta, dA_log, ddt_bias)``: dg
     ``[B, T, HV]`` of g as given (the pre-activation with ``act.A_log``), fp32 (float64 for float64 g); dbeta of beta
     as given (fp32 when activated, else ``dbeta`` itself); dA_log, ddt_bias ``[HV]`` fp32 / float64, or None."""
     acc = torch.float64 if g.dtype == torch.float64 else torch.float32
     out = torch.empty(g.shape, dtype=acc, device=g.device)
     dbeta_out = torch.empty(beta.shape, dtype=acc, device=beta.device) if act.beta != NO_BETA else None
     part = _launch(g.contiguous(), act, cu_seqlens, chunk_indices, bounds, True, beta=beta.contiguous(), out=out,
-                   beta_out=dbeta_out, dg_in=dgq.contiguous(), dg_add=dgam.contiguous(), dbeta=dbeta.contiguous())
+                   beta_out=dbeta_out, dg_in=dgq.contiguous(),
+                   dg_add=dgam.contiguous() if dgam is not None else None, dbeta=dbeta.contiguous())
     dA_log = ddt = None
     if part is not None:
         sums = part.view(g.shape[0], g.shape[2], -1, 2).sum((0, 2))  # over batches and chunks, per head

@@ -230,12 +230,13 @@ def chunk_gated_delta_rule_bwd(
         # on Hopper: the stage below and the UT / WY backward in one kernel (chunk_dqkw_ws.py): dW, dk's parts and
         # the state terms of the gate gradient stay on chip; the GVA sum (K = V = 128) and l2norm's backward too
         gva = _gva_sum(H, HV, K, v.shape[3])
-        dq, dk, dv, dbeta, dgq, dgam = gdn_bwd_chunk_ws(
+        dq, dk, dv, dbeta, dgq = gdn_bwd_chunk_ws(
             q, k, v, beta, ai, v_new, do, du, h_sub, dh_sub, g_cum, scale, cu_seqlens=cu,
             tile_indices=sub, sub_offsets=varlen.sub_offsets if varlen is not None else None,
             l2=(l2[1], l2[3]) if l2 is not None and (HV == H or gva) else None, dv_into_du=True,
             dq_into_v_new=own_v_new and K == v.shape[3] and not gva, gva_sum=gva,
             config=ws if isinstance(ws, dict) else None)
+        dgam = None  # (dgq's reverse cumsum is the whole delta part)
         del w, h_sub, dh_sub, du, v_new
         if HV == H or gva:
             l2 = None  # (done)
@@ -263,7 +264,8 @@ def _gva_sum(H: int, HV: int, K: int, V: int) -> bool:
 
 def _bwd_epilogue(q, k, dq, dk, dv, dbeta, dgq, dgam, dh0, g, beta_in, act, l2, varlen, acc_dtype, cu):
     """The backward's last passes: dg (and the activations' gradients), the GVA sum and l2norm's backward where the
-    chunk gradients left them (dq, dk per value head)."""
+    chunk gradients left them (dq, dk per value head). dg = the reverse cumsum of dgq within 64 rows, + dgam (None:
+    the Hopper chunk-gradient kernel's dgq carries it)."""
     H, HV = q.shape[2], dq.shape[2]
     # + the delta part's gradient of g (its reverse cumsum over the chunk done in wy_bwd), in the same pass, and the
     # activations' backward there too
@@ -361,8 +363,9 @@ def _ws_bwd_in_slabs(q, k, v, g_cum, beta, ai, v_new, do, dht, initial_state, sc
     ``gva_sum``, which sums a key head's value heads in the kernel), dq is written over the Vnew rows of its own slab
     (each chunk's CTA stores its dq tile after its own loads of that Vnew tile; a later slab's pass writes only its
     own rows): no buffer of v's size for dq. Same products and order as the unsplit
-    backward: results equal up to the order of fp32 additions. Returns ``(dq, dk, dv, dbeta, dgd, dgam, dh0)`` as
-    the chunk-gradient stage (dq, dk per key head with ``gva_sum``)."""
+    backward: results equal up to the order of fp32 additions. Returns ``(dq, dk, dv, dbeta, dgd, None, dh0)`` as
+    the chunk-gradient stage (dq, dk per key head with ``gva_sum``; dgd's reverse cumsum within 64 rows is the
+    whole delta part of the gate gradient: no ``dgam``)."""
     n, states = slab
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -383,7 +386,7 @@ def _ws_bwd_in_slabs(q, k, v, g_cum, beta, ai, v_new, do, dht, initial_state, sc
     dq = vnf.view(1, B * T, HV, K) if own_v_new and K == V and not gva_sum else torch.empty(
         1, B * T, HQ, K, dtype=q.dtype, device=dev)
     dk = torch.empty_like(dq)
-    dbeta, dgd, dgam = (torch.empty(1, B * T, HV, dtype=torch.float32, device=dev) for _ in range(3))
+    dbeta, dgd = (torch.empty(1, B * T, HV, dtype=torch.float32, device=dev) for _ in range(2))
     if l2 is not None:
         l2 = tuple(x.reshape(1, B * T, *x.shape[2:]) for x in l2)
     ds = dht
@@ -403,10 +406,10 @@ def _ws_bwd_in_slabs(q, k, v, g_cum, beta, ai, v_new, do, dht, initial_state, sc
                                            pairs, offs, nch, config=sb_cfg, du_out=du)
         gdn_bwd_chunk_ws(qf, kf, vf, bf, af, vnf, dof, du, h_sub, dh_sub, gf, scale, cu_seqlens=pairs,
                          tile_indices=tiles, sub_offsets=offs, l2=l2, dv_into_du=True, gva_sum=gva_sum,
-                         config=ws_cfg, out=(dq, dk, dbeta, dgd, dgam))
+                         config=ws_cfg, out=(dq, dk, dbeta, dgd))
         del h_sub, dh_sub
     return (dq.view(B, T, HQ, K), dk.view(B, T, HQ, K), du.view(B, T, HV, V), dbeta.view(B, T, HV),
-            dgd.view(B, T, HV), dgam.view(B, T, HV), ds if initial_state is not None else None)
+            dgd.view(B, T, HV), None, ds if initial_state is not None else None)
 
 
 def _states_in_pieces(q, k, v, g_cum, beta, ai, scale, split: Split, config):
