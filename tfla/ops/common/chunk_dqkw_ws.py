@@ -112,6 +112,11 @@ if HAVE_GLUON:
     def _to_smem(buf, b_x):
         """``b_x`` into ``buf`` as a wgmma operand (every warp's part written and visible to the async proxy)."""
         _cta_barrier()  # the buffer's previous readers (both warpgroups) are done
+        _to_free_smem(buf, b_x)
+
+    @gluon.jit
+    def _to_free_smem(buf, b_x):
+        """``_to_smem`` where a CTA barrier has passed since the buffer's last readers finished."""
         buf.store(b_x.to(buf.dtype))
         fence_async_shared()
         _cta_barrier()
@@ -135,12 +140,12 @@ if HAVE_GLUON:
         b_sk = b_b * gl.exp2(gl.where(m_r, b_g, float("-inf")))  # beta 2^G per row
         b_skc = b_bc * gl.exp2(gl.where(m_sc, b_gc, float("-inf")))
         zs = gl.zeros([64, 64], dtype=gl.float32, layout=LS)
-        _to_smem(out_s, -b_dw)  # dW
+        _to_free_smem(out_s, -b_dw)  # dW (out_s free: the caller's wait for its last store ends in a barrier)
         b_dwk = warpgroup_mma(out_s, k_s.permute((1, 0)), zs, use_acc=False, is_async=True)  # dW K^T
         b_kk = warpgroup_mma(k_s, k_s.permute((1, 0)), zs, use_acc=False, is_async=True)  # K K^T, off the chain
         b_dwk = warpgroup_mma_wait(num_outstanding=1, deps=(b_dwk,))
         b_dtm = b_duv * b_bc[None, :] + b_dwk * b_skc[None, :]
-        _to_smem(tmp_s, b_dtm)
+        _to_free_smem(tmp_s, b_dtm)  # (tmp_s, dU's first buffer, last read by pass 1: a barrier since, in dW's)
         b_x = warpgroup_mma(tm_s.permute((1, 0)), tmp_s, zs, use_acc=False, is_async=True)  # Tm^T dTm
         b_x, b_kk = warpgroup_mma_wait(num_outstanding=0, deps=(b_x, b_kk))
         _to_smem(tmp_s, b_x)
@@ -407,7 +412,7 @@ if HAVE_GLUON:
             b_sd = gl.sum(gl.where((o_sr[:, None] == o_sc[None, :]) & m_sr[:, None], b_s, 0.0), 1)  # dO_r . Vnew_r
             m_lo = (o_sr[:, None] > o_sc[None, :]) & m_sr[:, None] & m_sc[None, :]
             b_p = b_s * gl.exp2(gl.where(m_lo, b_gr[:, None] - b_gc[None, :], float("-inf")))
-            _to_smem(p_s, b_p)
+            _to_free_smem(p_s, b_p)  # (P last read by the previous tile's products: barriers since)
             b_sd = gl.convert_layout(b_sd, LR) * scale
             b_dq = b_dq * gl.exp2(gl.where(m_r, b_g, float("-inf")))[:, None]
             b_dks = b_dks * gl.exp2(gl.where(m_r, b_gn - b_g, float("-inf")))[:, None]
