@@ -56,3 +56,29 @@ def test_gate_act_matches_pytorch(device, dtype, varlen, bias, beta_mode):
         assert_rel_close("dbeta", db, ref_b, tol)
     else:
         assert db is dbeta
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_gate_epilogue_without_dgam(device, varlen):
+    """``dgam=None`` (the Hopper chunk-gradient kernel's rows carry the whole delta part): the gradients of the
+    activations from the reverse cumsum of ``dgq`` alone, equal to passing a zero ``dgam``, and against autograd."""
+    gen = torch.Generator().manual_seed(5)
+    B, T, HV = (1, 150, 2) if varlen else (2, 100, 2)
+    cu = torch.tensor([0, 1, 64, T], device=device) if varlen else None
+    bounds = cu.tolist() if varlen else None
+    a = (torch.randn(B, T, HV, generator=gen) * 3).to(device).requires_grad_()
+    a_log = torch.randn(HV, generator=gen).to(device).requires_grad_()
+    dt_bias = torch.randn(HV, generator=gen).to(device).requires_grad_()
+    b = torch.randn(B, T, HV, generator=gen).to(device)
+    act = GateAct(a_log.detach(), dt_bias.detach(), BETA_SIGMOID)
+    dgq, dbeta = (torch.randn(B, T, HV, generator=gen).to(device) for _ in range(2))
+    got = gate_epilogue(dgq, None, dbeta, a.detach(), b, act, cu_seqlens=cu, bounds=bounds)
+    zero = gate_epilogue(dgq, torch.zeros_like(dgq), dbeta, a.detach(), b, act, cu_seqlens=cu, bounds=bounds)
+    for name, x, y in zip(("da", "dbeta", "dA_log", "ddt_bias"), got, zero):
+        assert torch.equal(x, y), name
+    g = -a_log.exp() * F.softplus(a + dt_bias)
+    dg = chunk_local_cumsum(dgq, 64, reverse=True, cu_seqlens=cu, bounds=bounds)
+    ref = torch.autograd.grad(g, [a, a_log, dt_bias], dg)
+    tol = tolerance(torch.float32)
+    for name, x, y in zip(("da", "dA_log", "ddt_bias"), (got[0], got[2], got[3]), ref):
+        assert_rel_close(name, x, y, tol)
