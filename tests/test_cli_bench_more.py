@@ -261,3 +261,34 @@ def test_ab_and_tune_scripts_run_through_config(capsys):
     out = capsys.readouterr().out
     assert "w8 vs base: o equal" in out and "base" in out and "ms  rounds" in out
     assert out.count('{"fused": {"num_warps"') == 4 and "WRONG" not in out
+
+
+def test_ab_trees_exports_and_compares(tmp_path):
+    """``scripts/ab_trees.py``: a tree exported from HEAD, run twice in their own processes on the mve workload's CPU
+    size: the second equal to the first, deterministic, errors against the fp32 reference printed; bad tree specs
+    refused."""
+    import argparse
+    import os
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    if subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True).returncode != 0:
+        pytest.skip("needs the git repository")
+    abt = _script("ab_trees.py")
+    cwd = os.getcwd()
+    try:
+        os.chdir(root)
+        abt["export"]("HEAD", str(tmp_path / "a"))
+    finally:
+        os.chdir(cwd)
+    assert (tmp_path / "a" / "tfla" / "__init__.py").is_file()
+    trees = abt["_trees"](f"a={tmp_path / 'a'},b={tmp_path / 'a'}")
+    out = abt["run"](trees, ["mve"], "fwdbwd", 1, 1, True, 4, str(tmp_path / "r.json"))
+    lines = out.splitlines()
+    assert lines[0] == "## mve"
+    assert "equal to a" in lines[2] and "deterministic" in lines[2] and "dg " in lines[2], out
+    saved = json.loads((tmp_path / "r.json").read_text())
+    assert saved["a"][0]["rows"][0]["hashes"] == saved["b"][0]["rows"][0]["hashes"]
+    for bad in ("a", f"a={tmp_path}", f"a={tmp_path / 'a'},a={tmp_path / 'a'}"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            abt["_trees"](bad)
