@@ -292,3 +292,38 @@ def test_ab_trees_exports_and_compares(tmp_path):
     for bad in ("a", f"a={tmp_path}", f"a={tmp_path / 'a'},a={tmp_path / 'a'}"):
         with pytest.raises(argparse.ArgumentTypeError):
             abt["_trees"](bad)
+
+
+def test_ncu_stages_splits_partitions_and_stages(tmp_path, capsys):
+    """``scripts/ncu_stages.py`` on a small source page in ncu's CSV form: two partitions at their register
+    allocations, the consumer's stages cut at its mbarrier arrives, shares of samples and stall reasons."""
+    hdr = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Warp Stall Sampling (Not-issued Samples)",
+           "Instructions Executed", "stall_barrier", "stall_long_sb", "stall_barrier (Not Issued)"]
+    rows = [("0x10", "USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0x28", 0, 0, 1, 0, 0),
+            ("0x20", "@!P1 BRA 0x10", 10, 10, 100, 0, 10),
+            ("0x30", "USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0xf0", 0, 0, 8, 0, 0),
+            ("0x40", "HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], RZ, !UPT", 6, 0, 80, 0, 0),
+            ("0x50", "WARPGROUP.DEPBAR.LE gsb0, 0x0", 24, 24, 80, 24, 0),
+            ("0x60", "@!P0 SYNCS.ARRIVE.TRANS64.A1T0 RZ, [UR23+0x32850], RZ", 10, 0, 80, 0, 0),
+            ("0x70", "BAR.SYNC.DEFER_BLOCKING 0x0, 0x100", 40, 40, 80, 40, 0)]
+    path = tmp_path / "rep.csv"
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f, quoting=csv.QUOTE_ALL)
+        w.writerow(["Kernel Name", "k"])
+        w.writerow(hdr)
+        for a, s, n, ni, ex, sb, sl in rows:
+            w.writerow([a, s, n, ni, ex, sb, sl, sb])
+    ns = _script("ncu_stages.py")
+    parsed = ns["read"](str(path))
+    assert [r["samples"] for r in parsed] == [0, 10, 0, 6, 24, 10, 40]
+    parts = ns["partitions"](parsed)
+    assert [(regs, len(p)) for regs, p in parts] == [(40, 2), (240, 5)]
+    assert [len(s) for s in ns["stages"](parts[1][1])] == [4, 1]
+    out = ns["report"](parsed)
+    assert "(240 registers): 88.9% of the samples" in out, out
+    assert "stalls: barrier 80.0%" in out, out
+    assert "0: 0x30 .. 0x60 | 50.0% | 75.6% | HGMMA.64x64x16.F32.BF16" in out, out
+    with open(tmp_path / "bad.csv", "w") as f:
+        f.write("a,b\n1,2\n")
+    with pytest.raises(ValueError, match="source"):
+        ns["read"](str(tmp_path / "bad.csv"))
