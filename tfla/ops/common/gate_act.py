@@ -151,8 +151,8 @@ def gate_prologue(g: torch.Tensor, beta: torch.Tensor, act: GateAct, cu_seqlens=
     return out, (beta_out if beta_out is not None else beta)
 
 
-def gate_epilogue(dgq: torch.Tensor, dgam: torch.Tensor | None, dbeta: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                  act: GateAct, cu_seqlens=None, chunk_indices=None, bounds=None):
+def gate_epilogue(dgq: torch.Tensor, dgam: torch.Tensor | None, dbeta: torch.Tensor, g: torch.Tensor,
+                  beta: torch.Tensor, act: GateAct, cu_seqlens=None, chunk_indices=None, bounds=None):
     """The backward of ``gate_prologue`` and of the gate's chunk cumsum, from ``dgq`` (the part whose reverse cumsum
     within 64 rows is the gate gradient), ``dgam`` (added after it, or None), both ``[B, T, HV]``, and ``dbeta`` (of
     the activated beta); ``g``, ``beta`` the forward's inputs. Returns ``(dg, dbeta, dA_log, ddt_bias)``: dg
