@@ -25,7 +25,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 
 LEAVES = ("q", "k", "v", "g", "beta")
 
@@ -46,6 +45,7 @@ def _worker(tree: str, out: str, workloads: list[str], mode: str, repeats: int, 
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
     import tfla
+    from tfla.bench.common import time_ms
     from tfla.bench.gdn import _reference, named_workloads, workload_inputs
     from tfla.bench.registry import tfla_impl
 
@@ -80,24 +80,17 @@ def _worker(tree: str, out: str, workloads: list[str], mode: str, repeats: int, 
             want = (r_o,) + (tuple(r_g) if mode == "fwdbwd" else ())
             row["errors"] = [((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
                              for a, b in zip(first, want)]
+        row["ms"] = [time_ms(call) for _ in range(repeats)]  # (do_bench on CUDA, wall clock on the CPU)
+        row["kernels"] = {}
         if gpu:
-            import triton
             from torch.profiler import ProfilerActivity, profile
 
-            row["ms"] = [triton.testing.do_bench(call, warmup=25, rep=100) for _ in range(repeats)]
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 for _ in range(3):
                     call()
                 torch.cuda.synchronize()
             row["kernels"] = {e.key: e.self_device_time_total / 3e3 for e in prof.key_averages()
                               if e.self_device_time_total > 0}
-        else:
-            ts = []
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                call()
-                ts.append((time.perf_counter() - t0) * 1e3)
-            row["ms"], row["kernels"] = ts, {}
         rows.append(row)
     with open(out, "w") as f:
         json.dump({"tree": tree, "rows": rows}, f)

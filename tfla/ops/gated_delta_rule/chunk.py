@@ -267,8 +267,8 @@ def _bwd_epilogue(q, k, dq, dk, dv, dbeta, dgq, dgam, dh0, g, beta_in, act, l2, 
     chunk gradients left them (dq, dk per value head). dg = the reverse cumsum of dgq within 64 rows, + dgam (None:
     the Hopper chunk-gradient kernel's dgq carries it)."""
     H, HV = q.shape[2], dq.shape[2]
-    # + the delta part's gradient of g (its reverse cumsum over the chunk done in wy_bwd), in the same pass, and the
-    # activations' backward there too
+    # + the delta part's gradient of g (dgam: its reverse cumsum over the chunk done in wy_bwd; on Hopper in dgq's
+    # own cumsum), in the same pass, and the activations' backward there too
     dA_log = ddt = None
     if act is not None:
         dg, dbeta, dA_log, ddt = gate_epilogue(dgq, dgam, dbeta, g, beta_in, act, cu_seqlens=cu,
