@@ -105,7 +105,7 @@ def _trees(spec: str) -> list[tuple[str, str]]:
             raise argparse.ArgumentTypeError(f"expected name=DIR, got {part!r}")
         if not os.path.isfile(os.path.join(path.strip(), "tfla", "__init__.py")):
             raise argparse.ArgumentTypeError(f"tree {name.strip()!r}: no tfla/__init__.py under {path.strip()!r}")
-        out.append((name.strip(), path.strip()))
+        out.append((name.strip(), os.path.abspath(path.strip())))  # (the workers run in a temporary cwd)
     if len({n for n, _ in out}) != len(out) or not out:
         raise argparse.ArgumentTypeError("give one or more trees with different names")
     return out
