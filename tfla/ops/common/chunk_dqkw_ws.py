@@ -12,10 +12,12 @@ at the chunk's start, dS the gradient of the state after it, G the cumulative ga
 n the last row, Tm = (I + A)^-1 (``ut_transform.py``), X_k = beta 2^G k, X_v = beta v (notation of ``chunk_dqkw``,
 ``wy_bwd``):
 
-1. pass 1 over the value columns (64 at a time): ``dW = -dU S^T``, ``dU V^T``, ``dX_v = Tm^T dU`` (dv =
-   beta dX_v, stored), ``<S, dS>``;
-2. the UT / WY backward (``_wy_stage``): ``dTm = dW X_k^T + dU X_v^T`` (the row factors applied as column scales),
-   ``dA = -Tm^T dTm Tm^T``, dk's WY part ``beta 2^G Tm^T dW + M K + M^T K`` with ``M = dA o E o beta``, dbeta;
+1. pass 1 over the value columns (64 at a time): ``dX_v = Tm^T dU`` (dv = beta dX_v, stored), then from dX_v
+   (16-bit, over dU's buffer) ``Tm^T dW = -dX_v S^T`` (dW = -dU S^T is never formed) and ``dX_v V^T``;
+   ``<S, dS>``;
+2. the UT / WY backward (``_wy_stage``): ``Tm^T dTm = (Tm^T dW) X_k^T + dX_v X_v^T`` (dTm = dW X_k^T + dU X_v^T
+   times Tm^T, the row factors applied as column scales), ``dA = -(Tm^T dTm) Tm^T``, dk's WY part
+   ``beta 2^G Tm^T dW + M K + M^T K`` with ``M = dA o E o beta``, dbeta;
 3. pass 2: ``s = dO Vnew^T``, ``dq_state = dO S^T``, ``dk_state = Vnew dS^T``;
 4. ``q k^T``, the scores ``P = s o 2^(G_r - G_s)`` (strictly lower), ``dq = scale (2^G dq_state + P k + diag(s) k)``,
    ``dk = scale (P^T q + diag(s) q) + 2^(G_n - G) dk_state +`` the WY part, and the gate gradient's rows: the
@@ -122,16 +124,18 @@ if HAVE_GLUON:
         _cta_barrier()
 
     @gluon.jit
-    def _wy_stage(k_s, tm_s, tmp_s, out_s, b_dw, b_duv, b_db, b_g, b_gr, b_gc, b_br, o_sr, o_sc, m_r, m_sr, m_sc,
+    def _wy_stage(k_s, tm_s, tmp_s, out_s, b_dxk, b_xv, b_db, b_g, b_gr, b_gc, b_br, o_sr, o_sc, m_r, m_sr, m_sc,
                   K: gl.constexpr, L: gl.constexpr, LS: gl.constexpr):
-        """The UT / WY backward of one chunk (``wy_bwd._wy_bwd_kernel``'s delta rule, module docstring) from dW
-        (``b_dw = dU S^T``, dW = -b_dw) and ``b_duv = dU V^T``: ``dTm = dW X_k^T + dU X_v^T`` (X_k = beta 2^G k,
-        X_v = beta v: the row factors taken as column scales of ``dW K^T`` and ``dU V^T``), ``dA = -Tm^T dTm Tm^T``
-        (strictly lower), ``M = dA o E o beta``, dk's WY part ``beta 2^G (Tm^T dW) + M K + M^T K`` (left in out_s,
-        16-bit), dbeta's rows (returned with ``b_db``'s) and ``dgr`` (the rows' gate-gradient terms whose reverse
-        sums enter dg). tm_s: Tm, tmp_s: a free ``[64, 64]`` buffer, b_br: beta's rows (0 past the end); o_sr, o_sc:
-        the chunk's row indices in the sequence in the scores' row / column layouts; m_r, m_sr, m_sc: the rows inside
-        the sequence (the kernel's)."""
+        """The UT / WY backward of one chunk (``wy_bwd._wy_bwd_kernel``'s delta rule, module docstring) from
+        ``b_dxk = Tm^T dW`` (``[64, K]``) and ``b_xv = (Tm^T dU) V^T`` (both fp32, from pass 1): ``Tm^T dTm = (Tm^T
+        dW) X_k^T + (Tm^T dU) X_v^T`` (X_k = beta 2^G k, X_v = beta v: the row factors taken as column scales of
+        ``(Tm^T dW) K^T`` and ``b_xv``; dTm = dW X_k^T + dU X_v^T itself is not formed, which keeps one product and
+        one trip through shared memory off the stage's chain), ``dA = -(Tm^T dTm) Tm^T`` (strictly lower), ``M = dA
+        o E o beta``, dk's WY part ``beta 2^G (Tm^T dW) + M K + M^T K`` (left in out_s, 16-bit), dbeta's rows
+        (returned with ``b_db``'s) and ``dgr`` (the rows' gate-gradient terms whose reverse sums enter dg). tm_s: Tm,
+        tmp_s: a free ``[64, 64]`` buffer, b_br: beta's rows (0 past the end); o_sr, o_sc: the chunk's row indices in
+        the sequence in the scores' row / column layouts; m_r, m_sr, m_sc: the rows inside the sequence (the
+        kernel's)."""
         LR: gl.constexpr = gl.SliceLayout(1, L)
         LSR: gl.constexpr = gl.SliceLayout(1, LS)
         LSC: gl.constexpr = gl.SliceLayout(0, LS)
@@ -140,19 +144,14 @@ if HAVE_GLUON:
         b_sk = b_b * gl.exp2(gl.where(m_r, b_g, float("-inf")))  # beta 2^G per row
         b_skc = b_bc * gl.exp2(gl.where(m_sc, b_gc, float("-inf")))
         zs = gl.zeros([64, 64], dtype=gl.float32, layout=LS)
-        _to_free_smem(out_s, -b_dw)  # dW (out_s free: the caller's wait for its last store ends in a barrier)
-        b_dwk = warpgroup_mma(out_s, k_s.permute((1, 0)), zs, use_acc=False, is_async=True)  # dW K^T
+        _to_free_smem(out_s, b_dxk)  # (out_s free: the caller's wait for its last store ends in a barrier)
+        b_dwk = warpgroup_mma(out_s, k_s.permute((1, 0)), zs, use_acc=False, is_async=True)  # (Tm^T dW) K^T
         b_kk = warpgroup_mma(k_s, k_s.permute((1, 0)), zs, use_acc=False, is_async=True)  # K K^T, off the chain
         b_dwk = warpgroup_mma_wait(num_outstanding=1, deps=(b_dwk,))
-        b_dtm = b_duv * b_bc[None, :] + b_dwk * b_skc[None, :]
-        _to_free_smem(tmp_s, b_dtm)  # (tmp_s, dU's first buffer, last read by pass 1: a barrier since, in dW's)
-        b_x = warpgroup_mma(tm_s.permute((1, 0)), tmp_s, zs, use_acc=False, is_async=True)  # Tm^T dTm
-        b_x, b_kk = warpgroup_mma_wait(num_outstanding=0, deps=(b_x, b_kk))
-        _to_smem(tmp_s, b_x)
+        b_x = b_xv * b_bc[None, :] + b_dwk * b_skc[None, :]  # Tm^T dTm
+        _to_free_smem(tmp_s, b_x)  # (tmp_s, dU's first buffer, last read by pass 1: a barrier since, in out_s's)
         b_da = warpgroup_mma(tmp_s, tm_s.permute((1, 0)), zs, use_acc=False, is_async=True)  # (Tm^T dTm) Tm^T
-        b_dxk = warpgroup_mma(tm_s.permute((1, 0)), out_s, gl.zeros([64, K], dtype=gl.float32, layout=L),
-                              use_acc=False, is_async=True)  # Tm^T dW, off the chain
-        b_da = warpgroup_mma_wait(num_outstanding=1, deps=(b_da,))
+        b_da, b_kk = warpgroup_mma_wait(num_outstanding=0, deps=(b_da, b_kk))
         m_lo = (o_sr[:, None] > o_sc[None, :]) & m_sr[:, None] & m_sc[None, :]
         b_e = gl.exp2(gl.where(m_lo, b_gr[:, None] - b_gc[None, :], float("-inf")))
         b_dae = -b_da * b_e  # dA o E (E zero off the strictly lower part)
@@ -161,7 +160,6 @@ if HAVE_GLUON:
         b_daa = b_dakk * b_br[:, None]  # dA o A
         b_dgr = gl.sum(b_daa, 1) - gl.convert_layout(gl.sum(b_daa, 0), LSR)
         _to_smem(tmp_s, b_dae * b_br[:, None])  # M
-        b_dxk = warpgroup_mma_wait(num_outstanding=0, deps=(b_dxk,))
         b_dxkk = gl.sum(b_dxk * k_s.load(L).to(gl.float32), 1)  # dX_k . k per row
         b_db = gl.convert_layout(b_db, LR) + b_dxkk * gl.exp2(gl.where(m_r, b_g, float("-inf")))
         b_dgr = gl.convert_layout(b_dgr, LR) + b_dxkk * b_sk
@@ -361,35 +359,38 @@ if HAVE_GLUON:
             m_sr = o_sr < Tn
             m_sc = o_sc < Tn
 
-            # 1. pass 1: dW (as dU S^T), dU V^T, dv, <S, dS>
-            b_dw = gl.zeros([64, K], dtype=gl.float32, layout=L)
-            b_duv = gl.zeros([64, 64], dtype=gl.float32, layout=LS)
+            # 1. pass 1: dX_v = Tm^T dU (dv = beta dX_v), then b_z = dX_v S^T (Tm^T dW = -b_z) and dX_v V^T,
+            # <S, dS>
+            b_z = gl.zeros([64, K], dtype=gl.float32, layout=L)
+            b_xv = gl.zeros([64, 64], dtype=gl.float32, layout=LS)
             b_db = gl.zeros([64], dtype=gl.float32, layout=LSR)
             b_sds = gl.zeros([32, 64], dtype=gl.float32, layout=LB)
             mbarrier.wait(f_a, ph)
             if not full:  # Tm's rows past the sequence (the next one's) must not enter Tm^T (..)
                 _to_smem(tm_s, gl.where(m_sr[:, None], tm_s.load(LS).to(gl.float32), 0.0))
             for iv in gl.static_range(NV):
-                mbarrier.wait(f_c.index(iv), ph)
-                b_dw = warpgroup_mma(du_s.index(iv), h_s.index(iv).permute((1, 0)), b_dw, is_async=True)
-                b_duv = warpgroup_mma(du_s.index(iv), v_s.index(iv).permute((1, 0)), b_duv, is_async=True)
                 b_dxv = warpgroup_mma(tm_s.permute((1, 0)), du_s.index(iv),
                                       gl.zeros([64, 64], dtype=gl.float32, layout=LS), use_acc=False,
                                       is_async=True)  # Tm^T dU
+                mbarrier.wait(f_c.index(iv), ph)
                 for i in gl.static_range(K // 32):
                     b_sds += (h_s.index(iv).slice(i * 32, 32).load(LB).to(gl.float32)
                               * dh_s.index(iv).slice(i * 32, 32).load(LB).to(gl.float32))
-                b_dw, b_duv, b_dxv = warpgroup_mma_wait(num_outstanding=0, deps=(b_dw, b_duv, b_dxv))
+                b_z, b_xv, b_dxv = warpgroup_mma_wait(num_outstanding=0, deps=(b_z, b_xv, b_dxv))
                 b_db += gl.sum(b_dxv * v_s.index(iv).load(LS).to(gl.float32), 1)
+                _to_smem(du_s.index(iv), b_dxv)  # (over dU's columns: their last reader was Tm^T dU)
+                b_z = warpgroup_mma(du_s.index(iv), h_s.index(iv).permute((1, 0)), b_z, is_async=True)
+                b_xv = warpgroup_mma(du_s.index(iv), v_s.index(iv).permute((1, 0)), b_xv, is_async=True)
                 _wait_store(full)  # the previous dv store has read dv_s
                 _store_tile(dv_desc, dv_s, dv, b_dxv * b_bv[:, None], r, i_hv * V + iv * 64, m_sr, full, HV * V,
                             LS)
             b_sdsum = gl.sum(gl.sum(b_sds, 1), 0)
+            b_z, b_xv = warpgroup_mma_wait(num_outstanding=0, deps=(b_z, b_xv))
 
             # 2. the UT / WY backward (dk's WY part left in out_s); then v, dU, Tm are free
             mbarrier.wait(f_e, ph)
             _wait_store(True)  # the previous tile's dk store has read out_s
-            b_db, b_dgr = _wy_stage(k_s, tm_s, du_s.index(0), out_s, b_dw, b_duv, b_db, b_g, b_gr, b_gc, b_bv,
+            b_db, b_dgr = _wy_stage(k_s, tm_s, du_s.index(0), out_s, -b_z, b_xv, b_db, b_g, b_gr, b_gc, b_bv,
                                     o_sr, o_sc, m_r, m_sr, m_sc, K, L, LS)
             _release(e_a)
             gl.store(dbeta + (r - t0 + o_r) * HV + i_hv, b_db, mask=m_r)
