@@ -147,25 +147,27 @@ if HAVE_GLUON:
         _to_free_smem(out_s, b_dxk)  # (out_s free: the caller's wait for its last store ends in a barrier)
         b_dwk = warpgroup_mma(out_s, k_s.permute((1, 0)), zs, use_acc=False, is_async=True)  # (Tm^T dW) K^T
         b_kk = warpgroup_mma(k_s, k_s.permute((1, 0)), zs, use_acc=False, is_async=True)  # K K^T, off the chain
+        b_dxkk = gl.sum(b_dxk * k_s.load(L).to(gl.float32), 1)  # dX_k . k per row (while the products run)
+        b_dkw = b_dxk * b_sk[:, None]
         b_dwk = warpgroup_mma_wait(num_outstanding=1, deps=(b_dwk,))
         b_x = b_xv * b_bc[None, :] + b_dwk * b_skc[None, :]  # Tm^T dTm
         _to_free_smem(tmp_s, b_x)  # (tmp_s, dU's first buffer, last read by pass 1: a barrier since, in out_s's)
         b_da = warpgroup_mma(tmp_s, tm_s.permute((1, 0)), zs, use_acc=False, is_async=True)  # (Tm^T dTm) Tm^T
-        b_da, b_kk = warpgroup_mma_wait(num_outstanding=0, deps=(b_da, b_kk))
         m_lo = (o_sr[:, None] > o_sc[None, :]) & m_sr[:, None] & m_sc[None, :]
         b_e = gl.exp2(gl.where(m_lo, b_gr[:, None] - b_gc[None, :], float("-inf")))
+        b_da, b_kk = warpgroup_mma_wait(num_outstanding=0, deps=(b_da, b_kk))
         b_dae = -b_da * b_e  # dA o E (E zero off the strictly lower part)
+        _to_smem(tmp_s, b_dae * b_br[:, None])  # M
+        b_dkw = warpgroup_mma(tmp_s, k_s, b_dkw, is_async=True)  # + M K
+        b_dkw = warpgroup_mma(tmp_s.permute((1, 0)), k_s, b_dkw, is_async=True)  # + M^T K
+        # dbeta's and the gate gradient's WY rows while M K and M^T K run
         b_dakk = b_dae * b_kk
         b_db += gl.sum(b_dakk, 1)
         b_daa = b_dakk * b_br[:, None]  # dA o A
         b_dgr = gl.sum(b_daa, 1) - gl.convert_layout(gl.sum(b_daa, 0), LSR)
-        _to_smem(tmp_s, b_dae * b_br[:, None])  # M
-        b_dxkk = gl.sum(b_dxk * k_s.load(L).to(gl.float32), 1)  # dX_k . k per row
         b_db = gl.convert_layout(b_db, LR) + b_dxkk * gl.exp2(gl.where(m_r, b_g, float("-inf")))
         b_dgr = gl.convert_layout(b_dgr, LR) + b_dxkk * b_sk
-        b_dkw = b_dxk * b_sk[:, None]
-        b_dkw = warpgroup_mma(tmp_s, k_s, b_dkw)  # + M K
-        b_dkw = warpgroup_mma(tmp_s.permute((1, 0)), k_s, b_dkw)  # + M^T K
+        b_dkw = warpgroup_mma_wait(num_outstanding=0, deps=(b_dkw,))
         _to_smem(out_s, b_dkw)
         return b_db, b_dgr
 
@@ -404,7 +406,7 @@ if HAVE_GLUON:
                 b_s = warpgroup_mma(do_s.index(iv), vn_s.index(iv).permute((1, 0)), b_s, is_async=True)
                 b_dq = warpgroup_mma(do_s.index(iv), h_s.index(iv).permute((1, 0)), b_dq, is_async=True)
                 b_dks = warpgroup_mma(vn_s.index(iv), dh_s.index(iv).permute((1, 0)), b_dks, is_async=True)
-                b_s, b_dq, b_dks = warpgroup_mma_wait(num_outstanding=0, deps=(b_s, b_dq, b_dks))
+            b_s, b_dq, b_dks = warpgroup_mma_wait(num_outstanding=0, deps=(b_s, b_dq, b_dks))
             if GVA:
                 if sub > 0:  # the previous tile's partial sums written before the producer loads them
                     _tma_stores_done()
