@@ -294,6 +294,46 @@ def test_ab_trees_exports_and_compares(tmp_path):
             abt["_trees"](bad)
 
 
+def test_kernel_ab_times_copies_of_a_module_on_captured_arguments(tmp_path):
+    """``scripts/kernel_ab.py`` on the interpreter: the GDN mve call's ``chunk_local_cumsum`` arguments captured
+    (both calls, forward and backward), a copy of its module equal to the module itself, a copy whose function
+    returns something else reported as different, a file without the function reported as failed; no tfla module's
+    attributes replaced, the profile hook removed."""
+    import argparse
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    src = (root / "tfla" / "ops" / "common" / "cumsum.py").read_text()
+    (tmp_path / "same.py").write_text(src)
+    marker = "def chunk_local_cumsum("
+    assert src.count(marker) == 1
+    (tmp_path / "off.py").write_text(src.replace(marker, "def _orig_cumsum(") + (
+        "\n\ndef chunk_local_cumsum(*args, **kwargs):\n    return _orig_cumsum(*args, **kwargs) * 2\n"))
+    (tmp_path / "none.py").write_text("x = 1\n")
+    kab = _script("kernel_ab.py")
+    variants = kab["_variants"](f"base={root / 'tfla/ops/common/cumsum.py'},same={tmp_path / 'same.py'},"
+                                f"off={tmp_path / 'off.py'},none={tmp_path / 'none.py'}")
+    before = _module_state()
+    res = kab["run"]("tfla.ops.common.cumsum:chunk_local_cumsum", variants, ["mve"], "fwdbwd", -1, {}, 1)
+    assert sys.getprofile() is None
+    after = _module_state()
+    changed = [f"{name}.{k}" for name, state in before.items() if name in after
+               for k, v in state.items() if k not in after[name] or after[name][k] is not v]
+    assert not changed, changed
+    row = res["mve"]
+    assert row["calls"] == 2
+    v = row["variants"]
+    assert v["base"]["equal"] == [True] and v["same"]["equal"] == [True] and len(v["same"]["ms"]) == 1
+    assert v["off"]["equal"] == [False] and abs(v["off"]["rel"][0] - 1.0) < 1e-6
+    assert "AttributeError" in v["none"]["error"]
+    text = kab["summarize"](res)
+    assert "same:" in text and "equal" in text and "none: FAILED" in text
+    assert kab["_overrides"]("a=1,b=false,c=none,d=x") == {"a": 1, "b": False, "c": None, "d": "x"}
+    for bad in ("a", f"a={tmp_path / 'missing.py'}", f"a={tmp_path / 'same.py'},a={tmp_path / 'same.py'}"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            kab["_variants"](bad)
+
+
 def test_ncu_stages_splits_partitions_and_stages(tmp_path, capsys):
     """``scripts/ncu_stages.py`` on a small source page in ncu's CSV form: two partitions at their register
     allocations, the consumer's stages cut at its mbarrier arrives, shares of samples and stall reasons."""
