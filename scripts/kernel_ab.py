@@ -29,6 +29,8 @@ import os
 import sys
 import time
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # (tfla from this checkout)
+
 LEAVES = ("q", "k", "v", "g", "beta")
 
 
