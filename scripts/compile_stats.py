@@ -195,7 +195,12 @@ def _record_gdn_bwd_ws(dtype, T, K, V):
         cw.gdn_bwd_chunk_ws(q, k, v, torch.rand(1, T, HV, dtype=dtype), torch.randn(1, T, HV, 64, dtype=dtype), vn,
                             do, du, h, h, g, 0.1, cu if varlen else None, tiles if varlen else None,
                             offs if varlen else None, l2=(rstd, rstd) if l2 else None, gva_sum=gva)
-    # the backward's slabs: (first row, end row) pairs, outputs into given buffers
+    # the backward's slabs: (first row, end row) pairs, outputs into given buffers (inputs of their own: the loop
+    # above skips its last cases where K, V != 128, which left its tensors and HV out of step)
+    HV = 4
+    q, k = torch.randn(1, T, H, K, dtype=dtype), torch.randn(1, T, H, K, dtype=dtype)
+    v, vn, do, du = (torch.randn(1, T, HV, V, dtype=dtype) for _ in range(4))
+    g = torch.randn(1, T, HV)
     pairs = torch.tensor([[0, 128], [T // 2, T // 2 + 128]], dtype=torch.int32)
     tiles = torch.tensor([[0, 0], [0, 1], [1, 0], [1, 1]], dtype=torch.int32)
     h = torch.randn(1, 4, HV, K, V, dtype=dtype)

@@ -79,3 +79,21 @@ def test_gdn_ws_pass_compiles_for_sm90():
     grads = [ln for ln in r.stdout.splitlines() if "_gdn_bwd_ws_kernel" in ln]
     assert len(grads) == 8 and sum("GVA=True" in ln for ln in grads) == 3, r.stdout[-2000:]
     assert all("spill_stores=0B" in ln for ln in grads), "\n".join(grads)
+
+
+def test_gdn_ws_kernels_compile_at_v64():
+    """The Gluon kernels at V = 64 (the chunk gradients' buffers of one 64-column tile each): every flag set builds
+    for sm_90. Newer Tritons reject a ``[64, 128]`` view of a ``[64, 64]`` buffer even in a branch never taken (the
+    grouped heads' partial sums, which V = 64 never runs), which this Triton would otherwise compile."""
+    from tfla.ops.common.fused_delta_ws import HAVE_GLUON
+
+    if not HAVE_GLUON:
+        pytest.skip("this Triton has no Gluon warp specialization")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "compile_stats.py"), "--op", "gdn_ws", "--dtype",
+                        "bf16", "--V", "64", "--check"], capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    grads = [ln for ln in r.stdout.splitlines() if "_gdn_bwd_ws_kernel" in ln]
+    # one value head per key head (with l2norm's backward, without), grouped heads per value head, the slabs' pairs
+    assert len(grads) == 5 and not any("GVA=True" in ln for ln in grads), r.stdout[-2000:]
+    assert all("spill_stores=0B" in ln for ln in grads), "\n".join(grads)

@@ -265,17 +265,19 @@ if HAVE_GLUON:
                 _tma_load(v_desc, [r, i_hv * V + iv * 64], f_a, v_s.index(iv))
                 _tma_load(du_desc, [r, i_hv * V + iv * 64], f_a, du_s.index(iv))
             mbarrier.wait(e_c, ph)
-            part = False  # the previous tile adds the partial sums of its key head's value heads before it
-            if GVA:
+            if GVA:  # (nested: tested at run time outside it, the partial sums' loads would still be built at V = 64,
+                # a [64, 128] view of a [64, 64] buffer that Triton 3.9 rejects)
+                # the previous tile adds the partial sums of its key head's value heads before it
                 part = (n > 0) & ((n - 1) % (HV // H) != 0)
-            if part:
-                _load_partials(sc_desc, do_s, vn_s, f_p)
+                if part:
+                    _load_partials(sc_desc, do_s, vn_s, f_p)
             for iv in gl.static_range(NV):
                 mbarrier.expect(f_c.index(iv), nb_c)
                 _tma_load(h_desc, [slot * K, iv * 64], f_c.index(iv), h_s.index(iv))
                 _tma_load(dh_desc, [slot * K, iv * 64], f_c.index(iv), dh_s.index(iv))
-            if part:
-                mbarrier.wait(e_e, ph)  # the previous tile's last product has read the partial sums
+            if GVA:
+                if part:
+                    mbarrier.wait(e_e, ph)  # the previous tile's last product has read the partial sums
             for iv in gl.static_range(NV):
                 mbarrier.expect(f_d.index(iv), nb_d)
                 _tma_load(do_desc, [r, i_hv * V + iv * 64], f_d.index(iv), do_s.index(iv))
