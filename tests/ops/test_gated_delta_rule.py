@@ -204,3 +204,24 @@ def test_tuning_configs_compute_the_same_function(device, seed, config):
             res.append((o, s, *torch.autograd.grad((o * o).sum() + s.sum(), leaves)))
         for name, a, b in zip(("o", "final_state") + names, *res):
             assert_rel_close(name, b.detach().cpu(), a.detach().cpu().double(), FP32_TOL)
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_forward_without_grad_equals_forward_with_grad(device, varlen):
+    """A call that needs no gradient runs the forward without an autograd Function around it: the same o and final
+    state, bitwise, as the call whose inputs require grad (l2norm and the gate's activation inside, pieces), and an
+    output without a grad_fn."""
+    T = 130
+    cu = torch.tensor([0, 1, 70, 130], device=device) if varlen else None
+    x = gdn_inputs(1, T, 1, 32, 32, HV=2, dtype=torch.float32, device=device, initial_state=True,
+                   num_seqs=3 if varlen else 1, seed=4)
+    gen = torch.Generator().manual_seed(5)
+    kw = dict(initial_state=x["initial_state"], output_final_state=True, cu_seqlens=cu, segments=2,
+              use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+              A_log=torch.rand(2, generator=gen).to(device), dt_bias=torch.rand(2, generator=gen).to(device))
+    names = ("q", "k", "v", "g", "beta")
+    o0, s0 = tfla.chunk_gated_delta_rule(*(x[n] for n in names), **kw)
+    assert o0.grad_fn is None and s0.grad_fn is None
+    o1, s1 = tfla.chunk_gated_delta_rule(*(x[n].clone().requires_grad_() for n in names), **kw)
+    assert o1.grad_fn is not None
+    assert torch.equal(o0, o1.detach()) and torch.equal(s0, s1.detach())

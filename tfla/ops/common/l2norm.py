@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from tfla.ops.common.grid import flat_grid
-from tfla.ops.common.utils import cdiv, next_pow2, on_input_device
+from tfla.ops.common.utils import autograd_call, cdiv, next_pow2, on_input_device
 
 L2NORM_EPS = 1e-6
 
@@ -124,4 +124,4 @@ def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
     ``torch.compile`` a custom op pair (``tfla::l2norm_fwd`` / ``tfla::l2norm_bwd``) the compiler does not trace."""
     if torch.compiler.is_compiling():
         return _l2norm_fwd_op(x, eps)[0]
-    return L2NormFunction.apply(x, eps)
+    return autograd_call(L2NormFunction)(x, eps)  # (no autograd node where no gradient is needed: decode steps)

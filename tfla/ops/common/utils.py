@@ -94,6 +94,28 @@ def on_input_device(fn):
     return wrapper
 
 
+class _NoGradCtx:
+    """The ctx of an autograd Function's ``forward`` run outside autograd: what it saves for a backward is dropped."""
+
+    def save_for_backward(self, *tensors) -> None:
+        pass
+
+
+def autograd_call(fn_cls: type[torch.autograd.Function]):
+    """``fn_cls.apply``, except that a call that needs no gradient (grad mode off, or no tensor argument requiring
+    grad) runs ``fn_cls.forward`` directly with a ctx that keeps nothing: the same outputs, no autograd node, and less
+    host time (a GDN forward at B = 4, T = 8192, H = 16 with its launches stubbed: 132 -> ~88 us on this project's
+    2-core CPU machines, torch 2.13, 2026-12-02). For Functions whose forward touches ctx only to save tensors and set
+    attributes."""
+    def call(*args):
+        if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+            return fn_cls.apply(*args)
+        return fn_cls.forward(_NoGradCtx(), *args)
+
+    call.__name__ = f"{fn_cls.__name__}.apply"
+    return call
+
+
 def check_device(name: str, t: torch.Tensor) -> None:
     """Kernels run on CUDA devices, or on the CPU through the Triton interpreter, there in float32 / float16 /
     float64 only: bfloat16 products come out overflowed there (Triton 3.9's interpreter, 2026-11-25: GDN, simple GLA

@@ -38,7 +38,7 @@ from tfla.ops.common.gate_act import BETA_2SIGMOID, BETA_SIGMOID, NO_BETA, GateA
 from tfla.ops.common.group_sum import group_sum
 from tfla.ops.common.l2norm import l2norm, l2norm_bwd, l2norm_fwd
 from tfla.ops.common.state_bwd_ws import delta_state_bwd_ws, state_bwd_ws_supported
-from tfla.ops.common.utils import CHUNK_SIZES, SUB_CHUNK, on_input_device
+from tfla.ops.common.utils import CHUNK_SIZES, SUB_CHUNK, autograd_call, on_input_device
 from tfla.ops.common.ut_transform import w_from_tm
 from tfla.ops.common.wy_bwd import wy_bwd
 from tfla.ops.common.varlen import VarlenIndex, table_kind
@@ -463,43 +463,54 @@ def check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens) -> None:
                  SUB_CHUNK, (HV, K, V))
 
 
+def _gdn_forward(q, k, v, g, beta, initial_state, A_log, dt_bias, varlen, opts: GDNOptions):
+    """The op's forward: ``(o, final_state, saved, slab, split)``, ``saved`` the tensors the backward needs (empty
+    without ``opts.needs_grad``), ``slab`` / ``split`` the backward's slab size and pieces (or None)."""
+    grad = opts.needs_grad
+    save = SAVE_NONE if not grad else SAVE_STATES if opts.save_states else \
+        SAVE_V_NEW if opts.save_v_new else SAVE_NONE
+    # a kept Vnew matches the backward's state pass only without a split: with one, keep the forward's own
+    # states too. Without Vnew kept, a split keeps the pieces' start states and transitions (Split), and the
+    # backward runs the pass and the state-gradient chain in the same pieces
+    split_save = SAVE_STATES if save == SAVE_V_NEW else None
+    act = _act(opts, A_log, dt_bias)
+    q0 = k0 = rq = rk = None
+    if opts.use_qk_l2norm_in_kernel:  # one Triton pass per tensor; its backward joins the GVA sum's pass
+        (q0, k0), ((q, rq), (k, rk)) = (q, k), (l2norm_fwd(q), l2norm_fwd(k))
+    # dense sequences, FLA's saved set or Vnew kept, slabs (_slab_chunks): the forward also keeps the state at
+    # every n-th chunk, and the backward holds the 64-row states and their gradients of one slab at a time
+    # (_ws_bwd_in_slabs)
+    slab = _slab_chunks(opts.config, save, *_chunk_counts(q.shape[0], q.shape[1], v.shape[2], varlen),
+                        packed=varlen is not None) if grad and save != SAVE_STATES else 0
+    o, final_state, inter = chunk_gated_delta_rule_fwd(
+        q, k, v, g, beta, opts.scale, initial_state, opts.output_final_state, varlen,
+        config=opts.config, save=save, split_save=split_save, segments=opts.segments, act=act, slab=slab)
+    if not grad:
+        return o, final_state, (), None, None
+    # saved: inputs, the cumulative gates (fp32, B*T*HV) and Tm (B*T*HV*64, input dtype); W, U,
+    # Vnew and the 64-row states are recomputed in backward (README: memory) unless save_v_new keeps
+    # Vnew or save_states keeps Vnew and the states before every 64-row chunk
+    extra = tuple(inter[n] for n in ("v_new", "h")[:inter["save"]])
+    slab_n = inter["slab"][0] if "slab" in inter else None
+    if slab_n is not None:  # (after the kept tensors: fp32 [S - 1, B HV, K, V])
+        extra += (inter["slab"][1],)
+    # with a beta activation, the activated beta (fp32 [B, T, HV]) too
+    # with l2norm, q and k are the normalized rows and q0, k0 the inputs (with their 1 / norm)
+    saved = (q, k, v, g, beta, initial_state, A_log, dt_bias, inter["beta"], inter["g_cum"], inter["ai"], q0, rq,
+             k0, rk, *extra)
+    # with the forward's states kept, or nothing kept, the backward runs in the same pieces
+    split = inter.get("split") if inter["save"] in (SAVE_STATES, SAVE_NONE) else None
+    return o, final_state, saved, slab_n, split
+
+
 class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, initial_state, A_log, dt_bias, varlen, opts: GDNOptions):
         # (ctx.needs_input_grad stays True under torch.no_grad: the public op decides from the grad mode)
-        grad = opts.needs_grad
-        save = SAVE_NONE if not grad else SAVE_STATES if opts.save_states else \
-            SAVE_V_NEW if opts.save_v_new else SAVE_NONE
-        # a kept Vnew matches the backward's state pass only without a split: with one, keep the forward's own
-        # states too. Without Vnew kept, a split keeps the pieces' start states and transitions (Split), and the
-        # backward runs the pass and the state-gradient chain in the same pieces
-        split_save = SAVE_STATES if save == SAVE_V_NEW else None
-        act = _act(opts, A_log, dt_bias)
-        q0 = k0 = rq = rk = None
-        if opts.use_qk_l2norm_in_kernel:  # one Triton pass per tensor; its backward joins the GVA sum's pass
-            (q0, k0), ((q, rq), (k, rk)) = (q, k), (l2norm_fwd(q), l2norm_fwd(k))
-        # dense sequences, FLA's saved set or Vnew kept, slabs (_slab_chunks): the forward also keeps the state at
-        # every n-th chunk, and the backward holds the 64-row states and their gradients of one slab at a time
-        # (_ws_bwd_in_slabs)
-        slab = _slab_chunks(opts.config, save, *_chunk_counts(q.shape[0], q.shape[1], v.shape[2], varlen),
-                            packed=varlen is not None) if grad and save != SAVE_STATES else 0
-        o, final_state, inter = chunk_gated_delta_rule_fwd(
-            q, k, v, g, beta, opts.scale, initial_state, opts.output_final_state, varlen,
-            config=opts.config, save=save, split_save=split_save, segments=opts.segments, act=act, slab=slab)
-        # saved: inputs, the cumulative gates (fp32, B*T*HV) and Tm (B*T*HV*64, input dtype); W, U,
-        # Vnew and the 64-row states are recomputed in backward (README: memory) unless save_v_new keeps
-        # Vnew or save_states keeps Vnew and the states before every 64-row chunk
-        extra = tuple(inter[n] for n in ("v_new", "h")[:inter["save"]])
-        ctx.slab = inter["slab"][0] if "slab" in inter else None
-        if ctx.slab is not None:  # (after the kept tensors: fp32 [S - 1, B HV, K, V])
-            extra += (inter["slab"][1],)
-        # with a beta activation, the activated beta (fp32 [B, T, HV]) too
-        # with l2norm, q and k are the normalized rows and q0, k0 the inputs (with their 1 / norm)
-        ctx.save_for_backward(q, k, v, g, beta, initial_state, A_log, dt_bias, inter["beta"], inter["g_cum"],
-                              inter["ai"], q0, rq, k0, rk, *extra)
+        o, final_state, saved, ctx.slab, ctx.split = _gdn_forward(q, k, v, g, beta, initial_state, A_log, dt_bias,
+                                                                  varlen, opts)
+        ctx.save_for_backward(*saved)
         ctx.varlen, ctx.opts = varlen, opts
-        # with the forward's states kept, or nothing kept, the backward runs in the same pieces
-        ctx.split = inter.get("split") if inter["save"] in (SAVE_STATES, SAVE_NONE) else None
         return o, final_state
 
     @staticmethod
@@ -714,7 +725,7 @@ def chunk_gated_delta_rule(
     else:
         args = (q, k, v, g, beta, initial_state, a_log, a_bias, varlen, opts)
         # the first call of a kind: its kernels compiled on a thread pool first
-        o, final_state = precompile.apply(ChunkGatedDeltaRuleFunction.apply, args, q, lambda: (
+        o, final_state = precompile.apply(autograd_call(ChunkGatedDeltaRuleFunction), args, q, lambda: (
             "gdn", precompile.signature(q, v, g, beta, initial_state, a_log), T % SUB_CHUNK == 0,
             table_kind(varlen), opts))
     return o, state_in_fla_layout(final_state, state_v_first)

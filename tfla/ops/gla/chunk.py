@@ -22,7 +22,8 @@ from tfla.ops.common.chunk_state import chunk_state_fwd
 from tfla.ops.common.chunk_state_bwd import chunk_state_bwd
 from tfla.ops.common.cumsum import chunk_local_cumsum, positive_flag_for, raise_if_positive
 from tfla.ops.common.wy_bwd import wy_bwd
-from tfla.ops.common.utils import LOG_DECAY_FLOOR, RCP_LN2, SUB_CHUNK, next_pow2, on_input_device
+from tfla.ops.common.utils import (LOG_DECAY_FLOOR, RCP_LN2, SUB_CHUNK, autograd_call, next_pow2,
+                                   on_input_device)
 from tfla.ops.common.varlen import VarlenIndex, table_kind
 from tfla.utils.validation import (
     check_cotangent,
@@ -291,7 +292,7 @@ def chunk_gla(
                                     opts.vec_span, opts.tile_rows or 0)
         return o, state_in_fla_layout(final_state if output_final_state else None, state_v_first)
     args = (q, k, v, g, initial_state.contiguous() if initial_state is not None else None, varlen, opts, positive)
-    o, final_state = precompile.apply(ChunkGLAFunction.apply, args, q, lambda: (
+    o, final_state = precompile.apply(autograd_call(ChunkGLAFunction), args, q, lambda: (
         "gla", precompile.signature(q, v, g, args[4]), q.shape[1] % 64 == 0, table_kind(varlen), opts))
     raise_if_positive(positive)
     return o, state_in_fla_layout(final_state, state_v_first)

@@ -41,7 +41,7 @@ from tfla.ops.common import precompile
 from tfla.ops.common.cumsum import chunk_local_cumsum
 from tfla.ops.common.linear_attn import chunk_simple_gla_bwd, chunk_simple_gla_fwd
 from tfla.ops.common.normalizer import normalizer_bwd_prep
-from tfla.ops.common.utils import LOG_DECAY_FLOOR, cdiv, on_input_device, sm_count
+from tfla.ops.common.utils import LOG_DECAY_FLOOR, autograd_call, cdiv, on_input_device, sm_count
 from tfla.ops.common.varlen import VarlenIndex, table_kind
 from tfla.ops.mlstm.step import INPUT_GATES, check_mlstm_options, check_mlstm_state  # noqa: F401
 from tfla.utils.validation import (
@@ -499,7 +499,7 @@ def chunk_mlstm(
                                   opts.detach_normalizer)
     else:
         args = (q, k, v, i, f, C0, n0, m0, varlen, opts)
-        h, C, n, m = precompile.apply(ChunkMLSTMFunction.apply, args, q, lambda: (
+        h, C, n, m = precompile.apply(autograd_call(ChunkMLSTMFunction), args, q, lambda: (
             "mlstm", precompile.signature(q, v, i, f, C0, n0, m0), q.shape[1] % 64 == 0, table_kind(varlen), opts))
     if not output_final_state:
         return h, None

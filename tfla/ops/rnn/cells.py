@@ -20,8 +20,8 @@ import functools
 import torch
 
 from tfla.ops.common import precompile
-from tfla.ops.common.utils import (SUPPORTED_DTYPES, cdiv, check_device, host_ints, interpret_mode, next_pow2,
-                                   on_input_device)
+from tfla.ops.common.utils import (SUPPORTED_DTYPES, autograd_call, cdiv, check_device, host_ints, interpret_mode,
+                                   next_pow2, on_input_device)
 from tfla.ops.common.varlen import cached_bounds
 from tfla.ops.rnn import pointwise
 from tfla.ops.rnn.fused import MAX_FUSED_D, compile_check, rnn_fused_bwd, rnn_fused_fwd
@@ -459,7 +459,7 @@ def _precompile_key(opts: RNNOptions, x, R, b, state0) -> tuple:
 def _apply(opts: RNNOptions, x, R, b, *state0):
     """``RNNFunction.apply``, its kernels compiled on a thread pool first at the first call of a kind (the cell, the
     launch, the dtypes and head sizes; ``precompile.first_call``)."""
-    return precompile.apply(RNNFunction.apply, (opts, x, R, b, *state0), x,
+    return precompile.apply(autograd_call(RNNFunction), (opts, x, R, b, *state0), x,
                             lambda: _precompile_key(opts, x, R, b, state0))
 
 

@@ -23,7 +23,7 @@ from tfla.ops.common import precompile
 from tfla.ops.common.cumsum import positive_flag_for, raise_if_positive
 from tfla.ops.common.linear_attn import chunk_simple_gla_bwd, chunk_simple_gla_fwd
 from tfla.ops.common.normalizer import normalizer_bwd_prep
-from tfla.ops.common.utils import on_input_device
+from tfla.ops.common.utils import autograd_call, on_input_device
 from tfla.ops.common.varlen import VarlenIndex, table_kind
 from tfla.utils.validation import (
     check_common,
@@ -167,7 +167,7 @@ def _chunk_simple_gla(q, k, v, g, g_gamma, scale, initial_state, output_final_st
                                      cu_seqlens, opts.scale, opts.chunk_size, opts.output_final_state)
         return o, final if opts.output_final_state else None
     args = (q, k, v, g, initial_state.contiguous() if initial_state is not None else None, varlen, opts, positive)
-    out = precompile.apply(ChunkSimpleGLAFunction.apply, args, q, lambda: (
+    out = precompile.apply(autograd_call(ChunkSimpleGLAFunction), args, q, lambda: (
         "simple_gla", precompile.signature(q, v, g, args[4]), q.shape[1] % 64 == 0, table_kind(varlen), opts))
     # after the kernels are queued: the host waits once, at the end
     raise_if_positive(positive, "g" if g_gamma is None else "g_gamma")
@@ -360,7 +360,7 @@ def chunk_linear_attn(
                                                      opts.chunk_size, opts.output_final_state)
     else:
         args = (q, k, v, kv_init, z_init, varlen, opts)
-        o, final_state, z_state = precompile.apply(ChunkLinearAttnFunction.apply, args, q, lambda: (
+        o, final_state, z_state = precompile.apply(autograd_call(ChunkLinearAttnFunction), args, q, lambda: (
             "linear_attn", precompile.signature(q, v, kv_init, z_init), q.shape[1] % 64 == 0, table_kind(varlen),
             opts))
     return o, (final_state if output_final_state else None, z_state)
