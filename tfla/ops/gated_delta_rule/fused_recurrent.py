@@ -31,7 +31,8 @@ import triton.language as tl
 
 from tfla.ops.common.grid import program_pair, tile_grid
 from tfla.ops.common.l2norm import l2norm
-from tfla.ops.common.utils import SUB_CHUNK, acc_dtype, cdiv, next_pow2, on_input_device, seqlens_to_list, sm_count
+from tfla.ops.common.utils import (SUB_CHUNK, acc_dtype, autograd_call, cdiv, next_pow2, on_input_device,
+                                   seqlens_to_list, sm_count)
 from tfla.ops.gated_delta_rule.chunk import _fla_options
 from tfla.utils.validation import (
     check_common,
@@ -482,10 +483,8 @@ def fused_recurrent_gated_delta_rule(
                                              opts.state_v_first)
         return o, final_state if opts.output_final_state else None
     args = (q, k, v, g, beta, initial_state, cu_seqlens, ssm_state_indices, num_accepted_tokens, opts)
-    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in args[:6]):
-        o, final_state = FusedRecurrentGatedDeltaRuleFunction.apply(*args)  # its backward raises
-    else:  # decode: no autograd node (host time per step)
-        o, final_state = FusedRecurrentGatedDeltaRuleFunction.forward(None, *args)
+    # decode: no autograd node where no gradient is needed (host time per step); else its backward raises
+    o, final_state = autograd_call(FusedRecurrentGatedDeltaRuleFunction)(*args)
     if inplace_final_state:
         return o, user_state
     return o, final_state
